@@ -1,0 +1,30 @@
+# `make demo` and `make test` each set up .venv on a fresh machine, then run.
+# torch: with an NVIDIA driver present, a CUDA build from PyPI (torch>=2.4); without one,
+# torch==2.13.0 (on this project's build machines a CPU wheel on local disk, seconds to
+# install). Override with `make TORCH_SPEC='torch==2.x.y' ...`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
+STAMP := $(VENV)/.layertap-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[worker,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/layertap demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) layertap-data .pytest_cache

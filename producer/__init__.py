@@ -1,0 +1,14 @@
+"""layertap's client side: the wire protocol, settings, submitting jobs, reading results
+and files. Imports no torch.
+"""
+
+from producer.client import Client
+from producer.fileformat import FileFormatError
+from producer.reader import cleanup_hidden_states, load_hidden_states
+from producer.schema import ChatMessage, ErrorType, Job, Result, Status
+from producer.settings import Settings
+
+__all__ = [
+    "ChatMessage", "Client", "ErrorType", "FileFormatError", "Job", "Result", "Settings", "Status",
+    "cleanup_hidden_states", "load_hidden_states",
+]

@@ -1,0 +1,59 @@
+"""The Celery application both sides share: JSON only, late acks, long-task timeouts.
+
+Invariants:
+* only JSON is accepted (task, result and event payloads): a pickled message is
+  refused by kombu before anything is deserialised;
+* a job is acknowledged only after its task returned, which happens after its file is
+  durable and its result published (``task_acks_late``); a worker that dies requeues
+  what it held (``task_reject_on_worker_lost``);
+* the broker's ``visibility_timeout`` is ``orphan_timeout``: a live worker renews the
+  lease of every message it holds (``worker.lease``), so only a dead worker's messages
+  ever reach it and are restored to the queue; kombu checks every few seconds.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from producer.settings import Settings
+
+RESTORE_INTERVAL_MAX = 5.0
+
+
+def transport_options(settings: Settings) -> dict[str, object]:
+    """kombu Redis transport options derived from the settings."""
+    return {
+        "visibility_timeout": settings.orphan_timeout,
+        "unacked_restore_interval": max(1.0, min(RESTORE_INTERVAL_MAX, settings.orphan_timeout / 4)),
+        "unacked_restore_throttle": 1,
+        "health_check_interval": 10,
+        "socket_keepalive": True,
+    }
+
+
+def make_celery(settings: Settings) -> Celery:
+    """A Celery app bound to ``settings.broker_url`` for both broker and result backend."""
+    app = Celery("layertap", broker=settings.broker_url, backend=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options=transport_options(settings),
+        result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
+        result_expires=settings.result_ttl,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        task_ignore_result=False,
+        timezone="UTC",
+    )
+    return app

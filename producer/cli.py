@@ -1,0 +1,225 @@
+"""The ``layertap`` command. Client subcommands import no torch; ``worker``,
+``make-tiny-model`` and ``bench`` import the worker package when they run.
+
+Every flag maps to a setting (``producer.settings``); flags win over the environment.
+Errors print one line (``error: ...``) and exit non-zero; ``LAYERTAP_DEBUG=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from producer.settings import Settings
+
+app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
+                  "write safetensors files, publish their paths.", no_args_is_help=True,
+                  add_completion=False, pretty_exceptions_enable=False)
+console = Console()
+err_console = Console(stderr=True)
+
+
+class CliError(Exception):
+    """An error to print as one line and exit with ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
+                  **worker_fields: Any) -> Settings:
+    """Settings from the environment, with the given flags (those not None) on top."""
+    settings = Settings()
+    top: dict[str, Any] = {}
+    if redis_url is not None:
+        top["redis_url"] = redis_url
+    if storage is not None:
+        top["storage_root"] = storage
+    changes = {key: value for key, value in worker_fields.items() if value is not None}
+    if changes:
+        top["worker"] = settings.worker.model_copy(update=changes)
+    return settings.model_copy(update=top) if top else settings
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    from producer.layers import parse_layer_list
+
+    return None if text is None else parse_layer_list(text)
+
+
+@app.command()
+def worker(
+    model: str = typer.Option(..., "--model", help="Model folder or hub id to load."),
+    name: Optional[str] = typer.Option(None, "--name", help="Model name jobs use (default: --model)."),
+    layers: Optional[str] = typer.Option(None, help="Default layer ids, e.g. 2,18,-1 (default: EAGLE-3's)."),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
+    storage: Optional[Path] = typer.Option(None, help="Storage root for files."),
+    node_name: Optional[str] = typer.Option(None, help="Celery node name (default layertap-<pid>@<host>)."),
+    token_budget: Optional[int] = typer.Option(None, help="Tokens per packed batch."),
+    concurrency: Optional[int] = typer.Option(None, help="Jobs in flight in this worker."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL (default $LAYERTAP_REDIS_URL or localhost)."),
+    loglevel: Optional[str] = typer.Option(None, help="DEBUG | INFO | WARNING"),
+) -> None:
+    """Serve one model: load it once, take jobs from its queue, write files, publish results."""
+    settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
+                             layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
+                             token_budget=token_budget, concurrency=concurrency, loglevel=loglevel)
+    from worker.main import run_worker
+
+    raise typer.Exit(run_worker(settings))
+
+
+@app.command()
+def enqueue(
+    model: str = typer.Option(..., "--model", help="Model name the worker serves."),
+    run: str = typer.Option("default", "--run", help="Run name: output folder and result stream."),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="A prompt (repeatable)."),
+    file: Optional[Path] = typer.Option(None, "--file", help="JSONL file, one job per line."),
+    layers: Optional[str] = typer.Option(None, help="Layer ids for every job, e.g. 2,18,-1."),
+    max_length: Optional[int] = typer.Option(None, help="Token limit per job."),
+    truncate: bool = typer.Option(False, help="Cut jobs longer than --max-length instead of failing them."),
+    check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+) -> None:
+    """Validate and enqueue jobs; prints one job id per line."""
+    from producer.client import Client
+    from producer.enqueue import BadLine, job_from_data, read_jsonl_jobs
+
+    if not prompt and file is None:
+        raise CliError("nothing to enqueue: give --prompt TEXT or --file F.jsonl", 2)
+    defaults: dict[str, Any] = {"model": model, "run": run, "layers": parse_layers(layers),
+                                "max_length": max_length, "truncate": truncate}
+    defaults = {key: value for key, value in defaults.items() if value is not None}
+    with Client(load_settings(redis_url=redis_url)) as client:
+        if check:
+            served, live = client.served_models(), client.workers()
+            if live and model not in served:
+                raise CliError(f"no live worker serves model {model!r} (served: {', '.join(sorted(served))}); "
+                               "use --no-check to enqueue anyway")
+        bad = 0
+        sources = [job_from_data({"prompt": text}, defaults) for text in prompt or []]
+        for job in [*sources, *(read_jsonl_jobs(file, defaults) if file else [])]:
+            if isinstance(job, BadLine):
+                bad += 1
+                err_console.print(f"error: {file} line {job.line}: {job.reason}", markup=False, highlight=False)
+                continue
+            print(client.submit(job).job_id, flush=True)
+    if bad:
+        raise CliError(f"{bad} line(s) of {file} were not enqueued (see above)", 2)
+
+
+@app.command()
+def results(
+    run: str = typer.Option("default", "--run", help="Run name."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new results."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    timeout: Optional[float] = typer.Option(None, help="With --follow: stop after this many idle seconds."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+) -> None:
+    """Print a run's results so far (or keep following with --follow)."""
+    from producer.client import Client
+
+    with Client(load_settings(redis_url=redis_url)) as client:
+        for result in client.results(run, follow=follow, timeout=timeout):
+            if as_json:
+                print(result.model_dump_json(), flush=True)
+            elif result.ok:
+                print(f"ok     {result.job_id}  {result.num_tokens} tokens  {result.path}", flush=True)
+            else:
+                print(f"error  {result.job_id}  {result.error_type.value if result.error_type else ''}: "
+                      f"{result.error}", flush=True)
+
+
+@app.command()
+def inspect(
+    file: Path = typer.Argument(..., help="A layertap .safetensors file."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    verify: bool = typer.Option(True, help="Check shapes and checksums first."),
+) -> None:
+    """Show a file's tensors, metadata and per-layer statistics."""
+    from producer.file_stats import describe_file
+
+    info = describe_file(file, verify=verify)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    print_file_description(info)
+
+
+def print_file_description(info: dict[str, Any]) -> None:
+    console.print(f"[bold]{info['path']}[/bold]  ({info['bytes']:,} bytes)")
+    tensors = Table("tensor", "shape", "dtype", title="tensors")
+    for name, tensor in info["tensors"].items():
+        tensors.add_row(name, str(tensor["shape"]), tensor["dtype"])
+    console.print(tensors)
+    meta = Table("key", "value", title="metadata")
+    for key, value in sorted(info["metadata"].items()):
+        meta.add_row(key, value if len(value) < 100 else value[:97] + "...")
+    console.print(meta)
+    stats = Table("layer", "mean", "std", "min", "max", "mean |h|", "finite", title="hidden_states per layer")
+    for row in info["layer_stats"]:
+        stats.add_row(str(row["layer"]), f"{row['mean']:.4g}", f"{row['std']:.4g}", f"{row['min']:.4g}",
+                      f"{row['max']:.4g}", f"{row['mean_token_norm']:.4g}", str(row["finite"]))
+    console.print(stats)
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    directory: Path = typer.Argument(..., help="Folder to save the model and tokenizer in."),
+    arch: str = typer.Option("qwen3", help="qwen3 | llama | gpt2"),
+    layers: int = typer.Option(4, help="Number of decoder layers."),
+    hidden_size: int = typer.Option(64, help="Hidden size."),
+    seed: int = typer.Option(0, help="Random seed for the weights."),
+) -> None:
+    """Build a tiny random-weight model with a trained tokenizer and chat template."""
+    from worker.tiny_model import make_tiny_model as build
+
+    print(build(directory, arch, num_layers=layers, hidden_size=hidden_size, seed=seed))
+
+
+@app.command()
+def demo(
+    workdir: Optional[Path] = typer.Option(None, help="Keep the model and files here (default: a temp folder)."),
+    redis_url: Optional[str] = typer.Option(None, help="Use this Redis instead of an embedded one."),
+    timeout: float = typer.Option(300.0, help="Give up after this many seconds."),
+) -> None:
+    """Run the whole pipeline on a tiny model on the CPU, with an embedded Redis."""
+    from producer.demo import run_demo
+
+    run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console)
+
+
+def main() -> None:
+    """Entry point: run the app, turning expected failures into one line and an exit code."""
+    import redis
+    from pydantic import ValidationError
+
+    try:
+        app()
+    except CliError as exc:
+        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(exc.code)
+    except redis.exceptions.ConnectionError as exc:
+        url = Settings().broker_url
+        err_console.print(f"error: cannot reach Redis ({exc}); is it running at {url}? "
+                          "Set LAYERTAP_REDIS_URL or pass --redis-url", markup=False, highlight=False)
+        sys.exit(1)
+    except (ValidationError, ValueError, OSError, RuntimeError, redis.exceptions.RedisError) as exc:
+        if os.environ.get("LAYERTAP_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        err_console.print(f"error: {message}", markup=False, highlight=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The client: submit jobs, read results. Imports no torch.
+
+Results are read from the run's Redis Stream (durable, ordered; ``XREAD``), which holds
+every result a worker published, duplicates included when a job ran twice. The
+:meth:`Client.results` iterator yields each result in stream order; use
+:meth:`Client.latest` for one result per job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import redis
+
+from producer import keys
+from producer.celery_app import make_celery
+from producer.schema import Job, Result
+from producer.settings import Settings
+
+RESULT_FIELD = "result"
+
+
+class JobTooLarge(ValueError):
+    """A job whose JSON exceeds ``limits.max_job_bytes``."""
+
+
+class Client:
+    """Submit jobs to the model's queue and read results back from Redis."""
+
+    def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None):
+        settings = settings or Settings()
+        if redis_url is not None:
+            settings = settings.model_copy(update={"redis_url": redis_url})
+        self.settings = settings
+        self.celery = make_celery(settings)
+        self.redis = redis.Redis.from_url(settings.broker_url, decode_responses=True,
+                                          health_check_interval=10, socket_keepalive=True)
+
+    # -- submitting -------------------------------------------------------------------
+    def submit(self, job: Job | Mapping[str, Any], **fields: Any) -> Job:
+        """Validate, give an id, and enqueue one job; returns the job as sent (with ``job_id``)."""
+        if not isinstance(job, Job):
+            job = Job.model_validate({**job, **fields})
+        elif fields:
+            job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
+        job = job.with_id()
+        payload = job.model_dump(mode="json", exclude_none=True)
+        size = len(json.dumps(payload))
+        if size > self.settings.limits.max_job_bytes:
+            raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
+                              f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+        now = time.time()
+        self.redis.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
+        self.celery.send_task(
+            keys.EXTRACT_TASK,
+            args=[payload],
+            kwargs={"submitted_at": now},
+            queue=keys.model_queue(job.model),
+            task_id=keys.task_id(job.run, job.job_id),  # type: ignore[arg-type]
+        )
+        return job
+
+    def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
+        """Submit each job; returns them with ids."""
+        return [self.submit(job, **fields) for job in jobs]
+
+    # -- reading results ---------------------------------------------------------------
+    def results(self, run: str, *, follow: bool = False, since: str = "0",
+                block_ms: int = 1000, timeout: float | None = None) -> Iterator[Result]:
+        """Yield the run's results in stream order; with ``follow``, keep waiting for more.
+
+        Stops after ``timeout`` seconds without a new result when following.
+        """
+        stream = keys.results_stream(run)
+        last_id, idle_since = since, time.monotonic()
+        while True:
+            try:
+                batches = self.redis.xread({stream: last_id}, count=1000, block=block_ms if follow else None)
+            except redis.exceptions.ConnectionError:
+                if not follow:
+                    raise
+                time.sleep(0.5)  # Redis restarting: try again
+                continue
+            entries = batches[0][1] if batches else []
+            for entry_id, fields in entries:
+                last_id = entry_id
+                yield Result.model_validate_json(fields[RESULT_FIELD])
+            if entries:
+                idle_since = time.monotonic()
+            elif not follow:
+                return
+            elif timeout is not None and time.monotonic() - idle_since > timeout:
+                return
+
+    def latest(self, run: str) -> dict[str, Result]:
+        """One result per job id (the last published) from the run's stream so far."""
+        return {result.job_id: result for result in self.results(run)}
+
+    def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0) -> dict[str, Result]:
+        """Block until every job in ``job_ids`` has a result; raise ``TimeoutError`` otherwise."""
+        wanted, found = set(job_ids), {}
+        deadline = time.monotonic() + timeout
+        for result in self.results(run, follow=True, block_ms=500, timeout=timeout):
+            if result.job_id in wanted:
+                found[result.job_id] = result
+                if len(found) == len(wanted):
+                    return found
+            if time.monotonic() > deadline:
+                break
+        missing = sorted(wanted - set(found))
+        raise TimeoutError(f"{len(missing)} of {len(wanted)} jobs have no result after {timeout:.0f}s, "
+                           f"e.g. {missing[:3]}")
+
+    def subscribe(self, run: str) -> Iterator[Result]:
+        """Results as they are published (pub/sub: at-most-once; use :meth:`results` to not miss any)."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(keys.results_stream(run))
+        try:
+            for message in pubsub.listen():
+                yield Result.model_validate_json(message["data"])
+        finally:
+            pubsub.close()
+
+    # -- fleet -------------------------------------------------------------------------
+    def workers(self) -> dict[str, dict[str, Any]]:
+        """Live workers (their heartbeat key exists): node name -> description."""
+        described = self.redis.hgetall(keys.WORKERS_HASH)
+        alive = {}
+        for node, info in described.items():
+            if self.redis.exists(keys.worker_heartbeat_key(node)):
+                alive[node] = json.loads(info)
+        return alive
+
+    def served_models(self) -> set[str]:
+        """Models some live worker serves."""
+        return {info["model"] for info in self.workers().values()}
+
+    def close(self) -> None:
+        self.redis.close()
+        self.celery.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

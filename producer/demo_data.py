@@ -1,0 +1,12 @@
+"""The demo's bundled inputs: a few prompts and chats (``data/demo_jobs.jsonl``)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+
+def demo_jobs() -> list[dict[str, Any]]:
+    text = resources.files("producer").joinpath("data/demo_jobs.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -1,0 +1,52 @@
+"""What ``layertap inspect`` shows: shapes, dtypes, metadata and per-layer statistics,
+read with numpy alone (bfloat16 is widened to float32 bit-exactly), so it needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from producer.fileformat import HIDDEN_STATES, MetaKey, read_header, verify_file
+from producer.reader import shared_lock
+
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
+                 "BF16": np.uint16, "F8_E4M3": np.uint8}
+
+
+def read_tensor(path: Path, header: dict[str, Any], data_start: int, name: str) -> np.ndarray:
+    """One tensor as a numpy array (bfloat16 widened to float32)."""
+    info = header[name]
+    begin, end = info["data_offsets"]
+    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
+    array = raw.view(_NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"])
+    if info["dtype"] == "BF16":
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+    return array
+
+
+def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """A JSON-ready description of one file."""
+    path = Path(path)
+    with shared_lock(path):
+        if verify:
+            verify_file(path)
+        with open(path, "rb") as handle:
+            header, data_start = read_header(handle, path)
+        meta = dict(header.pop("__metadata__", None) or {})
+        tensors = {name: {"shape": info["shape"], "dtype": info["dtype"]} for name, info in header.items()}
+        layers = json.loads(meta.get(MetaKey.LAYERS, "[]"))
+        stats = []
+        if HIDDEN_STATES in header:
+            hidden = read_tensor(path, header, data_start, HIDDEN_STATES).astype(np.float32)
+            for slot, layer_id in enumerate(layers or range(hidden.shape[1])):
+                values = hidden[:, slot, :]
+                norms = np.linalg.norm(values, axis=-1)
+                stats.append({"layer": layer_id, "mean": float(values.mean()), "std": float(values.std()),
+                              "min": float(values.min()), "max": float(values.max()),
+                              "mean_token_norm": float(norms.mean()), "finite": bool(np.isfinite(values).all())})
+    return {"path": str(path), "bytes": path.stat().st_size, "tensors": tensors, "metadata": meta,
+            "layer_stats": stats}

@@ -1,0 +1,53 @@
+"""Every Redis key, channel, queue and task name layertap uses, in one place.
+
+Invariants: keys are built only here; run names and job ids are sanitized (see
+``naming``) before they reach these functions, so a key can never collide across runs.
+"""
+
+from __future__ import annotations
+
+PREFIX = "layertap"
+
+#: Celery task name of one extraction job (args: ``[job_dict]``; JSON only).
+EXTRACT_TASK = "layertap.extract"
+
+#: Dead-letter stream: jobs that failed ``max_attempts`` times, with their last error.
+DEAD_LETTER_STREAM = f"{PREFIX}:dead"
+
+#: Hash of live workers: node name -> JSON description (model, device, started).
+WORKERS_HASH = f"{PREFIX}:workers"
+
+
+def model_queue(model: str) -> str:
+    """The Celery queue (a Redis list) that carries jobs for ``model``."""
+    return f"{PREFIX}.q.{model}"
+
+
+def results_stream(run: str) -> str:
+    """Redis Stream of a run's results; the pub/sub channel has the same name."""
+    return f"{PREFIX}:results:{run}"
+
+
+def run_status_hash(run: str) -> str:
+    """Hash job_id -> latest status of that job in ``run`` (deduplicated view of the stream)."""
+    return f"{PREFIX}:run:{run}:status"
+
+
+def run_submitted_hash(run: str) -> str:
+    """Hash job_id -> submit time, written by the client: the run's total is its length."""
+    return f"{PREFIX}:run:{run}:submitted"
+
+
+def attempts_key(run: str, job_id: str) -> str:
+    """Counter of how many times a job started (crash requeues included)."""
+    return f"{PREFIX}:attempts:{run}:{job_id}"
+
+
+def worker_heartbeat_key(node: str) -> str:
+    """String key with a TTL; present while the worker ``node`` is alive."""
+    return f"{PREFIX}:heartbeat:{node}"
+
+
+def task_id(run: str, job_id: str) -> str:
+    """Celery task id of a job: ``AsyncResult(task_id(run, job_id)).get()`` gives its result."""
+    return f"{run}:{job_id}"

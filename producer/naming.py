@@ -1,0 +1,54 @@
+"""Names that become paths or keys: validation, content-hash ids and the file layout.
+
+Invariant: a run name or job id that passes :func:`check_name` is a single safe path
+component (no separators, no ``..``, no NUL or control characters, bounded length), so
+``<root>/<run>/<fan-out>/<job_id>.safetensors`` always stays under ``<root>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+FILE_SUFFIX = ".safetensors"
+LOCK_SUFFIX = ".lock"
+#: Hex digits of the fan-out folder: 16**3 = 4096 folders keep 10^7 files at ~2.4k per folder.
+FANOUT_DIGITS = 3
+
+
+def check_name(value: str, what: str) -> str:
+    """Return ``value`` if it is a safe name, else raise ``ValueError`` saying why."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string")
+    if not NAME_PATTERN.match(value) or ".." in value:
+        raise ValueError(
+            f"{what} {value[:80]!r} is not allowed: use 1-128 characters from "
+            "A-Z a-z 0-9 . _ -, starting with a letter or digit, without '..'"
+        )
+    return value
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: equal values give equal strings."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def content_hash(obj: Any) -> str:
+    """Hex sha256 of the canonical JSON of ``obj``."""
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
+
+
+def fanout(job_id: str) -> str:
+    """The fan-out folder of a job: leading hex digits of a hash of its id (stable)."""
+    return hashlib.sha256(job_id.encode("utf-8")).hexdigest()[:FANOUT_DIGITS]
+
+
+def job_path(storage_root: str | Path, run: str, job_id: str) -> Path:
+    """Where the worker writes a job's file. Both names are checked again here."""
+    check_name(run, "run")
+    check_name(job_id, "job_id")
+    return Path(storage_root) / run / fanout(job_id) / f"{job_id}{FILE_SUFFIX}"

@@ -1,0 +1,68 @@
+"""Reading files: vLLM's reader protocol, plus validation.
+
+Protocol (same as vLLM's ``load_hidden_states``): open ``<path>.lock`` and take a
+*shared* ``flock`` on it, which sleeps while a writer holds the exclusive lock; then
+load. A file whose lock file was removed (``cleanup_hidden_states``) loads directly:
+files only ever appear at their final name complete (temp file + atomic rename).
+``fcntl.flock`` is used directly because the protocol is defined by flock semantics
+(filelock has no shared mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from producer.fileformat import verify_file
+from producer.naming import LOCK_SUFFIX
+
+
+@contextlib.contextmanager
+def shared_lock(path: str | Path) -> Iterator[None]:
+    """Hold a shared flock on ``<path>.lock`` if it exists (blocks while a writer holds it)."""
+    try:
+        fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_RDONLY)
+    except FileNotFoundError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def load_hidden_states(
+    path: str | Path,
+    *,
+    verify: bool = True,
+    framework: Literal["pt", "np"] = "pt",
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Load a job's tensors (``hidden_states``, ``token_ids``, ...) after the writer is done.
+
+    With ``verify`` (default) shapes, dtypes and checksums are checked first and a
+    damaged file raises ``FileFormatError`` saying what is wrong. ``framework="np"``
+    avoids torch (numpy has no bfloat16: use it for float16/float32 files).
+    """
+    with shared_lock(path):
+        if verify:
+            verify_file(path)
+        if framework == "pt":
+            from safetensors.torch import load_file as load_torch
+
+            return load_torch(str(path), device=device)
+        from safetensors.numpy import load_file as load_numpy
+
+        return load_numpy(str(path))
+
+
+def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False) -> None:
+    """Remove a file's lock file and, unless ``keep_data``, the file itself (as vLLM's helper)."""
+    for target in ([f"{path}{LOCK_SUFFIX}"] if keep_data else [f"{path}{LOCK_SUFFIX}", str(path)]):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)

@@ -1,0 +1,166 @@
+"""The wire protocol: a job going in, a result coming out. JSON only.
+
+Invariants:
+* a job has exactly one input: ``prompt``, ``messages`` or ``token_ids``;
+* ``job_id`` defaults to a content hash of everything that decides the file's content
+  (model, input, layers, options), so the same job enqueued twice has the same id;
+* ``run`` and ``job_id`` are safe path components (``naming.check_name``);
+* strings carry no NUL or other control characters (tab, newline, CR excepted) and are
+  valid Unicode; unknown fields are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from producer.naming import check_name, content_hash
+
+_ALLOWED_CONTROL = {"\t", "\n", "\r"}
+
+
+def check_text(value: str, what: str) -> str:
+    """Refuse control characters and unencodable text (lone surrogates)."""
+    bad = next((ch for ch in value if ord(ch) < 32 and ch not in _ALLOWED_CONTROL), None)
+    if bad is not None:
+        raise ValueError(f"{what} contains the control character {bad!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text ({exc.reason})") from None
+    return value
+
+
+class ChatMessage(BaseModel):
+    """One chat turn, as a chat template takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", "reasoning_content", "name", "tool_call_id")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return None if value is None else check_text(value, "message text")
+
+
+class Job(BaseModel):
+    """One extraction request. Everything except ``run``, ``job_id`` and ``metadata`` is content."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    run: str = "default"
+    job_id: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    layers: list[int] | None = None
+    max_length: int | None = Field(default=None, gt=0)
+    truncate: bool = False
+    metadata: str | None = Field(default=None, max_length=65536)
+
+    @field_validator("model", "prompt", "metadata")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return None if value is None else check_text(value, "text")
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, value: str) -> str:
+        return check_name(value, "run")
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_name(value, "job_id")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Job:
+        given = [name for name in ("prompt", "messages", "token_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "a job needs exactly one input of prompt, messages or token_ids"
+                + (f" (got {' and '.join(given)})" if given else " (got none)")
+            )
+        return self
+
+    def spec(self) -> dict[str, Any]:
+        """The content-defining fields, as JSON-ready data."""
+        return self.model_dump(mode="json", exclude={"run", "job_id", "metadata"}, exclude_none=True)
+
+    def spec_hash(self) -> str:
+        """Hex sha256 of :meth:`spec`; recorded in the file header, it identifies the content."""
+        return content_hash(self.spec())
+
+    def with_id(self) -> Job:
+        """This job with ``job_id`` set (the content hash, shortened, if none was given)."""
+        if self.job_id is not None:
+            return self
+        return self.model_copy(update={"job_id": self.spec_hash()[:32]})
+
+
+class Status(str, Enum):
+    ok = "ok"
+    error = "error"
+
+
+class ErrorType(str, Enum):
+    """What went wrong, in words a caller can branch on."""
+
+    invalid_job = "invalid_job"  # not a valid job: types, fields, names, limits
+    unknown_model = "unknown_model"  # this worker does not serve the job's model
+    invalid_layers = "invalid_layers"  # a layer id outside the model's range, or repeated
+    empty_input = "empty_input"  # nothing to run: empty prompt, chat or token list
+    too_long = "too_long"  # over max_length (truncate off) or the worker's token limit
+    bad_token_ids = "bad_token_ids"  # token ids outside the vocabulary
+    chat_template = "chat_template"  # the chat cannot be rendered with the template
+    no_trainable_tokens = "no_trainable_tokens"  # a chat with no assistant token (after truncation)
+    non_finite = "non_finite"  # NaN or Inf in the captured states; no file written
+    out_of_memory = "out_of_memory"  # does not fit on the device even alone
+    write_failed = "write_failed"  # the file could not be written
+    dead_letter = "dead_letter"  # failed max_attempts times; moved to the dead-letter stream
+    internal = "internal"  # a bug or an unexpected fault; the message says what
+
+
+class Timings(BaseModel):
+    """Seconds spent: waiting in the queue, in the forward pass (batch share), writing."""
+
+    queued: float | None = None
+    compute: float | None = None
+    write: float | None = None
+
+
+class Result(BaseModel):
+    """What a job produced. ``path`` is set for ``ok``; ``error_type``/``error`` for ``error``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: str
+    run: str
+    status: Status
+    path: str | None = None
+    num_tokens: int | None = None
+    layers: list[int] | None = None
+    dtype: str | None = None
+    model: str | None = None
+    worker: str | None = None
+    timings: Timings = Field(default_factory=Timings)
+    error_type: ErrorType | None = None
+    error: str | None = None
+    metadata: str | None = None
+    attempt: int | None = None
+    cached: bool = False
+    finished_at: float = Field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.ok

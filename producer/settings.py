@@ -1,0 +1,85 @@
+"""Configuration: environment (``LAYERTAP_`` prefix, ``__`` for nested groups), an
+optional ``.env`` and an optional ``layertap.toml`` in the working directory.
+
+Precedence: CLI flags > environment > ``.env`` > ``layertap.toml`` > defaults.
+Example: ``LAYERTAP_WORKER__TOKEN_BUDGET=32768``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+class WorkerSettings(BaseModel):
+    """One worker process: the model it serves and how it batches."""
+
+    model: str | None = None  # local folder or hub id
+    served_model_name: str | None = None  # name jobs use; defaults to ``model``
+    revision: str | None = None
+    trust_remote_code: bool = False
+    layers: list[int] | None = None  # default layers; None = EAGLE-3's [2, L//2, L-3, L]
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    token_budget: int = Field(default=16384, gt=0)  # tokens per packed batch
+    max_batch_jobs: int = Field(default=256, gt=0)
+    batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
+    concurrency: int = Field(default=64, gt=0)  # jobs in flight per worker (Celery threads)
+    writer_threads: int = Field(default=8, gt=0)
+    host_buffers: int = Field(default=3, gt=0)  # pinned staging buffers (batches between GPU and writers)
+    node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
+    loglevel: str = "INFO"
+
+
+class Limits(BaseModel):
+    """Sizes past which a job is refused with ``invalid_job`` or ``too_long``."""
+
+    max_tokens: int = Field(default=131072, gt=0)
+    max_turns: int = Field(default=4096, gt=0)
+    max_chars: int = Field(default=8_000_000, gt=0)
+    max_job_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+
+
+class Settings(BaseSettings):
+    """Everything layertap reads from its environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LAYERTAP_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        toml_file="layertap.toml",
+        extra="ignore",
+    )
+
+    redis_url: str | None = None  # None: localhost for worker/client, an embedded server for the demo
+    storage_root: Path = Path("layertap-data")
+    orphan_timeout: float = Field(default=60.0, gt=0)  # seconds until a dead worker's jobs are requeued
+    max_attempts: int = Field(default=3, gt=0)  # starts of one job before it is dead-lettered
+    result_ttl: int = Field(default=7 * 24 * 3600, gt=0)  # seconds Celery's backend keeps a result
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    limits: Limits = Field(default_factory=Limits)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = TomlConfigSettingsSource(settings_cls)
+        return (init_settings, env_settings, dotenv_settings, toml, file_secret_settings)
+
+    @property
+    def broker_url(self) -> str:
+        return self.redis_url or DEFAULT_REDIS_URL

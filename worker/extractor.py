@@ -1,0 +1,85 @@
+"""In-process extraction, no Redis: for notebooks and one-off offline runs.
+
+``Extractor(model, layers=[2, 18, -1]).extract(prompts, out_dir)`` runs the same engine,
+writes the same files and returns the same :class:`~producer.schema.Result` objects as
+a queued worker. The Celery task is a thin shell around the same ``JobProcessor``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from producer.layers import eagle3_layer_ids
+from producer.schema import Job, Result
+from producer.settings import Limits
+from worker.engine import Engine
+from worker.model_loading import LoadedModel, load_model
+from worker.prepare import Preparer
+from worker.processor import JobProcessor
+
+
+def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
+                    limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
+                    host_buffers: int = 3, write_slots: int = 8) -> JobProcessor:
+    """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor)."""
+    engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
+                    batch_wait_s=batch_wait_s, host_buffers=host_buffers)
+    preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
+    return JobProcessor(loaded, engine, preparer, storage_root, worker_name, write_slots)
+
+
+class Extractor:
+    """Load a model once; extract many inputs in batches; write files; return results."""
+
+    def __init__(self, model: str | LoadedModel, *, layers: list[int] | None = None, device: str = "auto",
+                 dtype: str = "auto", name: str | None = None, storage_root: str | Path = "layertap-data",
+                 token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None):
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, name=name, device=device,
+                                                                               dtype=dtype)
+        self.processor = build_processor(self.loaded, storage_root=Path(storage_root),
+                                         worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
+                                         layers=layers, limits=limits or Limits(), token_budget=token_budget)
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="layertap-job")
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    def job(self, item: str | list[int] | Mapping[str, Any] | Job, run: str, **fields: Any) -> dict[str, Any]:
+        """Turn an input (prompt text, token ids, chat messages, job fields or Job) into job data."""
+        if isinstance(item, Job):
+            return item.model_dump(exclude_none=True)
+        if isinstance(item, str):
+            data: dict[str, Any] = {"prompt": item}
+        elif isinstance(item, Mapping):
+            data = dict(item)
+        elif item and isinstance(item[0], Mapping):
+            data = {"messages": list(item)}
+        else:
+            data = {"token_ids": list(item)}
+        return {"model": self.name, "run": run, **fields, **data}
+
+    def extract(self, inputs: Iterable[str | list[int] | Mapping[str, Any] | Job], out_dir: str | Path | None = None,
+                *, run: str = "offline", **fields: Any) -> list[Result]:
+        """Extract every input; results come back in input order. ``fields`` apply to every job."""
+        processor = self.processor
+        if out_dir is not None and Path(out_dir) != processor.storage_root:
+            processor = JobProcessor(self.loaded, processor.engine, processor.preparer, Path(out_dir),
+                                     processor.worker_name)
+        jobs = [self.job(item, run, **fields) for item in inputs]
+        return list(self._pool.map(processor.process, jobs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.processor.engine.stop()
+
+    def __enter__(self) -> Extractor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

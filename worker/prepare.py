@@ -1,0 +1,111 @@
+"""From a validated job to what the engine runs: token ids, loss mask, resolved layers.
+
+Runs on the caller's thread (a Celery task thread), never on the engine thread.
+Every problem with the input raises :class:`JobError` with a typed reason.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from producer.layers import LayerIdError, resolve_layer_ids
+from producer.schema import ErrorType, Job
+from producer.settings import Limits
+from worker.chat import render_chat
+from worker.errors import JobError
+from worker.model_loading import LoadedModel
+
+
+@dataclass
+class PreparedInput:
+    token_ids: list[int]
+    loss_mask: list[int] | None
+    layer_ids: list[int]  # resolved, in the job's order
+    truncated_from: int | None  # original length when truncated
+
+
+class Preparer:
+    """Tokenizes jobs for one model. Thread-safe (tokenizer calls are serialised)."""
+
+    def __init__(self, loaded: LoadedModel, default_layers: list[int], limits: Limits):
+        self.loaded = loaded
+        self.default_layers = default_layers
+        self.limits = limits
+        self._tokenizer_lock = threading.Lock()
+
+    def prepare(self, job: Job) -> PreparedInput:
+        layer_ids = self._layers(job)
+        loss_mask: list[int] | None = None
+        if job.token_ids is not None:
+            token_ids = self._check_token_ids(job.token_ids)
+        elif job.prompt is not None:
+            token_ids = self._tokenize_prompt(job.prompt)
+        else:
+            token_ids, loss_mask = self._tokenize_chat([m.model_dump(exclude_none=True) for m in job.messages or []])
+        token_ids, loss_mask, truncated_from = self._fit_length(job, token_ids, loss_mask)
+        if loss_mask is not None and not any(loss_mask):
+            raise JobError(ErrorType.no_trainable_tokens,
+                           "the chat has no assistant tokens" + (" left after truncation" if truncated_from else "")
+                           + ": its loss mask would be all zeros")
+        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from)
+
+    def _layers(self, job: Job) -> list[int]:
+        try:
+            return resolve_layer_ids(job.layers if job.layers is not None else self.default_layers,
+                                     self.loaded.num_layers)
+        except LayerIdError as exc:
+            raise JobError(ErrorType.invalid_layers, str(exc)) from None
+
+    def _check_token_ids(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise JobError(ErrorType.empty_input, "token_ids is empty")
+        vocab = self.loaded.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise JobError(ErrorType.bad_token_ids, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return token_ids
+
+    def _tokenizer(self) -> Any:
+        if self.loaded.tokenizer is None:
+            raise JobError(ErrorType.invalid_job, "this worker has no tokenizer: send token_ids")
+        return self.loaded.tokenizer
+
+    def _tokenize_prompt(self, prompt: str) -> list[int]:
+        if not prompt.strip():
+            raise JobError(ErrorType.empty_input, "prompt is empty")
+        if len(prompt) > self.limits.max_chars:
+            raise JobError(ErrorType.invalid_job, f"prompt has {len(prompt)} characters; the limit is "
+                                                  f"{self.limits.max_chars}")
+        tokenizer = self._tokenizer()
+        with self._tokenizer_lock:
+            token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if not token_ids:
+            raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
+        return token_ids
+
+    def _tokenize_chat(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        if not messages:
+            raise JobError(ErrorType.empty_input, "messages is empty")
+        if len(messages) > self.limits.max_turns:
+            raise JobError(ErrorType.invalid_job, f"the chat has {len(messages)} turns; the limit is "
+                                                  f"{self.limits.max_turns}")
+        chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages)
+        if chars > self.limits.max_chars:
+            raise JobError(ErrorType.invalid_job, f"the chat has {chars} characters; the limit is {self.limits.max_chars}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on")
+        tokenizer = self._tokenizer()
+        with self._tokenizer_lock:
+            return render_chat(tokenizer, messages)
+
+    def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
+        limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
+        if len(token_ids) <= limit:
+            return token_ids, loss_mask, None
+        if not job.truncate:
+            source = "max_length" if job.max_length and job.max_length <= self.limits.max_tokens else "max_tokens"
+            raise JobError(ErrorType.too_long,
+                           f"{len(token_ids)} tokens exceed {source}={limit}; set truncate=true to keep the first {limit}")
+        return token_ids[:limit], (loss_mask[:limit] if loss_mask is not None else None), len(token_ids)

@@ -1,0 +1,170 @@
+"""One job from raw message data to a :class:`Result`: the core both the Celery task and
+the in-process :class:`~worker.extractor.Extractor` run.
+
+Steps: validate -> check the model -> tokenize (caller's thread) -> answer from disk if a
+complete file with the same ``spec_hash`` exists -> engine -> non-finite check -> write
+-> result. Every failure becomes an error result with a typed reason; nothing raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from producer import fileformat as ff
+from producer.fileformat import MetaKey
+from producer.layers import CONVENTION
+from producer.naming import NAME_PATTERN, content_hash, job_path
+from producer.schema import ErrorType, Job, Result, Status, Timings
+from worker.engine import Engine, EngineRequest
+from worker.errors import JobError
+from worker.model_loading import LoadedModel
+from worker.prepare import PreparedInput, Preparer
+from worker.writer import existing_spec_hash, write_job_file
+
+log = logging.getLogger(__name__)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming each bad field, for a person to act on."""
+    parts = []
+    for error in exc.errors()[:5]:
+        where = ".".join(str(p) for p in error["loc"]) or "job"
+        parts.append(f"{where}: {error['msg']}")
+    more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return "invalid job: " + "; ".join(parts) + more
+
+
+def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
+    """Best-effort ``(job_id, run)`` of data that failed validation, for its error result."""
+    run = raw.get("run") if isinstance(raw, dict) else None
+    job_id = raw.get("job_id") if isinstance(raw, dict) else None
+    run = run if isinstance(run, str) and NAME_PATTERN.match(run) and ".." not in run else "default"
+    if not (isinstance(job_id, str) and NAME_PATTERN.match(job_id) and ".." not in job_id):
+        try:
+            job_id = "invalid-" + content_hash(raw)[:24]
+        except (TypeError, ValueError):
+            job_id = "invalid-" + (content_hash(fallback_id)[:24] if fallback_id else "unknown")
+    return job_id, run
+
+
+class JobProcessor:
+    """Thread-safe; one per worker (or Extractor), sharing one engine."""
+
+    def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage_root: Path,
+                 worker_name: str, write_slots: int = 8):
+        self.loaded = loaded
+        self.engine = engine
+        self.preparer = preparer
+        self.storage_root = Path(storage_root)
+        self.worker_name = worker_name
+        self._write_slots = threading.BoundedSemaphore(write_slots)
+
+    def parse(self, raw: Any, fallback_id: str | None = None) -> Job:
+        """Validate raw message data into a job with an id; raises :class:`JobError`."""
+        try:
+            return Job.model_validate(raw).with_id()
+        except ValidationError as exc:
+            raise JobError(ErrorType.invalid_job, describe_validation_error(exc)) from None
+
+    def process(self, raw: Any, *, submitted_at: float | None = None, attempt: int | None = None,
+                fallback_id: str | None = None) -> Result:
+        """Run one job and return its result (never raises)."""
+        started = time.time()
+        queued = max(0.0, started - submitted_at) if submitted_at else None
+        try:
+            job = self.parse(raw, fallback_id)
+        except JobError as exc:
+            job_id, run = identify(raw, fallback_id)
+            return self._error(job_id, run, exc, Timings(queued=queued), attempt=attempt)
+        try:
+            return self._run(job, queued, attempt)
+        except JobError as exc:
+            return self._error(job.job_id, job.run, exc, Timings(queued=queued), job=job, attempt=attempt)
+        except Exception as exc:
+            log.exception("job %s failed", job.job_id)
+            return self._error(job.job_id, job.run, JobError(ErrorType.internal, f"{type(exc).__name__}: {exc}"),
+                               Timings(queued=queued), job=job, attempt=attempt)
+
+    def _run(self, job: Job, queued: float | None, attempt: int | None) -> Result:
+        if job.model != self.loaded.name:
+            raise JobError(ErrorType.unknown_model,
+                           f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
+        prepared = self.preparer.prepare(job)
+        path = job_path(self.storage_root, job.run, job.job_id)  # type: ignore[arg-type]
+        spec_hash = job.spec_hash()
+        if existing_spec_hash(path) == spec_hash:
+            cached = self._from_disk(job, path, queued, attempt)
+            if cached is not None:
+                return cached
+        request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids)
+        captured = self.engine.submit(request).result().wait()
+        try:
+            if captured.non_finite:
+                raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states; no file written "
+                                                     "(check the model weights and dtype)")
+            tensors = {ff.HIDDEN_STATES: captured.hidden_states,
+                       ff.TOKEN_IDS: request.token_ids}
+            if prepared.loss_mask is not None:
+                tensors[ff.LOSS_MASK] = torch.tensor(prepared.loss_mask, dtype=torch.uint8)
+            write_start = time.perf_counter()
+            with self._write_slots:
+                try:
+                    write_job_file(path, tensors, self._metadata(job, prepared, spec_hash))
+                except OSError as exc:
+                    raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
+            write_s = time.perf_counter() - write_start
+        finally:
+            captured.release()
+        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids,
+                        Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
+
+    def _from_disk(self, job: Job, path: Path, queued: float | None, attempt: int | None) -> Result | None:
+        """An ok result for a complete, valid file already written for this exact job."""
+        try:
+            meta = ff.verify_file(path)
+            with open(path, "rb") as handle:
+                header, _ = ff.read_header(handle, path)
+        except (ff.FileFormatError, OSError):
+            return None
+        layers = json.loads(meta[MetaKey.LAYERS])
+        result = self._ok(job, path, header[ff.TOKEN_IDS]["shape"][0], layers, Timings(queued=queued), attempt)
+        return result.model_copy(update={"cached": True})
+
+    def _metadata(self, job: Job, prepared: PreparedInput, spec_hash: str) -> dict[str, str]:
+        loaded = self.loaded
+        return {
+            MetaKey.FORMAT: ff.FORMAT_NAME,
+            MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,
+            MetaKey.MODEL: loaded.name,
+            MetaKey.MODEL_SOURCE: loaded.source,
+            MetaKey.MODEL_REVISION: loaded.revision or "",
+            MetaKey.LAYERS: json.dumps(prepared.layer_ids),
+            MetaKey.LAYER_CONVENTION: CONVENTION,
+            MetaKey.NUM_LAYERS: str(loaded.num_layers),
+            MetaKey.DTYPE: DTYPE_NAMES[loaded.dtype],
+            MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,
+            MetaKey.JOB_ID: job.job_id or "",
+            MetaKey.RUN: job.run,
+            MetaKey.SPEC_HASH: spec_hash,
+        }
+
+    def _ok(self, job: Job, path: Path, num_tokens: int, layers: list[int], timings: Timings,
+            attempt: int | None) -> Result:
+        return Result(job_id=job.job_id, run=job.run, status=Status.ok, path=str(path), num_tokens=num_tokens,
+                      layers=layers, dtype=DTYPE_NAMES[self.loaded.dtype], model=self.loaded.name,
+                      worker=self.worker_name, timings=timings, metadata=job.metadata, attempt=attempt)
+
+    def _error(self, job_id: str, run: str, exc: JobError, timings: Timings, *, job: Job | None = None,
+               attempt: int | None = None) -> Result:
+        return Result(job_id=job_id, run=run, status=Status.error, error_type=exc.error_type, error=exc.message,
+                      model=job.model if job else None, worker=self.worker_name, timings=timings,
+                      metadata=job.metadata if job else None, attempt=attempt)
