@@ -1,0 +1,18 @@
+"""`layertap demo` (what `make demo` runs) completes on the CPU with an embedded Redis."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from tests.conftest import cli
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "LAYERTAP_REDIS_URL"}
+    out = subprocess.run(cli("demo", "--workdir", str(tmp_path)), env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "16/16 jobs ok" in out.stdout
+    assert "loss_mask" in out.stdout
+    assert len(list((tmp_path / "files" / "demo").glob("*/*.safetensors"))) == 16
