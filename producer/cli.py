@@ -198,6 +198,39 @@ def demo(
     run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console)
 
 
+@app.command()
+def bench(
+    model: str = typer.Option("shape:qwen3-8b", help="Model folder, or a random-weight shape: "
+                              "shape:qwen3-8b, shape:llama3-8b, shape:qwen3-tiny."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32"),
+    layers: str = typer.Option("2,18,33,36", help="Layer ids to extract."),
+    prompts: int = typer.Option(128, help="Number of prompts."),
+    min_len: int = typer.Option(128, help="Shortest random prompt (tokens)."),
+    max_len: int = typer.Option(2047, help="Longest random prompt (tokens)."),
+    file: Optional[Path] = typer.Option(None, help="JSONL of prompts ({'prompt'} or {'token_ids'}) instead."),
+    storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go (emptied)."),
+    token_budget: int = typer.Option(16384, help="Tokens per packed batch."),
+    parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, b ceiling, c engine, d queue)."),
+    concurrency: int = typer.Option(64, help="Jobs in flight for (c) and (d)."),
+    memory_check: bool = typer.Option(False, help="Also report peak GPU memory for 1x16k and 64x2k prompts."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis for (d) (default: an embedded one)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
+) -> None:
+    """Measure naive HF, the bare forward, the engine and the whole queue path on the same prompts."""
+    from worker.bench import BenchConfig, format_table, run_bench
+
+    config = BenchConfig(model=model, device=device, dtype=dtype, layers=parse_layers(layers) or [],
+                         prompts=prompts, min_len=min_len, max_len=max_len, file=str(file) if file else None,
+                         storage=str(storage), token_budget=token_budget,
+                         parts=tuple(p.strip() for p in parts.split(",") if p.strip()), redis_url=redis_url,
+                         concurrency=concurrency, memory_check=memory_check)
+    report = run_bench(config, log=lambda line: console.print(line, markup=False, highlight=False))
+    console.print(format_table(report), markup=False, highlight=False)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     """Entry point: run the app, turning expected failures into one line and an exit code."""
     import redis

@@ -151,6 +151,11 @@ class Engine:
             self._cond.notify()
         return request.future
 
+    def warm_up(self, num_tokens: int = 512) -> None:
+        """Run one throwaway batch (kernel selection, allocator, lazy init) before real jobs."""
+        tokens = torch.randint(0, self.loaded.vocab_size, (min(num_tokens, self.token_budget),))
+        self.submit(EngineRequest(tokens, [self.loaded.num_layers])).result().wait().release()
+
     def pending(self) -> int:
         with self._cond:
             return len(self._pending)
@@ -163,10 +168,16 @@ class Engine:
         self._thread.join(timeout)
         self._capture.close()
 
-    def busy_seconds(self) -> float:
-        """Device time spent in batches so far (waits for queued device work to finish)."""
-        self._collect_timings(block=True)
+    def busy_seconds(self, wait: bool = True) -> float:
+        """Device time spent in finished batches (with ``wait``, first waits for queued device work)."""
+        self._collect_timings(block=wait)
         return self.stats.busy_s
+
+    def snapshot(self) -> dict[str, float]:
+        """Counters for monitoring (JSON-ready); does not wait for the device."""
+        return {"batches": self.stats.batches, "jobs": self.stats.jobs, "tokens": self.stats.tokens,
+                "busy_s": round(self.busy_seconds(wait=False), 6), "oom_splits": self.stats.oom_splits,
+                "pending": self.pending()}
 
     # -- engine thread ----------------------------------------------------------------
     def _loop(self) -> None:

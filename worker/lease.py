@@ -21,6 +21,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -49,7 +50,7 @@ def held_delivery_tags() -> set[str]:
 class LeaseKeeper:
     """Background thread: heartbeat + lease renewal for one worker node."""
 
-    def __init__(self, client: redis.Redis, node: str, info: dict[str, Any], orphan_timeout: float,
+    def __init__(self, client: redis.Redis, node: str, info: Callable[[], dict[str, Any]], orphan_timeout: float,
                  unacked_index_key: str = UNACKED_INDEX_KEY):
         self.redis = client
         self.node = node
@@ -71,7 +72,7 @@ class LeaseKeeper:
         now = time.time()
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(keys.worker_heartbeat_key(self.node), now, ex=self.ttl)
-        pipe.hset(keys.WORKERS_HASH, self.node, json.dumps(self.info))
+        pipe.hset(keys.WORKERS_HASH, self.node, json.dumps({**self.info(), "beat": now}))
         if tags:
             pipe.zadd(self.unacked_index_key, {tag: now for tag in tags}, xx=True)
         pipe.execute()

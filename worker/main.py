@@ -57,11 +57,13 @@ def run_worker(settings: Settings) -> int:
     service = WorkerService(processor, client, ResultPublisher(client), settings.max_attempts)
     app = make_celery(settings)
     register_extract_task(app, service)
-    info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device),
+    processor.engine.warm_up()
+    static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."), "layers": processor.preparer.default_layers,
             "num_layers": loaded.num_layers, "pid": os.getpid(), "host": socket.gethostname(),
             "started": time.time(), "storage_root": str(storage_root.resolve())}
-    keeper = LeaseKeeper(client, node, info, settings.orphan_timeout).start()
+    keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot()},
+                         settings.orphan_timeout).start()
     celery_worker = app.Worker(
         hostname=node, pool_cls="threads", concurrency=ws.concurrency, queues=[keys.model_queue(loaded.name)],
         loglevel=ws.loglevel.upper(), without_gossip=True, without_mingle=True, send_events=True,

@@ -124,10 +124,17 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
 
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
-    """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id)."""
+    """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
+    build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.shapes``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from worker.shapes import SHAPE_PREFIX, build_random_model, is_shape, shape_config
+
     torch_device = resolve_device(device)
+    if is_shape(source):
+        shape = source.removeprefix(SHAPE_PREFIX)
+        model = build_random_model(shape, torch_device, resolve_dtype(dtype, torch_device, shape_config(shape)))
+        return describe(model, None, name=name or source, source=source)
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, torch_device, config)
     tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)

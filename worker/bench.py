@@ -1,0 +1,436 @@
+"""``layertap bench``: four ways to extract the same prompts, measured in one process and run.
+
+(a) naive: the HF loop, one prompt at a time, ``output_hidden_states=True``, lm_head
+    included, save each file (how EAGLE's original scripts extract);
+(b) ceiling: packed batches, decoder layers up to the last wanted one, nothing copied
+    or written (the bare forward);
+(c) engine: layertap's engine in-process (``JobProcessor``), files written;
+(d) queue: the whole path, jobs through Redis to a ``layertap worker`` process and
+    results back from the stream.
+
+Each part reports tokens/s, GB/s written and MFU: the useful model FLOPs (decoder layers
+up to the last wanted one, attention included) over the device's measured matmul rate.
+(c) and (d) report the share of wall time the device did no batch work. The naive part
+keeps its first files and the engine's files are compared with them (exactness).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from producer.layers import resolve_layer_ids
+from producer.settings import Limits
+from worker.capture import StopForward
+from worker.extractor import build_processor
+from worker.model_loading import LoadedModel, load_model
+from worker.packed_attention import BOUNDS_KWARG, use_packed_attention
+
+PARTS = ("a", "b", "c", "d")
+COMPARE_PROMPTS = 8
+
+
+@dataclass
+class BenchConfig:
+    model: str = "shape:qwen3-8b"
+    device: str = "auto"
+    dtype: str = "auto"
+    layers: list[int] = field(default_factory=lambda: [2, 18, 33, 36])
+    prompts: int = 128
+    min_len: int = 128
+    max_len: int = 2047
+    file: str | None = None
+    storage: str = "/dev/shm/layertap-bench"
+    token_budget: int = 16384
+    parts: tuple[str, ...] = PARTS
+    redis_url: str | None = None
+    seed: int = 0
+    concurrency: int = 64
+    memory_check: bool = False
+
+
+@dataclass
+class PartResult:
+    name: str
+    seconds: float
+    tokens: int
+    jobs: int
+    bytes_written: int = 0
+    tokens_per_s: float = 0.0
+    gb_per_s: float = 0.0
+    mfu: float | None = None
+    device_idle_share: float | None = None
+    peak_memory_gb: float | None = None
+    errors: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def file_prompts(path: str, tokenizer: Any, count: int) -> list[list[int]]:
+    """Prompts from a JSONL file (``prompt`` or ``token_ids`` per line)."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                row = json.loads(line)
+                prompts.append(row["token_ids"] if "token_ids" in row else tokenizer(row["prompt"])["input_ids"])
+            if len(prompts) >= count:
+                break
+    return prompts
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device) -> float:
+    """Measured dense matmul FLOP/s (bf16 8192^3 on a GPU, float32 1024^3 on the CPU), median of 10."""
+    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def useful_flops(loaded: LoadedModel, layer_ids: list[int], lengths: list[int]) -> float:
+    """FLOPs of the decoder layers up to the last wanted one: 2 x params per token + causal attention."""
+    run = min(max(layer_ids), loaded.num_layers)
+    run = loaded.num_layers if max(layer_ids) == loaded.num_layers else run
+    params = sum(p.numel() for layer in list(loaded.layers)[:run] for p in layer.parameters())
+    config = loaded.model.config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    head_dim = getattr(config, "head_dim", None) or loaded.hidden_size // heads
+    attention = sum(2 * n * n * heads * head_dim for n in lengths) * run
+    return 2 * params * sum(lengths) + attention
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*.safetensors")) if path.exists() else 0
+
+
+def pack(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped into batches of at most ``budget`` tokens, in order, first fit."""
+    batches: list[list[int]] = []
+    pending = list(range(len(lengths)))
+    while pending:
+        batch, tokens, rest = [pending[0]], lengths[pending[0]], []
+        for index in pending[1:]:
+            if tokens + lengths[index] <= budget:
+                batch.append(index)
+                tokens += lengths[index]
+            else:
+                rest.append(index)
+        batches.append(batch)
+        pending = rest
+    return batches
+
+
+def run_naive(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
+    """(a) one prompt at a time through the whole CausalLM with output_hidden_states=True."""
+    model, device = loaded.model, loaded.device
+    model.set_attn_implementation("sdpa")
+    out.mkdir(parents=True, exist_ok=True)
+    last: dict[str, torch.Tensor] = {}
+    handle = loaded.layers[-1].register_forward_hook(
+        lambda m, a, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+
+    def one(index: int, ids: list[int]) -> None:
+        tensor = torch.tensor([ids], device=device)
+        with torch.inference_mode():
+            output = model(tensor, output_hidden_states=True, use_cache=False)
+        states = [last["h"][0] if i == loaded.num_layers else output.hidden_states[i][0] for i in layer_ids]
+        save_file({"hidden_states": torch.stack(states, 1).cpu().contiguous(), "token_ids": tensor[0].cpu()},
+                  str(out / f"{index}.safetensors"))
+
+    try:
+        one(-1, prompts[0][:64])  # warm-up
+        (out / "-1.safetensors").unlink()
+        sync(device)
+        start = time.perf_counter()
+        for index, ids in enumerate(prompts):
+            one(index, ids)
+        sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        handle.remove()
+    return PartResult("a: naive HF loop", seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out))
+
+
+def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], budget: int) -> PartResult:
+    """(b) packed batches, decoder layers up to the last wanted one, nothing copied or written."""
+    use_packed_attention(loaded.model)
+    device = loaded.device
+    top = max(layer_ids)
+    stop_module = loaded.layers[top] if top < loaded.num_layers else None
+
+    def stop(*_: Any, **__: Any) -> None:
+        raise StopForward
+
+    handle = stop_module.register_forward_pre_hook(stop) if stop_module is not None else None
+    lengths = [len(p) for p in prompts]
+    batches = pack(lengths, budget)
+
+    def forward(batch: list[int]) -> None:
+        ids = torch.tensor([t for i in batch for t in prompts[i]], device=device)[None]
+        positions = torch.cat([torch.arange(lengths[i]) for i in batch]).to(device)[None]
+        bounds = [0]
+        for i in batch:
+            bounds.append(bounds[-1] + lengths[i])
+        with torch.inference_mode():
+            try:
+                loaded.decoder(input_ids=ids, position_ids=positions, use_cache=False, **{BOUNDS_KWARG: bounds})
+            except StopForward:
+                pass
+
+    try:
+        forward(batches[0])
+        sync(device)
+        start = time.perf_counter()
+        for batch in batches:
+            forward(batch)
+        sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        if handle is not None:
+            handle.remove()
+    return PartResult("b: forward-only ceiling", seconds, sum(lengths), len(prompts),
+                      notes={"batches": len(batches)})
+
+
+def run_engine(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], out: Path,
+               budget: int, concurrency: int) -> tuple[PartResult, list[str]]:
+    """(c) the engine in-process: JobProcessor on task threads, files written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    processor = build_processor(loaded, storage_root=out, worker_name="bench", layers=layer_ids,
+                                limits=Limits(), token_budget=budget)
+    engine = processor.engine
+    try:
+        engine.warm_up()
+        jobs = [{"model": loaded.name, "run": "c", "job_id": f"p{i}", "token_ids": ids, "layers": layer_ids}
+                for i, ids in enumerate(prompts)]
+        sync(loaded.device)
+        if loaded.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(loaded.device)
+        busy_before = engine.busy_seconds()
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(processor.process, jobs))
+        seconds = time.perf_counter() - start
+        busy = engine.busy_seconds() - busy_before
+    finally:
+        engine.stop()
+    part = PartResult("c: engine in-process", seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out),
+                      errors=sum(not r.ok for r in results),
+                      device_idle_share=max(0.0, 1 - busy / seconds),
+                      notes={"batches": engine.stats.batches, "oom_splits": engine.stats.oom_splits})
+    if loaded.device.type == "cuda":
+        part.peak_memory_gb = torch.cuda.max_memory_allocated(loaded.device) / 1e9
+    if part.errors:
+        part.notes["first_error"] = next(r.error for r in results if not r.ok)
+    return part, [r.path or "" for r in results]
+
+
+def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
+    """(d) Redis -> Celery worker process -> files -> results on the stream."""
+    from producer.client import Client
+    from producer.redis_server import RedisServer
+    from producer.settings import Settings
+
+    server = None if cfg.redis_url else RedisServer().start()
+    url = cfg.redis_url or server.url  # type: ignore[union-attr]
+    node = f"bench-{os.getpid()}@{socket.gethostname()}"
+    name = "bench-model"
+    env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
+           "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency)}
+    log = open(out.parent / "bench-worker.log", "w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "producer.cli", "worker", "--model", cfg.model, "--name", name, "--device", cfg.device,
+         "--dtype", cfg.dtype, "--layers", ",".join(map(str, layer_ids)), "--token-budget", str(cfg.token_budget),
+         "--node-name", node, "--loglevel", "WARNING"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    run = f"bench-{int(time.time())}"
+    try:
+        with Client(Settings(redis_url=url)) as client:
+            deadline = time.monotonic() + 600
+            while node not in client.workers():
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"bench worker did not start; see {log.name}")
+                time.sleep(0.2)
+            busy_before = client.workers()[node]["engine"]["busy_s"]
+            start = time.perf_counter()
+            jobs = [client.submit({"token_ids": ids, "job_id": f"p{i}"}, model=name, run=run, layers=layer_ids)
+                    for i, ids in enumerate(prompts)]
+            results = client.wait(run, [j.job_id for j in jobs], timeout=3600)
+            seconds = time.perf_counter() - start
+            time.sleep(max(0.3, client.settings.orphan_timeout / 4 + 0.2))  # one more heartbeat with final stats
+            busy = client.workers()[node]["engine"]["busy_s"] - busy_before
+    finally:
+        worker.terminate()
+        worker.wait(60)
+        log.close()
+        if server is not None:
+            server.close()
+    errors = [r for r in results.values() if not r.ok]
+    part = PartResult("d: queue end to end", seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out),
+                      errors=len(errors), device_idle_share=max(0.0, 1 - busy / seconds))
+    if errors:
+        part.notes["first_error"] = errors[0].error
+    return part
+
+
+def compare(naive_dir: Path, engine_paths: list[str], count: int) -> dict[str, float]:
+    """Max abs and relative (Frobenius) error of engine files against the naive unbatched HF files."""
+    worst_abs, worst_rel = 0.0, 0.0
+    for index in range(min(count, len(engine_paths))):
+        reference = load_file(str(naive_dir / f"{index}.safetensors"))["hidden_states"].float()
+        got = load_file(engine_paths[index])["hidden_states"].float()
+        worst_abs = max(worst_abs, (got - reference).abs().max().item())
+        worst_rel = max(worst_rel, ((got - reference).norm() / reference.norm()).item())
+    return {"max_abs_error": worst_abs, "max_relative_error": worst_rel, "prompts_compared": min(count, len(engine_paths))}
+
+
+def memory_check(loaded: LoadedModel, layer_ids: list[int], budget: int) -> dict[str, Any]:
+    """Peak device memory for one 16k-token prompt and for 64 prompts of 2k tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    report: dict[str, Any] = {}
+    processor = build_processor(loaded, storage_root=Path("/dev/shm/layertap-memcheck"), worker_name="memcheck",
+                                layers=layer_ids, limits=Limits(), token_budget=budget)
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters()) / 1e9
+    try:
+        for label, prompts in (("one 16k prompt", random_prompts(1, 16384, 16384, loaded.vocab_size, 1)),
+                               ("64 x 2k prompts", random_prompts(64, 2048, 2048, loaded.vocab_size, 2))):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(loaded.device)
+            jobs = [{"model": loaded.name, "run": "mem", "job_id": f"m{i}", "token_ids": p} for i, p in enumerate(prompts)]
+            with ThreadPoolExecutor(64) as pool:
+                results = list(pool.map(processor.process, jobs))
+            report[label] = {"ok": sum(r.ok for r in results), "jobs": len(results),
+                             "peak_gb": torch.cuda.max_memory_allocated(loaded.device) / 1e9,
+                             "errors": sorted({r.error_type.value for r in results if not r.ok})}
+    finally:
+        processor.engine.stop()
+        shutil.rmtree("/dev/shm/layertap-memcheck", ignore_errors=True)
+    report["weights_gb"] = weights
+    return report
+
+
+def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    loaded = load_model(cfg.model, name="bench-model", device=cfg.device, dtype=cfg.dtype)
+    layer_ids = resolve_layer_ids(cfg.layers, loaded.num_layers)
+    if cfg.file:
+        prompts = file_prompts(cfg.file, loaded.tokenizer, cfg.prompts)
+    else:
+        prompts = random_prompts(cfg.prompts, cfg.min_len, cfg.max_len, loaded.vocab_size, cfg.seed)
+    lengths = [len(p) for p in prompts]
+    storage = Path(cfg.storage)
+    shutil.rmtree(storage, ignore_errors=True)
+    storage.mkdir(parents=True)
+    rate = matmul_rate(loaded.device)
+    flops = useful_flops(loaded, layer_ids, lengths)
+    log(f"model {cfg.model} ({loaded.num_layers} layers, {loaded.dtype}) on {loaded.device}; {len(prompts)} prompts, "
+        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {rate / 1e12:.1f} TFLOP/s")
+    parts: dict[str, PartResult] = {}
+    exactness: dict[str, float] | None = None
+    if "a" in cfg.parts:
+        parts["a"] = run_naive(loaded, prompts, layer_ids, storage / "a")
+        log(f"  {parts['a'].name}: {parts['a'].tokens / parts['a'].seconds:,.0f} tokens/s")
+    if "b" in cfg.parts:
+        parts["b"] = run_forward_only(loaded, prompts, layer_ids, cfg.token_budget)
+        log(f"  {parts['b'].name}: {parts['b'].tokens / parts['b'].seconds:,.0f} tokens/s")
+    if "c" in cfg.parts:
+        parts["c"], engine_paths = run_engine(loaded, prompts, layer_ids, storage / "c", cfg.token_budget,
+                                              cfg.concurrency)
+        log(f"  {parts['c'].name}: {parts['c'].tokens / parts['c'].seconds:,.0f} tokens/s")
+        if "a" in cfg.parts:
+            exactness = compare(storage / "a", engine_paths, COMPARE_PROMPTS)
+    for name in ("a", "c"):
+        shutil.rmtree(storage / name, ignore_errors=True)
+    memory = memory_check(loaded, layer_ids, cfg.token_budget) if cfg.memory_check and loaded.device.type == "cuda" else None
+    if "d" in cfg.parts:
+        if loaded.device.type == "cuda":
+            del loaded
+            torch.cuda.empty_cache()
+        parts["d"] = run_queue(cfg, prompts, layer_ids, storage / "d")
+        shutil.rmtree(storage / "d", ignore_errors=True)
+        log(f"  {parts['d'].name}: {parts['d'].tokens / parts['d'].seconds:,.0f} tokens/s")
+    for part in parts.values():
+        part.tokens_per_s = part.tokens / part.seconds
+        part.gb_per_s = part.bytes_written / part.seconds / 1e9
+        part.mfu = flops / part.seconds / rate
+    ratios = {}
+    speed = {key: part.tokens_per_s for key, part in parts.items()}
+    for top, bottom in (("c", "a"), ("d", "a"), ("d", "b"), ("c", "b")):
+        if top in speed and bottom in speed:
+            ratios[f"{top}/{bottom}"] = speed[top] / speed[bottom]
+    return {
+        "config": asdict(cfg), "device": device_name(), "software": software_versions(),
+        "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "tokens": sum(lengths),
+        "layer_ids": layer_ids, "matmul_tflops": rate / 1e12, "useful_gflop_per_token": flops / sum(lengths) / 1e9,
+        "parts": {key: asdict(part) for key, part in parts.items()}, "ratios": ratios,
+        "exactness_vs_unbatched_hf": exactness, "memory": memory,
+    }
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import platform
+
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def software_versions() -> dict[str, str]:
+    import celery
+    import safetensors
+    import transformers
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__, "celery": celery.__version__,
+            "cuda": torch.version.cuda or "none"}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A markdown table of the parts, then ratios and notes."""
+    lines = ["| part | tokens/s | GB/s written | MFU | device idle | seconds | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for part in report["parts"].values():
+        idle = "" if part["device_idle_share"] is None else f"{part['device_idle_share']:.1%}"
+        lines.append(f"| {part['name']} | {part['tokens_per_s']:,.0f} | {part['gb_per_s']:.2f} | {part['mfu']:.1%} | "
+                     f"{idle} | {part['seconds']:.2f} | {part['errors']} |")
+    lines.append("")
+    lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in report["ratios"].items()))
+    if report.get("exactness_vs_unbatched_hf"):
+        e = report["exactness_vs_unbatched_hf"]
+        lines.append(f"engine vs unbatched HF ({e['prompts_compared']} prompts): max abs error {e['max_abs_error']:.3g}, "
+                     f"max relative error {e['max_relative_error']:.3g}")
+    if report.get("memory"):
+        lines.append("memory: " + json.dumps(report["memory"]))
+    return "\n".join(lines)
+
