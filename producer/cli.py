@@ -66,13 +66,14 @@ def worker(
     node_name: Optional[str] = typer.Option(None, help="Celery node name (default layertap-<pid>@<host>)."),
     token_budget: Optional[int] = typer.Option(None, help="Tokens per packed batch."),
     concurrency: Optional[int] = typer.Option(None, help="Jobs in flight in this worker."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (default $LAYERTAP_REDIS_URL or localhost)."),
     loglevel: Optional[str] = typer.Option(None, help="DEBUG | INFO | WARNING"),
 ) -> None:
     """Serve one model: load it once, take jobs from its queue, write files, publish results."""
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
-                             token_budget=token_budget, concurrency=concurrency, loglevel=loglevel)
+                             token_budget=token_budget, concurrency=concurrency, compile=compile, loglevel=loglevel)
     from worker.main import run_worker
 
     raise typer.Exit(run_worker(settings))
@@ -214,6 +215,7 @@ def bench(
     parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, b ceiling, c engine, d queue)."),
     concurrency: int = typer.Option(64, help="Jobs in flight for (c) and (d)."),
     memory_check: bool = typer.Option(False, help="Also report peak GPU memory for 1x16k and 64x2k prompts."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the decoder layers in (b), (c), (d)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis for (d) (default: an embedded one)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
 ) -> None:
@@ -224,7 +226,7 @@ def bench(
                          prompts=prompts, min_len=min_len, max_len=max_len, file=str(file) if file else None,
                          storage=str(storage), token_budget=token_budget,
                          parts=tuple(p.strip() for p in parts.split(",") if p.strip()), redis_url=redis_url,
-                         concurrency=concurrency, memory_check=memory_check)
+                         concurrency=concurrency, memory_check=memory_check, compile=compile)
     report = run_bench(config, log=lambda line: console.print(line, markup=False, highlight=False))
     console.print(format_table(report), markup=False, highlight=False)
     if json_out:

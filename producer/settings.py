@@ -36,6 +36,7 @@ class WorkerSettings(BaseModel):
     concurrency: int = Field(default=64, gt=0)  # jobs in flight per worker (Celery threads)
     writer_threads: int = Field(default=8, gt=0)
     host_buffers: int = Field(default=3, gt=0)  # pinned staging buffers (batches between GPU and writers)
+    compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
     loglevel: str = "INFO"
 

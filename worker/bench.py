@@ -35,9 +35,10 @@ from safetensors.torch import load_file, save_file
 from producer.layers import resolve_layer_ids
 from producer.settings import Limits
 from worker.capture import StopForward
+from worker.engine import compile_decoder_layers
 from worker.extractor import build_processor
 from worker.model_loading import LoadedModel, load_model
-from worker.packed_attention import BOUNDS_KWARG, use_packed_attention
+from worker.packed_attention import packed_sequences, use_packed_attention
 
 PARTS = ("a", "b", "c", "d")
 COMPARE_PROMPTS = 8
@@ -60,6 +61,7 @@ class BenchConfig:
     seed: int = 0
     concurrency: int = 64
     memory_check: bool = False
+    compile: bool = False
 
 
 @dataclass
@@ -202,9 +204,9 @@ def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: l
         bounds = [0]
         for i in batch:
             bounds.append(bounds[-1] + lengths[i])
-        with torch.inference_mode():
+        with torch.inference_mode(), packed_sequences(bounds):
             try:
-                loaded.decoder(input_ids=ids, position_ids=positions, use_cache=False, **{BOUNDS_KWARG: bounds})
+                loaded.decoder(input_ids=ids, position_ids=positions, use_cache=False)
             except StopForward:
                 pass
 
@@ -229,7 +231,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[in
     from concurrent.futures import ThreadPoolExecutor
 
     processor = build_processor(loaded, storage_root=out, worker_name="bench", layers=layer_ids,
-                                limits=Limits(), token_budget=budget)
+                                limits=Limits(), token_budget=budget)  # layers already compiled if asked
     engine = processor.engine
     try:
         engine.warm_up()
@@ -268,7 +270,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     node = f"bench-{os.getpid()}@{socket.gethostname()}"
     name = "bench-model"
     env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
-           "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency)}
+           "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower()}
     log = open(out.parent / "bench-worker.log", "w")
     worker = subprocess.Popen(
         [sys.executable, "-m", "producer.cli", "worker", "--model", cfg.model, "--name", name, "--device", cfg.device,
@@ -304,15 +306,19 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     return part
 
 
-def compare(naive_dir: Path, engine_paths: list[str], count: int) -> dict[str, float]:
-    """Max abs and relative (Frobenius) error of engine files against the naive unbatched HF files."""
-    worst_abs, worst_rel = 0.0, 0.0
+def compare(naive_dir: Path, engine_paths: list[str], count: int) -> dict[str, Any]:
+    """Engine files against the naive unbatched HF files: max abs error and relative (Frobenius)
+    error, overall and per layer slot."""
+    worst_abs, worst_rel, per_layer = 0.0, 0.0, []
     for index in range(min(count, len(engine_paths))):
         reference = load_file(str(naive_dir / f"{index}.safetensors"))["hidden_states"].float()
         got = load_file(engine_paths[index])["hidden_states"].float()
         worst_abs = max(worst_abs, (got - reference).abs().max().item())
         worst_rel = max(worst_rel, ((got - reference).norm() / reference.norm()).item())
-    return {"max_abs_error": worst_abs, "max_relative_error": worst_rel, "prompts_compared": min(count, len(engine_paths))}
+        layer_rel = ((got - reference).norm(dim=(0, 2)) / reference.norm(dim=(0, 2))).tolist()
+        per_layer = [max(a, b) for a, b in zip(per_layer, layer_rel)] if per_layer else layer_rel
+    return {"max_abs_error": worst_abs, "max_relative_error": worst_rel, "relative_error_per_layer": per_layer,
+            "prompts_compared": min(count, len(engine_paths))}
 
 
 def memory_check(loaded: LoadedModel, layer_ids: list[int], budget: int) -> dict[str, Any]:
@@ -361,6 +367,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     if "a" in cfg.parts:
         parts["a"] = run_naive(loaded, prompts, layer_ids, storage / "a")
         log(f"  {parts['a'].name}: {parts['a'].tokens / parts['a'].seconds:,.0f} tokens/s")
+    if cfg.compile:
+        use_packed_attention(loaded.model)
+        compile_decoder_layers(loaded)
     if "b" in cfg.parts:
         parts["b"] = run_forward_only(loaded, prompts, layer_ids, cfg.token_budget)
         log(f"  {parts['b'].name}: {parts['b'].tokens / parts['b'].seconds:,.0f} tokens/s")
@@ -428,8 +437,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in report["ratios"].items()))
     if report.get("exactness_vs_unbatched_hf"):
         e = report["exactness_vs_unbatched_hf"]
+        per_layer = ", ".join(f"{layer}: {err:.2g}" for layer, err in zip(report["layer_ids"], e["relative_error_per_layer"]))
         lines.append(f"engine vs unbatched HF ({e['prompts_compared']} prompts): max abs error {e['max_abs_error']:.3g}, "
-                     f"max relative error {e['max_relative_error']:.3g}")
+                     f"max relative error {e['max_relative_error']:.3g}; per layer {per_layer}")
     if report.get("memory"):
         lines.append("memory: " + json.dumps(report["memory"]))
     return "\n".join(lines)

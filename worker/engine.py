@@ -32,9 +32,18 @@ from producer.schema import ErrorType
 from worker.capture import LayerCapture, StopForward
 from worker.errors import JobError
 from worker.model_loading import LoadedModel
-from worker.packed_attention import BOUNDS_KWARG, use_packed_attention
+from worker.packed_attention import packed_sequences, use_packed_attention
 
 log = logging.getLogger(__name__)
+
+
+def compile_decoder_layers(loaded: LoadedModel) -> None:
+    """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
+    MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
+    and the capture hooks stay outside (they run in ``Module.__call__``). Identical layers
+    share one compiled graph; the engine's warm-up pays the compile time."""
+    for layer in loaded.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 @dataclass
@@ -122,7 +131,7 @@ class Engine:
     """Owns the model on one thread. ``submit`` is thread-safe."""
 
     def __init__(self, loaded: LoadedModel, *, token_budget: int = 16384, max_batch_jobs: int = 256,
-                 batch_wait_s: float = 0.002, host_buffers: int = 3):
+                 batch_wait_s: float = 0.002, host_buffers: int = 3, compile_layers: bool = False):
         self.loaded = loaded
         self.token_budget = token_budget
         self.max_batch_jobs = max_batch_jobs
@@ -138,6 +147,8 @@ class Engine:
         self._timing_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
         use_packed_attention(loaded.model)
+        if compile_layers:
+            compile_decoder_layers(loaded)
         self._thread = threading.Thread(target=self._loop, name="layertap-engine", daemon=True)
         self._thread.start()
 
@@ -223,8 +234,10 @@ class Engine:
 
     def _run_or_split(self, batch: list[EngineRequest]) -> None:
         try:
-            output = self._forward(batch)
+            output: BatchOutput | None = self._forward(batch)
         except torch.OutOfMemoryError:
+            output = None  # handled below, once the traceback (and the activations it holds) is gone
+        if output is None:
             self._release_cached_memory()
             if len(batch) == 1:
                 request = batch[0]
@@ -272,10 +285,10 @@ class Engine:
         try:
             started = time.perf_counter()
             events = self._record_start()
-            with torch.inference_mode(), self._capture.capture(union, total, want_final) as (staging, final):
+            with (torch.inference_mode(), packed_sequences(bounds),
+                  self._capture.capture(union, total, want_final) as (staging, final)):
                 try:
-                    self.loaded.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                        **{BOUNDS_KWARG: bounds})
+                    self.loaded.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False)
                 except StopForward:
                     pass
                 flags = ~torch.isfinite(staging).all(dim=2).all(dim=1)

@@ -52,7 +52,8 @@ def run_worker(settings: Settings) -> int:
     processor = build_processor(loaded, storage_root=storage_root, worker_name=node, layers=ws.layers,
                                 limits=settings.limits, token_budget=ws.token_budget,
                                 max_batch_jobs=ws.max_batch_jobs, batch_wait_s=ws.batch_wait_ms / 1000,
-                                host_buffers=ws.host_buffers, write_slots=ws.writer_threads)
+                                host_buffers=ws.host_buffers, write_slots=ws.writer_threads,
+                                compile_layers=ws.compile)
     client = redis.Redis.from_url(settings.broker_url, health_check_interval=10, socket_keepalive=True)
     service = WorkerService(processor, client, ResultPublisher(client), settings.max_attempts)
     app = make_celery(settings)
