@@ -67,16 +67,40 @@ def worker(
     token_budget: Optional[int] = typer.Option(None, help="Tokens per packed batch."),
     concurrency: Optional[int] = typer.Option(None, help="Jobs in flight in this worker."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers."),
+    gpus: Optional[str] = typer.Option(None, help="all | 0,1,...: one supervised worker process per GPU."),
+    gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process (model split across them)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (default $LAYERTAP_REDIS_URL or localhost)."),
     loglevel: Optional[str] = typer.Option(None, help="DEBUG | INFO | WARNING"),
 ) -> None:
     """Serve one model: load it once, take jobs from its queue, write files, publish results."""
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
-                             token_budget=token_budget, concurrency=concurrency, compile=compile, loglevel=loglevel)
+                             token_budget=token_budget, concurrency=concurrency, compile=compile, loglevel=loglevel,
+                             gpus=gpus, gpus_per_worker=gpus_per_worker)
+    if settings.worker.gpus:
+        raise typer.Exit(supervise(settings))
     from worker.main import run_worker
 
     raise typer.Exit(run_worker(settings))
+
+
+def supervise(settings: Settings) -> int:
+    """Run one child worker per GPU group; children read the same settings from the environment."""
+    import logging
+
+    from worker.supervisor import Supervisor, visible_gpus
+
+    logging.basicConfig(level=settings.worker.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ws = settings.worker
+    env = {f"LAYERTAP_WORKER__{key.upper()}": json.dumps(value) if not isinstance(value, str) else value
+           for key, value in ws.model_dump(exclude={"gpus", "node_name", "model"}).items() if value is not None}
+    env["LAYERTAP_STORAGE_ROOT"] = str(settings.storage_root)
+    if settings.redis_url:
+        env["LAYERTAP_REDIS_URL"] = settings.redis_url
+    os.environ.update(env)
+    device = ["--device", "cuda"] if ws.device == "auto" else []
+    supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker)
+    return supervisor.run()
 
 
 @app.command()
@@ -216,6 +240,7 @@ def bench(
     concurrency: int = typer.Option(64, help="Jobs in flight for (c) and (d)."),
     memory_check: bool = typer.Option(False, help="Also report peak GPU memory for 1x16k and 64x2k prompts."),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the decoder layers in (b), (c), (d)."),
+    gpus: Optional[str] = typer.Option(None, help="For (d): one worker per GPU, e.g. 0,1 (default: one worker)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis for (d) (default: an embedded one)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
 ) -> None:
@@ -226,7 +251,7 @@ def bench(
                          prompts=prompts, min_len=min_len, max_len=max_len, file=str(file) if file else None,
                          storage=str(storage), token_budget=token_budget,
                          parts=tuple(p.strip() for p in parts.split(",") if p.strip()), redis_url=redis_url,
-                         concurrency=concurrency, memory_check=memory_check, compile=compile)
+                         concurrency=concurrency, memory_check=memory_check, compile=compile, gpus=gpus)
     report = run_bench(config, log=lambda line: console.print(line, markup=False, highlight=False))
     console.print(format_table(report), markup=False, highlight=False)
     if json_out:

@@ -38,6 +38,8 @@ class WorkerSettings(BaseModel):
     host_buffers: int = Field(default=3, gt=0)  # pinned staging buffers (batches between GPU and writers)
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
+    gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
+    gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process (model split with device_map)
     loglevel: str = "INFO"
 
 

@@ -1,8 +1,17 @@
 """layertap's GPU side: model loading, layer capture, batching engine, writer, Celery tasks.
 
-Importing this package imports torch. The in-process entry point is :class:`Extractor`.
+The in-process entry point is :class:`Extractor` (importing it imports torch; the
+package itself does not, so the supervisor starts fast).
 """
 
-from worker.extractor import Extractor
+from typing import Any
 
 __all__ = ["Extractor"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Extractor":
+        from worker.extractor import Extractor
+
+        return Extractor
+    raise AttributeError(name)

@@ -62,6 +62,7 @@ class BenchConfig:
     concurrency: int = 64
     memory_check: bool = False
     compile: bool = False
+    gpus: str | None = None  # for (d): start `layertap worker --gpus ...` (one worker per GPU)
 
 
 @dataclass
@@ -272,26 +273,33 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
            "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower()}
     log = open(out.parent / "bench-worker.log", "w")
+    placement = ["--node-name", node, "--device", cfg.device] if not cfg.gpus else (
+        ["--gpus", cfg.gpus] + (["--device", cfg.device] if cfg.device != "auto" else []))
     worker = subprocess.Popen(
-        [sys.executable, "-m", "producer.cli", "worker", "--model", cfg.model, "--name", name, "--device", cfg.device,
+        [sys.executable, "-m", "producer.cli", "worker", "--model", cfg.model, "--name", name, *placement,
          "--dtype", cfg.dtype, "--layers", ",".join(map(str, layer_ids)), "--token-budget", str(cfg.token_budget),
-         "--node-name", node, "--loglevel", "WARNING"], env=env, stdout=log, stderr=subprocess.STDOUT)
+         "--loglevel", "WARNING"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    expected = len(cfg.gpus.split(",")) if cfg.gpus else 1
     run = f"bench-{int(time.time())}"
     try:
         with Client(Settings(redis_url=url)) as client:
             deadline = time.monotonic() + 600
-            while node not in client.workers():
+
+            def serving() -> dict[str, Any]:
+                return {n: i for n, i in client.workers().items() if i["model"] == name}
+
+            while len(serving()) < expected:
                 if worker.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"bench worker did not start; see {log.name}")
                 time.sleep(0.2)
-            busy_before = client.workers()[node]["engine"]["busy_s"]
+            busy_before = sum(i["engine"]["busy_s"] for i in serving().values())
             start = time.perf_counter()
             jobs = [client.submit({"token_ids": ids, "job_id": f"p{i}"}, model=name, run=run, layers=layer_ids)
                     for i, ids in enumerate(prompts)]
             results = client.wait(run, [j.job_id for j in jobs], timeout=3600)
             seconds = time.perf_counter() - start
             time.sleep(max(0.3, client.settings.orphan_timeout / 4 + 0.2))  # one more heartbeat with final stats
-            busy = client.workers()[node]["engine"]["busy_s"] - busy_before
+            busy = (sum(i["engine"]["busy_s"] for i in serving().values()) - busy_before) / expected
     finally:
         worker.terminate()
         worker.wait(60)
@@ -299,7 +307,8 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
         if server is not None:
             server.close()
     errors = [r for r in results.values() if not r.ok]
-    part = PartResult("d: queue end to end", seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out),
+    label = f"d: queue end to end, {expected} workers (--gpus {cfg.gpus})" if cfg.gpus else "d: queue end to end"
+    part = PartResult(label, seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out),
                       errors=len(errors), device_idle_share=max(0.0, 1 - busy / seconds))
     if errors:
         part.notes["first_error"] = errors[0].error
@@ -319,6 +328,39 @@ def compare(naive_dir: Path, engine_paths: list[str], count: int) -> dict[str, A
         per_layer = [max(a, b) for a, b in zip(per_layer, layer_rel)] if per_layer else layer_rel
     return {"max_abs_error": worst_abs, "max_relative_error": worst_rel, "relative_error_per_layer": per_layer,
             "prompts_compared": min(count, len(engine_paths))}
+
+
+def fp32_reference_errors(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], naive_dir: Path,
+                          engine_paths: list[str], count: int = 4) -> dict[str, list[float]]:
+    """Relative error per layer of the naive bf16 files and of the engine's bf16 files against
+    an unbatched float32 HF run of the same weights: how far each is from exact."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(loaded.device):
+        reference = AutoModelForCausalLM.from_config(loaded.model.config, dtype=torch.float32,
+                                                     attn_implementation="sdpa").eval()
+    reference.load_state_dict(loaded.model.state_dict())
+    decoder_layers = reference.get_decoder().layers
+    last: dict[str, torch.Tensor] = {}
+    handle = decoder_layers[-1].register_forward_hook(lambda m, a, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    naive_err: list[float] = []
+    engine_err: list[float] = []
+    try:
+        for index in range(min(count, len(engine_paths))):
+            with torch.inference_mode():
+                out = reference(torch.tensor([prompts[index]], device=loaded.device), output_hidden_states=True,
+                                use_cache=False)
+            exact = torch.stack([last["h"][0] if i == loaded.num_layers else out.hidden_states[i][0]
+                                 for i in layer_ids], 1).float().cpu()
+            for errors, path in ((naive_err, naive_dir / f"{index}.safetensors"), (engine_err, Path(engine_paths[index]))):
+                got = load_file(str(path))["hidden_states"].float()
+                rel = ((got - exact).norm(dim=(0, 2)) / exact.norm(dim=(0, 2))).tolist()
+                errors[:] = [max(a, b) for a, b in zip(errors, rel)] if errors else rel
+    finally:
+        handle.remove()
+        del reference
+        torch.cuda.empty_cache() if loaded.device.type == "cuda" else None
+    return {"naive_bf16_vs_fp32": naive_err, "engine_vs_fp32": engine_err}
 
 
 def memory_check(loaded: LoadedModel, layer_ids: list[int], budget: int) -> dict[str, Any]:
@@ -379,6 +421,8 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         log(f"  {parts['c'].name}: {parts['c'].tokens / parts['c'].seconds:,.0f} tokens/s")
         if "a" in cfg.parts:
             exactness = compare(storage / "a", engine_paths, COMPARE_PROMPTS)
+            if loaded.dtype != torch.float32:
+                exactness.update(fp32_reference_errors(loaded, prompts, layer_ids, storage / "a", engine_paths))
     for name in ("a", "c"):
         shutil.rmtree(storage / name, ignore_errors=True)
     memory = memory_check(loaded, layer_ids, cfg.token_budget) if cfg.memory_check and loaded.device.type == "cuda" else None
@@ -440,6 +484,10 @@ def format_table(report: dict[str, Any]) -> str:
         per_layer = ", ".join(f"{layer}: {err:.2g}" for layer, err in zip(report["layer_ids"], e["relative_error_per_layer"]))
         lines.append(f"engine vs unbatched HF ({e['prompts_compared']} prompts): max abs error {e['max_abs_error']:.3g}, "
                      f"max relative error {e['max_relative_error']:.3g}; per layer {per_layer}")
+        for key in ("naive_bf16_vs_fp32", "engine_vs_fp32"):
+            if key in e:
+                lines.append(f"{key} relative error per layer: "
+                             + ", ".join(f"{layer}: {err:.2g}" for layer, err in zip(report["layer_ids"], e[key])))
     if report.get("memory"):
         lines.append("memory: " + json.dumps(report["memory"]))
     return "\n".join(lines)

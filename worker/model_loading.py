@@ -138,8 +138,11 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, torch_device, config)
     tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
     model = AutoModelForCausalLM.from_pretrained(
         source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-        attn_implementation="sdpa",
-    ).to(torch_device)
+        attn_implementation="sdpa", device_map="auto" if split else None,
+    )
+    if not split:  # several visible GPUs (--gpus-per-worker): device_map spread the layers
+        model = model.to(torch_device)
     return describe(model, tokenizer, name=name or source, source=source, revision=revision)
