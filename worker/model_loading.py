@@ -61,7 +61,7 @@ def resolve_dtype(spec: str, device: torch.device, config: Any | None = None) ->
         return DTYPES[spec]
     if device.type == "cpu":
         return torch.float32
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(config, "dtype", None)
     return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
