@@ -15,17 +15,23 @@ from __future__ import annotations
 
 from celery import Celery
 
+from producer.redis_conn import ssl_options
 from producer.settings import Settings
 
 RESTORE_INTERVAL_MAX = 5.0
 
 
 def transport_options(settings: Settings) -> dict[str, object]:
-    """kombu Redis transport options derived from the settings."""
+    """kombu Redis transport options derived from the settings.
+
+    ``unacked_mutex_expire`` is short: a worker killed while restoring must not block
+    every other worker's restores for kombu's default five minutes.
+    """
     return {
         "visibility_timeout": settings.orphan_timeout,
         "unacked_restore_interval": max(1.0, min(RESTORE_INTERVAL_MAX, settings.orphan_timeout / 4)),
         "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": max(5, int(settings.orphan_timeout)),
         "health_check_interval": 10,
         "socket_keepalive": True,
     }
@@ -56,4 +62,7 @@ def make_celery(settings: Settings) -> Celery:
         task_ignore_result=False,
         timezone="UTC",
     )
+    tls = ssl_options(settings)
+    if tls:
+        app.conf.update(broker_use_ssl=tls, redis_backend_use_ssl=tls)
     return app

@@ -258,6 +258,11 @@ def bench(
         json_out.write_text(json.dumps(report, indent=2))
 
 
+from producer import cli_dlq  # noqa: E402  (subcommand modules register on the app)
+
+cli_dlq.register(app)
+
+
 def main() -> None:
     """Entry point: run the app, turning expected failures into one line and an exit code."""
     import redis

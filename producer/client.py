@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
+from kombu.exceptions import OperationalError
 
 from producer import keys
 from producer.celery_app import make_celery
+from producer.redis_conn import connect
 from producer.schema import Job, Result
 from producer.settings import Settings
 
@@ -36,8 +38,7 @@ class Client:
             settings = settings.model_copy(update={"redis_url": redis_url})
         self.settings = settings
         self.celery = make_celery(settings)
-        self.redis = redis.Redis.from_url(settings.broker_url, decode_responses=True,
-                                          health_check_interval=10, socket_keepalive=True)
+        self.redis = connect(settings, decode_responses=True)
 
     # -- submitting -------------------------------------------------------------------
     def submit(self, job: Job | Mapping[str, Any], **fields: Any) -> Job:
@@ -53,15 +54,33 @@ class Client:
             raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
                               f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
         now = time.time()
-        self.redis.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
-        self.celery.send_task(
-            keys.EXTRACT_TASK,
-            args=[payload],
-            kwargs={"submitted_at": now},
-            queue=keys.model_queue(job.model),
-            task_id=keys.task_id(job.run, job.job_id),  # type: ignore[arg-type]
-        )
+        queue, task_id = keys.model_queue(job.model), keys.task_id(job.run, job.job_id)  # type: ignore[arg-type]
+        args, kwargs = [payload], {"submitted_at": now}
+        self._retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
+        self._retrying(lambda: self.celery.send_task(keys.EXTRACT_TASK, args=args, kwargs=kwargs, queue=queue,
+                                                     task_id=task_id))
         return job
+
+    def _record_pending(self, job: Job, queue: str, task_id: str, args: list[Any], kwargs: dict[str, Any],
+                        now: float) -> None:
+        """Before sending: the run's ledger, and what the reconciler needs to resend a lost message."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
+        pipe.hset(keys.PENDING_HASH, task_id, json.dumps({"queue": queue, "submitted_at": now}))
+        pipe.hset(keys.PENDING_PAYLOAD_HASH, task_id, json.dumps({"args": args, "kwargs": kwargs, "queue": queue}))
+        pipe.execute()
+
+    def _retrying(self, action: Callable[[], Any], give_up_s: float = 60.0) -> Any:
+        """Run ``action``, retrying while Redis is unreachable (restarting) for up to ``give_up_s``."""
+        deadline, delay = time.monotonic() + give_up_s, 0.1
+        while True:
+            try:
+                return action()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
         """Submit each job; returns them with ids."""

@@ -18,6 +18,18 @@ DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 WORKERS_HASH = f"{PREFIX}:workers"
 
 
+#: Hash task id -> JSON {"queue", "submitted_at"}: jobs sent by the Client and not yet finished.
+PENDING_HASH = f"{PREFIX}:pending"
+#: Hash task id -> JSON {"args", "kwargs", "queue"}: what to send again if the message is lost.
+PENDING_PAYLOAD_HASH = f"{PREFIX}:pending:payload"
+#: Hash task id -> time the reconciler first found the job neither queued, held nor finished.
+SUSPECT_HASH = f"{PREFIX}:pending:suspect"
+#: Lock (SET NX EX) so that one worker at a time reconciles.
+RECONCILE_LOCK = f"{PREFIX}:reconcile:lock"
+#: Counter of jobs the reconciler sent again.
+RECOVERED_COUNTER = f"{PREFIX}:stats:recovered"
+
+
 def model_queue(model: str) -> str:
     """The Celery queue (a Redis list) that carries jobs for ``model``."""
     return f"{PREFIX}.q.{model}"

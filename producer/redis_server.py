@@ -52,16 +52,21 @@ def free_port() -> int:
 class RedisServer:
     """A private ``redis-server`` process on 127.0.0.1. Use as a context manager."""
 
-    def __init__(self, port: int | None = None, data_dir: str | Path | None = None, *, appendonly: bool = True):
+    def __init__(self, port: int | None = None, data_dir: str | Path | None = None, *, appendonly: bool = True,
+                 extra_args: list[str] | None = None, url: str | None = None):
+        """``extra_args`` go to redis-server as given (e.g. ACL users, TLS); ``url`` replaces the
+        default ``redis://127.0.0.1:<port>/0`` (e.g. with credentials or ``rediss://``)."""
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="layertap-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
         self.appendonly = appendonly
+        self.extra_args = list(extra_args or [])
+        self._url = url
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self._url or f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisServer:
         """Start the server and wait until it answers PING."""
@@ -70,7 +75,7 @@ class RedisServer:
             find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-            "--logfile", str(self.data_dir / "redis.log"),
+            "--logfile", str(self.data_dir / "redis.log"), *self.extra_args,
         ]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
@@ -81,9 +86,12 @@ class RedisServer:
                 if client.ping():
                     # Loading an AOF answers LOADING errors until done; PING succeeds only after.
                     return self
-            except redis.exceptions.ConnectionError:
-                pass
-            except redis.exceptions.BusyLoadingError:
+            except redis.exceptions.AuthenticationError:
+                return self  # up, and asking for credentials (ACL/requirepass configured)
+            except redis.exceptions.ResponseError as exc:
+                if "NOAUTH" in str(exc):
+                    return self
+            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
                 pass
             if self.process.poll() is not None:
                 raise RedisServerError(f"redis-server exited with code {self.process.returncode}; "

@@ -52,6 +52,15 @@ class Limits(BaseModel):
     max_job_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
 
+class TlsSettings(BaseModel):
+    """TLS for ``rediss://`` URLs (ignored for ``redis://``)."""
+
+    ca_certs: str | None = None  # CA bundle that signed the server's certificate
+    certfile: str | None = None  # client certificate (mutual TLS)
+    keyfile: str | None = None
+    cert_reqs: str = Field(default="required", pattern="^(required|optional|none)$")
+
+
 class Settings(BaseSettings):
     """Everything layertap reads from its environment."""
 
@@ -70,6 +79,7 @@ class Settings(BaseSettings):
     result_ttl: int = Field(default=7 * 24 * 3600, gt=0)  # seconds Celery's backend keeps a result
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     limits: Limits = Field(default_factory=Limits)
+    tls: TlsSettings = Field(default_factory=TlsSettings)
 
     @classmethod
     def settings_customise_sources(

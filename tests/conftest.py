@@ -61,6 +61,7 @@ class WorkerProcess:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    client_settings: Settings | None = None  # how the test reaches Redis (default: redis_url alone)
     process: subprocess.Popen | None = None
 
     def start(self, wait: bool = True, timeout: float = 120.0) -> WorkerProcess:
@@ -76,7 +77,7 @@ class WorkerProcess:
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        with Client(Settings(redis_url=self.redis_url)) as client:
+        with Client(self.client_settings or Settings(redis_url=self.redis_url)) as client:
             deadline = time.monotonic() + timeout
             while self.node not in client.workers():
                 assert self.process is not None

@@ -37,6 +37,18 @@ from worker.packed_attention import packed_sequences, use_packed_attention
 log = logging.getLogger(__name__)
 
 
+def is_device_fatal(exc: BaseException) -> bool:
+    """A device error after which this process's CUDA context cannot be trusted (illegal
+    address, device-side assert, ECC, launch failure). Out-of-memory is not one."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
+
+
 def compile_decoder_layers(loaded: LoadedModel) -> None:
     """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
     MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
@@ -131,12 +143,15 @@ class Engine:
     """Owns the model on one thread. ``submit`` is thread-safe."""
 
     def __init__(self, loaded: LoadedModel, *, token_budget: int = 16384, max_batch_jobs: int = 256,
-                 batch_wait_s: float = 0.002, host_buffers: int = 3, compile_layers: bool = False):
+                 batch_wait_s: float = 0.002, host_buffers: int = 3, compile_layers: bool = False,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.loaded = loaded
         self.token_budget = token_budget
         self.max_batch_jobs = max_batch_jobs
         self.batch_wait_s = batch_wait_s
         self.stats = EngineStats()
+        self.fatal: BaseException | None = None
+        self._on_fatal = on_fatal
         self._cuda = loaded.device.type == "cuda"
         self._capture = LayerCapture(loaded)
         self._pending: deque[EngineRequest] = deque()
@@ -200,11 +215,26 @@ class Engine:
                 return
             try:
                 self._run_or_split(batch)
-            except Exception as exc:  # a bug: fail these jobs, keep serving
+            except Exception as exc:  # fail these jobs (transient: they are retried), keep serving
                 log.exception("engine batch failed")
+                fatal = is_device_fatal(exc)
+                message = ("device fault; this worker is stopping: " if fatal else "") + f"{type(exc).__name__}: {exc}"
                 for request in batch:
                     if not request.future.done():
-                        request.future.set_exception(JobError(ErrorType.internal, f"{type(exc).__name__}: {exc}"))
+                        request.future.set_exception(JobError(ErrorType.internal, message))
+                if fatal:
+                    self._fail_fatally(exc)
+                    return
+
+    def _fail_fatally(self, exc: BaseException) -> None:
+        """Refuse all further work and tell the owner, which exits non-zero for its supervisor to restart."""
+        with self._cond:
+            self.fatal, self._stopping = exc, True
+            pending, self._pending = list(self._pending), deque()
+        for request in pending:
+            request.future.set_exception(JobError(ErrorType.internal, f"device fault on this worker: {exc}"))
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
 
     def _next_batch(self) -> list[EngineRequest] | None:
         with self._cond:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,12 @@ from worker.processor import JobProcessor
 
 def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
                     limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
-                    host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False) -> JobProcessor:
+                    host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False,
+                    on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor)."""
     engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
-                    batch_wait_s=batch_wait_s, host_buffers=host_buffers, compile_layers=compile_layers)
+                    batch_wait_s=batch_wait_s, host_buffers=host_buffers, compile_layers=compile_layers,
+                    on_fatal=on_fatal)
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
     return JobProcessor(loaded, engine, preparer, storage_root, worker_name, write_slots)
 

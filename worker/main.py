@@ -10,24 +10,27 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 from pathlib import Path
 
-import redis
-
 from producer import keys
 from producer.celery_app import make_celery
+from producer.redis_conn import connect
 from producer.settings import Settings
 from worker.extractor import build_processor
 from worker.lease import LeaseKeeper
 from worker.model_loading import load_model
 from worker.publisher import ResultPublisher
+from worker.reconciler import Reconciler
 from worker.service import WorkerService
 from worker.tasks import register_extract_task
 from worker.writer import remove_stale_temp_files
 
 log = logging.getLogger("layertap.worker")
+#: Exit code after a device fault: the supervisor (or systemd, Kubernetes) restarts the process.
+EXIT_DEVICE_FAULT = 3
 
 
 def default_node_name() -> str:
@@ -49,12 +52,19 @@ def run_worker(settings: Settings) -> int:
                         revision=ws.revision, trust_remote_code=ws.trust_remote_code)
     log.info("serving %s (%d layers, hidden %d) on %s as %s; queue %s", loaded.name, loaded.num_layers,
              loaded.hidden_size, loaded.device, str(loaded.dtype).removeprefix("torch."), keys.model_queue(loaded.name))
+    faults: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:
+        log.critical("device fault, stopping so the supervisor restarts this worker: %s", exc)
+        faults.append(exc)
+        os.kill(os.getpid(), signal.SIGTERM)  # warm shutdown: running tasks end (their jobs retry elsewhere)
+
     processor = build_processor(loaded, storage_root=storage_root, worker_name=node, layers=ws.layers,
                                 limits=settings.limits, token_budget=ws.token_budget,
                                 max_batch_jobs=ws.max_batch_jobs, batch_wait_s=ws.batch_wait_ms / 1000,
                                 host_buffers=ws.host_buffers, write_slots=ws.writer_threads,
-                                compile_layers=ws.compile)
-    client = redis.Redis.from_url(settings.broker_url, health_check_interval=10, socket_keepalive=True)
+                                compile_layers=ws.compile, on_fatal=on_fatal)
+    client = connect(settings)
     service = WorkerService(processor, client, ResultPublisher(client), settings.max_attempts)
     app = make_celery(settings)
     register_extract_task(app, service)
@@ -65,6 +75,7 @@ def run_worker(settings: Settings) -> int:
             "started": time.time(), "storage_root": str(storage_root.resolve())}
     keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot()},
                          settings.orphan_timeout).start()
+    reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout).start()
     celery_worker = app.Worker(
         hostname=node, pool_cls="threads", concurrency=ws.concurrency, queues=[keys.model_queue(loaded.name)],
         loglevel=ws.loglevel.upper(), without_gossip=True, without_mingle=True, send_events=True,
@@ -72,6 +83,7 @@ def run_worker(settings: Settings) -> int:
     try:
         celery_worker.start()
     finally:
+        reconciler.stop()
         keeper.stop()
         processor.engine.stop()
-    return celery_worker.exitcode or 0
+    return EXIT_DEVICE_FAULT if faults else (celery_worker.exitcode or 0)

@@ -1,5 +1,6 @@
-"""Publishing a result: the run's Stream (durable), its pub/sub channel (instant) and the
-run's status hash (one entry per job), in one MULTI/EXEC transaction.
+"""Publishing a final result: the run's Stream (durable), its pub/sub channel (instant), the
+run's status hash (one entry per job) and the end of the job's pending record (see
+``worker.reconciler``), in one MULTI/EXEC transaction.
 
 The stream entry holds the result as flat JSON under the field ``result``. Redis being
 away is waited out with backoff; only after ``give_up_s`` does publishing raise, and the
@@ -36,6 +37,9 @@ class ResultPublisher:
                 pipe.xadd(stream, {RESULT_FIELD: data})
                 pipe.publish(stream, data)
                 pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
+                task_id = keys.task_id(result.run, result.job_id)
+                for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
+                    pipe.hdel(pending, task_id)
                 pipe.execute()
                 return
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,

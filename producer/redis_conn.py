@@ -1,0 +1,33 @@
+"""Connecting to Redis the same way everywhere: URL (``redis://`` or ``rediss://``, with
+``user:password@`` for AUTH/ACL), TLS options from ``settings.tls``, keepalive and health
+checks so a restarted server is reconnected to transparently.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+import redis
+
+from producer.settings import Settings
+
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+
+
+def ssl_options(settings: Settings) -> dict[str, Any] | None:
+    """redis-py/kombu SSL keywords for a ``rediss://`` URL, else None."""
+    if not settings.broker_url.startswith("rediss://"):
+        return None
+    tls = settings.tls
+    options: dict[str, Any] = {"ssl_cert_reqs": _CERT_REQS[tls.cert_reqs]}
+    for key, value in (("ssl_ca_certs", tls.ca_certs), ("ssl_certfile", tls.certfile), ("ssl_keyfile", tls.keyfile)):
+        if value:
+            options[key] = value
+    return options
+
+
+def connect(settings: Settings, *, decode_responses: bool = False) -> redis.Redis:
+    """A client for ``settings.broker_url``."""
+    return redis.Redis.from_url(settings.broker_url, decode_responses=decode_responses, health_check_interval=10,
+                                socket_keepalive=True, **(ssl_options(settings) or {}))

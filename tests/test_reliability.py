@@ -1,0 +1,275 @@
+"""Nothing lost, nothing corrupted: kills, hangs, races, poison jobs and Redis restarts,
+against real worker processes and a private Redis server (killed and restarted here).
+
+A job is made to "run long" deterministically by holding the exclusive lock on its
+file's lock file from the test: the worker computes the job, then waits in the writer
+for the lock, alive and renewing its leases, until the test lets go.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from producer import keys
+from producer.client import Client
+from producer.fileformat import verify_file
+from producer.naming import job_path
+from producer.reader import load_hidden_states
+from producer.redis_server import RedisServer
+from producer.schema import ErrorType, Job
+from producer.settings import Settings
+from tests.conftest import WorkerProcess
+
+ORPHAN_TIMEOUT = 2.0
+RELIABILITY_ENV = {"LAYERTAP_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT), "LAYERTAP_MAX_ATTEMPTS": "3"}
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    with RedisServer(data_dir=tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def make_worker(private_redis, tiny_models, tmp_path):
+    started: list[WorkerProcess] = []
+    storage = tmp_path / "files"
+
+    def make(node: str, *, wait: bool = True, extra_args: list[str] | None = None,
+             env: dict[str, str] | None = None) -> WorkerProcess:
+        worker = WorkerProcess(tiny_models["qwen3"], "tiny-qwen3", private_redis.url, storage, node=node,
+                               extra_args=extra_args or [], env={**RELIABILITY_ENV, **(env or {})},
+                               log_path=tmp_path / f"{node.split('@')[0]}.log")
+        started.append(worker)
+        return worker.start(wait=wait)
+
+    make.storage = storage  # type: ignore[attr-defined]
+    yield make
+    for worker in started:
+        if worker.process and worker.process.poll() is None:
+            os.kill(worker.process.pid, signal.SIGCONT)
+        worker.kill()
+
+
+@pytest.fixture
+def private_client(private_redis):
+    with Client(Settings(redis_url=private_redis.url, orphan_timeout=ORPHAN_TIMEOUT)) as value:
+        yield value
+
+
+@contextmanager
+def hold_lock(path: Path):
+    """Hold the writer's exclusive lock on ``path`` (as a slow writer would)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def attempts(client: Client, job: Job) -> int:
+    return int(client.redis.get(keys.attempts_key(job.run, job.job_id)) or 0)
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def results_for(client: Client, run: str, job_id: str):
+    return [r for r in client.results(run) if r.job_id == job_id]
+
+
+def temp_files(root: Path) -> list[Path]:
+    return list(root.rglob(".*.tmp")) if root.exists() else []
+
+
+def make_job(run: str, text: str = "a job that will run for a while") -> Job:
+    return Job(model="tiny-qwen3", run=run, prompt=text).with_id()
+
+
+def test_long_job_on_live_worker_is_never_redelivered(make_worker, private_client):
+    first = make_worker("first@localhost")
+    make_worker("second@localhost")
+    job = make_job("long")
+    with hold_lock(job_path(make_worker.storage, job.run, job.job_id)):
+        private_client.submit(job)
+        wait_for(lambda: attempts(private_client, job) == 1, 30, "the job to start")
+        time.sleep(4 * ORPHAN_TIMEOUT)  # far past the visibility timeout
+        assert attempts(private_client, job) == 1  # nobody else started it
+    result = private_client.wait(job.run, [job.job_id], timeout=30)[job.job_id]
+    assert result.ok and result.worker == first.node and result.attempt == 1
+    time.sleep(2 * ORPHAN_TIMEOUT)
+    assert len(results_for(private_client, job.run, job.job_id)) == 1
+
+
+def test_killed_workers_job_is_back_within_orphan_timeout(make_worker, private_client):
+    doomed = make_worker("doomed@localhost")
+    job = make_job("orphan")
+    path = job_path(make_worker.storage, job.run, job.job_id)
+    with hold_lock(path):
+        private_client.submit(job)
+        wait_for(lambda: attempts(private_client, job) == 1, 30, "the job to start")
+        rescuer = make_worker("rescuer@localhost")
+        doomed.kill()
+        waited = wait_for(lambda: attempts(private_client, job) == 2, 30, "the job to be redelivered")
+        assert waited < 4 * ORPHAN_TIMEOUT + 5  # orphan timeout + restore interval, not Celery's hour
+    result = private_client.wait(job.run, [job.job_id], timeout=30)[job.job_id]
+    assert result.ok and result.worker == rescuer.node
+    verify_file(path)
+    assert temp_files(make_worker.storage) == []
+
+
+def test_hung_worker_redelivery_is_done_once_in_effect(make_worker, private_client):
+    hung = make_worker("hung@localhost")
+    job = make_job("hung")
+    path = job_path(make_worker.storage, job.run, job.job_id)
+    with hold_lock(path):
+        private_client.submit(job)
+        wait_for(lambda: attempts(private_client, job) == 1, 30, "the job to start")
+        make_worker("healthy@localhost")
+        os.kill(hung.process.pid, signal.SIGSTOP)  # hung: no progress, no lease renewal
+        wait_for(lambda: attempts(private_client, job) == 2, 30, "the job to be redelivered")
+    private_client.wait(job.run, [job.job_id], timeout=30)
+    os.kill(hung.process.pid, signal.SIGCONT)
+    time.sleep(3)  # the hung worker wakes up and finishes its copy
+    results = results_for(private_client, job.run, job.job_id)
+    assert all(r.ok for r in results)
+    assert {r.path for r in results} == {str(path)} and {r.num_tokens for r in results} == {results[0].num_tokens}
+    verify_file(path)
+    assert [p.name for p in path.parent.iterdir() if p.suffix == ".safetensors"] == [path.name]
+    assert temp_files(make_worker.storage) == []
+
+
+def test_two_workers_racing_on_one_job_write_one_file(make_worker, private_client):
+    one_at_a_time = ["--concurrency", "1"]  # each worker holds one job, so each takes one copy
+    make_worker("racer-a@localhost", extra_args=one_at_a_time)
+    make_worker("racer-b@localhost", extra_args=one_at_a_time)
+    job = make_job("race")
+    path = job_path(make_worker.storage, job.run, job.job_id)
+    with hold_lock(path):
+        private_client.submit(job)
+        private_client.submit(job)  # the same job twice: both workers take one copy
+        wait_for(lambda: attempts(private_client, job) == 2, 30, "both copies to start")
+    wait_for(lambda: len(results_for(private_client, job.run, job.job_id)) == 2, 30, "both results")
+    results = results_for(private_client, job.run, job.job_id)
+    assert {r.worker for r in results} == {"racer-a@localhost", "racer-b@localhost"}
+    assert all(r.ok for r in results) and {r.path for r in results} == {str(path)}
+    verify_file(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, f"{path.name}.lock"]
+
+
+def test_poison_job_is_dead_lettered_and_later_jobs_are_unaffected(make_worker, private_client, private_redis):
+    make_worker("poisoned@localhost")
+    poison = make_job("poison", "this one cannot be written")
+    path = job_path(make_worker.storage, poison.run, poison.job_id)
+    path.mkdir(parents=True)  # a folder where the file must go: every write fails
+    private_client.submit(poison)
+    result = private_client.wait(poison.run, [poison.job_id], timeout=60)[poison.job_id]
+    assert result.error_type == ErrorType.dead_letter and result.attempt == 3
+    assert "write_failed" in result.error
+    dead = private_client.redis.xrange(keys.DEAD_LETTER_STREAM)
+    assert len(dead) == 1 and dead[0][1]["job_id"] == poison.job_id and dead[0][1]["attempts"] == "3"
+    later = private_client.submit({"prompt": "a later job"}, model="tiny-qwen3", run="poison")
+    assert private_client.wait("poison", [later.job_id], timeout=30)[later.job_id].ok
+
+    env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
+    import subprocess
+    import sys
+
+    listed = subprocess.run([sys.executable, "-m", "producer.cli", "dlq", "list", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert json.loads(listed.stdout.splitlines()[0])["job_id"] == poison.job_id
+    path.rmdir()  # fix the cause, then requeue
+    requeued = subprocess.run([sys.executable, "-m", "producer.cli", "dlq", "requeue"], env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert poison.job_id in requeued.stdout
+    wait_for(lambda: private_client.latest("poison")[poison.job_id].ok, 30, "the requeued job")
+    assert private_client.redis.xlen(keys.DEAD_LETTER_STREAM) == 0
+
+
+def test_lost_message_is_sent_again(make_worker, private_client):
+    """The window kombu leaves (message popped, worker dies before recording it): simulated by
+    taking the message off the queue while no worker runs."""
+    job = make_job("lost", "a message that vanished")
+    private_client.submit(job)
+    assert private_client.redis.delete(keys.model_queue("tiny-qwen3")) == 1
+    make_worker("recoverer@localhost")
+    result = private_client.wait(job.run, [job.job_id], timeout=60)[job.job_id]
+    assert result.ok
+    assert int(private_client.redis.get(keys.RECOVERED_COUNTER)) == 1
+    assert private_client.redis.hlen(keys.PENDING_HASH) == 0  # the final result closed the record
+
+
+def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client, private_redis, tiny_models):
+    rng = random.Random(1234)
+    run = "chaos"
+    jobs = [Job(model="tiny-qwen3", run=run, token_ids=[rng.randrange(700) for _ in range(rng.randint(20, 300))],
+                layers=[0, 2, 4]).with_id() for _ in range(300)]
+    slow = ["--token-budget", "256", "--concurrency", "8"]  # many small batches
+    # A job running when its worker is killed counts an attempt (that is how a job that kills
+    # workers gets dead-lettered); here the kills are the test's doing, so allow more of them.
+    patient = {"LAYERTAP_MAX_ATTEMPTS": "10"}
+    worker = make_worker("chaos-0@localhost", extra_args=slow, env=patient)
+
+    def submit_steadily():  # jobs keep arriving while workers die and Redis restarts
+        with Client(Settings(redis_url=private_redis.url)) as producer:
+            for job in jobs:
+                producer.submit(job)
+                time.sleep(0.05)
+
+    submitter = threading.Thread(target=submit_steadily)
+    submitter.start()
+    kills = 0
+    for round_no in range(1, 7):
+        time.sleep(rng.uniform(0.5, 2.0))
+        worker.kill()
+        kills += 1
+        if round_no == 3:  # a Redis crash and restart (AOF, appendfsync always) mid-run
+            private_redis.restart()
+        worker = make_worker(f"chaos-{round_no}@localhost", extra_args=slow, env=patient)
+    submitter.join()
+    assert kills >= 5
+    deadline = time.monotonic() + 240
+    while True:
+        latest = private_client.latest(run)
+        if len(latest) == len(jobs) and all(r.ok for r in latest.values()):
+            break
+        assert time.monotonic() < deadline, f"{len(latest)} of {len(jobs)} results after the chaos"
+        time.sleep(0.5)
+
+    statuses = private_client.redis.hgetall(keys.run_status_hash(run))
+    assert len(statuses) == len(jobs) and set(statuses.values()) == {"ok"}
+    assert set(latest) == {job.job_id for job in jobs}  # duplicates in the stream are the same jobs
+    everything = list(private_client.results(run))
+    assert len({r.worker for r in everything}) >= 4, "the kills did not land while jobs were running"
+    print(f"chaos: {len(everything)} stream entries for {len(jobs)} jobs from "
+          f"{len({r.worker for r in everything})} worker lives; max attempt {max(r.attempt or 1 for r in everything)}")
+    assert temp_files(make_worker.storage) == []
+    from worker import Extractor
+
+    with Extractor(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu") as clean:
+        clean_results = clean.extract([job.model_dump(exclude={"run", "job_id"}, exclude_none=True) for job in jobs],
+                                      Path(make_worker.storage).parent / "clean", run="clean")
+    for job, clean_result in zip(jobs, clean_results):
+        got = load_hidden_states(latest[job.job_id].path)
+        expected = load_hidden_states(clean_result.path)
+        assert torch.equal(got["token_ids"], expected["token_ids"])
+        torch.testing.assert_close(got["hidden_states"], expected["hidden_states"], atol=1e-5, rtol=1e-5)
