@@ -47,8 +47,8 @@ def make_worker(private_redis, tiny_models, tmp_path):
     storage = tmp_path / "files"
 
     def make(node: str, *, wait: bool = True, extra_args: list[str] | None = None,
-             env: dict[str, str] | None = None) -> WorkerProcess:
-        worker = WorkerProcess(tiny_models["qwen3"], "tiny-qwen3", private_redis.url, storage, node=node,
+             env: dict[str, str] | None = None, model_dir: Path | None = None, name: str = "tiny-qwen3") -> WorkerProcess:
+        worker = WorkerProcess(model_dir or tiny_models["qwen3"], name, private_redis.url, storage, node=node,
                                extra_args=extra_args or [], env={**RELIABILITY_ENV, **(env or {})},
                                log_path=tmp_path / f"{node.split('@')[0]}.log")
         started.append(worker)
@@ -240,10 +240,11 @@ def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client,
     kills = 0
     for round_no in range(1, 7):
         time.sleep(rng.uniform(0.5, 2.0))
+        if round_no == 3:  # Redis crashes and restarts (AOF, appendfsync always) under a live worker
+            private_redis.restart()
+            time.sleep(rng.uniform(1.0, 3.0))  # the worker reconnects and goes on
         worker.kill()
         kills += 1
-        if round_no == 3:  # a Redis crash and restart (AOF, appendfsync always) mid-run
-            private_redis.restart()
         worker = make_worker(f"chaos-{round_no}@localhost", extra_args=slow, env=patient)
     submitter.join()
     assert kills >= 5
@@ -273,3 +274,40 @@ def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client,
         expected = load_hidden_states(clean_result.path)
         assert torch.equal(got["token_ids"], expected["token_ids"])
         torch.testing.assert_close(got["hidden_states"], expected["hidden_states"], atol=1e-5, rtol=1e-5)
+
+
+def test_non_finite_states_are_an_error_not_a_file(make_worker, private_client, tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    broken = tmp_path / "broken-model"
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"])
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight.fill_(float("inf"))  # layer 2 outputs Inf
+    model.save_pretrained(broken)
+    AutoTokenizer.from_pretrained(tiny_models["qwen3"]).save_pretrained(broken)
+    make_worker("broken@localhost", model_dir=broken, name="tiny-broken")
+    bad = private_client.submit({"prompt": "through the broken layer"}, model="tiny-broken", run="nan", layers=[0, 4])
+    fine = private_client.submit({"prompt": "stop before it"}, model="tiny-broken", run="nan", layers=[0, 2])
+    results = private_client.wait("nan", [bad.job_id, fine.job_id], timeout=60)
+    assert results[bad.job_id].error_type == ErrorType.non_finite
+    assert not job_path(make_worker.storage, "nan", bad.job_id).exists()
+    assert results[fine.job_id].ok  # layer 2's input is still finite
+
+
+def test_sigterm_finishes_running_jobs_and_leaves_the_rest_queued(make_worker, private_client):
+    stopping = make_worker("stopping@localhost", extra_args=["--concurrency", "1"])
+    first = make_job("stop", "the job that is running at SIGTERM")
+    queued = [make_job("stop", f"queued job {i}") for i in range(3)]
+    with hold_lock(job_path(make_worker.storage, first.run, first.job_id)):
+        private_client.submit(first)
+        wait_for(lambda: attempts(private_client, first) == 1, 30, "the first job to start")
+        for job in queued:
+            private_client.submit(job)
+        stopping.process.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert stopping.process.poll() is None  # warm shutdown: waiting for the running job
+    assert stopping.process.wait(timeout=60) == 0
+    assert private_client.latest("stop")[first.job_id].ok
+    make_worker("successor@localhost")
+    results = private_client.wait("stop", [job.job_id for job in queued], timeout=60)
+    assert all(r.ok and r.worker == "successor@localhost" for r in results.values())
