@@ -77,11 +77,12 @@ class JobProcessor:
 
     def process(self, raw: Any, *, submitted_at: float | None = None, attempt: int | None = None,
                 fallback_id: str | None = None) -> Result:
-        """Run one job and return its result (never raises)."""
+        """Run one job (raw message data, or an already validated :class:`Job`) and return its
+        result (never raises)."""
         started = time.time()
         queued = max(0.0, started - submitted_at) if submitted_at else None
         try:
-            job = self.parse(raw, fallback_id)
+            job = raw.with_id() if isinstance(raw, Job) else self.parse(raw, fallback_id)
         except JobError as exc:
             job_id, run = identify(raw, fallback_id)
             return self._error(job_id, run, exc, Timings(queued=queued), attempt=attempt)

@@ -26,7 +26,8 @@ class ResultPublisher:
         self.redis = client
         self.give_up_s = give_up_s
 
-    def publish(self, result: Result) -> None:
+    def publish(self, result: Result, also_delete: tuple[str, ...] | list[str] = ()) -> None:
+        """Publish ``result`` (and delete ``also_delete`` keys in the same transaction)."""
         data = result.model_dump_json()
         stream = keys.results_stream(result.run)
         deadline = time.monotonic() + self.give_up_s
@@ -40,6 +41,8 @@ class ResultPublisher:
                 task_id = keys.task_id(result.run, result.job_id)
                 for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
                     pipe.hdel(pending, task_id)
+                if also_delete:
+                    pipe.delete(*also_delete)
                 pipe.execute()
                 return
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,

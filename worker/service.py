@@ -63,20 +63,20 @@ class WorkerService:
             self.publisher.publish(result)
             return result.model_dump(mode="json")
         attempts = keys.attempts_key(job.run, job.job_id)  # type: ignore[arg-type]
-        attempt = int(self.redis.incr(attempts))
-        self.redis.expire(attempts, ATTEMPTS_TTL_S)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incr(attempts)
+        pipe.expire(attempts, ATTEMPTS_TTL_S)
+        attempt = int(pipe.execute()[0])
         if attempt > self.max_attempts:
             result = self.dead_letter(job, attempt - 1, ErrorType.internal,
                                       f"the worker died {attempt - 1} time(s) while running this job")
         else:
-            result = self.processor.process(job.model_dump(mode="json", exclude_none=True),
-                                            submitted_at=submitted_at, attempt=attempt)
+            result = self.processor.process(job, submitted_at=submitted_at, attempt=attempt)
             if result.status is Status.error and result.error_type in TRANSIENT_ERRORS:
                 if attempt < self.max_attempts:
                     raise RetryLater(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempt - 1)))
                 result = self.dead_letter(job, attempt, result.error_type, result.error or "")  # type: ignore[arg-type]
-        self.publisher.publish(result)
-        self.redis.delete(attempts)
+        self.publisher.publish(result, also_delete=(attempts,))
         return result.model_dump(mode="json")
 
     def dead_letter(self, job: Job, attempts: int, last_type: ErrorType, last_error: str) -> Result:
