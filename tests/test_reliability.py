@@ -253,7 +253,8 @@ def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client,
         latest = private_client.latest(run)
         if len(latest) == len(jobs) and all(r.ok for r in latest.values()):
             break
-        assert time.monotonic() < deadline, f"{len(latest)} of {len(jobs)} results after the chaos"
+        errors = sorted({f"{r.error_type}: {r.error}" for r in latest.values() if not r.ok})
+        assert time.monotonic() < deadline, f"{len(latest)} of {len(jobs)} results after the chaos; errors: {errors}"
         time.sleep(0.5)
 
     statuses = private_client.redis.hgetall(keys.run_status_hash(run))
