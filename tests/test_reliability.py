@@ -312,3 +312,11 @@ def test_sigterm_finishes_running_jobs_and_leaves_the_rest_queued(make_worker, p
     make_worker("successor@localhost")
     results = private_client.wait("stop", [job.job_id for job in queued], timeout=60)
     assert all(r.ok and r.worker == "successor@localhost" for r in results.values())
+
+
+def test_message_over_the_byte_limit_is_refused(make_worker, private_client):
+    make_worker("small@localhost", env={"LAYERTAP_LIMITS__MAX_JOB_BYTES": "2000"})
+    big = {"model": "tiny-qwen3", "run": "big", "job_id": "too-big", "prompt": "word " * 1000}
+    private_client.celery.send_task(keys.EXTRACT_TASK, args=[big], queue=keys.model_queue("tiny-qwen3"))
+    result = private_client.wait("big", ["too-big"], timeout=60)["too-big"]
+    assert result.error_type == ErrorType.invalid_job and "limit is 2000" in result.error

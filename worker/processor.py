@@ -69,7 +69,17 @@ class JobProcessor:
         self._write_slots = threading.BoundedSemaphore(write_slots)
 
     def parse(self, raw: Any, fallback_id: str | None = None) -> Job:
-        """Validate raw message data into a job with an id; raises :class:`JobError`."""
+        """Validate raw message data into a job with an id; raises :class:`JobError`.
+
+        The size is checked first, so a huge message is refused before it is validated."""
+        limit = self.preparer.limits.max_job_bytes
+        try:
+            size = len(json.dumps(raw, separators=(",", ":")))
+        except (TypeError, ValueError):
+            size = 0  # not JSON-like data: validation below names the problem
+        if size > limit:
+            raise JobError(ErrorType.invalid_job, f"the job is {size} bytes of JSON; this worker's limit is {limit} "
+                                                  "(LAYERTAP_LIMITS__MAX_JOB_BYTES)")
         try:
             return Job.model_validate(raw).with_id()
         except ValidationError as exc:
