@@ -1,0 +1,61 @@
+"""The teacher's next-token distribution, top-k, at chosen positions only.
+
+Row ``t`` is the distribution of token ``t + 1`` (HF's ``logits[t]``): ``lm_head`` on the
+final-norm output at ``t`` (Gemma's ``final_logit_softcapping`` applied when configured),
+``log_softmax`` in float32, then the ``k`` largest, in descending order. Runs on the
+engine thread, on the device, in chunks of positions that bound the float32 logits to
+:data:`LOGITS_CHUNK_BYTES`.
+
+In a file, ``topk_logprobs``/``topk_ids`` are ``[T, k]``; rows not computed hold
+``-inf``/``-1`` (:func:`dense_topk`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.model_loading import LoadedModel
+
+LOGITS_CHUNK_BYTES = 256 * 2**20
+NOT_COMPUTED_ID = -1
+
+
+class TeacherHead:
+    """``lm_head`` of one loaded model, as top-k log-probs. Not thread-safe (engine thread)."""
+
+    def __init__(self, loaded: LoadedModel):
+        if loaded.lm_head is None:
+            raise ValueError(f"{loaded.name} has no output embeddings (lm_head)")
+        self.head = loaded.lm_head
+        self.softcap = getattr(loaded.model.config.get_text_config(), "final_logit_softcapping", None)
+        vocab = loaded.lm_head.weight.shape[0]
+        self.chunk_rows = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+
+    def topk(self, final: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs float32 [N, k], ids int32 [N, k])`` for positions ``rows`` (int64 ``[N]``) of ``final`` ``[T, H]``."""
+        logprobs = torch.empty(rows.shape[0], k, dtype=torch.float32, device=final.device)
+        ids = torch.empty(rows.shape[0], k, dtype=torch.int32, device=final.device)
+        for start in range(0, rows.shape[0], self.chunk_rows):
+            chunk = slice(start, start + self.chunk_rows)
+            logits = self.head(final[rows[chunk]])
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            values, indices = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+            logprobs[chunk] = values
+            ids[chunk] = indices.to(torch.int32)
+        return logprobs, ids
+
+
+def dense_topk(num_tokens: int, rows: list[int] | None, logprobs: torch.Tensor,
+               ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, k]`` tensors from the computed ``rows`` (None: all rows were computed); the others
+    hold ``-inf`` and ``-1``."""
+    if rows is None:
+        return logprobs, ids
+    k = logprobs.shape[1]
+    full_logprobs = torch.full((num_tokens, k), float("-inf"), dtype=torch.float32)
+    full_ids = torch.full((num_tokens, k), NOT_COMPUTED_ID, dtype=torch.int32)
+    index = torch.tensor(rows, dtype=torch.long)
+    full_logprobs[index] = logprobs
+    full_ids[index] = ids
+    return full_logprobs, full_ids
