@@ -17,6 +17,7 @@ from producer.settings import Limits
 from worker.chat import render_chat
 from worker.errors import JobError
 from worker.model_loading import LoadedModel
+from worker.teacher import logit_transform
 
 
 @dataclass
@@ -63,6 +64,10 @@ class Preparer:
                 raise JobError(ErrorType.invalid_job, f"topk={job.topk} is above {source} ({cap})")
             if self.loaded.lm_head is None:
                 raise JobError(ErrorType.invalid_job, "this model has no lm_head, so topk cannot be computed")
+            transform = logit_transform(self.loaded)
+            if transform is not None:
+                raise JobError(ErrorType.invalid_job, f"this model's head changes its logits after lm_head "
+                                                      f"({transform}), which topk does not reproduce")
         if (job.topk is not None or job.final_hidden_states) and self.loaded.final_norm is None:
             raise JobError(ErrorType.invalid_job, "this model's final norm was not found, so final_hidden_states "
                                                   "and topk cannot be computed")

@@ -1,8 +1,9 @@
 """The teacher's next-token distribution, top-k, at chosen positions only.
 
 Row ``t`` is the distribution of token ``t + 1`` (HF's ``logits[t]``): ``lm_head`` on the
-final-norm output at ``t`` (Gemma's ``final_logit_softcapping`` applied when configured),
-``log_softmax`` in float32, then the ``k`` largest, in descending order. Runs on the
+final-norm output at ``t``, ``log_softmax`` in float32, then the ``k`` largest, in
+descending order. Models whose head changes the logits after ``lm_head`` (see
+:data:`LOGIT_TRANSFORMS`) are refused rather than matched wrongly. Runs on the
 engine thread, on the device, in chunks of positions that bound the float32 logits to
 :data:`LOGITS_CHUNK_BYTES`.
 
@@ -18,6 +19,19 @@ from worker.model_loading import LoadedModel
 
 LOGITS_CHUNK_BYTES = 256 * 2**20
 NOT_COMPUTED_ID = -1
+#: Config settings by which a causal-LM head changes logits after ``lm_head``, with their no-op values
+#: (Gemma 2 softcapping, Cohere's scale, Granite's divisor).
+LOGIT_TRANSFORMS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1), "logits_scaling": (None, 1)}
+
+
+def logit_transform(loaded: LoadedModel) -> str | None:
+    """The config setting by which this model's logits are more than ``lm_head(final)``, if any."""
+    config = loaded.model.config.get_text_config()
+    for name, no_ops in LOGIT_TRANSFORMS.items():
+        value = getattr(config, name, None)
+        if value not in no_ops:
+            return f"{name}={value}"
+    return None
 
 
 class TeacherHead:
@@ -27,7 +41,6 @@ class TeacherHead:
         if loaded.lm_head is None:
             raise ValueError(f"{loaded.name} has no output embeddings (lm_head)")
         self.head = loaded.lm_head
-        self.softcap = getattr(loaded.model.config.get_text_config(), "final_logit_softcapping", None)
         vocab = loaded.lm_head.weight.shape[0]
         self.chunk_rows = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
 
@@ -38,8 +51,6 @@ class TeacherHead:
         for start in range(0, rows.shape[0], self.chunk_rows):
             chunk = slice(start, start + self.chunk_rows)
             logits = self.head(final[rows[chunk]])
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
             values, indices = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
             logprobs[chunk] = values
             ids[chunk] = indices.to(torch.int32)
