@@ -48,9 +48,10 @@ class TeacherHead:
         """``(logprobs float32 [N, k], ids int32 [N, k])`` for positions ``rows`` (int64 ``[N]``) of ``final`` ``[T, H]``."""
         logprobs = torch.empty(rows.shape[0], k, dtype=torch.float32, device=final.device)
         ids = torch.empty(rows.shape[0], k, dtype=torch.int32, device=final.device)
+        head_device = self.head.weight.device  # the last GPU when the model is split over several
         for start in range(0, rows.shape[0], self.chunk_rows):
             chunk = slice(start, start + self.chunk_rows)
-            logits = self.head(final[rows[chunk]])
+            logits = self.head(final[rows[chunk]].to(head_device))
             values, indices = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
             logprobs[chunk] = values
             ids[chunk] = indices.to(torch.int32)
