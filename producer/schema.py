@@ -131,7 +131,8 @@ class Job(BaseModel):
                 + (f" (got {' and '.join(given)})" if given else " (got none)")
             )
         if self.tools is not None and self.messages is None:
-            raise ValueError("tools are rendered by a chat template: give them with messages, not a prompt or token_ids")
+            raise ValueError("tools are rendered by a chat template: give them with messages, "
+                             "not with a prompt or token_ids")
         return self
 
     def spec(self) -> dict[str, Any]:

@@ -45,8 +45,8 @@ class ChatRenderer:
         try:
             self.template = tokenizer.get_chat_template(None, tools)
         except ValueError:
-            raise JobError(ErrorType.chat_template, "this model's tokenizer has no chat template; send a prompt "
-                                                    "or token_ids instead, or give the worker --chat-template") from None
+            raise JobError(ErrorType.chat_template, "this model's tokenizer has no chat template; send a prompt or "
+                                                    "token_ids instead, or give the worker --chat-template") from None
 
     def render(self, count: int, *, generation_prompt: bool, tools: bool = True) -> str:
         """The text of the first ``count`` messages."""

@@ -116,7 +116,8 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     vocab_size = model.get_input_embeddings().weight.shape[0]
     return LoadedModel(
         model=model, decoder=decoder, layers=layers, final_norm=find_final_norm(decoder),
-        lm_head=model.get_output_embeddings(), tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
+        lm_head=model.get_output_embeddings(),
+        tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
         hidden_size=getattr(config, "hidden_size", None) or getattr(config, "n_embd"),
         vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),

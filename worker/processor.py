@@ -143,8 +143,8 @@ class JobProcessor:
             if captured.final_scale is not None:
                 tensors[ff.FINAL_HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.final_scale
         if job.topk:
-            tensors[ff.TOPK_LOGPROBS], tensors[ff.TOPK_IDS] = dense_topk(
-                request.num_tokens, prepared.topk_rows, captured.topk_logprobs, captured.topk_ids)  # type: ignore[arg-type]
+            tensors[ff.TOPK_LOGPROBS], tensors[ff.TOPK_IDS] = dense_topk(  # type: ignore[arg-type]
+                request.num_tokens, prepared.topk_rows, captured.topk_logprobs, captured.topk_ids)
         return tensors
 
     def _from_disk(self, job: Job, path: Path, queued: float | None, attempt: int | None) -> Result | None:

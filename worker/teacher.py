@@ -45,7 +45,8 @@ class TeacherHead:
         self.chunk_rows = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
 
     def topk(self, final: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs float32 [N, k], ids int32 [N, k])`` for positions ``rows`` (int64 ``[N]``) of ``final`` ``[T, H]``."""
+        """``(logprobs float32 [N, k], ids int32 [N, k])`` at positions ``rows`` (int64 ``[N]``) of ``final``
+        ``[T, H]``."""
         logprobs = torch.empty(rows.shape[0], k, dtype=torch.float32, device=final.device)
         ids = torch.empty(rows.shape[0], k, dtype=torch.int32, device=final.device)
         head_device = self.head.weight.device  # the last GPU when the model is split over several
