@@ -60,6 +60,7 @@ def worker(
     model: str = typer.Option(..., "--model", help="Model folder or hub id to load."),
     name: Optional[str] = typer.Option(None, "--name", help="Model name jobs use (default: --model)."),
     layers: Optional[str] = typer.Option(None, help="Default layer ids, e.g. 2,18,-1 (default: EAGLE-3's)."),
+    chat_template: Optional[str] = typer.Option(None, help="Jinja chat template file to use instead of the model's."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N"),
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
     storage: Optional[Path] = typer.Option(None, help="Storage root for files."),
@@ -76,7 +77,7 @@ def worker(
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
                              token_budget=token_budget, concurrency=concurrency, compile=compile, loglevel=loglevel,
-                             gpus=gpus, gpus_per_worker=gpus_per_worker)
+                             gpus=gpus, gpus_per_worker=gpus_per_worker, chat_template=chat_template)
     if settings.worker.gpus:
         raise typer.Exit(supervise(settings))
     from worker.main import run_worker

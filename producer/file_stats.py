@@ -10,22 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from producer.fileformat import HIDDEN_STATES, MetaKey, read_header, verify_file
+from producer.fileformat import HIDDEN_STATES, SCALE_SUFFIX, MetaKey, read_array, read_header, verify_file
+from producer.fp8 import dequantize_array
 from producer.reader import shared_lock
-
-_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
-                 "BF16": np.uint16, "F8_E4M3": np.uint8}
-
-
-def read_tensor(path: Path, header: dict[str, Any], data_start: int, name: str) -> np.ndarray:
-    """One tensor as a numpy array (bfloat16 widened to float32)."""
-    info = header[name]
-    begin, end = info["data_offsets"]
-    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
-    array = raw.view(_NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"])
-    if info["dtype"] == "BF16":
-        array = (array.astype(np.uint32) << 16).view(np.float32)
-    return array
 
 
 def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
@@ -41,7 +28,11 @@ def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
         layers = json.loads(meta.get(MetaKey.LAYERS, "[]"))
         stats = []
         if HIDDEN_STATES in header:
-            hidden = read_tensor(path, header, data_start, HIDDEN_STATES).astype(np.float32)
+            hidden = read_array(path, header, data_start, HIDDEN_STATES)
+            scale = HIDDEN_STATES + SCALE_SUFFIX
+            if scale in header:
+                hidden = dequantize_array(hidden, read_array(path, header, data_start, scale))
+            hidden = hidden.astype(np.float32)
             for slot, layer_id in enumerate(layers or range(hidden.shape[1])):
                 values = hidden[:, slot, :]
                 norms = np.linalg.norm(values, axis=-1)

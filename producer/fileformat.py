@@ -3,7 +3,12 @@
 One safetensors file per job. Tensors (vLLM's first two, same names and shapes):
 
 * ``hidden_states`` ``[T, n_layers, H]``; ``token_ids`` ``[T]`` int64;
-* ``loss_mask`` ``[T]`` uint8 for chat jobs.
+* ``loss_mask`` ``[T]`` uint8 for chat jobs;
+* ``final_hidden_states`` ``[T, H]`` when asked (after the final norm);
+* ``topk_logprobs`` ``[T, k]`` float32 and ``topk_ids`` ``[T, k]`` int32 when asked; rows
+  not computed hold ``-inf`` and ``-1``;
+* a float8 (``F8_E4M3``) state tensor ``X`` comes with ``X_scale`` (float32, ``X``'s shape
+  without the last dimension): the value is ``X.float() * X_scale[..., None]``.
 
 Header metadata (all strings): see :class:`MetaKey`. ``checksums`` is a JSON object
 mapping each tensor name to the CRC-32 of its raw bytes, which are exactly the bytes of
@@ -18,20 +23,39 @@ import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+
 FORMAT_NAME = "layertap"
 FORMAT_VERSION = "1"
 
 HIDDEN_STATES = "hidden_states"
 TOKEN_IDS = "token_ids"
 LOSS_MASK = "loss_mask"
+FINAL_HIDDEN_STATES = "final_hidden_states"
+TOPK_LOGPROBS = "topk_logprobs"
+TOPK_IDS = "topk_ids"
+SCALE_SUFFIX = "_scale"
+FLOAT8 = "F8_E4M3"
+
+#: Tensors that may be stored as float8 with a per-row scale tensor ``<name>_scale``.
+STATE_TENSORS = (HIDDEN_STATES, FINAL_HIDDEN_STATES)
+_STATE_DTYPES = {"BF16", "F16", "F32", FLOAT8}
 
 #: The dtypes each tensor may have (safetensors dtype names).
 ALLOWED_DTYPES: dict[str, set[str]] = {
-    HIDDEN_STATES: {"BF16", "F16", "F32"},
+    HIDDEN_STATES: _STATE_DTYPES,
+    FINAL_HIDDEN_STATES: _STATE_DTYPES,
+    HIDDEN_STATES + SCALE_SUFFIX: {"F32"},
+    FINAL_HIDDEN_STATES + SCALE_SUFFIX: {"F32"},
     TOKEN_IDS: {"I64"},
     LOSS_MASK: {"U8"},
+    TOPK_LOGPROBS: {"F32"},
+    TOPK_IDS: {"I32"},
 }
 REQUIRED_TENSORS = (HIDDEN_STATES, TOKEN_IDS)
+#: numpy views of safetensors dtypes: bfloat16 is read as uint16 and widened, float8 stays raw codes.
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
+                 "BF16": np.uint16, FLOAT8: np.uint8}
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -47,7 +71,11 @@ class MetaKey:
     LAYERS = "layers"  # JSON list of resolved layer ids, in file order
     LAYER_CONVENTION = "layer_convention"
     NUM_LAYERS = "num_hidden_layers"
-    DTYPE = "dtype"
+    DTYPE = "dtype"  # of the stored states (DTYPE_NAMES values)
+    COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
+    LOSS_ON = "loss_on"  # chats: "all" | "last"
+    TOPK = "topk"  # k of topk_logprobs/topk_ids, when stored
+    TOPK_ON = "topk_on"  # "mask" | "all"
     TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
     JOB_ID = "job_id"
     RUN = "run"
@@ -82,6 +110,18 @@ def read_header(handle: BinaryIO, path: str | Path = "") -> tuple[dict[str, Any]
     if not isinstance(header, dict):
         raise FileFormatError(f"{path}: header is not a JSON object")
     return header, 8 + header_len
+
+
+def read_array(path: str | Path, header: dict[str, Any], data_start: int, name: str) -> np.ndarray:
+    """One tensor as a numpy array, without torch: bfloat16 widened to float32 (exactly), float8
+    as its raw uint8 codes (``producer.fp8`` decodes them)."""
+    info = header[name]
+    begin, end = info["data_offsets"]
+    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
+    array = raw.view(_NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"])
+    if info["dtype"] == "BF16":
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+    return array
 
 
 def metadata_of(path: str | Path) -> dict[str, str]:
@@ -160,3 +200,34 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
         shape = info["shape"]
         if not shape or shape[0] != hidden[0]:
             raise FileFormatError(f"{path}: tensor {name!r} has shape {shape}, expected {hidden[0]} tokens first")
+    expected = {LOSS_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[2]]}
+    for name, shape in expected.items():
+        if name in header and header[name]["shape"] != shape:
+            raise FileFormatError(f"{path}: tensor {name!r} has shape {header[name]['shape']}, expected {shape}")
+    _check_scales(path, header)
+    _check_topk(path, header)
+
+
+def _check_scales(path: Path, header: dict[str, Any]) -> None:
+    """A float8 state tensor has a float32 scale per row; other tensors have none."""
+    for name in STATE_TENSORS:
+        scale = name + SCALE_SUFFIX
+        quantized = name in header and header[name]["dtype"] == FLOAT8
+        if quantized and scale not in header:
+            raise FileFormatError(f"{path}: tensor {name!r} is float8 but its scale {scale!r} is missing")
+        if not quantized and scale in header:
+            raise FileFormatError(f"{path}: tensor {scale!r} is present but {name!r} is not float8")
+        if quantized and header[scale]["shape"] != header[name]["shape"][:-1]:
+            raise FileFormatError(f"{path}: tensor {scale!r} has shape {header[scale]['shape']}, expected "
+                                  f"{header[name]['shape'][:-1]} (one scale per row of {name!r})")
+
+
+def _check_topk(path: Path, header: dict[str, Any]) -> None:
+    """``topk_logprobs`` and ``topk_ids`` come together, both ``[T, k]``."""
+    present = [name for name in (TOPK_LOGPROBS, TOPK_IDS) if name in header]
+    if len(present) == 1:
+        raise FileFormatError(f"{path}: tensor {present[0]!r} is present without its pair")
+    if present:
+        logprobs, ids = header[TOPK_LOGPROBS]["shape"], header[TOPK_IDS]["shape"]
+        if len(logprobs) != 2 or logprobs != ids:
+            raise FileFormatError(f"{path}: topk_logprobs {logprobs} and topk_ids {ids} must both be [tokens, k]")

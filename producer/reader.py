@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from producer.fileformat import verify_file
+from producer import fp8
+from producer.fileformat import read_array, read_header, verify_file
 from producer.naming import LOCK_SUFFIX
 
 
@@ -42,12 +43,15 @@ def load_hidden_states(
     verify: bool = True,
     framework: Literal["pt", "np"] = "pt",
     device: str = "cpu",
+    dequantize: bool = True,
 ) -> dict[str, Any]:
     """Load a job's tensors (``hidden_states``, ``token_ids``, ...) after the writer is done.
 
     With ``verify`` (default) shapes, dtypes and checksums are checked first and a
     damaged file raises ``FileFormatError`` saying what is wrong. ``framework="np"``
-    avoids torch (numpy has no bfloat16: use it for float16/float32 files).
+    avoids torch (bfloat16 is widened to float32). Float8 states are returned as float32
+    values (their ``_scale`` tensors consumed) unless ``dequantize=False``, which gives the
+    stored tensors as they are (with numpy: raw uint8 codes).
     """
     with shared_lock(path):
         if verify:
@@ -55,10 +59,13 @@ def load_hidden_states(
         if framework == "pt":
             from safetensors.torch import load_file as load_torch
 
-            return load_torch(str(path), device=device)
-        from safetensors.numpy import load_file as load_numpy
-
-        return load_numpy(str(path))
+            tensors = load_torch(str(path), device=device)
+        else:
+            with open(path, "rb") as handle:
+                header, data_start = read_header(handle, path)
+            header.pop("__metadata__", None)
+            tensors = {name: read_array(path, header, data_start, name) for name in header}
+    return fp8.dequantize(tensors) if dequantize else tensors
 
 
 def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False) -> None:

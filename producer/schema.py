@@ -6,7 +6,12 @@ Invariants:
   (model, input, layers, options), so the same job enqueued twice has the same id;
 * ``run`` and ``job_id`` are safe path components (``naming.check_name``);
 * strings carry no NUL or other control characters (tab, newline, CR excepted) and are
-  valid Unicode; unknown fields are refused.
+  valid Unicode; unknown fields are refused;
+* ``tools`` only comes with ``messages`` (a template renders them); ``loss_on`` and
+  ``topk_on`` only matter for chats and top-k jobs, and are ignored elsewhere.
+
+The training-record options (``loss_on``, ``final_hidden_states``, ``topk``, ``topk_on``,
+``dtype``) are documented in ``docs/training-record.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: Output dtypes a job may ask for: ``auto`` is the worker's compute dtype; ``float8`` is
+#: e4m3 with one float32 scale per stored row (see ``docs/training-record.md``).
+OutputDtype = Literal["auto", "bfloat16", "float16", "float32", "float8"]
 
 from producer.naming import check_name, content_hash
 
@@ -31,6 +40,20 @@ def check_text(value: str, what: str) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid Unicode text ({exc.reason})") from None
+    return value
+
+
+def check_json_text(value: Any, what: str) -> Any:
+    """:func:`check_text` on every string (keys included) inside JSON data."""
+    if isinstance(value, str):
+        return check_text(value, what)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_text(str(key), what)
+            check_json_text(item, what)
+    elif isinstance(value, list):
+        for item in value:
+            check_json_text(item, what)
     return value
 
 
@@ -51,6 +74,11 @@ class ChatMessage(BaseModel):
     def _text(cls, value: str | None) -> str | None:
         return None if value is None else check_text(value, "message text")
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_json_text(value, "tool_calls")
+
 
 class Job(BaseModel):
     """One extraction request. Everything except ``run``, ``job_id`` and ``metadata`` is content."""
@@ -63,15 +91,26 @@ class Job(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None  # JSON tool schemas, given to the chat template as ``tools``
     layers: list[int] | None = None
     max_length: int | None = Field(default=None, gt=0)
     truncate: bool = False
+    loss_on: Literal["all", "last"] = "all"  # chats: mark every assistant turn, or only the last
+    final_hidden_states: bool = False  # also store the last layer's output after the final norm
+    topk: int | None = Field(default=None, ge=1)  # store the teacher's top-k next-token log-probs
+    topk_on: Literal["mask", "all"] = "mask"  # positions predicting a loss-mask token, or every position
+    dtype: OutputDtype = "auto"
     metadata: str | None = Field(default=None, max_length=65536)
 
     @field_validator("model", "prompt", "metadata")
     @classmethod
     def _text(cls, value: str | None) -> str | None:
         return None if value is None else check_text(value, "text")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_json_text(value, "tools")
 
     @field_validator("run")
     @classmethod
@@ -91,6 +130,9 @@ class Job(BaseModel):
                 "a job needs exactly one input of prompt, messages or token_ids"
                 + (f" (got {' and '.join(given)})" if given else " (got none)")
             )
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are rendered by a chat template: give them with messages, "
+                             "not with a prompt or token_ids")
         return self
 
     def spec(self) -> dict[str, Any]:

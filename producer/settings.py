@@ -28,6 +28,7 @@ class WorkerSettings(BaseModel):
     revision: str | None = None
     trust_remote_code: bool = False
     layers: list[int] | None = None  # default layers; None = EAGLE-3's [2, L//2, L-3, L]
+    chat_template: str | None = None  # a Jinja chat template file used instead of the model's (read once)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     token_budget: int = Field(default=16384, gt=0)  # tokens per packed batch
@@ -50,6 +51,7 @@ class Limits(BaseModel):
     max_turns: int = Field(default=4096, gt=0)
     max_chars: int = Field(default=8_000_000, gt=0)
     max_job_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    max_topk: int = Field(default=256, gt=0)  # largest ``topk`` a job may ask for
 
 
 class TlsSettings(BaseModel):

@@ -49,3 +49,11 @@ def final_norm_states(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), output_hidden_states=True, use_cache=False)
     return out.hidden_states[-1][0]
+
+
+def teacher_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    """``log_softmax`` of HF's float32 ``logits`` ``[T, vocab]``: row ``t`` is the distribution of token ``t + 1``."""
+    model, _ = load(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids]), use_cache=False).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -1,48 +1,114 @@
-"""Rendering chats with the model's chat template, and the loss mask of assistant turns.
+"""Rendering chats with the chat template, and the loss mask of assistant turns.
 
-The mask marks the tokens a draft model should learn to predict: for each assistant
-turn, everything the template emits after that turn's generation prompt up to the end
-of the turn (content and end-of-turn tokens). Spans are found by rendering prefixes of
-the conversation: ``render(turns[:k], add_generation_prompt=True)`` ends where turn
-``k``'s content starts and ``render(turns[:k+1])`` ends where it stops. This needs a
-template that renders a conversation's prefix as a prefix of the whole (true of ChatML,
-Llama 3, Mistral and most others); a template that rewrites earlier turns (some drop
-past reasoning) is reported as a ``chat_template`` error rather than guessed at.
+The template is the tokenizer's: the model's own, or the worker's ``chat_template`` file,
+which replaces it when the model is loaded. Tools go to the template as ``tools=`` and
+each message's ``reasoning_content`` as a message field. A template that ignores given
+tools, or the last assistant turn's reasoning, is a ``chat_template`` error: the record
+would silently lose them.
+
+The mask marks the tokens a draft model should learn to predict. Default rule: for each
+trained assistant turn (all of them, or only the last with ``loss_on="last"``), everything
+the template emits after that turn's generation prompt through the end of the turn
+(reasoning, content, tool calls, end-of-turn tokens). Spans are found by rendering
+prefixes: ``render(turns[:k], add_generation_prompt=True)`` ends where turn ``k`` starts
+and ``render(turns[:k+1])`` ends where it stops; both must be prefixes of the whole chat.
+
+Templates that rewrite earlier turns (Qwen3 drops the reasoning of turns before the last
+user message) break that for earlier turns only: ``loss_on="last"`` still works. With
+``loss_on="all"`` such a template is used through its ``{% generation %}`` blocks when it
+has them (the mask is then exactly what those blocks enclose, by transformers'
+``return_assistant_tokens_mask``); without them the chat is a ``chat_template`` error.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Literal
 
 from producer.schema import ErrorType
 from worker.errors import JobError
 
-
-def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str | None, *, generation_prompt: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                             chat_template=template)
-    except Exception as exc:  # jinja errors, raise_exception() in templates, missing template
-        raise JobError(ErrorType.chat_template, f"the chat template could not render this chat: {exc}") from None
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered chat and a 0/1 loss mask over them (1 = assistant turn)."""
-    if template is None and not getattr(tokenizer, "chat_template", None):
-        raise JobError(ErrorType.chat_template, "this model's tokenizer has no chat template; send a prompt "
-                                                "or token_ids instead, or configure a template")
-    text = _render(tokenizer, messages, template, generation_prompt=False)
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:index], template, generation_prompt=True) if index else ""
-        through = _render(tokenizer, messages[: index + 1], template, generation_prompt=False)
+class TemplateRewritesTurns(Exception):
+    """A turn's prefix rendering is not a prefix of the whole chat's rendering."""
+
+
+class ChatRenderer:
+    """One chat's renderings with one tokenizer's template. Not thread-safe (the tokenizer is shared)."""
+
+    def __init__(self, tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None):
+        self.tokenizer = tokenizer
+        self.messages = messages
+        self.tools = tools
+        try:
+            self.template = tokenizer.get_chat_template(None, tools)
+        except ValueError:
+            raise JobError(ErrorType.chat_template, "this model's tokenizer has no chat template; send a prompt or "
+                                                    "token_ids instead, or give the worker --chat-template") from None
+
+    def render(self, count: int, *, generation_prompt: bool, tools: bool = True) -> str:
+        """The text of the first ``count`` messages."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                self.messages[:count], tools=self.tools if tools else None, tokenize=False,
+                add_generation_prompt=generation_prompt)
+        except Exception as exc:  # jinja errors, raise_exception() in templates
+            raise JobError(ErrorType.chat_template, f"the chat template could not render this chat: {exc}") from None
+
+    def turn_span(self, index: int, text: str) -> tuple[int, int]:
+        """Character span of assistant turn ``index`` in ``text`` (the whole chat), by the prefix rule."""
+        before = self.render(index, generation_prompt=True) if index else ""
+        through = self.render(index + 1, generation_prompt=False)
         if not (through.startswith(before) and text.startswith(through)):
-            raise JobError(ErrorType.chat_template,
-                           f"the chat template does not render turn {index} as a prefix of the whole chat "
-                           "(it rewrites earlier turns), so assistant tokens cannot be located")
-        spans.append((len(before), len(through)))
+            raise TemplateRewritesTurns(f"the chat template does not render turn {index} as a prefix of the whole "
+                                        "chat (it rewrites earlier turns)")
+        return len(before), len(through)
+
+    def generation_block_mask(self) -> tuple[list[int], list[int]]:
+        """Token ids and the mask of the template's ``{% generation %}`` blocks."""
+        try:
+            encoded = self.tokenizer.apply_chat_template(self.messages, tools=self.tools, tokenize=True,
+                                                         return_dict=True, return_assistant_tokens_mask=True)
+        except Exception as exc:
+            raise JobError(ErrorType.chat_template, f"the chat template could not render this chat: {exc}") from None
+        return list(encoded["input_ids"]), list(encoded["assistant_masks"])
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                loss_on: Literal["all", "last"] = "all") -> tuple[list[int], list[int]]:
+    """Token ids of the rendered chat and a 0/1 loss mask over them (1 = trained assistant tokens)."""
+    renderer = ChatRenderer(tokenizer, messages, tools)
+    text = renderer.render(len(messages), generation_prompt=False)
+    if tools and text == renderer.render(len(messages), generation_prompt=False, tools=False):
+        raise JobError(ErrorType.chat_template, "the chat template ignores tools: this model's template does not "
+                                                "render them (give the worker a template that does)")
+    _check_reasoning_rendered(messages, text)
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if loss_on == "last":
+        turns = turns[-1:]
+    try:
+        spans = [renderer.turn_span(index, text) for index in turns]
+    except TemplateRewritesTurns as exc:
+        if loss_on == "all" and GENERATION_BLOCK.search(renderer.template):
+            return renderer.generation_block_mask()
+        hint = ("; use loss_on='last', or a template with {% generation %} blocks" if loss_on == "all" else "")
+        raise JobError(ErrorType.chat_template, f"{exc}, so its assistant tokens cannot be located{hint}") from None
+    return _mask_spans(tokenizer, text, spans)
+
+
+def _check_reasoning_rendered(messages: list[dict[str, Any]], text: str) -> None:
+    """The last assistant turn's reasoning must be in the text (templates may drop earlier turns' reasoning)."""
+    last = next((m for m in reversed(messages) if m["role"] == "assistant"), None)
+    reasoning = (last or {}).get("reasoning_content")
+    if reasoning and reasoning.strip() not in text:
+        raise JobError(ErrorType.chat_template, "the chat template does not render reasoning_content: the last "
+                                                "assistant turn's reasoning is missing from the rendered chat")
+
+
+def _mask_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Tokenize ``text``; mark each token that starts inside a span (spans ascending, disjoint)."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     token_ids = list(encoded["input_ids"])
     mask = [0] * len(token_ids)

@@ -5,7 +5,10 @@ tokenized request and block on its future. The engine thread takes pending reque
 in arrival order, fills a batch up to ``token_budget`` tokens (the head of the queue
 always goes first, later requests fill the gaps), packs them into one row with
 restarting positions (see ``packed_attention``), runs the decoder until the last
-wanted layer, and on a GPU starts an asynchronous copy of the captured layers to
+wanted layer (through the final norm when a job wants ``final_hidden_states`` or teacher
+top-k, which is then computed on the device for only the asked positions), casts the
+states to the batch's output dtype (a batch has one: requests of another wait for the
+next batch), and on a GPU starts an asynchronous copy of the outputs to
 pinned host memory on a side stream, then goes straight on to the next batch. A job's
 :class:`JobSlice` waits for that copy only when its caller reads it, on the caller's
 thread. At most ``host_buffers`` batches are between the GPU and the writers at once;
@@ -32,7 +35,9 @@ from producer.schema import ErrorType
 from worker.capture import LayerCapture, StopForward
 from worker.errors import JobError
 from worker.model_loading import LoadedModel
+from worker.output_dtype import non_finite_rows, to_output
 from worker.packed_attention import packed_sequences, use_packed_attention
+from worker.teacher import TeacherHead
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +65,14 @@ def compile_decoder_layers(loaded: LoadedModel) -> None:
 
 @dataclass
 class EngineRequest:
-    """One job's tokens and wanted layers (resolved ids, in the job's order)."""
+    """One job's tokens and wanted layers (resolved ids, in the job's order), and its extras."""
 
     token_ids: torch.Tensor  # int64 [T] on the CPU
     layer_ids: list[int]
     want_final: bool = False
+    output_dtype: torch.dtype | None = None  # None: the model's dtype; float8_e4m3fn: quantized per row
+    topk: int = 0  # > 0: the teacher's top-k next-token log-probs
+    topk_rows: list[int] | None = None  # positions to compute them at (ascending); None: every position
     future: Future = field(default_factory=Future)
 
     @property
@@ -77,7 +85,11 @@ class BatchOutput:
     """One batch's captured tensors on the host, shared by its jobs until all release."""
 
     hidden: torch.Tensor  # [T_batch, U, H]; U = union of the batch's layers, ascending
+    hidden_scale: torch.Tensor | None  # float32 [T_batch, U] for float8 output
     final: torch.Tensor | None  # [T_batch, H] after the final norm, if any job asked
+    final_scale: torch.Tensor | None  # float32 [T_batch] for float8 output
+    topk_logprobs: torch.Tensor | None  # float32 [N, k_max]: the asked rows of the batch's top-k jobs, in order
+    topk_ids: torch.Tensor | None  # int32 [N, k_max]
     non_finite: torch.Tensor  # bool [T_batch]: token has NaN/Inf in any captured layer
     layer_ids: list[int]
     ready: torch.cuda.Event | None  # set when the device->host copy is done
@@ -92,7 +104,11 @@ class Captured:
     """A job's states, on the CPU. Views into the batch's buffer: call ``release`` when written."""
 
     hidden_states: torch.Tensor  # [T, n_layers, H] in the job's layer order
+    hidden_scale: torch.Tensor | None  # float32 [T, n_layers] when float8
     final_hidden_states: torch.Tensor | None
+    final_scale: torch.Tensor | None  # float32 [T] when float8
+    topk_logprobs: torch.Tensor | None  # float32 [len(topk_rows), k]
+    topk_ids: torch.Tensor | None  # int32 [len(topk_rows), k]
     non_finite: bool
     compute_s: float
     release: Callable[[], None]
@@ -106,18 +122,28 @@ class JobSlice:
     start: int
     end: int
     slots: list[int]
+    topk_rows: slice | None = None  # its rows in the batch's top-k outputs
+    topk: int = 0
     _released: bool = False
 
     def wait(self) -> Captured:
         if self.batch.ready is not None:
             self.batch.ready.synchronize()
         compute_s = time.perf_counter() - self.batch.started
-        hidden = self.batch.hidden[self.start:self.end]
+        batch, tokens = self.batch, slice(self.start, self.end)
+        hidden = batch.hidden[tokens]
+        hidden_scale = None if batch.hidden_scale is None else batch.hidden_scale[tokens]
         if self.slots != list(range(hidden.shape[1])):
             hidden = hidden[:, self.slots]
-        final = None if self.batch.final is None else self.batch.final[self.start:self.end]
-        non_finite = bool(self.batch.non_finite[self.start:self.end].any())
-        return Captured(hidden, final, non_finite, compute_s, self.release)
+            hidden_scale = None if hidden_scale is None else hidden_scale[:, self.slots]
+        final = None if batch.final is None else batch.final[tokens]
+        final_scale = None if batch.final_scale is None else batch.final_scale[tokens]
+        logprobs = ids = None
+        if self.topk_rows is not None:
+            logprobs = batch.topk_logprobs[self.topk_rows, :self.topk]  # type: ignore[index]
+            ids = batch.topk_ids[self.topk_rows, :self.topk]  # type: ignore[index]
+        non_finite = bool(batch.non_finite[tokens].any())
+        return Captured(hidden, hidden_scale, final, final_scale, logprobs, ids, non_finite, compute_s, self.release)
 
     def release(self) -> None:
         with self.batch.lock:
@@ -154,6 +180,7 @@ class Engine:
         self._on_fatal = on_fatal
         self._cuda = loaded.device.type == "cuda"
         self._capture = LayerCapture(loaded)
+        self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
         self._pending: deque[EngineRequest] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -170,6 +197,8 @@ class Engine:
     # -- public -----------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> Future:
         """Queue a request; its future resolves to a :class:`JobSlice` or raises :class:`JobError`."""
+        if request.output_dtype is None:
+            request.output_dtype = self.loaded.dtype
         with self._cond:
             if self._stopping:
                 raise JobError(ErrorType.internal, "the engine is shutting down")
@@ -253,7 +282,8 @@ class Engine:
             kept: deque[EngineRequest] = deque()
             while self._pending and len(batch) < self.max_batch_jobs and tokens < self.token_budget:
                 request = self._pending.popleft()
-                if tokens + request.num_tokens <= self.token_budget:
+                if (tokens + request.num_tokens <= self.token_budget
+                        and request.output_dtype == batch[0].output_dtype):
                     batch.append(request)
                     tokens += request.num_tokens
                 else:
@@ -282,11 +312,15 @@ class Engine:
             self._run_or_split(batch[:half])
             self._run_or_split(batch[half:])
             return
-        start = 0
+        start = topk_start = 0
         for request in batch:
             end = start + request.num_tokens
             slots = [output.layer_ids.index(layer_id) for layer_id in request.layer_ids]
-            request.future.set_result(JobSlice(output, start, end, slots))
+            topk_rows = None
+            if request.topk:
+                topk_end = topk_start + (request.num_tokens if request.topk_rows is None else len(request.topk_rows))
+                topk_rows, topk_start = slice(topk_start, topk_end), topk_end
+            request.future.set_result(JobSlice(output, start, end, slots, topk_rows, request.topk))
             start = end
 
     def _release_cached_memory(self) -> None:
@@ -305,34 +339,56 @@ class Engine:
             positions = positions.pin_memory().to(device, non_blocking=True)
         union = sorted(set().union(*(request.layer_ids for request in batch)))
         want_final = any(request.want_final for request in batch)
-        hidden_size = self.loaded.hidden_size
-        host_hidden = torch.empty(total, len(union), hidden_size, dtype=self.loaded.dtype, pin_memory=self._cuda)
-        host_final = (torch.empty(total, hidden_size, dtype=self.loaded.dtype, pin_memory=self._cuda)
-                      if want_final else None)
-        host_flags = torch.empty(total, dtype=torch.bool, pin_memory=self._cuda)
+        topk_rows, topk = self._topk_rows(batch, bounds)
+        if topk_rows is not None and self._cuda:
+            topk_rows = topk_rows.pin_memory().to(device, non_blocking=True)
+        output_dtype = batch[0].output_dtype  # one per batch (see _next_batch)
 
         self._in_flight.acquire()
         try:
             started = time.perf_counter()
             events = self._record_start()
             with (torch.inference_mode(), packed_sequences(bounds),
-                  self._capture.capture(union, total, want_final) as (staging, final)):
+                  self._capture.capture(union, total, want_final or topk_rows is not None) as (staging, final)):
                 try:
                     self.loaded.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False)
                 except StopForward:
                     pass
-                flags = ~torch.isfinite(staging).all(dim=2).all(dim=1)
-                if final is not None:
-                    flags |= ~torch.isfinite(final).all(dim=1)
-                ready = self._copy_out(events, (staging, host_hidden), (final, host_final), (flags, host_flags))
+                hidden, hidden_scale = to_output(staging, output_dtype)
+                flags = non_finite_rows(staging, hidden)
+                final_out = final_scale = None
+                if want_final:
+                    final_out, final_scale = to_output(final, output_dtype)
+                    flags |= non_finite_rows(final, final_out)
+                logprobs = topk_ids = None
+                if topk_rows is not None:
+                    logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
+                outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags)
+                host = tuple(self._host_buffer(tensor) for tensor in outputs)
+                ready = self._copy_out(events, *zip(outputs, host))
         except BaseException:
             self._in_flight.release()
             raise
         self.stats.batches += 1
         self.stats.jobs += len(batch)
         self.stats.tokens += total
-        return BatchOutput(host_hidden, host_final, host_flags, union, ready, started,
+        return BatchOutput(*host, layer_ids=union, ready=ready, started=started,  # type: ignore[misc]
                            on_free=self._in_flight.release, refs=len(batch))
+
+    def _topk_rows(self, batch: list[EngineRequest], bounds: list[int]) -> tuple[torch.Tensor | None, int]:
+        """Packed-row positions of every top-k job's asked rows, in batch order, and the largest k."""
+        rows = [torch.arange(begin, begin + request.num_tokens) if request.topk_rows is None
+                else torch.tensor(request.topk_rows, dtype=torch.long) + begin
+                for request, begin in zip(batch, bounds) if request.topk]
+        if not rows:
+            return None, 0
+        return torch.cat(rows), max(request.topk for request in batch)
+
+    def _host_buffer(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """An empty host tensor like ``tensor`` (pinned on a GPU machine), or None."""
+        if tensor is None:
+            return None
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._cuda)
 
     def _record_start(self) -> tuple[object, object]:
         if self._cuda:

@@ -37,6 +37,19 @@ def default_node_name() -> str:
     return f"layertap-{os.getpid()}@{socket.gethostname()}"
 
 
+def read_chat_template(path: str | None) -> str | None:
+    """The text of the worker's chat template file (read once, at start), or None."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the chat template file {path}: {exc}") from None
+    if not text.strip():
+        raise ValueError(f"the chat template file {path} is empty")
+    return text
+
+
 def run_worker(settings: Settings) -> int:
     """Serve until shut down (SIGTERM/SIGINT: finish running jobs, return the rest). Returns the exit code."""
     ws = settings.worker
@@ -49,7 +62,8 @@ def run_worker(settings: Settings) -> int:
     if removed:
         log.info("removed %d stale temp files under %s", removed, storage_root)
     loaded = load_model(ws.model, name=ws.served_model_name, device=ws.device, dtype=ws.dtype,
-                        revision=ws.revision, trust_remote_code=ws.trust_remote_code)
+                        revision=ws.revision, trust_remote_code=ws.trust_remote_code,
+                        chat_template=read_chat_template(ws.chat_template))
     log.info("serving %s (%d layers, hidden %d) on %s as %s; queue %s", loaded.name, loaded.num_layers,
              loaded.hidden_size, loaded.device, str(loaded.dtype).removeprefix("torch."), keys.model_queue(loaded.name))
     faults: list[BaseException] = []

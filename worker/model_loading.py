@@ -31,6 +31,7 @@ class LoadedModel:
     decoder: nn.Module  # the base model: embeddings -> layers -> final norm
     layers: nn.ModuleList
     final_norm: nn.Module | None
+    lm_head: nn.Module | None  # hidden (after the final norm) -> logits
     tokenizer: Any | None
     name: str  # the served model name jobs use
     source: str  # folder or hub id it was loaded from
@@ -115,6 +116,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     vocab_size = model.get_input_embeddings().weight.shape[0]
     return LoadedModel(
         model=model, decoder=decoder, layers=layers, final_norm=find_final_norm(decoder),
+        lm_head=model.get_output_embeddings(),
         tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
         hidden_size=getattr(config, "hidden_size", None) or getattr(config, "n_embd"),
         vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
@@ -123,21 +125,27 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
 
 
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
-               revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
+               revision: str | None = None, trust_remote_code: bool = False,
+               chat_template: str | None = None) -> LoadedModel:
     """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
-    build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.shapes``)."""
+    build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.shapes``).
+    ``chat_template`` (Jinja text) replaces the tokenizer's own template."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from worker.shapes import SHAPE_PREFIX, build_random_model, is_shape, shape_config
 
     torch_device = resolve_device(device)
     if is_shape(source):
+        if chat_template is not None:
+            raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         shape = source.removeprefix(SHAPE_PREFIX)
         model = build_random_model(shape, torch_device, resolve_dtype(dtype, torch_device, shape_config(shape)))
         return describe(model, None, name=name or source, source=source)
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, torch_device, config)
     tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
     model = AutoModelForCausalLM.from_pretrained(
         source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,

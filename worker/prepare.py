@@ -1,4 +1,5 @@
-"""From a validated job to what the engine runs: token ids, loss mask, resolved layers.
+"""From a validated job to what the engine runs: token ids, loss mask, resolved layers,
+the positions to compute teacher top-k at, and the output dtype.
 
 Runs on the caller's thread (a Celery task thread), never on the engine thread.
 Every problem with the input raises :class:`JobError` with a typed reason.
@@ -16,6 +17,7 @@ from producer.settings import Limits
 from worker.chat import render_chat
 from worker.errors import JobError
 from worker.model_loading import LoadedModel
+from worker.teacher import logit_transform
 
 
 @dataclass
@@ -24,6 +26,7 @@ class PreparedInput:
     loss_mask: list[int] | None
     layer_ids: list[int]  # resolved, in the job's order
     truncated_from: int | None  # original length when truncated
+    topk_rows: list[int] | None = None  # positions for teacher top-k; None: all (or no top-k)
 
 
 class Preparer:
@@ -37,19 +40,37 @@ class Preparer:
 
     def prepare(self, job: Job) -> PreparedInput:
         layer_ids = self._layers(job)
+        self._check_extras(job)
         loss_mask: list[int] | None = None
         if job.token_ids is not None:
             token_ids = self._check_token_ids(job.token_ids)
         elif job.prompt is not None:
             token_ids = self._tokenize_prompt(job.prompt)
         else:
-            token_ids, loss_mask = self._tokenize_chat([m.model_dump(exclude_none=True) for m in job.messages or []])
+            token_ids, loss_mask = self._tokenize_chat(job)
         token_ids, loss_mask, truncated_from = self._fit_length(job, token_ids, loss_mask)
         if loss_mask is not None and not any(loss_mask):
             raise JobError(ErrorType.no_trainable_tokens,
                            "the chat has no assistant tokens" + (" left after truncation" if truncated_from else "")
                            + ": its loss mask would be all zeros")
-        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from)
+        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask))
+
+    def _check_extras(self, job: Job) -> None:
+        """``topk`` within the limit and the vocabulary; the model parts the extras need exist."""
+        if job.topk is not None:
+            cap = min(self.limits.max_topk, self.loaded.vocab_size)
+            if job.topk > cap:
+                source = "max_topk" if cap == self.limits.max_topk else "the vocabulary size"
+                raise JobError(ErrorType.invalid_job, f"topk={job.topk} is above {source} ({cap})")
+            if self.loaded.lm_head is None:
+                raise JobError(ErrorType.invalid_job, "this model has no lm_head, so topk cannot be computed")
+            transform = logit_transform(self.loaded)
+            if transform is not None:
+                raise JobError(ErrorType.invalid_job, f"this model's head changes its logits after lm_head "
+                                                      f"({transform}), which topk does not reproduce")
+        if (job.topk is not None or job.final_hidden_states) and self.loaded.final_norm is None:
+            raise JobError(ErrorType.invalid_job, "this model's final norm was not found, so final_hidden_states "
+                                                  "and topk cannot be computed")
 
     def _layers(self, job: Job) -> list[int]:
         try:
@@ -85,7 +106,8 @@ class Preparer:
             raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
         return token_ids
 
-    def _tokenize_chat(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
+        messages = [m.model_dump(exclude_none=True) for m in job.messages or []]
         if not messages:
             raise JobError(ErrorType.empty_input, "messages is empty")
         if len(messages) > self.limits.max_turns:
@@ -98,7 +120,7 @@ class Preparer:
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on")
         tokenizer = self._tokenizer()
         with self._tokenizer_lock:
-            return render_chat(tokenizer, messages)
+            return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on)
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
         limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
@@ -109,3 +131,11 @@ class Preparer:
             raise JobError(ErrorType.too_long,
                            f"{len(token_ids)} tokens exceed {source}={limit}; set truncate=true to keep the first {limit}")
         return token_ids[:limit], (loss_mask[:limit] if loss_mask is not None else None), len(token_ids)
+
+
+def topk_rows(job: Job, loss_mask: list[int] | None) -> list[int] | None:
+    """Positions to compute teacher top-k at: with ``topk_on="mask"`` on a chat, each ``t`` whose
+    next token is trained (``loss_mask[t + 1] == 1``); otherwise every position (None)."""
+    if job.topk is None or job.topk_on == "all" or loss_mask is None:
+        return None
+    return [position for position in range(len(loss_mask) - 1) if loss_mask[position + 1]]

@@ -23,14 +23,15 @@ from producer.fileformat import MetaKey
 from producer.layers import CONVENTION
 from producer.naming import NAME_PATTERN, content_hash, job_path
 from producer.schema import ErrorType, Job, Result, Status, Timings
-from worker.engine import Engine, EngineRequest
+from worker.engine import Captured, Engine, EngineRequest
 from worker.errors import JobError
 from worker.model_loading import LoadedModel
+from worker.output_dtype import DTYPE_NAMES, resolve_output_dtype
 from worker.prepare import PreparedInput, Preparer
+from worker.teacher import dense_topk
 from worker.writer import existing_spec_hash, write_job_file
 
 log = logging.getLogger(__name__)
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -116,27 +117,46 @@ class JobProcessor:
             cached = self._from_disk(job, path, queued, attempt)
             if cached is not None:
                 return cached
-        request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids)
+        output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
+        request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
+                                want_final=job.final_hidden_states, output_dtype=output_dtype,
+                                topk=job.topk or 0, topk_rows=prepared.topk_rows)
         captured = self.engine.submit(request).result().wait()
         try:
             if captured.non_finite:
-                raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states; no file written "
+                raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
+                                                     f"{DTYPE_NAMES[output_dtype]}'s range); no file written "
                                                      "(check the model weights and dtype)")
-            tensors = {ff.HIDDEN_STATES: captured.hidden_states,
-                       ff.TOKEN_IDS: request.token_ids}
-            if prepared.loss_mask is not None:
-                tensors[ff.LOSS_MASK] = torch.tensor(prepared.loss_mask, dtype=torch.uint8)
+            tensors = self._tensors(job, prepared, request, captured)
             write_start = time.perf_counter()
             with self._write_slots:
                 try:
-                    write_job_file(path, tensors, self._metadata(job, prepared, spec_hash))
+                    write_job_file(path, tensors, self._metadata(job, prepared, spec_hash, output_dtype))
                 except OSError as exc:
                     raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:
             captured.release()
-        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids,
+        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, DTYPE_NAMES[output_dtype],
                         Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
+
+    @staticmethod
+    def _tensors(job: Job, prepared: PreparedInput, request: EngineRequest,
+                 captured: Captured) -> dict[str, torch.Tensor]:
+        """The file's tensors (``producer.fileformat`` names) for what the job asked."""
+        tensors = {ff.HIDDEN_STATES: captured.hidden_states, ff.TOKEN_IDS: request.token_ids}
+        if captured.hidden_scale is not None:
+            tensors[ff.HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.hidden_scale
+        if prepared.loss_mask is not None:
+            tensors[ff.LOSS_MASK] = torch.tensor(prepared.loss_mask, dtype=torch.uint8)
+        if job.final_hidden_states:
+            tensors[ff.FINAL_HIDDEN_STATES] = captured.final_hidden_states  # type: ignore[assignment]
+            if captured.final_scale is not None:
+                tensors[ff.FINAL_HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.final_scale
+        if job.topk:
+            tensors[ff.TOPK_LOGPROBS], tensors[ff.TOPK_IDS] = dense_topk(  # type: ignore[arg-type]
+                request.num_tokens, prepared.topk_rows, captured.topk_logprobs, captured.topk_ids)
+        return tensors
 
     def _from_disk(self, job: Job, path: Path, queued: float | None, attempt: int | None) -> Result | None:
         """An ok result for a complete, valid file already written for this exact job."""
@@ -147,11 +167,18 @@ class JobProcessor:
         except (ff.FileFormatError, OSError):
             return None
         layers = json.loads(meta[MetaKey.LAYERS])
-        result = self._ok(job, path, header[ff.TOKEN_IDS]["shape"][0], layers, Timings(queued=queued), attempt)
+        result = self._ok(job, path, header[ff.TOKEN_IDS]["shape"][0], layers, meta.get(MetaKey.DTYPE, ""),
+                          Timings(queued=queued), attempt)
         return result.model_copy(update={"cached": True})
 
-    def _metadata(self, job: Job, prepared: PreparedInput, spec_hash: str) -> dict[str, str]:
+    def _metadata(self, job: Job, prepared: PreparedInput, spec_hash: str,
+                  output_dtype: torch.dtype) -> dict[str, str]:
         loaded = self.loaded
+        options = {}
+        if prepared.loss_mask is not None:
+            options[MetaKey.LOSS_ON] = job.loss_on
+        if job.topk:
+            options.update({MetaKey.TOPK: str(job.topk), MetaKey.TOPK_ON: job.topk_on})
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,
@@ -161,17 +188,19 @@ class JobProcessor:
             MetaKey.LAYERS: json.dumps(prepared.layer_ids),
             MetaKey.LAYER_CONVENTION: CONVENTION,
             MetaKey.NUM_LAYERS: str(loaded.num_layers),
-            MetaKey.DTYPE: DTYPE_NAMES[loaded.dtype],
+            MetaKey.DTYPE: DTYPE_NAMES[output_dtype],
+            MetaKey.COMPUTE_DTYPE: DTYPE_NAMES[loaded.dtype],
             MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,
             MetaKey.JOB_ID: job.job_id or "",
             MetaKey.RUN: job.run,
             MetaKey.SPEC_HASH: spec_hash,
+            **options,
         }
 
-    def _ok(self, job: Job, path: Path, num_tokens: int, layers: list[int], timings: Timings,
+    def _ok(self, job: Job, path: Path, num_tokens: int, layers: list[int], dtype: str, timings: Timings,
             attempt: int | None) -> Result:
         return Result(job_id=job.job_id, run=job.run, status=Status.ok, path=str(path), num_tokens=num_tokens,
-                      layers=layers, dtype=DTYPE_NAMES[self.loaded.dtype], model=self.loaded.name,
+                      layers=layers, dtype=dtype, model=self.loaded.name,
                       worker=self.worker_name, timings=timings, metadata=job.metadata, attempt=attempt)
 
     def _error(self, job_id: str, run: str, exc: JobError, timings: Timings, *, job: Job | None = None,
