@@ -52,6 +52,12 @@ class Limits(BaseModel):
     max_job_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
 
+class EnqueueSettings(BaseModel):
+    """``layertap enqueue``: how a file streams into the queue."""
+
+    max_inflight: int = Field(default=10000, gt=0)  # --max-inflight: jobs of the run submitted but not finished
+
+
 class Settings(BaseSettings):
     """Everything layertap reads from its environment."""
 
@@ -70,6 +76,7 @@ class Settings(BaseSettings):
     result_ttl: int = Field(default=7 * 24 * 3600, gt=0)  # seconds Celery's backend keeps a result
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     limits: Limits = Field(default_factory=Limits)
+    enqueue: EnqueueSettings = Field(default_factory=EnqueueSettings)
 
     @classmethod
     def settings_customise_sources(
