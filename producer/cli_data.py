@@ -71,10 +71,8 @@ def enqueue(
     items: Iterable[Planned | BadRow] = prompts
     total: int | None = len(prompts)
     if file is not None:
-        try:
+        with one_line_errors():
             source = open_source(file, split=split)
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise fail(str(exc)) from None
         total = None if source.total is None else len(prompts) + source.total
         converter = RowConverter(input_format, column=column, id_column=id_column)
         items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file)))
@@ -86,7 +84,7 @@ def enqueue(
                 raise fail(f"no live worker serves model {model!r} (served: {', '.join(sorted(served))}); "
                            "use --no-check to enqueue anyway")
         enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight)
-        with progress(total, "enqueue") as step, refuse_file(file):
+        with progress(total, "enqueue") as step, one_line_errors():
             for outcome, item in enqueuer.run(items):
                 counts[outcome] += 1
                 if outcome is Outcome.bad and counts[outcome] <= MAX_REPORTED_ROWS:
@@ -106,14 +104,16 @@ def enqueue(
 
 
 @contextlib.contextmanager
-def refuse_file(file: Path | None) -> Iterator[None]:
-    """Turn a file whose format cannot be told into one error line (exit 2)."""
+def one_line_errors() -> Iterator[None]:
+    """Expected failures as one ``error:`` line: exit 2 for a file whose format cannot be told, else 1."""
     from producer.formats import UndetectableFormat
 
     try:
         yield
     except UndetectableFormat as exc:
-        raise fail(f"{file}: {exc}", 2) from None
+        raise fail(str(exc), 2) from None
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise fail(str(exc)) from None
 
 
 def manifest(
@@ -144,7 +144,7 @@ def manifest(
                 if skipped <= MAX_REPORTED_ROWS:
                     err_console.print(f"error: job {entry.job_id}: {entry.reason}", markup=False, highlight=False)
 
-    with progress(len(results), "manifest") as step:
+    with progress(len(results), "manifest") as step, one_line_errors():
         count = write_manifest(counted(entries(), step), out)
     err_console.print(f"run {run}: {count} job(s), {tokens} tokens -> {out}", markup=False, highlight=False)
     if skipped:
@@ -179,7 +179,7 @@ def export(
             results = ok_results(client, run)  # type: ignore[arg-type]
         total = len(results)
         entries = (entry for entry in collect(results) if isinstance(entry, ManifestEntry))
-    with progress(total, "export") as step:
+    with progress(total, "export") as step, one_line_errors():
         report = export_speculators(counted(entries, step), out, check_layers=not any_layers)
     freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
     err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "

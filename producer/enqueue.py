@@ -85,8 +85,8 @@ def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict
             continue
         try:
             yield Planned(where, job_from_data(converter.job_data(row.data), defaults))
-        except UndetectableFormat:
-            raise
+        except UndetectableFormat as exc:
+            raise UndetectableFormat(f"{origin}: {exc}" if origin else str(exc)) from None
         except ValueError as exc:
             yield BadRow(where, str(exc))
 
