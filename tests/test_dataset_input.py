@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import tracemalloc
 
 import datasets
@@ -168,3 +169,10 @@ def test_large_file_streams_row_by_row(tmp_path):
     assert count == rows and isinstance(last, Planned)
     assert last.where == f"big line {rows}" and last.job.job_id == f"row-{rows - 1}"
     assert peak < size / 20, f"peak {peak} bytes while reading a {size}-byte file"
+
+
+def test_data_modules_import_without_torch():
+    code = ("import sys, producer.cli_data, producer.dataset, producer.manifest, producer.export, producer.sources, "
+            "producer.formats, producer.enqueue; bad = {'torch', 'transformers', 'datasets'} & set(sys.modules); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
