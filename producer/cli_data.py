@@ -116,6 +116,37 @@ def one_line_errors() -> Iterator[None]:
         raise fail(str(exc)) from None
 
 
+class RunListing:
+    """A run's ok results as manifest entries, in order; a result without a valid file is printed
+    as one ``error:`` line (the first 100), counted in ``skipped`` and left out."""
+
+    def __init__(self, run: str, redis_url: str | None, *, verify: bool = False):
+        from producer.client import Client
+        from producer.manifest import ok_results
+        from producer.settings import Settings
+
+        with Client(Settings(), redis_url=redis_url) as client:
+            self.results = ok_results(client, run)
+        self.verify = verify
+        self.skipped = self.tokens = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        from producer.manifest import Skipped, collect
+
+        for entry in collect(self.results, verify=self.verify):
+            if isinstance(entry, Skipped):
+                self.skipped += 1
+                if self.skipped <= MAX_REPORTED_ROWS:
+                    err_console.print(f"error: job {entry.job_id}: {entry.reason}", markup=False, highlight=False)
+                continue
+            self.tokens += entry.num_tokens
+            yield entry
+
+    def fail_if_skipped(self) -> None:
+        if self.skipped:
+            raise fail(f"{self.skipped} ok result(s) have no valid file and are left out (see above)", 2)
+
+
 def manifest(
     run: str = typer.Option(..., "--run", help="Run name."),
     out: Optional[Path] = typer.Option(None, "--out", help="F.parquet or F.jsonl (default: <run>.manifest.parquet, "
@@ -124,31 +155,14 @@ def manifest(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Write a run's manifest: one row per job with an ok result (job id, path, tokens, layers, checksums)."""
-    from producer.client import Client
-    from producer.manifest import ManifestEntry, collect, default_manifest_path, ok_results, write_manifest
-    from producer.settings import Settings
+    from producer.manifest import default_manifest_path, write_manifest
 
     out = out or default_manifest_path(run)
-    with Client(Settings(), redis_url=redis_url) as client:
-        results = ok_results(client, run)
-    skipped, tokens = 0, 0
-
-    def entries() -> Any:
-        nonlocal skipped, tokens
-        for entry in collect(results, verify=verify):
-            if isinstance(entry, ManifestEntry):
-                tokens += entry.num_tokens
-                yield entry
-            else:
-                skipped += 1
-                if skipped <= MAX_REPORTED_ROWS:
-                    err_console.print(f"error: job {entry.job_id}: {entry.reason}", markup=False, highlight=False)
-
-    with progress(len(results), "manifest") as step, one_line_errors():
-        count = write_manifest(counted(entries(), step), out)
-    err_console.print(f"run {run}: {count} job(s), {tokens} tokens -> {out}", markup=False, highlight=False)
-    if skipped:
-        raise fail(f"{skipped} ok result(s) have no valid file and are not listed (see above)", 2)
+    listing = RunListing(run, redis_url, verify=verify)
+    with progress(len(listing.results), "manifest") as step, one_line_errors():
+        count = write_manifest(counted(listing, step), out)
+    err_console.print(f"run {run}: {count} job(s), {listing.tokens} tokens -> {out}", markup=False, highlight=False)
+    listing.fail_if_skipped()
 
 
 def export(
@@ -156,34 +170,28 @@ def export(
     run: Optional[str] = typer.Option(None, "--run", help="Run to export (its ok results)."),
     from_manifest: Optional[Path] = typer.Option(None, "--manifest", help="Export this manifest instead of --run."),
     export_format: str = typer.Option("speculators", "--format", help="speculators (the only layout so far)."),
-    any_layers: bool = typer.Option(False, help="Skip the check that files end with the model's last layer."),
+    any_layers: bool = typer.Option(False, "--any-layers", help="Skip the check that every file ends with the "
+                                    "model's last layer."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
     from producer.export import export_speculators
-    from producer.manifest import ManifestEntry, collect, iter_manifest, ok_results
+    from producer.manifest import iter_manifest
 
     if export_format != "speculators":
         raise fail(f"--format {export_format!r}: only 'speculators' is supported", 2)
     if (run is None) == (from_manifest is None):
         raise fail("give one of --run R or --manifest F", 2)
-    quiet_datasets()
-    if from_manifest is not None:
-        entries: Any = iter_manifest(from_manifest)
-        total = None
-    else:
-        from producer.client import Client
-        from producer.settings import Settings
-
-        with Client(Settings(), redis_url=redis_url) as client:
-            results = ok_results(client, run)  # type: ignore[arg-type]
-        total = len(results)
-        entries = (entry for entry in collect(results) if isinstance(entry, ManifestEntry))
-    with progress(total, "export") as step, one_line_errors():
+    listing = RunListing(run, redis_url) if run is not None else None
+    entries: Any = listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
+    with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
+        quiet_datasets()
         report = export_speculators(counted(entries, step), out, check_layers=not any_layers)
     freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
     err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "
                       f"{report.copied} copied{freq})", markup=False, highlight=False)
+    if listing is not None:
+        listing.fail_if_skipped()
 
 
 def quiet_datasets() -> None:

@@ -151,8 +151,15 @@ def test_speculators_export(finished_run, tmp_path, client):
     os.unlink(gone)
     manifest = tmp_path / "after.jsonl"
     done = run_cli(env, "manifest", "--run", run, "--out", str(manifest))
-    assert done.returncode == 2 and "No such file" in done.stderr and "1 ok result(s) have no valid file" in done.stderr
-    assert len(list(iter_manifest(manifest))) == len(expected) - 1
+    assert done.returncode == 2 and "No such file" in done.stderr and "1 ok result(s) have no valid file and are left out" in done.stderr
+    listed = [entry.job_id for entry in iter_manifest(manifest)]
+    assert len(listed) == len(expected) - 1 and gone not in [paths[job_id] for job_id in listed]
+    from_manifest = run_cli(env, "export", "--manifest", str(manifest), "--out", str(tmp_path / "from-manifest"))
+    assert from_manifest.returncode == 0, from_manifest.stderr
+    assert datasets.load_from_disk(str(tmp_path / "from-manifest"))["job_id"] == listed
+    from_run = run_cli(env, "export", "--run", run, "--out", str(tmp_path / "from-run"))
+    assert from_run.returncode == 2 and "No such file" in from_run.stderr
+    assert datasets.load_from_disk(str(tmp_path / "from-run"))["job_id"] == listed
 
 
 def test_speculators_export_refuses_files_without_the_last_layer(workers, redis_server, client, run_name, tmp_path):
