@@ -106,14 +106,14 @@ class InflightLimiter:
         self.runs: set[str] = set()
         self.in_flight = 0
 
-    def refresh(self) -> int:
+    def refresh(self) -> None:
+        """Read the count of jobs in flight from Redis."""
         pipe = self.redis.pipeline(transaction=False)
         for run in sorted(self.runs):
             pipe.hlen(keys.run_submitted_hash(run))
             pipe.hlen(keys.run_status_hash(run))
         counts = pipe.execute()
         self.in_flight = sum(max(0, sub - done) for sub, done in zip(counts[0::2], counts[1::2]))
-        return self.in_flight
 
     def acquire(self, run: str) -> None:
         """Block until one more job of ``run`` may be submitted, and count it."""

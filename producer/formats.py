@@ -114,6 +114,11 @@ def detect_format(row: Any, column: str | None = None) -> InputFormat:
     raise RowError(f"cannot tell the format from {where} (the row's keys: {keys}); give --format and --column")
 
 
+def first_value(mapping: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    """The value of the first of ``names`` that is present and not null."""
+    return next((mapping[name] for name in names if mapping.get(name) is not None), None)
+
+
 def turn_text(content: Any, index: int) -> str | None:
     """A turn's text: a string, null, or OpenAI-style content parts of type text (joined)."""
     if content is None or isinstance(content, str):
@@ -136,13 +141,13 @@ def normalize_turn(turn: Any, index: int) -> dict[str, Any]:
     """One ShareGPT (``from``/``value``) or messages (``role``/``content``) turn as a chat message."""
     if not isinstance(turn, Mapping):
         raise RowError(f"turn {index} is a {type(turn).__name__}, expected an object")
-    raw_role = turn.get("role", turn.get("from"))
+    raw_role = first_value(turn, ("role", "from"))
     role = ROLE_NAMES.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
     if role is None:
         raise RowError(f"turn {index} has role {raw_role!r}; known roles: {', '.join(sorted(ROLE_NAMES))}")
-    message: dict[str, Any] = {"role": role, "content": turn_text(turn.get("content", turn.get("value")), index)}
+    message: dict[str, Any] = {"role": role, "content": turn_text(first_value(turn, ("content", "value")), index)}
     for field, aliases in TURN_FIELDS.items():
-        value = next((turn[a] for a in aliases if turn.get(a) is not None), None)
+        value = first_value(turn, aliases)
         if value is not None:
             message[field] = value
     return message
@@ -189,9 +194,10 @@ class RowConverter:
                 raise RowError(f"the prompt is a {type(value).__name__}, expected a string")
             data: dict[str, Any] = {"prompt": value}
         else:
-            if not isinstance(value, list) or not value:
-                raise RowError(f"the conversation is {'empty' if value == [] else type(value).__name__}, "
-                               "expected a list of turns")
+            if not isinstance(value, list):
+                raise RowError(f"the conversation is a {type(value).__name__}, expected a list of turns")
+            if not value:
+                raise RowError("the conversation has no turns")
             if self.format is InputFormat.ultrachat:
                 data = {"messages": ultrachat_turns(value)}
             else:
@@ -220,7 +226,7 @@ class RowConverter:
 
     def _job_id(self, fields: dict[str, Any]) -> str | None:
         value = fields.get(self.id_column) if self.id_column else None
-        if value is None or isinstance(value, bool) or not isinstance(value, (str, int)):
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
             return None
         text = str(value)
         if NAME_PATTERN.match(text) and ".." not in text:

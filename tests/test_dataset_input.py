@@ -116,7 +116,7 @@ def test_bad_rows_are_reported_with_their_place(redis_server, tmp_path, run_name
     assert "Traceback" not in stderr
     assert f"{path} line 2: not valid JSON" in stderr
     assert f"{path} line 3: turn 0 has role 'robot'" in stderr
-    assert f"{path} line 5: the conversation is empty" in stderr
+    assert f"{path} line 5: the conversation has no turns" in stderr
     assert f"{path} line 7: expected a JSON object" in stderr
     assert "error: 4 row(s) were not enqueued" in stderr
     hashed_id = "id-" + hashlib.sha256(b"conv/6").hexdigest()[:32]
