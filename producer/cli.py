@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from producer import cli_data, cli_dlq
 from producer.settings import Settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
@@ -102,45 +103,6 @@ def supervise(settings: Settings) -> int:
     device = ["--device", "cuda"] if ws.device == "auto" else []
     supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker)
     return supervisor.run()
-
-
-@app.command()
-def enqueue(
-    model: str = typer.Option(..., "--model", help="Model name the worker serves."),
-    run: str = typer.Option("default", "--run", help="Run name: output folder and result stream."),
-    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="A prompt (repeatable)."),
-    file: Optional[Path] = typer.Option(None, "--file", help="JSONL file, one job per line."),
-    layers: Optional[str] = typer.Option(None, help="Layer ids for every job, e.g. 2,18,-1."),
-    max_length: Optional[int] = typer.Option(None, help="Token limit per job."),
-    truncate: bool = typer.Option(False, help="Cut jobs longer than --max-length instead of failing them."),
-    check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model."),
-    redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
-) -> None:
-    """Validate and enqueue jobs; prints one job id per line."""
-    from producer.client import Client
-    from producer.enqueue import BadLine, job_from_data, read_jsonl_jobs
-
-    if not prompt and file is None:
-        raise CliError("nothing to enqueue: give --prompt TEXT or --file F.jsonl", 2)
-    defaults: dict[str, Any] = {"model": model, "run": run, "layers": parse_layers(layers),
-                                "max_length": max_length, "truncate": truncate}
-    defaults = {key: value for key, value in defaults.items() if value is not None}
-    with Client(load_settings(redis_url=redis_url)) as client:
-        if check:
-            served, live = client.served_models(), client.workers()
-            if live and model not in served:
-                raise CliError(f"no live worker serves model {model!r} (served: {', '.join(sorted(served))}); "
-                               "use --no-check to enqueue anyway")
-        bad = 0
-        sources = [job_from_data({"prompt": text}, defaults) for text in prompt or []]
-        for job in [*sources, *(read_jsonl_jobs(file, defaults) if file else [])]:
-            if isinstance(job, BadLine):
-                bad += 1
-                err_console.print(f"error: {file} line {job.line}: {job.reason}", markup=False, highlight=False)
-                continue
-            print(client.submit(job).job_id, flush=True)
-    if bad:
-        raise CliError(f"{bad} line(s) of {file} were not enqueued (see above)", 2)
 
 
 @app.command()
@@ -259,8 +221,7 @@ def bench(
         json_out.write_text(json.dumps(report, indent=2))
 
 
-from producer import cli_dlq  # noqa: E402  (subcommand modules register on the app)
-
+cli_data.register(app)
 cli_dlq.register(app)
 
 

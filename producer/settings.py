@@ -63,6 +63,12 @@ class TlsSettings(BaseModel):
     cert_reqs: str = Field(default="required", pattern="^(required|optional|none)$")
 
 
+class EnqueueSettings(BaseModel):
+    """``layertap enqueue``: how a file streams into the queue."""
+
+    max_inflight: int = Field(default=10000, gt=0)  # --max-inflight: jobs of the run submitted but not finished
+
+
 class Settings(BaseSettings):
     """Everything layertap reads from its environment."""
 
@@ -82,6 +88,7 @@ class Settings(BaseSettings):
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     limits: Limits = Field(default_factory=Limits)
     tls: TlsSettings = Field(default_factory=TlsSettings)
+    enqueue: EnqueueSettings = Field(default_factory=EnqueueSettings)
 
     @classmethod
     def settings_customise_sources(

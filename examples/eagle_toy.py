@@ -1,0 +1,190 @@
+"""Worked example: ShareGPT-style chats -> layertap -> manifest -> a toy EAGLE-style draft head, on the CPU.
+
+Everything runs on this machine in about a minute: an embedded Redis, a tiny random-weight
+qwen3-style model, one ``layertap worker`` process. The steps are the commands a user types
+(run here as subprocesses) and then a training loop over ``HiddenStatesDataset``:
+
+1. ``layertap make-tiny-model`` builds the model (4 decoder layers, hidden size 64);
+2. ``layertap worker --layers 1,2,3,4`` serves it: layers 1-3 are the draft's auxiliary
+   inputs (EAGLE-3 fuses a low, a middle and a high layer), 4 is the last layer (the target);
+3. a 200-conversation ShareGPT file is written (built here, no download) and
+   ``layertap enqueue --file chats.jsonl`` sends one job per conversation;
+4. ``layertap manifest`` lists the files once all jobs are done;
+5. a toy EAGLE-style head learns, at each position t, from the fused auxiliary states at t
+   plus the embedding of token t+1, to predict token t+2 and the target's last-layer state
+   at t+1, with the loss on assistant tokens only (the files' loss masks).
+
+Usage: ``python examples/eagle_toy.py [--workdir DIR] [--steps 40] [--json metrics.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from producer.client import Client
+from producer.dataset import HiddenStatesDataset, collate
+from producer.redis_server import RedisServer
+from producer.settings import Settings
+
+MODEL = "tiny-qwen3"
+RUN = "eagle-toy"
+LAYERS = [1, 2, 3, 4]  # three auxiliary layers, then the last layer (vLLM id L = 4)
+SUBJECTS = ["the river", "a red bird", "the small city", "one tree", "the dark mountain", "a green book",
+            "the fast worker", "a large matrix", "the hidden state", "the draft model"]
+QUESTIONS = ["What is {s}?", "Describe {s}.", "Where is {s}?", "Why is {s} small?", "Compare {s} and {t}."]
+ANSWERS = ["{S} is near {t}.", "{S} is red and {t} is blue.", "I can explain {s} in one word: light.",
+           "{S} and {t} are both in the house.", "Yes, {s} is small."]
+
+
+def sharegpt_conversations(count: int = 200, seed: int = 0) -> list[dict]:
+    """ShareGPT-style rows (``id``, ``conversations`` of ``from``/``value``), some with a system turn."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        turns = [{"from": "system", "value": "You are a helpful assistant."}] if index % 4 == 0 else []
+        for _ in range(rng.randint(1, 3)):
+            s, t = rng.sample(SUBJECTS, 2)
+            turns.append({"from": "human", "value": rng.choice(QUESTIONS).format(s=s, t=t)})
+            turns.append({"from": "gpt", "value": rng.choice(ANSWERS).format(s=s, t=t, S=s.capitalize())})
+        rows.append({"id": f"toy-{index:04d}", "conversations": turns})
+    return rows
+
+
+def layertap(env: dict[str, str], *args: str) -> str:
+    """Run one ``layertap`` command; return its stdout (raise with its stderr when it fails)."""
+    done = subprocess.run([sys.executable, "-m", "producer.cli", *args], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"layertap {args[0]} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+@contextlib.contextmanager
+def running_worker(env: dict[str, str], model_dir: Path, log_path: Path, client: Client, timeout: float = 300):
+    """A ``layertap worker`` process serving ``model_dir`` as MODEL, stopped (SIGTERM) on exit."""
+    with open(log_path, "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", "worker", "--model", str(model_dir), "--name", MODEL,
+             "--device", "cpu", "--layers", ",".join(map(str, LAYERS)), "--node-name", f"eagle-toy-{os.getpid()}@local"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while MODEL not in client.served_models():
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the worker did not come up; see {log_path}")
+                time.sleep(0.2)
+            yield worker
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+
+
+class ToyEagleHead(nn.Module):
+    """EAGLE-3 in miniature: fuse the auxiliary layers, add the next token's embedding, one causal
+    transformer layer, then a token head and a next-state head."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, num_aux: int):
+        super().__init__()
+        self.fuse = nn.Linear(num_aux * hidden_size, hidden_size)
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.layer = nn.TransformerEncoderLayer(hidden_size, nhead=4, dim_feedforward=2 * hidden_size,
+                                                dropout=0.0, batch_first=True)
+        self.lm_head = nn.Linear(hidden_size, vocab_size)
+        self.state_head = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, aux: torch.Tensor, next_ids: torch.Tensor, padding: torch.Tensor):
+        x = self.fuse(aux.flatten(2)) + self.embed(next_ids)
+        causal = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), diagonal=1)
+        h = self.layer(x, src_mask=causal, src_key_padding_mask=padding)
+        return self.lm_head(h), self.state_head(h)
+
+
+def draft_loss(head: ToyEagleHead, batch: dict) -> torch.Tensor:
+    """Position t sees aux(t) and token t+1; it predicts token t+2 and the last layer at t+1.
+    Only positions whose target token is a real assistant token count."""
+    states = batch["hidden_states"].float()  # [B, T, 4, H]: layers 1, 2, 3 (aux) and 4 (target)
+    aux, target_state = states[:, :, :-1], states[:, :, -1]
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    logits, predicted_state = head(aux[:, :-2], ids[:, 1:-1], attention[:, 1:-1] == 0)
+    weight = (batch["loss_mask"][:, 2:] * attention[:, 2:]).float()
+    token_loss = F.cross_entropy(logits.transpose(1, 2), ids[:, 2:], reduction="none")
+    state_loss = F.smooth_l1_loss(predicted_state, target_state[:, 1:-1], reduction="none").mean(-1)
+    return ((token_loss + state_loss) * weight).sum() / weight.sum().clamp(min=1.0)
+
+
+def train(manifest: Path, vocab_size: int, steps: int, seed: int = 0) -> list[float]:
+    """Train the toy head for ``steps`` batches of 16 conversations; return the loss of each step.
+    Padding (token id 0) is masked out of attention and loss, so its id does not matter."""
+    torch.manual_seed(seed)
+    dataset = HiddenStatesDataset(manifest)
+    hidden_size = dataset[0]["hidden_states"].shape[-1]
+    head = ToyEagleHead(vocab_size, hidden_size, num_aux=len(LAYERS) - 1)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    loader = DataLoader(dataset, batch_size=16, shuffle=True, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(seed))
+    losses: list[float] = []
+    while len(losses) < steps:
+        for batch in loader:
+            loss = draft_loss(head, batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if len(losses) % 5 == 0 or len(losses) == 1:
+                print(f"step {len(losses):3d}  loss {loss.item():.3f}", flush=True)
+            if len(losses) == steps:
+                break
+    return losses
+
+
+def main(workdir: Path, steps: int) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    with RedisServer(data_dir=workdir / "redis") as redis_server:
+        env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url, "LAYERTAP_STORAGE_ROOT": str(workdir / "files")}
+        model_dir = workdir / "model"
+        layertap(env, "make-tiny-model", str(model_dir), "--arch", "qwen3")
+        chats = workdir / "chats.jsonl"
+        chats.write_text("".join(json.dumps(row) + "\n" for row in sharegpt_conversations()))
+        with Client(Settings(redis_url=redis_server.url)) as client, \
+                running_worker(env, model_dir, workdir / "worker.log", client):
+            job_ids = layertap(env, "enqueue", "--model", MODEL, "--run", RUN, "--file", str(chats)).split()
+            print(f"enqueued {len(job_ids)} conversations from {chats}", flush=True)
+            results = client.wait(RUN, job_ids, timeout=600)
+            failed = [r for r in results.values() if not r.ok]
+            if failed:
+                raise RuntimeError(f"{len(failed)} jobs failed, e.g. {failed[0].job_id}: {failed[0].error}")
+            manifest = workdir / "manifest.parquet"
+            layertap(env, "manifest", "--run", RUN, "--out", str(manifest))
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tokens = sum(r.num_tokens or 0 for r in results.values())
+    print(f"{len(results)} files, {tokens} tokens; manifest {manifest}", flush=True)
+    losses = train(manifest, vocab_size, steps)
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps", flush=True)
+    return {"jobs": len(results), "tokens": tokens, "manifest": str(manifest), "losses": losses}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, help="Keep everything here (default: a temp folder).")
+    parser.add_argument("--steps", type=int, default=40, help="Training steps (batches of 16 conversations).")
+    parser.add_argument("--json", type=Path, help="Write the metrics here.")
+    args = parser.parse_args()
+    with contextlib.ExitStack() as stack:
+        folder = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eagle-toy-")))
+        metrics = main(folder, args.steps)
+        if args.json:
+            args.json.write_text(json.dumps(metrics, indent=2))
