@@ -57,7 +57,7 @@ def make_celery(settings: Settings) -> Celery:
         broker_connection_max_retries=None,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_send_task_events=True,
-        task_send_sent_event=True,
+        task_send_sent_event=False,  # one Redis write less per submitted job; workers still send events
         worker_hijack_root_logger=False,
         task_ignore_result=False,
         timezone="UTC",

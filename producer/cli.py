@@ -24,7 +24,7 @@ app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, 
                   "write safetensors files, publish their paths.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
 
 class CliError(Exception):

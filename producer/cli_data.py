@@ -48,6 +48,11 @@ def enqueue(
     layers: Optional[str] = typer.Option(None, help="Layer ids for every job, e.g. 2,18,-1."),
     max_length: Optional[int] = typer.Option(None, help="Token limit per job."),
     truncate: bool = typer.Option(False, help="Cut jobs longer than --max-length instead of failing them."),
+    loss_on: Optional[str] = typer.Option(None, help="Chats: all | last assistant turn(s) in the loss mask."),
+    final_hidden_states: bool = typer.Option(False, help="Also store the last layer's output after the final norm."),
+    topk: Optional[int] = typer.Option(None, help="Also store the teacher's top-k next-token log-probs."),
+    topk_on: Optional[str] = typer.Option(None, help="mask (positions predicting a loss-mask token) | all."),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 | float8 (stored dtype)."),
     check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the ids of the jobs sent."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
@@ -63,7 +68,9 @@ def enqueue(
     if not prompt and file is None:
         raise fail("nothing to enqueue: give --prompt TEXT or --file F", 2)
     defaults: dict[str, Any] = {"model": model, "run": run, "max_length": max_length, "truncate": truncate,
-                                "layers": parse_layer_list(layers) if layers is not None else None}
+                                "layers": parse_layer_list(layers) if layers is not None else None,
+                                "loss_on": loss_on, "topk": topk, "topk_on": topk_on, "dtype": dtype,
+                                "final_hidden_states": final_hidden_states or None}
     defaults = {key: value for key, value in defaults.items() if value is not None}
     settings = Settings()
     prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults))

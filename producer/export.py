@@ -74,6 +74,13 @@ def read_tokens(path: str) -> tuple[Any, Any]:
     return token_ids, mask
 
 
+def refuse_float8(entry: ManifestEntry) -> None:
+    """speculators would read float8 codes without their per-row scales: refuse, always."""
+    if entry.dtype.startswith("float8"):
+        raise ValueError(f"job {entry.job_id} is stored as {entry.dtype}: speculators would read raw float8 codes "
+                         "without their scales; extract with dtype bfloat16 for a speculators export")
+
+
 def check_speculators_layers(entry: ManifestEntry, first: ManifestEntry) -> None:
     """Refuse files speculators would misread: layers differing between files, or not ending with ``L``."""
     if list(entry.layers) != list(first.layers):
@@ -102,6 +109,7 @@ def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, che
         first: ManifestEntry | None = None
         for index, entry in enumerate(entries):
             first = first or entry
+            refuse_float8(entry)
             if check_layers:
                 check_speculators_layers(entry, first)
             token_ids, mask = read_tokens(entry.path)

@@ -202,6 +202,8 @@ class RowConverter:
                 data = {"messages": ultrachat_turns(value)}
             else:
                 data = {"messages": [normalize_turn(turn, i) for i, turn in enumerate(value)]}
+            if isinstance(fields.get("tools"), list):  # tool schemas travel with the chat
+                data["tools"] = fields["tools"]
         job_id = self._job_id(fields)
         if job_id is not None:
             data["job_id"] = job_id

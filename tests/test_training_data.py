@@ -173,3 +173,13 @@ def test_speculators_export_refuses_files_without_the_last_layer(workers, redis_
     allowed = run_cli(env, "export", "--run", run_name, "--out", str(tmp_path / "b"), "--any-layers")
     assert allowed.returncode == 0, allowed.stderr
     assert len(datasets.load_from_disk(str(tmp_path / "b"))) == 1
+
+
+def test_speculators_export_refuses_float8_files(workers, redis_server, client, run_name, tmp_path):
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
+    out = run_cli(env, "enqueue", "--model", "tiny-qwen3", "--run", run_name, "--dtype", "float8", "--prompt", "hi")
+    assert out.returncode == 0, out.stderr
+    assert client.wait(run_name, out.stdout.split(), timeout=60)[out.stdout.split()[0]].ok
+    refused = run_cli(env, "export", "--run", run_name, "--out", str(tmp_path / "fp8"), "--any-layers")
+    assert refused.returncode == 1
+    assert "speculators would read raw float8 codes" in refused.stderr and "Traceback" not in refused.stderr
