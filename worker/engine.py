@@ -137,6 +137,7 @@ class Engine:
         self.max_batch_jobs = max_batch_jobs
         self.batch_wait_s = batch_wait_s
         self.stats = EngineStats()
+        self.on_batch: Callable[[int, int], None] | None = None  # called (jobs, tokens) after each batch
         self._cuda = loaded.device.type == "cuda"
         self._capture = LayerCapture(loaded)
         self._pending: deque[EngineRequest] = deque()
@@ -258,6 +259,8 @@ class Engine:
             slots = [output.layer_ids.index(layer_id) for layer_id in request.layer_ids]
             request.future.set_result(JobSlice(output, start, end, slots))
             start = end
+        if self.on_batch is not None:
+            self.on_batch(len(batch), start)
 
     def _release_cached_memory(self) -> None:
         if self._cuda:
