@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -44,10 +44,12 @@ def render_status(status: FleetStatus) -> None:
     console.print(f"dead letters: {status.dead_letters}", highlight=False)
 
 
-def describe_progress(progress: RunProgress) -> dict[str, str]:
-    """The progress bar's text fields."""
-    return {"failed": f"{progress.failed} failed", "rate": f"{progress.tokens_per_s:,.0f} tokens/s",
-            "eta": format_eta(progress.eta_s)}
+def describe_progress(progress: RunProgress) -> dict[str, Any]:
+    """The progress bar's state and text fields."""
+    waiting = "" if progress.total else " (no jobs yet)"
+    return {"description": f"run {progress.run}{waiting}", "total": progress.total or None,
+            "completed": progress.finished, "failed": f"{progress.failed} failed",
+            "rate": f"{progress.tokens_per_s:,.0f} tokens/s", "eta": format_eta(progress.eta_s)}
 
 
 def register(app: typer.Typer) -> None:
@@ -81,13 +83,11 @@ def register(app: typer.Typer) -> None:
                        TextColumn("{task.fields[failed]}"), TextColumn("{task.fields[rate]}"),
                        TextColumn("{task.fields[eta]}"))
             with Progress(*columns, console=console) as bar:
-                task = bar.add_task(f"run {run}", total=current.total or None, completed=current.finished,
-                                    **describe_progress(current))
+                task = bar.add_task(**describe_progress(current))
                 while not current.complete:
                     time.sleep(interval)
                     current = tracker.poll()
-                    bar.update(task, total=current.total or None, completed=current.finished,
-                               **describe_progress(current))
+                    bar.update(task, **describe_progress(current))
             console.print(f"run {run} complete: {current.done} ok, {current.failed} failed, "
                           f"{current.total} jobs", highlight=False)
             if plot is not None:
