@@ -62,7 +62,7 @@ def queue_depths(client: redis.Redis) -> dict[str, int]:
     for key in found:
         pipe.llen(key)
     depths: dict[str, int] = {}
-    for key, depth in zip(found, pipe.execute()):
+    for key, depth in zip(found, pipe.execute(), strict=True):
         model = keys.queue_model(key)
         if model is not None:
             depths[model] = depths.get(model, 0) + int(depth)
@@ -78,7 +78,7 @@ def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerS
     for node in nodes:
         pipe.exists(keys.worker_heartbeat_key(node))
     states = []
-    for node, alive in zip(nodes, pipe.execute()):
+    for node, alive in zip(nodes, pipe.execute(), strict=True):
         info = json.loads(described[node])
         engine = info.get("engine") or {}
         beat = info.get("beat")

@@ -55,9 +55,9 @@ def run_worker(settings: Settings) -> int:
                                 max_batch_jobs=ws.max_batch_jobs, batch_wait_s=ws.batch_wait_ms / 1000,
                                 host_buffers=ws.host_buffers, write_slots=ws.writer_threads,
                                 compile_layers=ws.compile)
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
-                                               "gpus": gpus, "dtype": str(loaded.dtype).removeprefix("torch.")})
+                                               "gpus": gpus, "dtype": dtype})
     client = redis.Redis.from_url(settings.broker_url, health_check_interval=10, socket_keepalive=True)
     service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts)
     app = make_celery(settings)
@@ -67,7 +67,7 @@ def run_worker(settings: Settings) -> int:
     if ws.metrics_port:
         metrics.serve(ws.metrics_port)
     static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."), "layers": processor.preparer.default_layers,
+            "dtype": dtype, "layers": processor.preparer.default_layers,
             "num_layers": loaded.num_layers, "pid": os.getpid(), "host": socket.gethostname(),
             "started": time.time(), "storage_root": str(storage_root.resolve()), "gpus": gpus,
             "metrics_port": ws.metrics_port}
