@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from producer import cli_data, cli_dlq
-from producer.settings import Settings
+from producer.cli_ops import register as register_ops
+from producer.settings import LogFormat, Settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
                   "write safetensors files, publish their paths.", no_args_is_help=True,
@@ -45,8 +46,8 @@ def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
     if storage is not None:
         top["storage_root"] = storage
     changes = {key: value for key, value in worker_fields.items() if value is not None}
-    if changes:
-        top["worker"] = settings.worker.model_copy(update=changes)
+    if changes:  # validated like the environment is
+        top["worker"] = type(settings.worker).model_validate({**settings.worker.model_dump(), **changes})
     return settings.model_copy(update=top) if top else settings
 
 
@@ -73,12 +74,16 @@ def worker(
     gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process (model split across them)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (default $LAYERTAP_REDIS_URL or localhost)."),
     loglevel: Optional[str] = typer.Option(None, help="DEBUG | INFO | WARNING"),
+    log_format: Optional[LogFormat] = typer.Option(None, help="json: one object per line, with job_id and run."),
+    metrics_port: Optional[int] = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics on this "
+                                               "port (0 = off; with --gpus, worker i uses port + i)."),
 ) -> None:
     """Serve one model: load it once, take jobs from its queue, write files, publish results."""
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
                              token_budget=token_budget, concurrency=concurrency, compile=compile, loglevel=loglevel,
-                             gpus=gpus, gpus_per_worker=gpus_per_worker, chat_template=chat_template)
+                             gpus=gpus, gpus_per_worker=gpus_per_worker, chat_template=chat_template,
+                             log_format=log_format, metrics_port=metrics_port)
     if settings.worker.gpus:
         raise typer.Exit(supervise(settings))
     from worker.main import run_worker
@@ -88,20 +93,21 @@ def worker(
 
 def supervise(settings: Settings) -> int:
     """Run one child worker per GPU group; children read the same settings from the environment."""
-    import logging
-
+    from worker.logs import configure_logging
     from worker.supervisor import Supervisor, visible_gpus
 
-    logging.basicConfig(level=settings.worker.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ws = settings.worker
+    configure_logging(ws.loglevel, ws.log_format)
     env = {f"LAYERTAP_WORKER__{key.upper()}": json.dumps(value) if not isinstance(value, str) else value
-           for key, value in ws.model_dump(exclude={"gpus", "node_name", "model"}).items() if value is not None}
+           for key, value in ws.model_dump(mode="json", exclude={"gpus", "node_name", "model"}).items()
+           if value is not None}
     env["LAYERTAP_STORAGE_ROOT"] = str(settings.storage_root)
     if settings.redis_url:
         env["LAYERTAP_REDIS_URL"] = settings.redis_url
     os.environ.update(env)
     device = ["--device", "cuda"] if ws.device == "auto" else []
-    supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker)
+    supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker,
+                            metrics_port=ws.metrics_port)
     return supervisor.run()
 
 
@@ -132,11 +138,16 @@ def inspect(
     file: Path = typer.Argument(..., help="A layertap .safetensors file."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     verify: bool = typer.Option(True, help="Check shapes and checksums first."),
+    plot: Optional[Path] = typer.Option(None, help="Also draw per-layer statistics to this PNG file."),
 ) -> None:
     """Show a file's tensors, metadata and per-layer statistics."""
     from producer.file_stats import describe_file
 
     info = describe_file(file, verify=verify)
+    if plot is not None:
+        from producer.plots import plot_file
+
+        plot_file(file, plot)
     if as_json:
         print(json.dumps(info, indent=2))
         return
@@ -223,6 +234,7 @@ def bench(
 
 cli_data.register(app)
 cli_dlq.register(app)
+register_ops(app)
 
 
 def main() -> None:
@@ -243,7 +255,11 @@ def main() -> None:
     except (ValidationError, ValueError, OSError, RuntimeError, redis.exceptions.RedisError) as exc:
         if os.environ.get("LAYERTAP_DEBUG"):
             raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, ValidationError):
+            first = exc.errors()[0]
+            message = f"invalid {'.'.join(str(p) for p in first['loc']) or exc.title}: {first['msg']}"
+        else:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         err_console.print(f"error: {message}", markup=False, highlight=False)
         sys.exit(1)
 

@@ -41,3 +41,28 @@ def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
                               "mean_token_norm": float(norms.mean()), "finite": bool(np.isfinite(values).all())})
     return {"path": str(path), "bytes": path.stat().st_size, "tensors": tensors, "metadata": meta,
             "layer_stats": stats}
+
+
+def read_hidden_states(path: str | Path) -> tuple[list[int], np.ndarray]:
+    """``(layer ids, hidden_states as float32 [T, num_layers, H])`` of a file, under its shared lock."""
+    path = Path(path)
+    with shared_lock(path):
+        with open(path, "rb") as handle:
+            header, data_start = read_header(handle, path)
+        if HIDDEN_STATES not in header:
+            raise ValueError(f"{path} has no {HIDDEN_STATES} tensor")
+        hidden = read_tensor(path, header, data_start, HIDDEN_STATES).astype(np.float32)
+    layers = json.loads((header.get("__metadata__") or {}).get(MetaKey.LAYERS, "[]"))
+    return (layers or list(range(hidden.shape[1]))), hidden
+
+
+def token_norms(hidden: np.ndarray) -> np.ndarray:
+    """L2 norm of each token's state in each layer: ``[num_layers, T]`` from ``[T, num_layers, H]``."""
+    return np.linalg.norm(hidden, axis=-1).T
+
+
+def layer_cosine_similarity(hidden: np.ndarray) -> np.ndarray:
+    """``[num_layers, num_layers]``: mean over tokens of the cosine between two layers' states."""
+    norms = np.linalg.norm(hidden, axis=-1, keepdims=True)
+    unit = hidden / np.maximum(norms, np.finfo(np.float32).tiny)
+    return np.einsum("tih,tjh->ij", unit, unit) / hidden.shape[0]

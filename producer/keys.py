@@ -17,6 +17,12 @@ DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 #: Hash of live workers: node name -> JSON description (model, device, started).
 WORKERS_HASH = f"{PREFIX}:workers"
 
+#: Prefix of every model queue; ``SCAN MATCH QUEUE_PATTERN`` finds the non-empty ones.
+QUEUE_PREFIX = f"{PREFIX}.q."
+QUEUE_PATTERN = f"{QUEUE_PREFIX}*"
+#: kombu stores a queue's messages of priority p > 0 in ``<queue>\x06\x16<p>``.
+KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
+
 
 #: Hash task id -> JSON {"queue", "submitted_at"}: jobs sent by the Client and not yet finished.
 PENDING_HASH = f"{PREFIX}:pending"
@@ -32,7 +38,14 @@ RECOVERED_COUNTER = f"{PREFIX}:stats:recovered"
 
 def model_queue(model: str) -> str:
     """The Celery queue (a Redis list) that carries jobs for ``model``."""
-    return f"{PREFIX}.q.{model}"
+    return f"{QUEUE_PREFIX}{model}"
+
+
+def queue_model(queue_key: str) -> str | None:
+    """The model whose queue (or priority sub-queue) ``queue_key`` is; None for another key."""
+    if not queue_key.startswith(QUEUE_PREFIX):
+        return None
+    return queue_key[len(QUEUE_PREFIX):].split(KOMBU_PRIORITY_SEPARATOR, 1)[0] or None
 
 
 def results_stream(run: str) -> str:
@@ -63,3 +76,9 @@ def worker_heartbeat_key(node: str) -> str:
 def task_id(run: str, job_id: str) -> str:
     """Celery task id of a job: ``AsyncResult(task_id(run, job_id)).get()`` gives its result."""
     return f"{run}:{job_id}"
+
+
+def parse_task_id(value: str) -> tuple[str, str] | None:
+    """``(run, job_id)`` of a task id built by :func:`task_id` (names hold no ``:``); else None."""
+    run, sep, job_id = value.partition(":")
+    return (run, job_id) if sep and run and job_id and ":" not in job_id else None

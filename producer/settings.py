@@ -7,6 +7,7 @@ Example: ``LAYERTAP_WORKER__TOKEN_BUDGET=32768``.
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -18,6 +19,13 @@ from pydantic_settings import (
 )
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+class LogFormat(str, Enum):
+    """How a worker writes its log lines."""
+
+    text = "text"
+    json = "json"  # one JSON object per line, with job_id and run
 
 
 class WorkerSettings(BaseModel):
@@ -42,6 +50,8 @@ class WorkerSettings(BaseModel):
     gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
     gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process (model split with device_map)
     loglevel: str = "INFO"
+    log_format: LogFormat = LogFormat.text
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # Prometheus /metrics; 0 = off (supervised: +i per child)
 
 
 class Limits(BaseModel):

@@ -178,6 +178,7 @@ class Engine:
         self.stats = EngineStats()
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
+        self.on_batch: Callable[[int, int], None] | None = None  # called (jobs, tokens) after each batch
         self._cuda = loaded.device.type == "cuda"
         self._capture = LayerCapture(loaded)
         self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
@@ -322,6 +323,8 @@ class Engine:
                 topk_rows, topk_start = slice(topk_start, topk_end), topk_end
             request.future.set_result(JobSlice(output, start, end, slots, topk_rows, request.topk))
             start = end
+        if self.on_batch is not None:
+            self.on_batch(len(batch), start)
 
     def _release_cached_memory(self) -> None:
         if self._cuda:

@@ -88,7 +88,8 @@ class LeaseKeeper:
     def stop(self) -> None:
         """Stop renewing and deregister (the worker is going away cleanly)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=5)
         try:
             self.redis.delete(keys.worker_heartbeat_key(self.node))
             self.redis.hdel(keys.WORKERS_HASH, self.node)

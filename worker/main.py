@@ -15,14 +15,17 @@ import socket
 import time
 from pathlib import Path
 
+from celery.signals import worker_ready
+
 from producer import keys
 from producer.celery_app import make_celery
 from producer.redis_conn import connect
-from producer.settings import Settings
+from producer.settings import LogFormat, Settings
 from worker.extractor import build_processor
 from worker.lease import LeaseKeeper
+from worker.logs import configure_logging
+from worker.metrics import MeteredPublisher, WorkerMetrics
 from worker.model_loading import load_model
-from worker.publisher import ResultPublisher
 from worker.reconciler import Reconciler
 from worker.service import WorkerService
 from worker.tasks import register_extract_task
@@ -55,7 +58,7 @@ def run_worker(settings: Settings) -> int:
     ws = settings.worker
     if not ws.model:
         raise ValueError("no model given: pass --model (a local folder or hub id) or set LAYERTAP_WORKER__MODEL")
-    logging.basicConfig(level=ws.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(ws.loglevel, ws.log_format)
     node = ws.node_name or default_node_name()
     storage_root = Path(settings.storage_root)
     removed = remove_stale_temp_files(storage_root)
@@ -78,26 +81,42 @@ def run_worker(settings: Settings) -> int:
                                 max_batch_jobs=ws.max_batch_jobs, batch_wait_s=ws.batch_wait_ms / 1000,
                                 host_buffers=ws.host_buffers, write_slots=ws.writer_threads,
                                 compile_layers=ws.compile, on_fatal=on_fatal)
+    gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")
+    metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
+                                               "gpus": gpus, "dtype": dtype})
     client = connect(settings)
-    service = WorkerService(processor, client, ResultPublisher(client), settings.max_attempts)
+    service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts)
     app = make_celery(settings)
     register_extract_task(app, service)
     processor.engine.warm_up()
-    static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."), "layers": processor.preparer.default_layers,
-            "num_layers": loaded.num_layers, "pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.time(), "storage_root": str(storage_root.resolve())}
-    keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot()},
-                         settings.orphan_timeout).start()
-    reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout).start()
+    processor.engine.on_batch = metrics.observe_batch
+    if ws.metrics_port:
+        metrics.serve(ws.metrics_port)
+    static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device), "dtype": dtype,
+                   "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers, "pid": os.getpid(),
+                   "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root.resolve()),
+                   "gpus": gpus, "metrics_port": ws.metrics_port}
+    keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot(),
+                                                "tokens_per_s": round(metrics.tokens_per_second(), 1)},
+                         settings.orphan_timeout)
+    reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout)
+
+    def on_ready(**_: object) -> None:
+        # Announce the worker (heartbeat) only once Celery consumes and handles SIGTERM.
+        keeper.start()
+        reconciler.start()
+
+    worker_ready.connect(on_ready, weak=False)
     celery_worker = app.Worker(
         hostname=node, pool_cls="threads", concurrency=ws.concurrency, queues=[keys.model_queue(loaded.name)],
         loglevel=ws.loglevel.upper(), without_gossip=True, without_mingle=True, send_events=True,
+        quiet=ws.log_format is LogFormat.json,  # no banner on stdout: every line stays JSON
     )
     try:
         celery_worker.start()
     finally:
         reconciler.stop()
         keeper.stop()
+        metrics.close()
         processor.engine.stop()
     return EXIT_DEVICE_FAULT if faults else (celery_worker.exitcode or 0)

@@ -72,7 +72,8 @@ class Reconciler:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -6,10 +6,16 @@ restarted after a backoff that grows while it keeps dying quickly; SIGTERM/SIGIN
 passed to every child (warm shutdown: running jobs finish, reserved ones go back to the
 queue) and the supervisor exits when they have. No CUDA is touched here: children are
 started with ``subprocess`` (no fork of a CUDA process).
+
+Invariants: a child never supervises in turn (its environment says ``--gpus`` is unset,
+whatever ``.env`` or the parent's environment say); on Linux a child gets SIGTERM when
+the supervisor dies, even by SIGKILL, so no worker outlives it holding a GPU; with
+``metrics_port`` set, child ``i`` serves metrics on ``metrics_port + i``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger("layertap.supervisor")
 RESTART_BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def visible_gpus(spec: str) -> list[str]:
@@ -49,6 +56,14 @@ def group(gpus: list[str], per_worker: int) -> list[list[str]]:
     return [gpus[i:i + per_worker] for i in range(0, len(gpus), per_worker)]
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Run in a child between fork and exec: ask Linux to SIGTERM it when its parent dies."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 @dataclass
 class Child:
     gpus: list[str]
@@ -60,32 +75,44 @@ class Child:
     backoff: float = 1.0
     next_start: float = 0.0
     node: str = field(default="")
+    stop_sent: bool = False
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, env=self.env)
+        parent = os.getpid()
+        preexec = (lambda: die_with_parent(parent)) if sys.platform.startswith("linux") else None
+        self.process = subprocess.Popen(self.argv, env=self.env, preexec_fn=preexec)
         self.started = time.monotonic()
+        self.stop_sent = False
         log.info("started %s (pid %d) on GPU %s", self.node, self.process.pid, ",".join(self.gpus))
 
 
 class Supervisor:
     """Starts, restarts and stops the children."""
 
-    def __init__(self, worker_args: list[str], gpus: list[str], per_worker: int = 1, host: str | None = None):
+    def __init__(self, worker_args: list[str], gpus: list[str], per_worker: int = 1, host: str | None = None,
+                 metrics_port: int = 0):
         host = host or socket.gethostname()
         self.children = []
-        for ids in group(gpus, per_worker):
+        for index, ids in enumerate(group(gpus, per_worker)):
             node = f"gpu{'-'.join(ids)}@{host}"
             argv = [sys.executable, "-m", "producer.cli", "worker", *worker_args, "--node-name", node]
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(ids)}
+            if metrics_port:
+                argv += ["--metrics-port", str(metrics_port + index)]
+            # An empty LAYERTAP_WORKER__GPUS (it beats .env and layertap.toml) makes the child a plain worker.
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(ids), "LAYERTAP_WORKER__GPUS": ""}
             self.children.append(Child(ids, argv, env, node=node))
         self._stopping = False
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        log.info("signal %d: stopping %d workers", signum, len(self.children))
-        self._stopping = True
+        if not self._stopping:
+            log.info("signal %d: stopping %d workers", signum, len(self.children))
+        self._stopping = True  # the loop passes SIGTERM on: a child started meanwhile gets it too
+
+    def _stop_children(self) -> None:
         for child in self.children:
-            if child.process and child.process.poll() is None:
+            if child.process and child.process.poll() is None and not child.stop_sent:
                 child.process.send_signal(signal.SIGTERM)
+                child.stop_sent = True
 
     def run(self, poll_s: float = 0.5) -> int:
         """Supervise until SIGTERM/SIGINT; returns 0 when every child stopped cleanly."""
@@ -94,6 +121,8 @@ class Supervisor:
         for child in self.children:
             child.start()
         while True:
+            if self._stopping:
+                self._stop_children()
             now = time.monotonic()
             alive = 0
             for child in self.children:

@@ -1,0 +1,97 @@
+"""Operations commands: ``layertap status`` (queues, workers, dead letters) and
+``layertap watch --run R`` (a live progress bar until the run is complete). Client
+side: no torch. Errors raise ``ValueError``/``RuntimeError``, which ``cli.main`` prints
+as one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from producer.client import Client
+from producer.monitor import FleetStatus, RunProgress, RunTracker, fleet_status, throughput_history
+
+console = Console()
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "ETA -:--:--"
+    seconds = int(round(seconds))
+    return f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def render_status(status: FleetStatus) -> None:
+    queues = Table("model", "queued", title="queues")
+    for model, depth in status.queues.items():
+        queues.add_row(model, str(depth))
+    console.print(queues)
+    workers = Table("node", "alive", "device", "gpus", "model", "tokens/s", "jobs", "pending", "last beat",
+                    title="workers")
+    for state in status.workers:
+        beat = "-" if state.beat_age_s is None else f"{state.beat_age_s:.0f}s ago"
+        workers.add_row(state.node, "yes" if state.alive else "no", state.device, state.gpus or "-", state.model,
+                        f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending), beat)
+    console.print(workers)
+    console.print(f"dead letters: {status.dead_letters}", highlight=False)
+
+
+def describe_progress(progress: RunProgress) -> dict[str, Any]:
+    """The progress bar's state and text fields."""
+    waiting = "" if progress.total else " (no jobs yet)"
+    return {"description": f"run {progress.run}{waiting}", "total": progress.total or None,
+            "completed": progress.finished, "failed": f"{progress.failed} failed",
+            "rate": f"{progress.tokens_per_s:,.0f} tokens/s", "eta": format_eta(progress.eta_s)}
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``status`` and ``watch`` to the ``layertap`` app."""
+
+    @app.command()
+    def status(
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Show queue depth per model, workers (alive, device, GPUs, model, tokens/s) and dead letters."""
+        with Client(redis_url=redis_url) as client:
+            fleet = fleet_status(client.redis)
+        if as_json:
+            print(json.dumps(fleet.as_json(), indent=2))
+        else:
+            render_status(fleet)
+
+    @app.command()
+    def watch(
+        run: str = typer.Option(..., "--run", help="Run name."),
+        plot: Optional[Path] = typer.Option(None, help="When complete, write a throughput-over-time chart (PNG)."),
+        interval: float = typer.Option(1.0, min=0.05, help="Seconds between refreshes."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Show a run's progress (done / failed / total, tokens/s, ETA) until every job has a result."""
+        with Client(redis_url=redis_url) as client:
+            tracker = RunTracker(client.redis, run)
+            current = tracker.poll()
+            columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[failed]}"), TextColumn("{task.fields[rate]}"),
+                       TextColumn("{task.fields[eta]}"))
+            with Progress(*columns, console=console) as bar:
+                task = bar.add_task(**describe_progress(current))
+                while not current.complete:
+                    time.sleep(interval)
+                    current = tracker.poll()
+                    bar.update(task, **describe_progress(current))
+            console.print(f"run {run} complete: {current.done} ok, {current.failed} failed, "
+                          f"{current.total} jobs", highlight=False)
+            if plot is not None:
+                from producer.plots import plot_throughput
+
+                plot_throughput(throughput_history(client.redis, run), plot, title=f"run {run}")
+                console.print(f"wrote {plot}", highlight=False)
