@@ -28,11 +28,7 @@ def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
         layers = json.loads(meta.get(MetaKey.LAYERS, "[]"))
         stats = []
         if HIDDEN_STATES in header:
-            hidden = read_array(path, header, data_start, HIDDEN_STATES)
-            scale = HIDDEN_STATES + SCALE_SUFFIX
-            if scale in header:
-                hidden = dequantize_array(hidden, read_array(path, header, data_start, scale))
-            hidden = hidden.astype(np.float32)
+            hidden = hidden_states_float32(path, header, data_start)
             for slot, layer_id in enumerate(layers or range(hidden.shape[1])):
                 values = hidden[:, slot, :]
                 norms = np.linalg.norm(values, axis=-1)
@@ -43,6 +39,15 @@ def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
             "layer_stats": stats}
 
 
+def hidden_states_float32(path: Path, header: dict, data_start: int) -> np.ndarray:
+    """A file's ``hidden_states`` as float32 (float8 files decoded with their scales)."""
+    hidden = read_array(path, header, data_start, HIDDEN_STATES)
+    scale = HIDDEN_STATES + SCALE_SUFFIX
+    if scale in header:
+        hidden = dequantize_array(hidden, read_array(path, header, data_start, scale))
+    return hidden.astype(np.float32)
+
+
 def read_hidden_states(path: str | Path) -> tuple[list[int], np.ndarray]:
     """``(layer ids, hidden_states as float32 [T, num_layers, H])`` of a file, under its shared lock."""
     path = Path(path)
@@ -51,7 +56,7 @@ def read_hidden_states(path: str | Path) -> tuple[list[int], np.ndarray]:
             header, data_start = read_header(handle, path)
         if HIDDEN_STATES not in header:
             raise ValueError(f"{path} has no {HIDDEN_STATES} tensor")
-        hidden = read_tensor(path, header, data_start, HIDDEN_STATES).astype(np.float32)
+        hidden = hidden_states_float32(path, header, data_start)
     layers = json.loads((header.get("__metadata__") or {}).get(MetaKey.LAYERS, "[]"))
     return (layers or list(range(hidden.shape[1]))), hidden
 
