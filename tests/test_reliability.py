@@ -106,7 +106,7 @@ def make_job(run: str, text: str = "a job that will run for a while") -> Job:
 
 
 def test_long_job_on_live_worker_is_never_redelivered(make_worker, private_client):
-    first = make_worker("first@localhost")
+    make_worker("first@localhost")
     make_worker("second@localhost")
     job = make_job("long")
     with hold_lock(job_path(make_worker.storage, job.run, job.job_id)):
@@ -115,7 +115,7 @@ def test_long_job_on_live_worker_is_never_redelivered(make_worker, private_clien
         time.sleep(4 * ORPHAN_TIMEOUT)  # far past the visibility timeout
         assert attempts(private_client, job) == 1  # nobody else started it
     result = private_client.wait(job.run, [job.job_id], timeout=30)[job.job_id]
-    assert result.ok and result.worker == first.node and result.attempt == 1
+    assert result.ok and result.attempt == 1  # one start, by whichever worker took it
     time.sleep(2 * ORPHAN_TIMEOUT)
     assert len(results_for(private_client, job.run, job.job_id)) == 1
 

@@ -90,7 +90,8 @@ class BatchOutput:
     final_scale: torch.Tensor | None  # float32 [T_batch] for float8 output
     topk_logprobs: torch.Tensor | None  # float32 [N, k_max]: the asked rows of the batch's top-k jobs, in order
     topk_ids: torch.Tensor | None  # int32 [N, k_max]
-    non_finite: torch.Tensor  # bool [T_batch]: token has NaN/Inf in any captured layer
+    non_finite: torch.Tensor  # bool [T_batch, U]: NaN/Inf in that token's state of that layer
+    final_non_finite: torch.Tensor | None  # bool [T_batch]: NaN/Inf in the post-norm state
     layer_ids: list[int]
     ready: torch.cuda.Event | None  # set when the device->host copy is done
     started: float
@@ -124,6 +125,7 @@ class JobSlice:
     slots: list[int]
     topk_rows: slice | None = None  # its rows in the batch's top-k outputs
     topk: int = 0
+    want_final: bool = False
     _released: bool = False
 
     def wait(self) -> Captured:
@@ -142,7 +144,10 @@ class JobSlice:
         if self.topk_rows is not None:
             logprobs = batch.topk_logprobs[self.topk_rows, :self.topk]  # type: ignore[index]
             ids = batch.topk_ids[self.topk_rows, :self.topk]  # type: ignore[index]
-        non_finite = bool(batch.non_finite[tokens].any())
+        # Only the job's own layers count: another job's layer in the same batch may be broken.
+        non_finite = bool(batch.non_finite[tokens][:, self.slots].any())
+        if self.want_final and batch.final_non_finite is not None:
+            non_finite |= bool(batch.final_non_finite[tokens].any())
         return Captured(hidden, hidden_scale, final, final_scale, logprobs, ids, non_finite, compute_s, self.release)
 
     def release(self) -> None:
@@ -321,7 +326,8 @@ class Engine:
             if request.topk:
                 topk_end = topk_start + (request.num_tokens if request.topk_rows is None else len(request.topk_rows))
                 topk_rows, topk_start = slice(topk_start, topk_end), topk_end
-            request.future.set_result(JobSlice(output, start, end, slots, topk_rows, request.topk))
+            request.future.set_result(JobSlice(output, start, end, slots, topk_rows, request.topk,
+                                               want_final=request.want_final))
             start = end
         if self.on_batch is not None:
             self.on_batch(len(batch), start)
@@ -359,14 +365,14 @@ class Engine:
                     pass
                 hidden, hidden_scale = to_output(staging, output_dtype)
                 flags = non_finite_rows(staging, hidden)
-                final_out = final_scale = None
+                final_out = final_scale = final_flags = None
                 if want_final:
                     final_out, final_scale = to_output(final, output_dtype)
-                    flags |= non_finite_rows(final, final_out)
+                    final_flags = non_finite_rows(final, final_out)
                 logprobs = topk_ids = None
                 if topk_rows is not None:
                     logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
-                outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags)
+                outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags, final_flags)
                 host = tuple(self._host_buffer(tensor) for tensor in outputs)
                 ready = self._copy_out(events, *zip(outputs, host))
         except BaseException:

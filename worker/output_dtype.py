@@ -44,6 +44,7 @@ def to_output(states: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 
 def non_finite_rows(source: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """bool ``[T]``: a token with NaN/Inf in any value, as captured or after the cast (float16 overflows)."""
+    """bool over all but the last dim (``[T, U]`` for states ``[T, U, H]``, ``[T]`` for ``[T, H]``):
+    a row with NaN/Inf in any value, as captured or after the cast (float16 overflows)."""
     checked = source if output.dtype == FLOAT8 else output
-    return ~torch.isfinite(checked).reshape(checked.shape[0], -1).all(dim=1)
+    return ~torch.isfinite(checked).all(dim=-1)
