@@ -1,8 +1,8 @@
 """The Celery application both sides share: JSON only, late acks, long-task timeouts.
 
 Invariants:
-* only JSON is accepted (task, result and event payloads): a pickled message is
-  refused by kombu before anything is deserialised;
+* only JSON is accepted (task, result and event payloads): kombu will refuse a pickled
+  message before anything in it is deserialised;
 * a job is acknowledged only after its task returned, which happens after its file is
   durable and its result published (``task_acks_late``); a worker that dies requeues
   what it held (``task_reject_on_worker_lost``);
