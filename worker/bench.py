@@ -312,6 +312,10 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
                       errors=len(errors), device_idle_share=max(0.0, 1 - busy / seconds))
     if errors:
         part.notes["first_error"] = errors[0].error
+    finished = sorted(r.finished_at for r in results.values())
+    if len(finished) > 1 and finished[-1] > finished[0]:  # the workers' own pace, submission overlapped
+        part.notes["jobs_per_s_first_to_last_result"] = round((len(finished) - 1) / (finished[-1] - finished[0]), 1)
+    part.notes["jobs_per_s"] = round(len(prompts) / seconds, 1)
     return part
 
 
@@ -477,6 +481,10 @@ def format_table(report: dict[str, Any]) -> str:
         idle = "" if part["device_idle_share"] is None else f"{part['device_idle_share']:.1%}"
         lines.append(f"| {part['name']} | {part['tokens_per_s']:,.0f} | {part['gb_per_s']:.2f} | {part['mfu']:.1%} | "
                      f"{idle} | {part['seconds']:.2f} | {part['errors']} |")
+    for key, part in report["parts"].items():
+        if "jobs_per_s" in part["notes"]:
+            lines.append(f"{part['name']}: {part['notes']['jobs_per_s']} jobs/s over the whole part, "
+                         f"{part['notes'].get('jobs_per_s_first_to_last_result')} jobs/s first to last result")
     lines.append("")
     lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in report["ratios"].items()))
     if report.get("exactness_vs_unbatched_hf"):
