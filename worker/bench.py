@@ -123,8 +123,7 @@ def matmul_rate(device: torch.device) -> float:
 
 def useful_flops(loaded: LoadedModel, layer_ids: list[int], lengths: list[int]) -> float:
     """FLOPs of the decoder layers up to the last wanted one: 2 x params per token + causal attention."""
-    run = min(max(layer_ids), loaded.num_layers)
-    run = loaded.num_layers if max(layer_ids) == loaded.num_layers else run
+    run = max(layer_ids)  # id m < L needs layers 0..m-1; id L needs all L
     params = sum(p.numel() for layer in list(loaded.layers)[:run] for p in layer.parameters())
     config = loaded.model.config.get_text_config()
     heads = getattr(config, "num_attention_heads", None) or config.n_head
