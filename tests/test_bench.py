@@ -1,0 +1,28 @@
+"""`layertap bench` runs its four parts on the CPU and reports consistent numbers; the engine's
+files equal the naive HF loop's (float32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from tests.conftest import cli
+
+
+def test_bench_runs_all_parts_on_cpu(tmp_path):
+    report_path = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "LAYERTAP_REDIS_URL"}
+    out = subprocess.run(cli("bench", "--model", "shape:qwen3-tiny", "--device", "cpu", "--layers", "0,2,-1",
+                             "--prompts", "12", "--min-len", "8", "--max-len", "48", "--storage",
+                             str(tmp_path / "files"), "--json", str(report_path)),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert set(report["parts"]) == {"a", "b", "c", "d"}
+    assert report["layer_ids"] == [0, 2, 4]
+    for part in report["parts"].values():
+        assert part["errors"] == 0 and part["tokens"] == report["tokens"] and part["tokens_per_s"] > 0
+    assert set(report["ratios"]) == {"c/a", "d/a", "d/b", "c/b"}
+    assert report["exactness_vs_unbatched_hf"]["max_abs_error"] <= 1e-5
+    assert "| d: queue end to end |" in out.stdout
