@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from producer import keys
 from producer.client import Client, JobTooLarge
 from producer.formats import RowConverter, UndetectableFormat
-from producer.schema import Job, Status
+from producer.schema import Job, Status, describe_validation_error
 from producer.sources import SourceRow
 
 
@@ -57,13 +57,6 @@ class Outcome(str, Enum):
     bad = "bad"
 
 
-def describe_errors(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "job"
-    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{more}"
-
-
 def job_from_data(data: Any, defaults: dict[str, Any]) -> Job:
     """A job from one row's data with ``defaults`` under it; raises ``ValueError`` saying why not."""
     if not isinstance(data, dict):
@@ -71,7 +64,7 @@ def job_from_data(data: Any, defaults: dict[str, Any]) -> Job:
     try:
         return Job.model_validate({**defaults, **data}).with_id()
     except ValidationError as exc:
-        raise ValueError(describe_errors(exc)) from None
+        raise ValueError(describe_validation_error(exc, most=1)) from None
 
 
 def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict[str, Any],

@@ -20,7 +20,7 @@ import time
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 #: Output dtypes a job may ask for: ``auto`` is the worker's compute dtype; ``float8`` is
 #: e4m3 with one float32 scale per stored row (see ``docs/training-record.md``).
@@ -55,6 +55,13 @@ def check_json_text(value: Any, what: str) -> Any:
         for item in value:
             check_json_text(item, what)
     return value
+
+
+def describe_validation_error(exc: ValidationError, most: int = 5) -> str:
+    """One line naming the first ``most`` bad fields and what is wrong with each."""
+    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'job'}: {error['msg']}" for error in exc.errors()[:most]]
+    more = f" (+{exc.error_count() - most} more)" if exc.error_count() > most else ""
+    return "; ".join(parts) + more
 
 
 class ChatMessage(BaseModel):

@@ -22,7 +22,7 @@ from producer import fileformat as ff
 from producer.fileformat import MetaKey
 from producer.layers import CONVENTION
 from producer.naming import NAME_PATTERN, content_hash, job_path
-from producer.schema import ErrorType, Job, Result, Status, Timings
+from producer.schema import ErrorType, Job, Result, Status, Timings, describe_validation_error
 from worker.engine import Captured, Engine, EngineRequest
 from worker.errors import JobError
 from worker.model_loading import LoadedModel
@@ -32,16 +32,6 @@ from worker.teacher import dense_topk
 from worker.writer import existing_spec_hash, write_job_file
 
 log = logging.getLogger(__name__)
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line naming each bad field, for a person to act on."""
-    parts = []
-    for error in exc.errors()[:5]:
-        where = ".".join(str(p) for p in error["loc"]) or "job"
-        parts.append(f"{where}: {error['msg']}")
-    more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
-    return "invalid job: " + "; ".join(parts) + more
 
 
 def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
@@ -84,7 +74,7 @@ class JobProcessor:
         try:
             return Job.model_validate(raw).with_id()
         except ValidationError as exc:
-            raise JobError(ErrorType.invalid_job, describe_validation_error(exc)) from None
+            raise JobError(ErrorType.invalid_job, "invalid job: " + describe_validation_error(exc)) from None
 
     def process(self, raw: Any, *, submitted_at: float | None = None, attempt: int | None = None,
                 fallback_id: str | None = None) -> Result:
