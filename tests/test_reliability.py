@@ -80,6 +80,15 @@ def hold_lock(path: Path):
         os.close(fd)
 
 
+@contextmanager
+def started_and_held(client: Client, storage: Path, job: Job):
+    """Submit ``job`` holding its file's lock; yields once a worker started it (it then waits on the lock)."""
+    with hold_lock(job_path(storage, job.run, job.job_id)):
+        client.submit(job)
+        wait_for(lambda: attempts(client, job) == 1, 30, "the job to start")
+        yield
+
+
 def attempts(client: Client, job: Job) -> int:
     return int(client.redis.get(keys.attempts_key(job.run, job.job_id)) or 0)
 
@@ -109,9 +118,7 @@ def test_long_job_on_live_worker_is_never_redelivered(make_worker, private_clien
     make_worker("first@localhost")
     make_worker("second@localhost")
     job = make_job("long")
-    with hold_lock(job_path(make_worker.storage, job.run, job.job_id)):
-        private_client.submit(job)
-        wait_for(lambda: attempts(private_client, job) == 1, 30, "the job to start")
+    with started_and_held(private_client, make_worker.storage, job):
         time.sleep(4 * ORPHAN_TIMEOUT)  # far past the visibility timeout
         assert attempts(private_client, job) == 1  # nobody else started it
     result = private_client.wait(job.run, [job.job_id], timeout=30)[job.job_id]
@@ -124,9 +131,7 @@ def test_killed_workers_job_is_back_within_orphan_timeout(make_worker, private_c
     doomed = make_worker("doomed@localhost")
     job = make_job("orphan")
     path = job_path(make_worker.storage, job.run, job.job_id)
-    with hold_lock(path):
-        private_client.submit(job)
-        wait_for(lambda: attempts(private_client, job) == 1, 30, "the job to start")
+    with started_and_held(private_client, make_worker.storage, job):
         rescuer = make_worker("rescuer@localhost")
         doomed.kill()
         waited = wait_for(lambda: attempts(private_client, job) == 2, 30, "the job to be redelivered")
@@ -141,9 +146,7 @@ def test_hung_worker_redelivery_is_done_once_in_effect(make_worker, private_clie
     hung = make_worker("hung@localhost")
     job = make_job("hung")
     path = job_path(make_worker.storage, job.run, job.job_id)
-    with hold_lock(path):
-        private_client.submit(job)
-        wait_for(lambda: attempts(private_client, job) == 1, 30, "the job to start")
+    with started_and_held(private_client, make_worker.storage, job):
         make_worker("healthy@localhost")
         os.kill(hung.process.pid, signal.SIGSTOP)  # hung: no progress, no lease renewal
         wait_for(lambda: attempts(private_client, job) == 2, 30, "the job to be redelivered")

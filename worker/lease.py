@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ import redis
 from celery.worker import state as worker_state
 
 from producer import keys
+from worker.periodic import Periodic
 
 log = logging.getLogger(__name__)
 UNACKED_INDEX_KEY = "unacked_index"  # kombu's default ``unacked_index_key``
@@ -58,12 +58,11 @@ class LeaseKeeper:
         self.ttl = max(1, int(orphan_timeout))
         self.interval = max(0.25, orphan_timeout / 4)
         self.unacked_index_key = unacked_index_key
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="layertap-lease", daemon=True)
+        self._ticker = Periodic("lease renewal", self.interval, self.beat)
 
     def start(self) -> LeaseKeeper:
         self.beat()
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def beat(self) -> int:
@@ -78,18 +77,9 @@ class LeaseKeeper:
         pipe.execute()
         return len(tags)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat()
-            except redis.exceptions.RedisError as exc:
-                log.warning("lease renewal failed (%s); retrying", exc)
-
     def stop(self) -> None:
         """Stop renewing and deregister (the worker is going away cleanly)."""
-        self._stop.set()
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout=5)
+        self._ticker.stop()
         try:
             self.redis.delete(keys.worker_heartbeat_key(self.node))
             self.redis.hdel(keys.WORKERS_HASH, self.node)

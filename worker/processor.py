@@ -100,13 +100,13 @@ class JobProcessor:
         if job.model != self.loaded.name:
             raise JobError(ErrorType.unknown_model,
                            f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
-        prepared = self.preparer.prepare(job)
         path = job_path(self.storage_root, job.run, job.job_id)  # type: ignore[arg-type]
         spec_hash = job.spec_hash()
-        if existing_spec_hash(path) == spec_hash:
+        if existing_spec_hash(path) == spec_hash:  # a redelivery: answer from disk, before tokenizing
             cached = self._from_disk(job, path, queued, attempt)
             if cached is not None:
                 return cached
+        prepared = self.preparer.prepare(job)
         output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,

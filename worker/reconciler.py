@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import threading
 import time
 from typing import Any
 
@@ -27,6 +26,7 @@ import redis
 from celery import Celery
 
 from producer import keys
+from worker.periodic import Periodic
 
 log = logging.getLogger(__name__)
 UNACKED_KEY = "unacked"  # kombu's default ``unacked_key``
@@ -63,24 +63,14 @@ class Reconciler:
         self.node = node
         self.interval = interval
         self.grace = grace
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="layertap-reconciler", daemon=True)
+        self._ticker = Periodic("reconcile sweep", interval, self.sweep)
 
     def start(self) -> Reconciler:
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.sweep()
-            except redis.exceptions.RedisError as exc:
-                log.warning("reconcile sweep failed (%s); retrying", exc)
+        self._ticker.stop()
 
     def sweep(self) -> int:
         """One pass; returns how many jobs were sent again."""

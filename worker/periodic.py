@@ -1,0 +1,40 @@
+"""A daemon thread that calls one action every ``interval`` seconds until stopped.
+
+Redis errors in the action are logged and the next tick tries again (Redis may be
+restarting); anything else is a bug and ends the thread with a traceback in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+class Periodic:
+    def __init__(self, name: str, interval: float, action: Callable[[], object]):
+        self.name = name
+        self.interval = interval
+        self.action = action
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"layertap-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop ticking and wait for a tick in progress (a no-op if never started)."""
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.action()
+            except redis.exceptions.RedisError as exc:
+                log.warning("%s failed (%s); trying again in %.1fs", self.name, exc, self.interval)
