@@ -111,7 +111,7 @@ class WorkerMetrics:
         self.batch_jobs.observe(jobs)
 
     def observe_result(self, result: Result) -> None:
-        """Count one final, published result."""
+        """Count one final result (called just before it is published)."""
         if result.ok:
             self.done.inc()
             if result.cached:
@@ -119,7 +119,7 @@ class WorkerMetrics:
             elif result.path:
                 try:
                     self.bytes_written.inc(os.stat(result.path).st_size)
-                except OSError:  # a consumer already removed it
+                except OSError:  # removed by hand between write and count
                     pass
         else:
             self.failed.labels((result.error_type or ErrorType.internal).value).inc()
@@ -148,12 +148,17 @@ class WorkerMetrics:
 
 
 class MeteredPublisher(ResultPublisher):
-    """A :class:`ResultPublisher` that counts each result after publishing it."""
+    """A :class:`ResultPublisher` that counts each result just before publishing it.
+
+    Invariant: a consumer that has seen a result also sees it in the metrics (counting
+    after publishing raced with a scrape made on the result's arrival). A publish that
+    fails leaves the job to be redelivered and answered again, so it may count twice.
+    """
 
     def __init__(self, client: redis.Redis, metrics: WorkerMetrics):
         super().__init__(client)
         self.metrics = metrics
 
     def publish(self, result: Result, also_delete: tuple[str, ...] | list[str] = ()) -> None:
-        super().publish(result, also_delete)
         self.metrics.observe_result(result)
+        super().publish(result, also_delete)
