@@ -13,8 +13,14 @@ Invariants:
 
 from __future__ import annotations
 
-from celery import Celery
+from typing import Any
 
+from celery import Celery
+from celery.result import AsyncResult
+
+from producer import keys
+
+from producer.broker_transport import transport_for
 from producer.redis_conn import ssl_options
 from producer.settings import Settings
 
@@ -50,6 +56,7 @@ def make_celery(settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         task_acks_on_failure_or_timeout=True,
         worker_prefetch_multiplier=1,
+        broker_transport=transport_for(settings.broker_url),
         broker_transport_options=transport_options(settings),
         result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
         result_expires=settings.result_ttl,
@@ -66,3 +73,16 @@ def make_celery(settings: Settings) -> Celery:
     if tls:
         app.conf.update(broker_use_ssl=tls, redis_backend_use_ssl=tls)
     return app
+
+
+def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: str, task_id: str) -> AsyncResult:
+    """Send one ``layertap.extract`` message (``args == [job payload]``).
+
+    Monitors (Flower, task events) show the job by model, run and id rather than by its
+    input: Celery's default repr of the arguments would put up to 1 KiB of prompt or
+    token ids into every event.
+    """
+    job = args[0] if args and isinstance(args[0], dict) else {}
+    summary = {name: job[name] for name in ("model", "run", "job_id") if name in job}
+    return app.send_task(keys.EXTRACT_TASK, args=args, kwargs=kwargs, queue=queue, task_id=task_id,
+                         argsrepr=repr([summary]), kwargsrepr=repr(kwargs))

@@ -215,6 +215,8 @@ def bench(
     memory_check: bool = typer.Option(False, help="Also report peak GPU memory for 1x16k and 64x2k prompts."),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the decoder layers in (b), (c), (d)."),
     gpus: Optional[str] = typer.Option(None, help="For (d): one worker per GPU, e.g. 0,1 (default: one worker)."),
+    backlog: bool = typer.Option(False, "--backlog", help="For (d): enqueue every job before the worker "
+                                 "starts, then time how fast it drains the queue (no client sharing the CPU)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis for (d) (default: an embedded one)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
 ) -> None:
@@ -225,7 +227,8 @@ def bench(
                          prompts=prompts, min_len=min_len, max_len=max_len, file=str(file) if file else None,
                          storage=str(storage), token_budget=token_budget,
                          parts=tuple(p.strip() for p in parts.split(",") if p.strip()), redis_url=redis_url,
-                         concurrency=concurrency, memory_check=memory_check, compile=compile, gpus=gpus)
+                         concurrency=concurrency, memory_check=memory_check, compile=compile, gpus=gpus,
+                         backlog=backlog)
     report = run_bench(config, log=lambda line: console.print(line, markup=False, highlight=False))
     console.print(format_table(report), markup=False, highlight=False)
     if json_out:

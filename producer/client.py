@@ -17,7 +17,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from producer import keys
-from producer.celery_app import make_celery
+from producer.celery_app import make_celery, send_extract
 from producer.redis_conn import connect
 from producer.schema import Job, Result
 from producer.settings import Settings
@@ -57,8 +57,7 @@ class Client:
         queue, task_id = keys.model_queue(job.model), keys.task_id(job.run, job.job_id)  # type: ignore[arg-type]
         args, kwargs = [payload], {"submitted_at": now}
         self._retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
-        self._retrying(lambda: self.celery.send_task(keys.EXTRACT_TASK, args=args, kwargs=kwargs, queue=queue,
-                                                     task_id=task_id))
+        self._retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
         return job
 
     def _record_pending(self, job: Job, queue: str, task_id: str, args: list[Any], kwargs: dict[str, Any],

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -245,3 +246,35 @@ def test_task_ids_and_queue_keys_map_back_to_names():
     assert keys.queue_model(keys.model_queue("qwen3-8b")) == "qwen3-8b"
     assert keys.queue_model(keys.model_queue("qwen3-8b") + "\x06\x163") == "qwen3-8b"  # kombu priority 3
     assert keys.queue_model("_kombu.binding.layertap.q.qwen3-8b") is None
+
+
+def test_task_events_reach_a_monitor(ops_worker, client, run_name, redis_server):
+    """What Flower reads: each job's task-received, -started and -succeeded events, from the worker's node."""
+    app = make_celery(Settings(redis_url=redis_server.url))
+    seen: list[dict] = []
+    ready = threading.Event()
+    with app.connection_for_read() as connection:
+        receiver = app.events.Receiver(connection, handlers={"*": seen.append})
+        receiver.on_consume_ready = lambda *args, **kwargs: ready.set()
+        listener = threading.Thread(target=receiver.capture, kwargs={"wakeup": False}, daemon=True)
+        listener.start()
+        try:
+            assert ready.wait(30)
+            jobs = [client.submit({"prompt": f"an observed job {i}"}, model=MODEL, run=run_name) for i in range(5)]
+            client.wait(run_name, [job.job_id for job in jobs], timeout=60)
+            wanted = {(keys.task_id(run_name, job.job_id), kind) for job in jobs
+                      for kind in ("task-received", "task-started", "task-succeeded")}
+            deadline = time.monotonic() + 30
+            while not wanted <= {(event.get("uuid"), event["type"]) for event in list(seen)}:
+                assert time.monotonic() < deadline, sorted({event["type"] for event in seen})
+                time.sleep(0.05)
+        finally:
+            receiver.should_stop = True
+            listener.join(10)
+    ours = [event for event in seen if event.get("uuid") in {task for task, _ in wanted}]
+    assert {event["hostname"] for event in ours} == {NODE}
+    received = {event["uuid"]: event for event in ours if event["type"] == "task-received"}
+    assert {event["name"] for event in received.values()} == {keys.EXTRACT_TASK}
+    for job in jobs:  # monitors show the job by model, run and id, not its input
+        shown = received[keys.task_id(run_name, job.job_id)]["args"]
+        assert shown == repr([{"model": MODEL, "run": run_name, "job_id": job.job_id}])

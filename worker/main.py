@@ -28,6 +28,7 @@ from worker.metrics import MeteredPublisher, WorkerMetrics
 from worker.model_loading import load_model
 from worker.reconciler import Reconciler
 from worker.service import WorkerService
+from worker.task_events import batch_task_events
 from worker.tasks import register_extract_task
 from worker.writer import remove_stale_temp_files
 
@@ -88,6 +89,7 @@ def run_worker(settings: Settings) -> int:
     service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts)
     app = make_celery(settings)
     register_extract_task(app, service)
+    batch_task_events(app)
     processor.engine.warm_up()
     processor.engine.on_batch = metrics.observe_batch
     if ws.metrics_port:

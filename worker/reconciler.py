@@ -26,6 +26,7 @@ import redis
 from celery import Celery
 
 from producer import keys
+from producer.celery_app import send_extract
 from worker.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,7 @@ class Reconciler:
         if payload is None:
             return False
         data = json.loads(payload)
-        self.app.send_task(keys.EXTRACT_TASK, args=data["args"], kwargs=data["kwargs"], queue=data["queue"],
-                           task_id=task_id)
+        send_extract(self.app, data["args"], data["kwargs"], data["queue"], task_id)
         self.redis.hdel(keys.SUSPECT_HASH, task_id)
         self.redis.incr(keys.RECOVERED_COUNTER)
         log.warning("job %s was lost between the queue and a worker; sent it again", task_id)
