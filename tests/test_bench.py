@@ -26,3 +26,22 @@ def test_bench_runs_all_parts_on_cpu(tmp_path):
     assert set(report["ratios"]) == {"c/a", "d/a", "d/b", "c/b"}
     assert report["exactness_vs_unbatched_hf"]["max_abs_error"] <= 1e-5
     assert "| d: queue end to end |" in out.stdout
+    assert report["parts"]["d"]["notes"]["batches"] >= 1
+
+
+def test_bench_backlog_drains_a_full_queue(tmp_path):
+    """``--backlog``: every job is queued before the worker starts; all come back, counted once."""
+    report_path = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "LAYERTAP_REDIS_URL"}
+    out = subprocess.run(cli("bench", "--model", "shape:qwen3-tiny", "--device", "cpu", "--layers", "1,-1",
+                             "--prompts", "40", "--min-len", "8", "--max-len", "24", "--parts", "d", "--backlog",
+                             "--storage", str(tmp_path / "files"), "--json", str(report_path)),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    queue = report["parts"]["d"]
+    assert set(report["parts"]) == {"d"} and report["config"]["backlog"] is True
+    assert queue["name"] == "d: queue end to end, draining a backlog"
+    assert queue["jobs"] == 40 and queue["errors"] == 0 and queue["tokens"] == report["tokens"]
+    assert queue["bytes_written"] > 0  # (the bench removes each part's files after measuring them)
+    assert 1 <= queue["notes"]["batches"] <= 40
