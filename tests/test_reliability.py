@@ -232,24 +232,28 @@ def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client,
     patient = {"LAYERTAP_MAX_ATTEMPTS": "10"}
     worker = make_worker("chaos-0@localhost", extra_args=slow, env=patient)
 
-    def submit_steadily():  # jobs keep arriving while workers die and Redis restarts
+    def submit_steadily(share: list[Job]) -> None:  # jobs keep arriving while workers die and Redis restarts
         with Client(Settings(redis_url=private_redis.url)) as producer:
-            for job in jobs:
+            for job in share:
                 producer.submit(job)
-                time.sleep(0.05)
+                time.sleep(0.02)
 
-    submitter = threading.Thread(target=submit_steadily)
-    submitter.start()
+    # Each worker life gets its share of fresh jobs as it starts: a fixed pace over the
+    # whole schedule would leave late lives idle on a machine whose workers drain faster.
+    rounds = 6
+    share = len(jobs) // rounds
     kills = 0
-    for round_no in range(1, 7):
+    for round_no in range(1, rounds + 1):
+        submitter = threading.Thread(target=submit_steadily, args=(jobs[(round_no - 1) * share:round_no * share],))
+        submitter.start()
         time.sleep(rng.uniform(0.5, 2.0))
         if round_no == 3:  # Redis crashes and restarts (AOF, appendfsync always) under a live worker
             private_redis.restart()
             time.sleep(rng.uniform(1.0, 3.0))  # the worker reconnects and goes on
         worker.kill()
         kills += 1
+        submitter.join()
         worker = make_worker(f"chaos-{round_no}@localhost", extra_args=slow, env=patient)
-    submitter.join()
     assert kills >= 5
     deadline = time.monotonic() + 240
     while True:
