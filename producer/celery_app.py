@@ -19,7 +19,6 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from producer import keys
-
 from producer.broker_transport import transport_for
 from producer.redis_conn import ssl_options
 from producer.settings import Settings
@@ -82,7 +81,6 @@ def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: st
     input: Celery's default repr of the arguments would put up to 1 KiB of prompt or
     token ids into every event.
     """
-    job = args[0] if args and isinstance(args[0], dict) else {}
-    summary = {name: job[name] for name in ("model", "run", "job_id") if name in job}
+    summary = {name: args[0][name] for name in ("model", "run", "job_id")}
     return app.send_task(keys.EXTRACT_TASK, args=args, kwargs=kwargs, queue=queue, task_id=task_id,
-                         argsrepr=repr([summary]), kwargsrepr=repr(kwargs))
+                         argsrepr=repr([summary]))

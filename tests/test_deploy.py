@@ -120,10 +120,10 @@ def validate_with_compose(tmp_path: Path) -> None:
     if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
         command, compose_file = ["docker", "compose"], ROOT / "compose.yaml"
     elif shutil.which("docker-compose"):
-        text = (ROOT / "compose.yaml").read_text()
-        assert re.search(r"^name: \S+\n", text, flags=re.M)
+        v1_text, removed = re.subn(r"^name: \S+\n", "", (ROOT / "compose.yaml").read_text(), flags=re.M)
+        assert removed == 1
         compose_file = tmp_path / "compose-v1.yaml"
-        compose_file.write_text(re.sub(r"^name: \S+\n", "", text, flags=re.M))
+        compose_file.write_text(v1_text)
         command = ["docker-compose"]
     else:
         warnings.warn("no `docker compose` here: compose.yaml was checked by structure only", stacklevel=1)

@@ -301,10 +301,11 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
             while len(serving()) < expected:
                 if worker.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"bench worker did not start; see {log.name}")
-                time.sleep(0.05 if cfg.backlog else 0.2)
+                time.sleep(0.05)
             engines_before = [i["engine"] for i in serving().values()]
             start = time.perf_counter()
-            job_ids = job_ids or submit_all()
+            if not cfg.backlog:
+                job_ids = submit_all()
             results = client.wait(run, job_ids, timeout=3600)
             seconds = time.perf_counter() - start
             time.sleep(max(0.3, client.settings.orphan_timeout / 4 + 0.2))  # one more heartbeat with final stats
@@ -316,6 +317,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
         log.close()
         if server is not None:
             server.close()
+
     def engine_delta(key: str) -> float:
         return sum(e[key] for e in engines_after) - sum(e[key] for e in engines_before)
 
