@@ -11,8 +11,10 @@ states to the batch's output dtype (a batch has one: requests of another wait fo
 next batch), and on a GPU starts an asynchronous copy of the outputs to
 pinned host memory on a side stream, then goes straight on to the next batch. A job's
 :class:`JobSlice` waits for that copy only when its caller reads it, on the caller's
-thread. At most ``host_buffers`` batches are between the GPU and the writers at once;
-when writers fall behind the engine waits (counted as GPU idle time).
+thread. At most ``host_buffers`` batches are between the GPU and the writers at once, each
+in a host buffer allocated at start (``host_staging``); when writers fall behind the engine
+waits for a free buffer (counted as GPU idle time) *before* it forms the next batch, so
+the batch takes in every job that arrived meanwhile.
 
 Out of memory on a batch splits it in halves and retries; a single request that still
 does not fit fails with ``out_of_memory``.
@@ -34,6 +36,7 @@ import torch
 from producer.schema import ErrorType
 from worker.capture import LayerCapture, StopForward
 from worker.errors import JobError
+from worker.host_staging import HostSlot, HostStaging, slot_capacity
 from worker.model_loading import LoadedModel
 from worker.output_dtype import non_finite_rows, to_output
 from worker.packed_attention import packed_sequences, use_packed_attention
@@ -174,8 +177,10 @@ class Engine:
     """Owns the model on one thread. ``submit`` is thread-safe."""
 
     def __init__(self, loaded: LoadedModel, *, token_budget: int = 16384, max_batch_jobs: int = 256,
-                 batch_wait_s: float = 0.002, host_buffers: int = 3, compile_layers: bool = False,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 batch_wait_s: float = 0.002, host_buffers: int = 3, staging_layers: int = 4,
+                 compile_layers: bool = False, on_fatal: Callable[[BaseException], None] | None = None):
+        """``staging_layers``: how many layers a typical batch captures (the worker's default
+        list); the host buffers hold ``token_budget`` tokens of that many layers."""
         self.loaded = loaded
         self.token_budget = token_budget
         self.max_batch_jobs = max_batch_jobs
@@ -190,7 +195,8 @@ class Engine:
         self._pending: deque[EngineRequest] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._in_flight = threading.BoundedSemaphore(host_buffers)
+        self._staging = HostStaging(host_buffers, slot_capacity(token_budget, staging_layers, loaded.hidden_size,
+                                                                loaded.dtype), pinned=self._cuda)
         self._timing: deque[tuple[object, object]] = deque()
         self._timing_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
@@ -272,11 +278,14 @@ class Engine:
             self._on_fatal(exc)
 
     def _next_batch(self) -> list[EngineRequest] | None:
+        """The next batch, formed once a host buffer is free for it (None: stopped, nothing queued)."""
         with self._cond:
             while not self._pending and not self._stopping:
                 self._cond.wait()
             if not self._pending:
                 return None
+        self._staging.wait_free()
+        with self._cond:
             deadline = time.monotonic() + self.batch_wait_s
             while (sum(r.num_tokens for r in self._pending) < self.token_budget
                    and len(self._pending) < self.max_batch_jobs and not self._stopping):
@@ -353,7 +362,14 @@ class Engine:
             topk_rows = topk_rows.pin_memory().to(device, non_blocking=True)
         output_dtype = batch[0].output_dtype  # one per batch (see _next_batch)
 
-        self._in_flight.acquire()
+        slot = self._staging.acquire()
+        ready: torch.cuda.Event | None = None
+
+        def free_slot() -> None:  # the last job's release; a job that never waited must not race the copy
+            if ready is not None:
+                ready.synchronize()
+            self._staging.release(slot)
+
         try:
             started = time.perf_counter()
             events = self._record_start()
@@ -373,16 +389,16 @@ class Engine:
                 if topk_rows is not None:
                     logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
                 outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags, final_flags)
-                host = tuple(self._host_buffer(tensor) for tensor in outputs)
+                host = tuple(self._host_buffer(slot, tensor) for tensor in outputs)
                 ready = self._copy_out(events, *zip(outputs, host))
         except BaseException:
-            self._in_flight.release()
+            self._staging.release(slot)
             raise
         self.stats.batches += 1
         self.stats.jobs += len(batch)
         self.stats.tokens += total
         return BatchOutput(*host, layer_ids=union, ready=ready, started=started,  # type: ignore[misc]
-                           on_free=self._in_flight.release, refs=len(batch))
+                           on_free=free_slot, refs=len(batch))
 
     def _topk_rows(self, batch: list[EngineRequest], bounds: list[int]) -> tuple[torch.Tensor | None, int]:
         """Packed-row positions of every top-k job's asked rows, in batch order, and the largest k."""
@@ -393,11 +409,12 @@ class Engine:
             return None, 0
         return torch.cat(rows), max(request.topk for request in batch)
 
-    def _host_buffer(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        """An empty host tensor like ``tensor`` (pinned on a GPU machine), or None."""
+    @staticmethod
+    def _host_buffer(slot: HostSlot, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """An empty host tensor like ``tensor`` from the batch's slot, or None."""
         if tensor is None:
             return None
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._cuda)
+        return slot.take(tensor.shape, tensor.dtype)
 
     def _record_start(self) -> tuple[object, object]:
         if self._cuda:

@@ -28,10 +28,11 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
                     host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor)."""
-    engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
-                    batch_wait_s=batch_wait_s, host_buffers=host_buffers, compile_layers=compile_layers,
-                    on_fatal=on_fatal)
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
+    engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
+                    batch_wait_s=batch_wait_s, host_buffers=host_buffers,
+                    staging_layers=len(preparer.default_layers), compile_layers=compile_layers,
+                    on_fatal=on_fatal)
     return JobProcessor(loaded, engine, preparer, storage_root, worker_name, write_slots)
 
 

@@ -3,15 +3,24 @@
 Registered with transformers' ``AttentionInterface`` under :data:`ATTENTION_NAME`.
 The engine concatenates prompts into one row, restarts ``position_ids`` at each prompt
 and declares the boundaries with :func:`packed_sequences` (a list of ints on the
-engine thread, so no device sync and nothing for ``torch.compile`` to guard on). Each prompt then
-gets causal SDPA on its own slice: the same kernel and the same numbers as running it
-alone, with no padding and no quadratic mask. transformers builds no mask for an
-implementation it has no mask function for, which is what we want.
+engine thread, so no device sync and nothing for ``torch.compile`` to guard on).
+transformers builds no mask for an implementation it has no mask function for, which is
+what we want. Two ways to attend, both exact (no padding, no quadratic mask, no prompt
+sees another):
+
+* on a GPU that runs flash attention (bf16/fp16, compute capability 8.0+), one
+  variable-length flash call per layer over the whole row, with the boundaries as
+  cumulative lengths (aten's ``_flash_attention_forward``, which
+  ``torch.nn.attention.varlen`` wraps in newer torch; called directly because it takes
+  grouped KV heads in every torch this project supports);
+* otherwise causal SDPA on each prompt's own slice: the same kernel and the same numbers
+  as running it alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -31,11 +40,34 @@ CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 @contextlib.contextmanager
 def packed_sequences(bounds: list[int]) -> Iterator[None]:
     """Within the block, forwards on this thread treat the row as sequences ``bounds[i]:bounds[i+1]``."""
-    _state.bounds = bounds
+    _state.bounds, _state.cumulative = bounds, None
     try:
         yield
     finally:
-        _state.bounds = None
+        _state.bounds = _state.cumulative = None
+
+
+def _cumulative_lengths(bounds: list[int], device: torch.device) -> torch.Tensor:
+    """``bounds`` as int32 on ``device``; inside :func:`packed_sequences` copied once per
+    forward (every layer reuses it)."""
+    cached = getattr(_state, "cumulative", None)
+    if cached is not None and cached.device == device:
+        return cached
+    tensor = torch.tensor(bounds, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    if getattr(_state, "bounds", None) is bounds:
+        _state.cumulative = tensor
+    return tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_flash(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def varlen_flash_usable(query: torch.Tensor, lengths_within_window: bool) -> bool:
+    """Whether one variable-length flash call can attend this packed row."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and lengths_within_window
+            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256 and _runs_flash(query.device))
 
 
 class UnsupportedAttention(RuntimeError):
@@ -69,12 +101,27 @@ def packed_attention(
     total = query.shape[2]
     if bounds is None:
         bounds = [0, total]
+    longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+    if varlen_flash_usable(query, sliding_window is None or longest <= sliding_window):
+        return _attend_varlen(query, key, value, bounds, longest, scaling), None
     gqa = query.shape[1] != key.shape[1]
     output = query.new_empty(query.shape[0], total, query.shape[1], query.shape[3])
     backends = sdpa_kernel(CUDA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
     with backends:
         _attend_each(query, key, value, output, bounds, scaling, sliding_window, gqa)
     return output, None
+
+
+def _attend_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], longest: int,
+                   scaling: float | None) -> torch.Tensor:
+    """One causal flash call over the packed row; returns ``[1, T, heads, dim]``. Grouped KV
+    heads are passed as they are (flash maps each query head to its KV head)."""
+    cumulative = _cumulative_lengths(bounds, query.device)
+    # [1, H, T, D] -> [T, H, D]: a view (transformers made these by transposing [1, T, H, D]).
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+    output = torch.ops.aten._flash_attention_forward(q, k, v, cumulative, cumulative, longest, longest, 0.0, True,
+                                                     False, scale=scaling)[0]
+    return output[None]
 
 
 def _attend_each(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
