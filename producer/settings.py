@@ -44,7 +44,7 @@ class WorkerSettings(BaseModel):
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
     concurrency: int = Field(default=64, gt=0)  # jobs in flight per worker (Celery threads)
     writer_threads: int = Field(default=8, gt=0)
-    host_buffers: int = Field(default=3, gt=0)  # pinned staging buffers (batches between GPU and writers)
+    host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
     gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
