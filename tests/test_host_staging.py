@@ -86,3 +86,30 @@ def test_many_batches_through_one_host_buffer_match_transformers(layer_lists, ti
         states = load_hidden_states(result.path)["hidden_states"]
         expected = reference_states(model_dir, job["token_ids"], job["layers"])
         torch.testing.assert_close(states, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_next_batch_waits_for_a_free_buffer_and_takes_everything_queued_meanwhile(tiny_models):
+    """With the only host buffer held, jobs that arrive are not cut into a batch early: once
+    the buffer is free they go into one batch together."""
+    from worker.engine import Engine, EngineRequest
+
+    loaded = load_model(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu")
+    engine = Engine(loaded, token_budget=4096, host_buffers=1, staging_layers=1)
+    try:
+        first = engine.submit(EngineRequest(torch.arange(1, 9), [2])).result(timeout=30)
+        held = first.wait()  # the batch's views are in use: its buffer is not free
+        later = []
+        for i in range(3):  # each arrives well after the engine's 2 ms batch wait
+            later.append(engine.submit(EngineRequest(torch.arange(1, 5 + i), [2])))
+            threading.Event().wait(0.1)
+        assert not any(future.done() for future in later)
+        held.release()
+        batches = []
+        for future in later:
+            piece = future.result(timeout=30)
+            batches.append(piece.batch)
+            piece.wait().release()
+        assert len({id(batch) for batch in batches}) == 1  # one batch for all three
+        assert engine.stats.batches == 2
+    finally:
+        engine.stop()
