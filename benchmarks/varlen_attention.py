@@ -76,8 +76,10 @@ def main() -> None:
         key = torch.randn(1, total, 8, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
         value = torch.randn(1, total, 8, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
         inputs.append((query, key, value, bounds))
-    worst = max((per_prompt(*a).float() - varlen(*a).float()).abs().max().item() for a in inputs)
-    identical = all(torch.equal(per_prompt(*a), varlen(*a)) for a in inputs)
+    pairs = [(per_prompt(*a), varlen(*a)) for a in inputs]
+    worst = max((old.float() - new.float()).abs().max().item() for old, new in pairs)
+    identical = all(torch.equal(old, new) for old, new in pairs)
+    del pairs
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "budget": args.budget,
               "prompts_per_row": round(sum(len(a[3]) - 1 for a in inputs) / len(inputs), 1),
               "per_prompt_sdpa_ms": round(time_ms(per_prompt, inputs), 3),

@@ -88,7 +88,7 @@ def worker(
         raise typer.Exit(supervise(settings))
     # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. A worker's
     # CPU time goes to its task threads and the Celery consumer between forwards (measured:
-    # +8% small jobs/s on a 2-core machine, BENCHMARKS.md). Set it yourself to override.
+    # +9% small jobs/s on a 2-core machine, BENCHMARKS.md). Set it yourself to override.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from worker.main import run_worker
 

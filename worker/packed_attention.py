@@ -64,9 +64,9 @@ def _runs_flash(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def varlen_flash_usable(query: torch.Tensor, lengths_within_window: bool) -> bool:
-    """Whether one variable-length flash call can attend this packed row."""
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and lengths_within_window
+def varlen_flash_usable(query: torch.Tensor) -> bool:
+    """Whether the variable-length flash kernel takes this query (device, dtype, head size)."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256 and _runs_flash(query.device))
 
 
@@ -101,9 +101,10 @@ def packed_attention(
     total = query.shape[2]
     if bounds is None:
         bounds = [0, total]
-    longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
-    if varlen_flash_usable(query, sliding_window is None or longest <= sliding_window):
-        return _attend_varlen(query, key, value, bounds, longest, scaling), None
+    if varlen_flash_usable(query):
+        longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+        if sliding_window is None or longest <= sliding_window:  # else per-prompt windowed masks
+            return _attend_varlen(query, key, value, bounds, longest, scaling), None
     gqa = query.shape[1] != key.shape[1]
     output = query.new_empty(query.shape[0], total, query.shape[1], query.shape[3])
     backends = sdpa_kernel(CUDA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
