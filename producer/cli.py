@@ -67,7 +67,9 @@ def worker(
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
     storage: Optional[Path] = typer.Option(None, help="Storage root for files."),
     node_name: Optional[str] = typer.Option(None, help="Celery node name (default layertap-<pid>@<host>)."),
-    token_budget: Optional[int] = typer.Option(None, help="Tokens per packed batch."),
+    token_budget: Optional[int] = typer.Option(None, help="Tokens per batch (padded batches count their padding)."),
+    batching: Optional[str] = typer.Option(None, help="auto | packed | padded: how jobs share a forward (auto: "
+                                           "from the model's structure; either way checked at start)."),
     concurrency: Optional[int] = typer.Option(None, help="Jobs in flight in this worker."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers."),
     gpus: Optional[str] = typer.Option(None, help="all | 0,1,...: one supervised worker process per GPU."),
@@ -81,7 +83,8 @@ def worker(
     """Serve one model: load it once, take jobs from its queue, write files, publish results."""
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
-                             token_budget=token_budget, concurrency=concurrency, compile=compile, loglevel=loglevel,
+                             token_budget=token_budget, batching=batching, concurrency=concurrency, compile=compile,
+                             loglevel=loglevel,
                              gpus=gpus, gpus_per_worker=gpus_per_worker, chat_template=chat_template,
                              log_format=log_format, metrics_port=metrics_port)
     if settings.worker.gpus:
@@ -214,7 +217,8 @@ def bench(
     file: Optional[Path] = typer.Option(None, help="JSONL of prompts ({'prompt'} or {'token_ids'}) instead."),
     storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go (emptied)."),
     token_budget: int = typer.Option(16384, help="Tokens per packed batch."),
-    parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, b ceiling, c engine, d queue)."),
+    parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, p plain HF padded batches of 8, "
+                                               "b ceiling, c engine, d queue)."),
     concurrency: int = typer.Option(64, help="Jobs in flight for (c) and (d)."),
     memory_check: bool = typer.Option(False, help="Also report peak GPU memory for 1x16k and 64x2k prompts."),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the decoder layers in (b), (c), (d)."),

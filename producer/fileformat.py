@@ -73,6 +73,8 @@ class MetaKey:
     NUM_LAYERS = "num_hidden_layers"
     DTYPE = "dtype"  # of the stored states (DTYPE_NAMES values)
     COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
+    BATCHING = "batching"  # how the worker batched jobs: "packed" | "padded" (worker.batching)
+    ARCHITECTURE = "architecture"  # the transformers class that computed the states
     LOSS_ON = "loss_on"  # chats: "all" | "last"
     TOPK = "topk"  # k of topk_logprobs/topk_ids, when stored
     TOPK_ON = "topk_on"  # "mask" | "all"

@@ -39,7 +39,8 @@ class WorkerSettings(BaseModel):
     chat_template: str | None = None  # a Jinja chat template file used instead of the model's (read once)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    token_budget: int = Field(default=16384, gt=0)  # tokens per packed batch
+    token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
+    batching: str = Field(default="auto", pattern="^(auto|packed|padded)$")  # auto: chosen from the model's structure
     max_batch_jobs: int = Field(default=256, gt=0)
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
     concurrency: int = Field(default=64, gt=0)  # jobs in flight per worker (Celery threads)

@@ -1,7 +1,9 @@
 """Reference hidden states from plain ``transformers``, never from layertap's code.
 
 Layer id ``i < L``: ``output_hidden_states[i]``; id ``L``: the last decoder layer's output
-caught by a forward hook (HF's own ``hidden_states[L]`` is after the final norm).
+caught by a forward hook (HF's own ``hidden_states[L]`` is after the final norm). Models
+load with the attention implementation transformers picks for them (SDPA where the model
+has it, else its own), one prompt per forward.
 """
 
 from __future__ import annotations
@@ -14,14 +16,50 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 @lru_cache(maxsize=8)
 def load(model_dir: str):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):  # a weights-only folder (the architecture sweep)
+        tokenizer = None
+    return model, tokenizer
 
 
-def last_layer_module(model) -> torch.nn.Module:
-    decoder = model.get_decoder()
-    layers = getattr(decoder, "layers", None) or getattr(decoder, "h")
-    return layers[-1]
+def last_layer_module(model, every: bool = False):
+    """The last decoder block (``every``: the list of all of them)."""
+    for decoder in (model.get_decoder(), model.base_model, getattr(model, "model", None)):
+        for name in ("layers", "h", "blocks"):
+            layers = getattr(decoder, name, None)
+            if layers is not None:
+                return layers if every else layers[-1]
+    raise AttributeError(f"{type(model).__name__}: no layers, h or blocks found")
+
+
+def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """``[T, len(layer_ids), H]``: the input of each decoder block ``i < L`` and the output of
+    the last (id ``L``), caught by hooks on the plain model's blocks. The same convention as
+    :func:`reference_states` without relying on ``output_hidden_states`` (which some
+    families, such as Mamba, list shifted by one block)."""
+    model, _ = load(model_dir)
+    layers = last_layer_module(model, every=True)
+    caught: dict[int, torch.Tensor] = {}
+
+    def pre_hook(index):
+        def hook(module, args, kwargs):
+            caught[index] = (args[0] if args else kwargs["hidden_states"])[0].clone()
+        return hook
+
+    def last_hook(module, args, output):
+        caught[len(layers)] = (output[0] if isinstance(output, tuple) else output)[0].clone()
+
+    handles = [layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles.append(layers[-1].register_forward_hook(last_hook))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack([caught[i] for i in layer_ids], dim=1)
 
 
 def reference_states(model_dir: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:

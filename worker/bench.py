@@ -2,8 +2,11 @@
 
 (a) naive: the HF loop, one prompt at a time, ``output_hidden_states=True``, lm_head
     included, save each file (how EAGLE's original scripts extract);
-(b) ceiling: packed batches, decoder layers up to the last wanted one, nothing copied
-    or written (the bare forward);
+(p) plain transformers the usual batched way: length-sorted batches of 8, right-padded with
+    an attention mask, ``output_hidden_states=True``, lm_head included, save each file;
+(b) ceiling: the engine's own batches (``batch_schedule``, packed or padded as the model's
+    batching plan says), decoder layers up to the last wanted one, nothing copied or
+    written (the bare forward);
 (c) engine: layertap's engine in-process (``JobProcessor``), files written;
 (d) queue: the whole path, jobs through Redis to a ``layertap worker`` process and
     results back from the stream.
@@ -16,6 +19,7 @@ keeps its first files and the engine's files are compared with them (exactness).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -25,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +38,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from producer.layers import resolve_layer_ids
-from producer.settings import Limits
+from producer.settings import Limits, WorkerSettings
 from worker.capture import StopForward
-from worker.engine import compile_decoder_layers
 from worker.extractor import build_processor
-from worker.model_loading import LoadedModel, load_model
-from worker.packed_attention import packed_sequences, use_packed_attention
+from worker.model_loading import LoadedModel, compile_decoder_layers, load_model
+from worker.batch_inputs import build_inputs
+from worker.batch_schedule import plan_batches
+from worker.batching import BatchingPath
+from worker.engine import PAD_TO_CUDA
+from worker.packed_attention import set_attention, use_packed_attention
 
-PARTS = ("a", "b", "c", "d")
+PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
+KNOWN_PARTS = ("a", "p", "b", "c", "d")
+PLAIN_BATCH = 8
 COMPARE_PROMPTS = 8
 
 
@@ -105,6 +115,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_loop(step: Any, batches: list[list[int]], device: torch.device, warm_up: list[int] | None = None) -> float:
+    """Seconds for ``step(batch)`` over every batch, after one untimed ``step(warm_up)`` (default: the first)."""
+    step(warm_up or batches[0])
+    sync(device)
+    start = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    sync(device)
+    return time.perf_counter() - start
+
+
 def matmul_rate(device: torch.device) -> float:
     """Measured dense matmul FLOP/s (bf16 8192^3 on a GPU, float32 1024^3 on the CPU), median of 10."""
     size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
@@ -137,57 +158,76 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*.safetensors")) if path.exists() else 0
 
 
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped into batches of at most ``budget`` tokens, in order, first fit."""
-    batches: list[list[int]] = []
-    pending = list(range(len(lengths)))
-    while pending:
-        batch, tokens, rest = [pending[0]], lengths[pending[0]], []
-        for index in pending[1:]:
-            if tokens + lengths[index] <= budget:
-                batch.append(index)
-                tokens += lengths[index]
-            else:
-                rest.append(index)
-        batches.append(batch)
-        pending = rest
-    return batches
+@contextlib.contextmanager
+def plain_transformers(loaded: LoadedModel, out: Path) -> Iterator[dict[str, torch.Tensor]]:
+    """The model on transformers' own attention, with the last decoder layer's output caught
+    in the yielded dict (``"h"``: id ``L``, before the final norm); restored on exit."""
+    set_attention(loaded.model, loaded.native_attention)
+    out.mkdir(parents=True, exist_ok=True)
+    last: dict[str, torch.Tensor] = {}
+    handle = loaded.layers[-1].register_forward_hook(
+        lambda m, a, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    try:
+        yield last
+    finally:
+        handle.remove()
+        if loaded.batching.path is BatchingPath.packed:
+            use_packed_attention(loaded.model)
+
+
+def save_row(path: Path, output: Any, last: dict[str, torch.Tensor], row: int, ids: list[int],
+             layer_ids: list[int], num_layers: int) -> None:
+    """Save one prompt's layers (row ``row`` of a transformers output, its real tokens only)."""
+    n = len(ids)
+    states = [last["h"][row, :n] if i == num_layers else output.hidden_states[i][row, :n] for i in layer_ids]
+    save_file({"hidden_states": torch.stack(states, 1).cpu().contiguous(), "token_ids": torch.tensor(ids)},
+              str(path))
 
 
 def run_naive(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
     """(a) one prompt at a time through the whole CausalLM with output_hidden_states=True."""
     model, device = loaded.model, loaded.device
-    model.set_attn_implementation("sdpa")
-    out.mkdir(parents=True, exist_ok=True)
-    last: dict[str, torch.Tensor] = {}
-    handle = loaded.layers[-1].register_forward_hook(
-        lambda m, a, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    with plain_transformers(loaded, out) as last:
+        def one(batch: list[int]) -> None:
+            index = batch[0]
+            ids = prompts[index] if index >= 0 else prompts[0][:64]
+            with torch.inference_mode():
+                output = model(torch.tensor([ids], device=device), output_hidden_states=True, use_cache=False)
+            save_row(out / f"{index}.safetensors", output, last, 0, ids, layer_ids, loaded.num_layers)
 
-    def one(index: int, ids: list[int]) -> None:
-        tensor = torch.tensor([ids], device=device)
-        with torch.inference_mode():
-            output = model(tensor, output_hidden_states=True, use_cache=False)
-        states = [last["h"][0] if i == loaded.num_layers else output.hidden_states[i][0] for i in layer_ids]
-        save_file({"hidden_states": torch.stack(states, 1).cpu().contiguous(), "token_ids": tensor[0].cpu()},
-                  str(out / f"{index}.safetensors"))
-
-    try:
-        one(-1, prompts[0][:64])  # warm-up
+        seconds = timed_loop(one, [[i] for i in range(len(prompts))], device, warm_up=[-1])
         (out / "-1.safetensors").unlink()
-        sync(device)
-        start = time.perf_counter()
-        for index, ids in enumerate(prompts):
-            one(index, ids)
-        sync(device)
-        seconds = time.perf_counter() - start
-    finally:
-        handle.remove()
     return PartResult("a: naive HF loop", seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out))
 
 
+def run_plain_batched(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
+    """(p) plain transformers batched the usual way: length-sorted batches of 8, right-padded
+    with an attention mask, ``output_hidden_states=True``, lm_head included, save each file."""
+    model, device = loaded.model, loaded.device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[i:i + PLAIN_BATCH] for i in range(0, len(order), PLAIN_BATCH)]
+    with plain_transformers(loaded, out) as last:
+        def one(batch: list[int]) -> None:
+            width = max(len(prompts[i]) for i in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, index in enumerate(batch):
+                ids[row, :len(prompts[index])] = torch.tensor(prompts[index])
+                mask[row, :len(prompts[index])] = 1
+            with torch.inference_mode():
+                output = model(ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                               use_cache=False)
+            for row, index in enumerate(batch):
+                save_row(out / f"{index}.safetensors", output, last, row, prompts[index], layer_ids, loaded.num_layers)
+
+        seconds = timed_loop(one, batches, device)
+    return PartResult(f"p: plain HF, length-sorted padded batches of {PLAIN_BATCH}", seconds,
+                      sum(map(len, prompts)), len(prompts), dir_bytes(out), notes={"batches": len(batches)})
+
+
 def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], budget: int) -> PartResult:
-    """(b) packed batches, decoder layers up to the last wanted one, nothing copied or written."""
-    use_packed_attention(loaded.model)
+    """(b) the engine's batches (packed or padded, as the model's plan says), decoder layers up
+    to the last wanted one, nothing copied or written."""
     device = loaded.device
     top = max(layer_ids)
     stop_module = loaded.layers[top] if top < loaded.num_layers else None
@@ -197,32 +237,26 @@ def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: l
 
     handle = stop_module.register_forward_pre_hook(stop) if stop_module is not None else None
     lengths = [len(p) for p in prompts]
-    batches = pack(lengths, budget)
+    path = loaded.batching.path
+    pad_to = PAD_TO_CUDA if device.type == "cuda" else 1
+    batches = plan_batches(lengths, padded=path is BatchingPath.padded, token_budget=budget,
+                           max_jobs=WorkerSettings().max_batch_jobs, pad_to=pad_to)
+    tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
 
     def forward(batch: list[int]) -> None:
-        ids = torch.tensor([t for i in batch for t in prompts[i]], device=device)[None]
-        positions = torch.cat([torch.arange(lengths[i]) for i in batch]).to(device)[None]
-        bounds = [0]
-        for i in batch:
-            bounds.append(bounds[-1] + lengths[i])
-        with torch.inference_mode(), packed_sequences(bounds):
+        inputs = build_inputs([tokens[i] for i in batch], path, device, pad_to=pad_to)
+        with torch.inference_mode():
             try:
-                loaded.decoder(input_ids=ids, position_ids=positions, use_cache=False)
+                inputs.run(loaded.decoder)
             except StopForward:
                 pass
 
     try:
-        forward(batches[0])
-        sync(device)
-        start = time.perf_counter()
-        for batch in batches:
-            forward(batch)
-        sync(device)
-        seconds = time.perf_counter() - start
+        seconds = timed_loop(forward, batches, device)
     finally:
         if handle is not None:
             handle.remove()
-    return PartResult("b: forward-only ceiling", seconds, sum(lengths), len(prompts),
+    return PartResult(f"b: forward-only ceiling ({path.value})", seconds, sum(lengths), len(prompts),
                       notes={"batches": len(batches)})
 
 
@@ -361,7 +395,7 @@ def fp32_reference_errors(loaded: LoadedModel, prompts: list[list[int]], layer_i
 
     with torch.device(loaded.device):
         reference = AutoModelForCausalLM.from_config(loaded.model.config, dtype=torch.float32,
-                                                     attn_implementation="sdpa").eval()
+                                                     attn_implementation=loaded.native_attention).eval()
     reference.load_state_dict(loaded.model.state_dict())
     decoder_layers = reference.get_decoder().layers
     last: dict[str, torch.Tensor] = {}
@@ -420,20 +454,24 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     else:
         prompts = random_prompts(cfg.prompts, cfg.min_len, cfg.max_len, loaded.vocab_size, cfg.seed)
     lengths = [len(p) for p in prompts]
+    batching = loaded.batching.describe()
     storage = Path(cfg.storage)
     shutil.rmtree(storage, ignore_errors=True)
     storage.mkdir(parents=True)
     rate = matmul_rate(loaded.device)
     flops = useful_flops(loaded, layer_ids, lengths)
     log(f"model {cfg.model} ({loaded.num_layers} layers, {loaded.dtype}) on {loaded.device}; {len(prompts)} prompts, "
-        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {rate / 1e12:.1f} TFLOP/s")
+        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {rate / 1e12:.1f} TFLOP/s; batching {batching}")
     parts: dict[str, PartResult] = {}
     exactness: dict[str, float] | None = None
     if "a" in cfg.parts:
         parts["a"] = run_naive(loaded, prompts, layer_ids, storage / "a")
         log(f"  {parts['a'].name}: {parts['a'].tokens / parts['a'].seconds:,.0f} tokens/s")
+    if "p" in cfg.parts:
+        parts["p"] = run_plain_batched(loaded, prompts, layer_ids, storage / "p")
+        shutil.rmtree(storage / "p", ignore_errors=True)
+        log(f"  {parts['p'].name}: {parts['p'].tokens / parts['p'].seconds:,.0f} tokens/s")
     if cfg.compile:
-        use_packed_attention(loaded.model)
         compile_decoder_layers(loaded)
     if "b" in cfg.parts:
         parts["b"] = run_forward_only(loaded, prompts, layer_ids, cfg.token_budget)
@@ -462,12 +500,12 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         part.mfu = flops / part.seconds / rate
     ratios = {}
     speed = {key: part.tokens_per_s for key, part in parts.items()}
-    for top, bottom in (("c", "a"), ("d", "a"), ("d", "b"), ("c", "b")):
+    for top, bottom in (("c", "a"), ("d", "a"), ("d", "p"), ("d", "b"), ("c", "b")):
         if top in speed and bottom in speed:
             ratios[f"{top}/{bottom}"] = speed[top] / speed[bottom]
     return {
         "config": asdict(cfg), "device": device_name(), "software": software_versions(),
-        "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "tokens": sum(lengths),
+        "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "tokens": sum(lengths), "batching": batching,
         "layer_ids": layer_ids, "matmul_tflops": rate / 1e12, "useful_gflop_per_token": flops / sum(lengths) / 1e9,
         "parts": {key: asdict(part) for key, part in parts.items()}, "ratios": ratios,
         "exactness_vs_unbatched_hf": exactness, "memory": memory,

@@ -2,9 +2,10 @@
 
 Callers (Celery task threads, or the in-process Extractor) :meth:`Engine.submit` a
 tokenized request and block on its future. The engine thread takes pending requests
-in arrival order, fills a batch up to ``token_budget`` tokens (the head of the queue
-always goes first, later requests fill the gaps), packs them into one row with
-restarting positions (see ``packed_attention``), runs the decoder until the last
+in arrival order, fills a batch up to ``token_budget`` tokens (``batch_schedule``: the
+head of the queue always goes first), lays them out the way the model's batching plan
+says (``batching``: one packed row with restarting positions, or a right-padded batch
+of similar lengths; ``batch_inputs``), runs the decoder until the last
 wanted layer (through the final norm when a job wants ``final_hidden_states`` or teacher
 top-k, which is then computed on the device for only the asked positions), casts the
 states to the batch's output dtype (a batch has one: requests of another wait for the
@@ -22,7 +23,6 @@ does not fit fails with ``out_of_memory``.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -34,15 +34,20 @@ from dataclasses import dataclass, field
 import torch
 
 from producer.schema import ErrorType
+from worker.batch_inputs import build_inputs
+from worker.batch_schedule import select_batch
+from worker.batching import BatchingPath
 from worker.capture import LayerCapture, StopForward
 from worker.errors import JobError
 from worker.host_staging import HostSlot, HostStaging, slot_capacity
 from worker.model_loading import LoadedModel
 from worker.output_dtype import non_finite_rows, to_output
-from worker.packed_attention import packed_sequences, use_packed_attention
 from worker.teacher import TeacherHead
 
 log = logging.getLogger(__name__)
+#: Padded batches on a GPU are rounded up to this many tokens per row, so kernels see few
+#: distinct shapes (Triton autotuning and cuDNN plans are per shape).
+PAD_TO_CUDA = 16
 
 
 def is_device_fatal(exc: BaseException) -> bool:
@@ -55,15 +60,6 @@ def is_device_fatal(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
-
-
-def compile_decoder_layers(loaded: LoadedModel) -> None:
-    """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
-    MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
-    and the capture hooks stay outside (they run in ``Module.__call__``). Identical layers
-    share one compiled graph; the engine's warm-up pays the compile time."""
-    for layer in loaded.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 @dataclass
@@ -178,7 +174,7 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, *, token_budget: int = 16384, max_batch_jobs: int = 256,
                  batch_wait_s: float = 0.002, host_buffers: int = 3, staging_layers: int = 4,
-                 compile_layers: bool = False, on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None):
         """``staging_layers``: how many layers a typical batch captures (the worker's default
         list); the host buffers hold ``token_budget`` tokens of that many layers."""
         self.loaded = loaded
@@ -200,23 +196,27 @@ class Engine:
         self._timing: deque[tuple[object, object]] = deque()
         self._timing_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
-        use_packed_attention(loaded.model)
-        if compile_layers:
-            compile_decoder_layers(loaded)
+        self._padded = loaded.batching.path is BatchingPath.padded
+        self._pad_to = PAD_TO_CUDA if self._cuda else 1
         self._thread = threading.Thread(target=self._loop, name="layertap-engine", daemon=True)
         self._thread.start()
 
     # -- public -----------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> Future:
         """Queue a request; its future resolves to a :class:`JobSlice` or raises :class:`JobError`."""
-        if request.output_dtype is None:
-            request.output_dtype = self.loaded.dtype
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[EngineRequest]) -> list[Future]:
+        """Queue several requests at once (the next batch sees them all); their futures."""
+        for request in requests:
+            if request.output_dtype is None:
+                request.output_dtype = self.loaded.dtype
         with self._cond:
             if self._stopping:
                 raise JobError(ErrorType.internal, "the engine is shutting down")
-            self._pending.append(request)
+            self._pending.extend(requests)
             self._cond.notify()
-        return request.future
+        return [request.future for request in requests]
 
     def warm_up(self, num_tokens: int = 512) -> None:
         """Run one throwaway batch (kernel selection, allocator, lazy init) before real jobs."""
@@ -292,20 +292,14 @@ class Engine:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):
                     break
-            batch = [self._pending.popleft()]
-            tokens = batch[0].num_tokens
-            kept: deque[EngineRequest] = deque()
-            while self._pending and len(batch) < self.max_batch_jobs and tokens < self.token_budget:
-                request = self._pending.popleft()
-                if (tokens + request.num_tokens <= self.token_budget
-                        and request.output_dtype == batch[0].output_dtype):
-                    batch.append(request)
-                    tokens += request.num_tokens
-                else:
-                    kept.append(request)
-            kept.extend(self._pending)
-            self._pending = kept
-            return batch
+            pending = list(self._pending)
+            head_dtype = pending[0].output_dtype
+            chosen = select_batch([r.num_tokens for r in pending], [r.output_dtype == head_dtype for r in pending],
+                                  padded=self._padded, token_budget=self.token_budget,
+                                  max_jobs=self.max_batch_jobs, pad_to=self._pad_to)
+            taken = set(chosen)
+            self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
+            return [pending[i] for i in chosen]
 
     def _run_or_split(self, batch: list[EngineRequest]) -> None:
         try:
@@ -347,14 +341,9 @@ class Engine:
 
     def _forward(self, batch: list[EngineRequest]) -> BatchOutput:
         device = self.loaded.device
-        lengths = [request.num_tokens for request in batch]
-        total = sum(lengths)
-        bounds = [0, *itertools.accumulate(lengths)]
-        ids = torch.cat([request.token_ids for request in batch])
-        positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
-        if self._cuda:
-            ids = ids.pin_memory().to(device, non_blocking=True)
-            positions = positions.pin_memory().to(device, non_blocking=True)
+        inputs = build_inputs([request.token_ids for request in batch], self.loaded.batching.path, device,
+                              pad_to=self._pad_to)
+        total, bounds = inputs.total, inputs.bounds
         union = sorted(set().union(*(request.layer_ids for request in batch)))
         want_final = any(request.want_final for request in batch)
         topk_rows, topk = self._topk_rows(batch, bounds)
@@ -373,10 +362,11 @@ class Engine:
         try:
             started = time.perf_counter()
             events = self._record_start()
-            with (torch.inference_mode(), packed_sequences(bounds),
-                  self._capture.capture(union, total, want_final or topk_rows is not None) as (staging, final)):
+            with (torch.inference_mode(),
+                  self._capture.capture(union, total, want_final or topk_rows is not None,
+                                        rows=inputs.rows) as (staging, final)):
                 try:
-                    self.loaded.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+                    inputs.run(self.loaded.decoder)
                 except StopForward:
                     pass
                 hidden, hidden_scale = to_output(staging, output_dtype)

@@ -18,22 +18,31 @@ from producer.layers import eagle3_layer_ids
 from producer.schema import Job, Result
 from producer.settings import Limits
 from worker.engine import Engine
-from worker.model_loading import LoadedModel, load_model
+from worker.model_loading import LoadedModel, compile_decoder_layers, load_model
 from worker.prepare import Preparer
 from worker.processor import JobProcessor
+from worker.self_check import check_batching
 
 
 def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
                     limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
                     host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
-    """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor)."""
+    """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
+    The engine passes the batching self-check first (``worker.self_check``), or this raises
+    :class:`~worker.batching.ModelRefused` and nothing is served."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
     engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
                     batch_wait_s=batch_wait_s, host_buffers=host_buffers,
-                    staging_layers=len(preparer.default_layers), compile_layers=compile_layers,
-                    on_fatal=on_fatal)
-    return JobProcessor(loaded, engine, preparer, storage_root, worker_name, write_slots)
+                    staging_layers=len(preparer.default_layers), on_fatal=on_fatal)
+    try:
+        report = check_batching(engine)
+    except BaseException:
+        engine.stop()
+        raise
+    if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
+        compile_decoder_layers(loaded)
+    return JobProcessor(loaded, engine, preparer, storage_root, worker_name, write_slots, self_check=report)
 
 
 class Extractor:
@@ -41,12 +50,16 @@ class Extractor:
 
     def __init__(self, model: str | LoadedModel, *, layers: list[int] | None = None, device: str = "auto",
                  dtype: str = "auto", name: str | None = None, storage_root: str | Path = "layertap-data",
-                 token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None):
+                 token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None,
+                 batching: str = "auto", batch_wait_ms: float = 2.0):
+        """``batch_wait_ms``: how long the engine waits for more jobs before it runs a batch
+        that is not full (as the worker's setting)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, name=name, device=device,
-                                                                               dtype=dtype)
+                                                                               dtype=dtype, batching=batching)
         self.processor = build_processor(self.loaded, storage_root=Path(storage_root),
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
-                                         layers=layers, limits=limits or Limits(), token_budget=token_budget)
+                                         layers=layers, limits=limits or Limits(), token_budget=token_budget,
+                                         batch_wait_s=batch_wait_ms / 1000)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="layertap-job")
 
     @property
@@ -73,7 +86,7 @@ class Extractor:
         processor = self.processor
         if out_dir is not None and Path(out_dir) != processor.storage_root:
             processor = JobProcessor(self.loaded, processor.engine, processor.preparer, Path(out_dir),
-                                     processor.worker_name)
+                                     processor.worker_name, self_check=processor.self_check)
         jobs = [self.job(item, run, **fields) for item in inputs]
         return list(self._pool.map(processor.process, jobs))
 

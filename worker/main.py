@@ -67,9 +67,11 @@ def run_worker(settings: Settings) -> int:
         log.info("removed %d stale temp files under %s", removed, storage_root)
     loaded = load_model(ws.model, name=ws.served_model_name, device=ws.device, dtype=ws.dtype,
                         revision=ws.revision, trust_remote_code=ws.trust_remote_code,
-                        chat_template=read_chat_template(ws.chat_template))
-    log.info("serving %s (%d layers, hidden %d) on %s as %s; queue %s", loaded.name, loaded.num_layers,
-             loaded.hidden_size, loaded.device, str(loaded.dtype).removeprefix("torch."), keys.model_queue(loaded.name))
+                        chat_template=read_chat_template(ws.chat_template), batching=ws.batching)
+    log.info("serving %s (%s, %d layers, hidden %d) on %s as %s; queue %s", loaded.name, loaded.architecture,
+             loaded.num_layers, loaded.hidden_size, loaded.device, str(loaded.dtype).removeprefix("torch."),
+             keys.model_queue(loaded.name))
+    log.info("batching: %s", loaded.batching.describe())
     faults: list[BaseException] = []
 
     def on_fatal(exc: BaseException) -> None:
@@ -97,7 +99,9 @@ def run_worker(settings: Settings) -> int:
     static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device), "dtype": dtype,
                    "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers, "pid": os.getpid(),
                    "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root.resolve()),
-                   "gpus": gpus, "metrics_port": ws.metrics_port}
+                   "gpus": gpus, "metrics_port": ws.metrics_port, "architecture": loaded.architecture,
+                   "batching": loaded.batching.path.value, "batching_reason": loaded.batching.reason,
+                   "self_check": processor.self_check.describe() if processor.self_check else None}
     keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot(),
                                                 "tokens_per_s": round(metrics.tokens_per_second(), 1)},
                          settings.orphan_timeout)

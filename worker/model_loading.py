@@ -1,26 +1,31 @@
 """Loading a causal LM once and finding its parts: decoder layers, final norm, sizes.
 
 Decoder layers are found structurally (the ``nn.ModuleList`` of ``num_hidden_layers``
-blocks of one class inside the text decoder), so Llama, Qwen2/3, Mistral, Gemma, Phi,
-GPT-2/NeoX-style and multimodal wrappers work without a table of attribute paths.
+blocks inside the text decoder, alike or not: hybrids such as Jamba mix block classes),
+so Llama, Qwen, Mistral, Gemma, Phi, GPT-2/NeoX-style, hybrid and multimodal wrappers
+work without a table of attribute paths. The batching path is chosen here too
+(``worker.batching``), and the model switched to packed attention only when packing is
+exact for it; otherwise it keeps the attention implementation transformers gave it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
+from worker.batching import BatchingPath, BatchingPlan, ModelRefused, plan_batching
+from worker.packed_attention import use_packed_attention
+
+log = logging.getLogger(__name__)
+
+FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class ModelStructureError(RuntimeError):
-    """The model's decoder layers could not be found."""
 
 
 @dataclass
@@ -42,6 +47,12 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     tokenizer_fingerprint: str
+    batching: BatchingPlan
+    native_attention: str  # the attention implementation transformers chose (the self-check's reference)
+
+    @property
+    def architecture(self) -> str:
+        return type(self.model).__name__
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -67,22 +78,22 @@ def resolve_dtype(spec: str, device: torch.device, config: Any | None = None) ->
 
 
 def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
-    """Return ``(decoder, layers)``: the text decoder module and its list of blocks."""
+    """Return ``(decoder, layers)``: the text decoder module and its list of ``num_layers``
+    blocks (the shallowest such list with weights in every block; the blocks may differ in
+    class, as in hybrids). Raises :class:`ModelRefused` when there is none."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     decoder = decoder if isinstance(decoder, nn.Module) else getattr(model, "base_model", model)
     for scope in (decoder, model):
         candidates = [
             (name, module) for name, module in scope.named_modules()
             if isinstance(module, nn.ModuleList) and len(module) == num_layers
-            and len({type(block) for block in module}) == 1
+            and all(any(True for _ in block.parameters()) for block in module)
         ]
         if candidates:
             _, layers = min(candidates, key=lambda item: item[0].count("."))
             return decoder, layers
-    raise ModelStructureError(
-        f"{type(model).__name__}: no list of {num_layers} identical decoder blocks found; "
-        "this architecture is not supported"
-    )
+    raise ModelRefused(type(model).__name__, f"no list of its {num_layers} decoder blocks (num_hidden_layers in "
+                       "its config) found, so its layers cannot be read")
 
 
 def find_final_norm(decoder: nn.Module) -> nn.Module | None:
@@ -106,11 +117,20 @@ def tokenizer_fingerprint(tokenizer: Any | None) -> str:
 
 
 def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
-             revision: str | None = None) -> LoadedModel:
-    """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`."""
+             revision: str | None = None, batching: str = "auto") -> LoadedModel:
+    """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`, choose its
+    batching path (``batching``: auto, packed or padded) and, for packed, switch it to packed
+    attention. Raises :class:`ModelRefused` (one line) for a model that cannot be served."""
     config = model.config.get_text_config()
-    num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if not num_layers:
+        raise ModelRefused(type(model).__name__, "its config names no num_hidden_layers, so its decoder blocks "
+                                                 "cannot be found")
     decoder, layers = find_decoder_layers(model, num_layers)
+    plan = plan_batching(model, layers, batching)
+    native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    if plan.path is BatchingPath.packed:
+        use_packed_attention(model)
     model.eval().requires_grad_(False)
     parameter = next(model.parameters())
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -120,17 +140,41 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
         hidden_size=getattr(config, "hidden_size", None) or getattr(config, "n_embd"),
         vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
     )
+
+
+def compile_decoder_layers(loaded: LoadedModel) -> None:
+    """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
+    MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
+    and the capture hooks stay outside (they run in ``Module.__call__``). Identical layers
+    share one compiled graph; the engine's warm-up pays the compile time."""
+    for layer in loaded.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any | None:
+    """The folder's tokenizer, or None for a folder that has none (such a worker takes
+    ``token_ids`` jobs only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("no tokenizer loaded from %s (%s): serving token_ids jobs only", source,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
 
 
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False,
-               chat_template: str | None = None) -> LoadedModel:
+               chat_template: str | None = None, batching: str = "auto") -> LoadedModel:
     """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
     build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.shapes``).
-    ``chat_template`` (Jinja text) replaces the tokenizer's own template."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
+    the attention implementation transformers picks for it (SDPA where it has one, else
+    its own), and is switched to packed attention only where packing is exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from worker.shapes import SHAPE_PREFIX, build_random_model, is_shape, shape_config
 
@@ -140,17 +184,25 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         shape = source.removeprefix(SHAPE_PREFIX)
         model = build_random_model(shape, torch_device, resolve_dtype(dtype, torch_device, shape_config(shape)))
-        return describe(model, None, name=name or source, source=source)
+        return describe(model, None, name=name or source, source=source, batching=batching)
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, torch_device, config)
-    tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(source, revision, trust_remote_code)
     if chat_template is not None:
+        if tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         tokenizer.chat_template = chat_template
     split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
-    model = AutoModelForCausalLM.from_pretrained(
-        source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-        attn_implementation="sdpa", device_map="auto" if split else None,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
+            device_map="auto" if split else None,
+        )
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
+                               "transformers has no causal LM class for it, so it has no decoder to read") from None
+        raise
     if not split:  # several visible GPUs (--gpus-per-worker): device_map spread the layers
         model = model.to(torch_device)
-    return describe(model, tokenizer, name=name or source, source=source, revision=revision)
+    return describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching)

@@ -97,16 +97,18 @@ def packed_attention(
     """``query``/``key``/``value`` are ``[1, heads, T, dim]``; returns ``[1, T, heads, dim]``."""
     if softcap is not None:
         raise UnsupportedAttention("attention logit softcapping is not supported by packed attention")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedAttention("attention sinks are not supported by packed attention")
     bounds = getattr(_state, "bounds", None)
     total = query.shape[2]
     if bounds is None:
         bounds = [0, total]
-    if varlen_flash_usable(query):
+    if varlen_flash_usable(query) and value.shape[-1] == query.shape[-1]:  # MLA's value heads may be narrower
         longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
         if sliding_window is None or longest <= sliding_window:  # else per-prompt windowed masks
             return _attend_varlen(query, key, value, bounds, longest, scaling), None
     gqa = query.shape[1] != key.shape[1]
-    output = query.new_empty(query.shape[0], total, query.shape[1], query.shape[3])
+    output = query.new_empty(query.shape[0], total, query.shape[1], value.shape[3])
     backends = sdpa_kernel(CUDA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
     with backends:
         _attend_each(query, key, value, output, bounds, scaling, sliding_window, gqa)
@@ -147,10 +149,16 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
 
 
+def set_attention(model: nn.Module, name: str) -> None:
+    """Switch a loaded model's attention implementation (``ATTENTION_NAME`` or one of transformers')."""
+    if name == ATTENTION_NAME:
+        register()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
 def use_packed_attention(model: nn.Module) -> None:
     """Switch a loaded model to packed attention."""
-    register()
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION_NAME)
-    else:
-        model.config._attn_implementation = ATTENTION_NAME
+    set_attention(model, ATTENTION_NAME)

@@ -28,6 +28,7 @@ from worker.errors import JobError
 from worker.model_loading import LoadedModel
 from worker.output_dtype import DTYPE_NAMES, resolve_output_dtype
 from worker.prepare import PreparedInput, Preparer
+from worker.self_check import CheckReport
 from worker.teacher import dense_topk
 from worker.writer import existing_spec_hash, write_job_file
 
@@ -51,8 +52,9 @@ class JobProcessor:
     """Thread-safe; one per worker (or Extractor), sharing one engine."""
 
     def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage_root: Path,
-                 worker_name: str, write_slots: int = 8):
+                 worker_name: str, write_slots: int = 8, self_check: CheckReport | None = None):
         self.loaded = loaded
+        self.self_check = self_check  # the engine's batching self-check, passed before any job
         self.engine = engine
         self.preparer = preparer
         self.storage_root = Path(storage_root)
@@ -180,6 +182,8 @@ class JobProcessor:
             MetaKey.NUM_LAYERS: str(loaded.num_layers),
             MetaKey.DTYPE: DTYPE_NAMES[output_dtype],
             MetaKey.COMPUTE_DTYPE: DTYPE_NAMES[loaded.dtype],
+            MetaKey.BATCHING: loaded.batching.path.value,
+            MetaKey.ARCHITECTURE: loaded.architecture,
             MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,
             MetaKey.JOB_ID: job.job_id or "",
             MetaKey.RUN: job.run,
