@@ -216,7 +216,8 @@ def bench(
     max_len: int = typer.Option(2047, help="Longest random prompt (tokens)."),
     file: Optional[Path] = typer.Option(None, help="JSONL of prompts ({'prompt'} or {'token_ids'}) instead."),
     storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go (emptied)."),
-    token_budget: int = typer.Option(16384, help="Tokens per packed batch."),
+    token_budget: int = typer.Option(16384, help="Tokens per batch (padded batches count their padding)."),
+    max_padding: float = typer.Option(0.25, help="Padded batches: the largest share of a batch that is padding."),
     parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, p plain HF padded batches of 8, "
                                                "b ceiling, c engine, d queue)."),
     concurrency: int = typer.Option(64, help="Jobs in flight for (c) and (d)."),
@@ -233,7 +234,7 @@ def bench(
 
     config = BenchConfig(model=model, device=device, dtype=dtype, layers=parse_layers(layers) or [],
                          prompts=prompts, min_len=min_len, max_len=max_len, file=str(file) if file else None,
-                         storage=str(storage), token_budget=token_budget,
+                         storage=str(storage), token_budget=token_budget, max_padding=max_padding,
                          parts=tuple(p.strip() for p in parts.split(",") if p.strip()), redis_url=redis_url,
                          concurrency=concurrency, memory_check=memory_check, compile=compile, gpus=gpus,
                          backlog=backlog)

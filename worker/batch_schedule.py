@@ -51,14 +51,14 @@ def select_batch(lengths: Sequence[int], compatible: Sequence[bool], *, padded: 
 
 
 def plan_batches(lengths: Sequence[int], *, padded: bool, token_budget: int, max_jobs: int,
-                 pad_to: int = 1) -> list[list[int]]:
+                 pad_to: int = 1, max_padding: float = MAX_PADDING) -> list[list[int]]:
     """Every job of a full queue (indices into ``lengths``, in arrival order) grouped into
     batches the way the engine would take them from a backlog."""
     pending = list(range(len(lengths)))
     batches = []
     while pending:
         chosen = select_batch([lengths[i] for i in pending], [True] * len(pending), padded=padded,
-                              token_budget=token_budget, max_jobs=max_jobs, pad_to=pad_to)
+                              token_budget=token_budget, max_jobs=max_jobs, pad_to=pad_to, max_padding=max_padding)
         batches.append([pending[i] for i in chosen])
         taken = set(chosen)
         pending = [job for i, job in enumerate(pending) if i not in taken]

@@ -66,6 +66,7 @@ class BenchConfig:
     file: str | None = None
     storage: str = "/dev/shm/layertap-bench"
     token_budget: int = 16384
+    max_padding: float = WorkerSettings().max_padding  # padded batches (b, c, d)
     parts: tuple[str, ...] = PARTS
     redis_url: str | None = None
     seed: int = 0
@@ -225,7 +226,8 @@ def run_plain_batched(loaded: LoadedModel, prompts: list[list[int]], layer_ids: 
                       sum(map(len, prompts)), len(prompts), dir_bytes(out), notes={"batches": len(batches)})
 
 
-def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], budget: int) -> PartResult:
+def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], budget: int,
+                     max_padding: float = WorkerSettings().max_padding) -> PartResult:
     """(b) the engine's batches (packed or padded, as the model's plan says), decoder layers up
     to the last wanted one, nothing copied or written."""
     device = loaded.device
@@ -240,7 +242,7 @@ def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: l
     path = loaded.batching.path
     pad_to = PAD_TO_CUDA if device.type == "cuda" else 1
     batches = plan_batches(lengths, padded=path is BatchingPath.padded, token_budget=budget,
-                           max_jobs=WorkerSettings().max_batch_jobs, pad_to=pad_to)
+                           max_jobs=WorkerSettings().max_batch_jobs, pad_to=pad_to, max_padding=max_padding)
     tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
 
     def forward(batch: list[int]) -> None:
@@ -261,12 +263,13 @@ def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: l
 
 
 def run_engine(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[int], out: Path,
-               budget: int, concurrency: int) -> tuple[PartResult, list[str]]:
+               budget: int, concurrency: int, max_padding: float = WorkerSettings().max_padding
+               ) -> tuple[PartResult, list[str]]:
     """(c) the engine in-process: JobProcessor on task threads, files written."""
     from concurrent.futures import ThreadPoolExecutor
 
     processor = build_processor(loaded, storage_root=out, worker_name="bench", layers=layer_ids,
-                                limits=Limits(), token_budget=budget)  # layers already compiled if asked
+                                limits=Limits(), token_budget=budget, max_padding=max_padding)  # compiled if asked
     engine = processor.engine
     try:
         engine.warm_up()
@@ -305,7 +308,8 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     node = f"bench-{os.getpid()}@{socket.gethostname()}"
     name = "bench-model"
     env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
-           "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower()}
+           "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower(),
+           "LAYERTAP_WORKER__MAX_PADDING": str(cfg.max_padding)}
     log = open(out.parent / "bench-worker.log", "w")
     placement = ["--node-name", node, "--device", cfg.device] if not cfg.gpus else (
         ["--gpus", cfg.gpus] + (["--device", cfg.device] if cfg.device != "auto" else []))
@@ -474,11 +478,11 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     if cfg.compile:
         compile_decoder_layers(loaded)
     if "b" in cfg.parts:
-        parts["b"] = run_forward_only(loaded, prompts, layer_ids, cfg.token_budget)
+        parts["b"] = run_forward_only(loaded, prompts, layer_ids, cfg.token_budget, cfg.max_padding)
         log(f"  {parts['b'].name}: {parts['b'].tokens / parts['b'].seconds:,.0f} tokens/s")
     if "c" in cfg.parts:
         parts["c"], engine_paths = run_engine(loaded, prompts, layer_ids, storage / "c", cfg.token_budget,
-                                              cfg.concurrency)
+                                              cfg.concurrency, cfg.max_padding)
         log(f"  {parts['c'].name}: {parts['c'].tokens / parts['c'].seconds:,.0f} tokens/s")
         if "a" in cfg.parts:
             exactness = compare(storage / "a", engine_paths, COMPARE_PROMPTS)

@@ -35,7 +35,7 @@ import torch
 
 from producer.schema import ErrorType
 from worker.batch_inputs import build_inputs
-from worker.batch_schedule import select_batch
+from worker.batch_schedule import MAX_PADDING, select_batch
 from worker.batching import BatchingPath
 from worker.capture import LayerCapture, StopForward
 from worker.errors import JobError
@@ -173,7 +173,8 @@ class Engine:
     """Owns the model on one thread. ``submit`` is thread-safe."""
 
     def __init__(self, loaded: LoadedModel, *, token_budget: int = 16384, max_batch_jobs: int = 256,
-                 batch_wait_s: float = 0.002, host_buffers: int = 3, staging_layers: int = 4,
+                 batch_wait_s: float = 0.002, max_padding: float = MAX_PADDING, host_buffers: int = 3,
+                 staging_layers: int = 4,
                  on_fatal: Callable[[BaseException], None] | None = None):
         """``staging_layers``: how many layers a typical batch captures (the worker's default
         list); the host buffers hold ``token_budget`` tokens of that many layers."""
@@ -181,6 +182,7 @@ class Engine:
         self.token_budget = token_budget
         self.max_batch_jobs = max_batch_jobs
         self.batch_wait_s = batch_wait_s
+        self.max_padding = max_padding
         self.stats = EngineStats()
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
@@ -189,6 +191,7 @@ class Engine:
         self._capture = LayerCapture(loaded)
         self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
         self._pending: deque[EngineRequest] = deque()
+        self._together: deque[list[EngineRequest]] = deque()  # batches asked for as they are
         self._cond = threading.Condition()
         self._stopping = False
         self._staging = HostStaging(host_buffers, slot_capacity(token_budget, staging_layers, loaded.hidden_size,
@@ -206,15 +209,19 @@ class Engine:
         """Queue a request; its future resolves to a :class:`JobSlice` or raises :class:`JobError`."""
         return self.submit_many([request])[0]
 
-    def submit_many(self, requests: list[EngineRequest]) -> list[Future]:
-        """Queue several requests at once (the next batch sees them all); their futures."""
+    def submit_many(self, requests: list[EngineRequest], together: bool = False) -> list[Future]:
+        """Queue several requests at once (the next batch sees them all); their futures.
+        ``together``: run exactly these as one batch, whatever the policy (the self-check)."""
         for request in requests:
             if request.output_dtype is None:
                 request.output_dtype = self.loaded.dtype
         with self._cond:
             if self._stopping:
                 raise JobError(ErrorType.internal, "the engine is shutting down")
-            self._pending.extend(requests)
+            if together:
+                self._together.append(list(requests))
+            else:
+                self._pending.extend(requests)
             self._cond.notify()
         return [request.future for request in requests]
 
@@ -280,12 +287,14 @@ class Engine:
     def _next_batch(self) -> list[EngineRequest] | None:
         """The next batch, formed once a host buffer is free for it (None: stopped, nothing queued)."""
         with self._cond:
-            while not self._pending and not self._stopping:
+            while not self._pending and not self._together and not self._stopping:
                 self._cond.wait()
-            if not self._pending:
+            if not self._pending and not self._together:
                 return None
         self._staging.wait_free()
         with self._cond:
+            if self._together:
+                return self._together.popleft()
             deadline = time.monotonic() + self.batch_wait_s
             while (sum(r.num_tokens for r in self._pending) < self.token_budget
                    and len(self._pending) < self.max_batch_jobs and not self._stopping):
@@ -296,7 +305,7 @@ class Engine:
             head_dtype = pending[0].output_dtype
             chosen = select_batch([r.num_tokens for r in pending], [r.output_dtype == head_dtype for r in pending],
                                   padded=self._padded, token_budget=self.token_budget,
-                                  max_jobs=self.max_batch_jobs, pad_to=self._pad_to)
+                                  max_jobs=self.max_batch_jobs, pad_to=self._pad_to, max_padding=self.max_padding)
             taken = set(chosen)
             self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
             return [pending[i] for i in chosen]

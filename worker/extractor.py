@@ -17,6 +17,7 @@ from typing import Any
 from producer.layers import eagle3_layer_ids
 from producer.schema import Job, Result
 from producer.settings import Limits
+from worker.batch_schedule import MAX_PADDING
 from worker.engine import Engine
 from worker.model_loading import LoadedModel, compile_decoder_layers, load_model
 from worker.prepare import Preparer
@@ -26,6 +27,7 @@ from worker.self_check import check_batching
 
 def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
                     limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
+                    max_padding: float = MAX_PADDING,
                     host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
@@ -33,7 +35,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
     :class:`~worker.batching.ModelRefused` and nothing is served."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
     engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
-                    batch_wait_s=batch_wait_s, host_buffers=host_buffers,
+                    batch_wait_s=batch_wait_s, max_padding=max_padding, host_buffers=host_buffers,
                     staging_layers=len(preparer.default_layers), on_fatal=on_fatal)
     try:
         report = check_batching(engine)
