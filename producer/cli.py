@@ -17,13 +17,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer import cli_data, cli_dlq
+from producer import __version__, cli_data, cli_dlq
 from producer.cli_ops import register as register_ops
+from producer.extras import require
 from producer.settings import LogFormat, Settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
                   "write safetensors files, publish their paths.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+                  pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"max_content_width": 120, "show_default": True})
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
@@ -34,6 +36,18 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+def show_version(value: bool) -> None:
+    if value:
+        print(f"layertap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    pass
 
 
 def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
@@ -79,6 +93,7 @@ def worker(
                                                "port (0 = off; with --gpus, worker i uses port + i)."),
 ) -> None:
     """Serve one model: load it once, take jobs from its queue, write files, publish results."""
+    require("`layertap worker`")
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
                              token_budget=token_budget, concurrency=concurrency, compile=compile, loglevel=loglevel,
@@ -184,6 +199,7 @@ def make_tiny_model(
     seed: int = typer.Option(0, help="Random seed for the weights."),
 ) -> None:
     """Build a tiny random-weight model with a trained tokenizer and chat template."""
+    require("`layertap make-tiny-model`")
     from worker.tiny_model import make_tiny_model as build
 
     print(build(directory, arch, num_layers=layers, hidden_size=hidden_size, seed=seed))
@@ -196,6 +212,7 @@ def demo(
     timeout: float = typer.Option(300.0, help="Give up after this many seconds."),
 ) -> None:
     """Run the whole pipeline on a tiny model on the CPU, with an embedded Redis."""
+    require("`layertap demo`")
     from producer.demo import run_demo
 
     run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console)
@@ -212,7 +229,8 @@ def bench(
     min_len: int = typer.Option(128, help="Shortest random prompt (tokens)."),
     max_len: int = typer.Option(2047, help="Longest random prompt (tokens)."),
     file: Optional[Path] = typer.Option(None, help="JSONL of prompts ({'prompt'} or {'token_ids'}) instead."),
-    storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go (emptied)."),
+    storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go: a new or empty folder, or one an "
+                                 "earlier bench made (any other folder is refused, never emptied)."),
     token_budget: int = typer.Option(16384, help="Tokens per packed batch."),
     parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, b ceiling, c engine, d queue)."),
     concurrency: int = typer.Option(64, help="Jobs in flight for (c) and (d)."),
@@ -222,9 +240,10 @@ def bench(
     backlog: bool = typer.Option(False, "--backlog", help="For (d): enqueue every job before the worker "
                                  "starts, then time how fast it drains the queue (no client sharing the CPU)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis for (d) (default: an embedded one)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
+    report_out: Optional[Path] = typer.Option(None, "--report", help="Write the full report here (JSON)."),
 ) -> None:
     """Measure naive HF, the bare forward, the engine and the whole queue path on the same prompts."""
+    require("`layertap bench`")
     from worker.bench import BenchConfig, format_table, run_bench
 
     config = BenchConfig(model=model, device=device, dtype=dtype, layers=parse_layers(layers) or [],
@@ -235,8 +254,8 @@ def bench(
                          backlog=backlog)
     report = run_bench(config, log=lambda line: console.print(line, markup=False, highlight=False))
     console.print(format_table(report), markup=False, highlight=False)
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2))
+    if report_out:
+        report_out.write_text(json.dumps(report, indent=2))
 
 
 cli_data.register(app)

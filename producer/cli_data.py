@@ -203,7 +203,7 @@ def export(
 
 def quiet_datasets() -> None:
     """Quiet the datasets library's own progress bars (ours is drawn instead)."""
-    from producer.sources import need
+    from producer.extras import need
 
     need("datasets").disable_progress_bars()
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from producer.extras import need
+
 BATCH_ROWS = 1024
 
 
@@ -35,16 +37,6 @@ class RowSource:
     kind: str
     total: int | None
     rows: Iterator[SourceRow]
-
-
-def need(module: str) -> Any:
-    """Import an optional dependency of the ``[data]`` extra, or say how to install it."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise RuntimeError(f"reading this input needs {module.split('.')[0]}: pip install 'layertap[data]'") from None
 
 
 def iter_jsonl(path: Path) -> Iterator[SourceRow]:

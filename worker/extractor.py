@@ -44,7 +44,7 @@ class Extractor:
                  token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, name=name, device=device,
                                                                                dtype=dtype)
-        self.processor = build_processor(self.loaded, storage_root=Path(storage_root),
+        self.processor = build_processor(self.loaded, storage_root=Path(storage_root).expanduser().resolve(),
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
                                          layers=layers, limits=limits or Limits(), token_budget=token_budget)
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="layertap-job")
@@ -69,10 +69,12 @@ class Extractor:
 
     def extract(self, inputs: Iterable[str | list[int] | Mapping[str, Any] | Job], out_dir: str | Path | None = None,
                 *, run: str = "offline", **fields: Any) -> list[Result]:
-        """Extract every input; results come back in input order. ``fields`` apply to every job."""
+        """Extract every input; results come back in input order. ``fields`` apply to every job.
+        Result paths are absolute (``out_dir`` is resolved against the working folder now)."""
         processor = self.processor
-        if out_dir is not None and Path(out_dir) != processor.storage_root:
-            processor = JobProcessor(self.loaded, processor.engine, processor.preparer, Path(out_dir),
+        out_root = None if out_dir is None else Path(out_dir).expanduser().resolve()
+        if out_root is not None and out_root != processor.storage_root:
+            processor = JobProcessor(self.loaded, processor.engine, processor.preparer, out_root,
                                      processor.worker_name)
         jobs = [self.job(item, run, **fields) for item in inputs]
         return list(self._pool.map(processor.process, jobs))

@@ -61,7 +61,7 @@ def run_worker(settings: Settings) -> int:
         raise ValueError("no model given: pass --model (a local folder or hub id) or set LAYERTAP_WORKER__MODEL")
     configure_logging(ws.loglevel, ws.log_format)
     node = ws.node_name or default_node_name()
-    storage_root = Path(settings.storage_root)
+    storage_root = Path(settings.storage_root).expanduser().resolve()  # published paths are absolute
     removed = remove_stale_temp_files(storage_root)
     if removed:
         log.info("removed %d stale temp files under %s", removed, storage_root)
@@ -96,7 +96,7 @@ def run_worker(settings: Settings) -> int:
         metrics.serve(ws.metrics_port)
     static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device), "dtype": dtype,
                    "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers, "pid": os.getpid(),
-                   "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root.resolve()),
+                   "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root),
                    "gpus": gpus, "metrics_port": ws.metrics_port}
     keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot(),
                                                 "tokens_per_s": round(metrics.tokens_per_second(), 1)},
