@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer import __version__, cli_data, cli_dlq
+from producer import __version__, cli_data, cli_dlq, cli_runs
 from producer.cli_ops import register as register_ops
 from producer.extras import require
 from producer.settings import LogFormat, Settings
@@ -133,16 +133,26 @@ def supervise(settings: Settings) -> int:
 @app.command()
 def results(
     run: str = typer.Option("default", "--run", help="Run name."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new results."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new results until every "
+                                "submitted job has one."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    every_entry: bool = typer.Option(False, "--every-entry", help="Print every stream entry, a job's repeats "
+                                     "included (default: a job again only when its status changes)."),
     timeout: Optional[float] = typer.Option(None, help="With --follow: stop after this many idle seconds."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Print a run's results so far (or keep following with --follow)."""
+    from producer import runs
     from producer.client import Client
 
     with Client(load_settings(redis_url=redis_url)) as client:
-        for result in client.results(run, follow=follow, timeout=timeout):
+        if not follow and not runs.exists(client.redis, run):
+            raise CliError(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
+        printed: dict[str, str] = {}  # job id -> status last printed
+        for result in client.results(run, follow=follow, timeout=timeout, until_complete=True):
+            if not every_entry and printed.get(result.job_id) == result.status.value:
+                continue
+            printed[result.job_id] = result.status.value
             if as_json:
                 print(result.model_dump_json(), flush=True)
             elif result.ok:
@@ -260,6 +270,7 @@ def bench(
 
 cli_data.register(app)
 cli_dlq.register(app)
+cli_runs.register(app)
 register_ops(app)
 
 

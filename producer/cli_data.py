@@ -128,11 +128,14 @@ class RunListing:
     as one ``error:`` line (the first 100), counted in ``skipped`` and left out."""
 
     def __init__(self, run: str, redis_url: str | None, *, verify: bool = False):
+        from producer import runs
         from producer.client import Client
         from producer.manifest import ok_results
         from producer.settings import Settings
 
         with Client(Settings(), redis_url=redis_url) as client:
+            if not runs.exists(client.redis, run):
+                raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
             self.results = ok_results(client, run)
         self.verify = verify
         self.skipped = self.tokens = 0
