@@ -47,7 +47,10 @@ def show_version(value: bool) -> None:
 @app.callback()
 def root(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
-    pass
+    from producer.settings import unknown_settings
+
+    for warning in unknown_settings():
+        err_console.print(f"warning: {warning}", markup=False, highlight=False)
 
 
 def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
@@ -74,7 +77,8 @@ def parse_layers(text: str | None) -> list[int] | None:
 @app.command()
 def worker(
     model: str = typer.Option(..., "--model", help="Model folder or hub id to load."),
-    name: Optional[str] = typer.Option(None, "--name", help="Model name jobs use (default: --model)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Model name jobs use (default: the folder's name, "
+                                "org/name for a hub cache snapshot, else --model as given)."),
     layers: Optional[str] = typer.Option(None, help="Default layer ids, e.g. 2,18,-1 (default: EAGLE-3's)."),
     chat_template: Optional[str] = typer.Option(None, help="Jinja chat template file to use instead of the model's."),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N"),

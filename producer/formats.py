@@ -176,13 +176,15 @@ class RowConverter:
         self.format = None if fmt is InputFormat.auto else fmt
         self.column = column
         self.id_column = id_column
+        self.detected_at: str | None = None  # where the format was detected (None: chosen with --format)
         self._detect_failures = 0
 
-    def job_data(self, row: Any) -> dict[str, Any]:
+    def job_data(self, row: Any, where: str = "the first row") -> dict[str, Any]:
         """The job data of one row (input and, when the row has one, ``job_id``); raises :class:`RowError`,
         or :class:`UndetectableFormat` when detection failed on the first :data:`DETECT_ATTEMPTS` rows."""
         if self.format is None:
             self.format = self._detect(row)
+            self.detected_at = where
         if not isinstance(row, Mapping):
             raise RowError(f"expected a JSON object, got {type(row).__name__}")
         fields = present(row)
@@ -208,6 +210,12 @@ class RowConverter:
         if job_id is not None:
             data["job_id"] = job_id
         return data
+
+    def format_note(self) -> str:
+        """How the format was chosen, for a bad row's message (empty when given with --format)."""
+        if self.format is None or self.detected_at is None:
+            return ""
+        return f" (format {self.format.value}, detected from {self.detected_at}; use --format to choose another)"
 
     def _detect(self, row: Any) -> InputFormat:
         try:
