@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from producer import __version__, cli_data, cli_dlq, cli_runs
+from producer.cli_ops import folding_table
 from producer.cli_ops import register as register_ops
 from producer.extras import require
 from producer.settings import LogFormat, Settings
@@ -68,6 +68,14 @@ def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
     return settings.model_copy(update=top) if top else settings
 
 
+def worker_default(field: str) -> str:
+    """``"default: <value>, setting worker.<field>"`` for a flag whose default is a setting."""
+    from producer.settings import WorkerSettings
+
+    value = WorkerSettings.model_fields[field].default
+    return f"default: {getattr(value, 'value', value)}, setting worker.{field}"
+
+
 def parse_layers(text: str | None) -> list[int] | None:
     from producer.layers import parse_layer_list
 
@@ -81,20 +89,27 @@ def worker(
                                 "org/name for a hub cache snapshot, else --model as given)."),
     layers: Optional[str] = typer.Option(None, help="Default layer ids, e.g. 2,18,-1 (default: EAGLE-3's)."),
     chat_template: Optional[str] = typer.Option(None, help="Jinja chat template file to use instead of the model's."),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N"),
-    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
-    storage: Optional[Path] = typer.Option(None, help="Storage root for files."),
+    device: Optional[str] = typer.Option(None, help=f"auto | cpu | cuda | cuda:N ({worker_default('device')})."),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32, or bf16 | fp16 | fp32 "
+                                        f"({worker_default('dtype')}: bfloat16 on a GPU, float32 on the CPU)."),
+    storage: Optional[Path] = typer.Option(None, "--storage-root", "--storage", help="Storage root for files "
+                                           "(setting storage_root; default layertap-data, made absolute at start)."),
     node_name: Optional[str] = typer.Option(None, help="Celery node name (default layertap-<pid>@<host>)."),
-    token_budget: Optional[int] = typer.Option(None, help="Tokens per packed batch."),
-    concurrency: Optional[int] = typer.Option(None, help="Jobs in flight in this worker."),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers."),
+    token_budget: Optional[int] = typer.Option(None, help=f"Tokens per packed batch ({worker_default('token_budget')})."),
+    concurrency: Optional[int] = typer.Option(None, help=f"Jobs in flight in this worker "
+                                              f"({worker_default('concurrency')})."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers "
+                                           f"({worker_default('compile')})."),
     gpus: Optional[str] = typer.Option(None, help="all | 0,1,...: one supervised worker process per GPU."),
-    gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process (model split across them)."),
+    gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process (model split across them; "
+                                                  f"{worker_default('gpus_per_worker')})."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (default $LAYERTAP_REDIS_URL or localhost)."),
-    loglevel: Optional[str] = typer.Option(None, help="DEBUG | INFO | WARNING"),
-    log_format: Optional[LogFormat] = typer.Option(None, help="json: one object per line, with job_id and run."),
+    loglevel: Optional[str] = typer.Option(None, help=f"DEBUG | INFO | WARNING ({worker_default('loglevel')})."),
+    log_format: Optional[LogFormat] = typer.Option(None, help="json: one object per line, with job_id and run "
+                                                   f"({worker_default('log_format')})."),
     metrics_port: Optional[int] = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics on this "
-                                               "port (0 = off; with --gpus, worker i uses port + i)."),
+                                               "port (0 = off; with --gpus, worker i uses port + i; "
+                                               f"{worker_default('metrics_port')})."),
 ) -> None:
     """Serve one model: load it once, take jobs from its queue, write files, publish results."""
     require("`layertap worker`")
@@ -188,16 +203,16 @@ def inspect(
 
 
 def print_file_description(info: dict[str, Any]) -> None:
-    console.print(f"[bold]{info['path']}[/bold]  ({info['bytes']:,} bytes)")
-    tensors = Table("tensor", "shape", "dtype", title="tensors")
+    console.print(f"[bold]{info['path']}[/bold]  ({info['bytes']:,} bytes)", soft_wrap=True)
+    tensors = folding_table("tensor", "shape", "dtype", title="tensors")
     for name, tensor in info["tensors"].items():
         tensors.add_row(name, str(tensor["shape"]), tensor["dtype"])
     console.print(tensors)
-    meta = Table("key", "value", title="metadata")
+    meta = folding_table("key", "value", title="metadata")
     for key, value in sorted(info["metadata"].items()):
         meta.add_row(key, value if len(value) < 100 else value[:97] + "...")
     console.print(meta)
-    stats = Table("layer", "mean", "std", "min", "max", "mean |h|", "finite", title="hidden_states per layer")
+    stats = folding_table("layer", "mean", "std", "min", "max", "mean |h|", "finite", title="hidden_states per layer")
     for row in info["layer_stats"]:
         stats.add_row(str(row["layer"]), f"{row['mean']:.4g}", f"{row['std']:.4g}", f"{row['min']:.4g}",
                       f"{row['max']:.4g}", f"{row['mean_token_norm']:.4g}", str(row["finite"]))

@@ -193,7 +193,7 @@ class RunListing:
 
 
 def manifest(
-    run: str = typer.Option(..., "--run", help="Run name."),
+    run: str = typer.Option("default", "--run", help="Run name."),
     out: Optional[Path] = typer.Option(None, "--out", help="F.parquet or F.jsonl (default: <run>.manifest.parquet, "
                                        "or .jsonl without pyarrow)."),
     verify: bool = typer.Option(False, help="Also check every tensor's checksum (reads every file whole)."),

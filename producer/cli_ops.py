@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def watch(
-        run: str = typer.Option(..., "--run", help="Run name."),
+        run: str = typer.Option("default", "--run", help="Run name."),
         plot: Optional[Path] = typer.Option(None, help="When complete, write a throughput-over-time chart (PNG)."),
         interval: float = typer.Option(1.0, min=0.05, help="Seconds between refreshes."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
