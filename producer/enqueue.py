@@ -81,7 +81,7 @@ def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict
         except UndetectableFormat as exc:
             raise UndetectableFormat(f"{origin}: {exc}" if origin else str(exc)) from None
         except ValueError as exc:
-            yield BadRow(where, f"{exc}{converter.format_note()}")
+            yield BadRow(where, converter.explain(str(exc)))
 
 
 class InflightLimiter:

@@ -111,6 +111,16 @@ def test_enqueue_dry_run_limit_dtype_alias_and_format_note(tmp_path):
             "use --format to choose another)") in mixed.stderr
 
 
+def test_bad_chat_row_names_the_files_column(tmp_path):
+    rows = tmp_path / "sharegpt.jsonl"
+    rows.write_text('{"conversations": [{"from": "human", "value": "fine"}]}\n'
+                    '{"conversations": [{"from": "human", "value": "bell \\u0007"}]}\n')
+    out = layertap("enqueue", "--model", "m", "--file", str(rows), "--dry-run", env={"LAYERTAP_REDIS_URL": UNREACHABLE})
+    assert out.returncode == 2
+    assert (f"error: {rows} line 2: conversations turn 0: message text contains the control character '\\x07' "
+            "(format sharegpt, detected from line 1; use --format to choose another)") in out.stderr
+
+
 def test_hub_dataset_id_that_cannot_be_loaded_is_one_line(tmp_path):
     out = layertap("enqueue", "--model", "m", "--file", "layertap-test/no-such-dataset", "--dry-run", cwd=tmp_path,
                    env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
