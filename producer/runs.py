@@ -110,7 +110,7 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
                            f"`layertap run cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
-    paths = [result.path for result in _results(client, run) if result.ok and result.path]
+    paths = list(dict.fromkeys(result.path for result in _results(client, run) if result.ok and result.path))
     prefix = keys.task_id(run, "")
     if force:
         queues = {json.loads(record)["queue"] for _, record in client.hscan_iter(keys.PENDING_HASH, match=f"{prefix}*")}

@@ -36,6 +36,11 @@ def layertap(redis_url: str, *args: str) -> subprocess.CompletedProcess:
 def test_cancel_wins_against_queue_and_reconciler(private_redis, tiny_models, tmp_path):
     storage = tmp_path / "files"
     with Client(Settings(redis_url=private_redis.url)) as client:
+        warned = layertap(private_redis.url, "enqueue", "--model", "tiny-qwen3", "--run", "early", "--prompt", "x")
+        assert warned.returncode == 0 and ("warning: no live worker serves model 'tiny-qwen3'; its jobs wait in the "
+                                           "queue until one does") in warned.stderr
+        client.redis.delete(keys.model_queue("tiny-qwen3"), keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH,
+                            keys.run_submitted_hash("early"))  # (not part of this test's run)
         with pytest.warns(NoWorkerWarning, match="no live worker serves model 'tiny-qwen3'"):
             jobs = [client.submit({"prompt": f"doomed {i}"}, model="tiny-qwen3", run="doomed") for i in range(3)]
         with pytest.raises(NoWorker):
@@ -79,6 +84,13 @@ def test_delete_refuses_unfinished_run_and_removes_files(workers, redis_server, 
     job = client.submit({"prompt": "delete my file"}, model="tiny-qwen3", run=run_name)
     follow = layertap(redis_server.url, "results", "--run", run_name, "--follow")  # stops once complete
     assert follow.returncode == 0 and follow.stdout.startswith(f"ok     {job.job_id}"), follow.stderr
+    client.submit(job)  # again: a second (cached) entry on the stream for the same job
+    deadline = time.monotonic() + 30
+    while client.redis.xlen(keys.results_stream(run_name)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert len(layertap(redis_server.url, "results", "--run", run_name).stdout.splitlines()) == 1  # collapsed
+    assert len(layertap(redis_server.url, "results", "--run", run_name, "--every-entry").stdout.splitlines()) == 2
     path = client.latest(run_name)[job.job_id].path
     assert os.path.isabs(path) and os.path.exists(path)
     deleted = layertap(redis_server.url, "run", "delete", run_name, "--files", "--yes")
