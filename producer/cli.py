@@ -293,6 +293,19 @@ cli_runs.register(app)
 register_ops(app)
 
 
+def describe_invalid(exc: Any) -> str:
+    """One line for a pydantic ``ValidationError``; a setting is named with its variable (a bad
+    ``LAYERTAP_*`` value stops every command that reads the settings, so say which)."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    group = {"Settings": "", "WorkerSettings": "worker."}.get(exc.title)
+    if group is None or not where:
+        return f"invalid {where or exc.title}: {first['msg']}"
+    setting = group + where
+    return (f"invalid setting {setting} (LAYERTAP_{setting.upper().replace('.', '__')}, layertap.toml or its flag): "
+            f"{first['msg']}")
+
+
 def main() -> None:
     """Entry point: run the app, turning expected failures into one line and an exit code."""
     import redis
@@ -312,8 +325,7 @@ def main() -> None:
         if os.environ.get("LAYERTAP_DEBUG"):
             raise
         if isinstance(exc, ValidationError):
-            first = exc.errors()[0]
-            message = f"invalid {'.'.join(str(p) for p in first['loc']) or exc.title}: {first['msg']}"
+            message = describe_invalid(exc)
         else:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         err_console.print(f"error: {message}", markup=False, highlight=False)

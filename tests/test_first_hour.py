@@ -89,6 +89,9 @@ def test_configuration_traps(tmp_path):
         "warning: layertap.toml: worker.token_budgt is not a layertap setting (did you mean worker.token_budget?); "
         "it is ignored"]
     assert lines[3].startswith("error: cannot reach Redis")
+    bad = layertap("status", env={"LAYERTAP_REDIS_URL": UNREACHABLE, "LAYERTAP_WORKER__TOKEN_BUDGET": "lots"})
+    assert bad.returncode == 1 and bad.stderr.startswith(
+        "error: invalid setting worker.token_budget (LAYERTAP_WORKER__TOKEN_BUDGET, layertap.toml or its flag): ")
     assert Settings(worker={"layers": "2,-1", "dtype": "bf16"}).worker.model_dump(include={"layers", "dtype"}) == {
         "layers": [2, -1], "dtype": "bfloat16"}
 
