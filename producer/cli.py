@@ -20,7 +20,7 @@ from producer import __version__, cli_data, cli_dlq, cli_runs
 from producer.cli_ops import folding_table
 from producer.cli_ops import register as register_ops
 from producer.extras import require
-from producer.settings import LogFormat, Settings
+from producer.settings import LogFormat, Settings, WorkerSettings, unknown_settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
                   "write safetensors files, publish their paths.", no_args_is_help=True,
@@ -47,8 +47,6 @@ def show_version(value: bool) -> None:
 @app.callback()
 def root(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
-    from producer.settings import unknown_settings
-
     for warning in unknown_settings():
         err_console.print(f"warning: {warning}", markup=False, highlight=False)
 
@@ -70,8 +68,6 @@ def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
 
 def worker_default(field: str) -> str:
     """``"default: <value>, setting worker.<field>"`` for a flag whose default is a setting."""
-    from producer.settings import WorkerSettings
-
     value = WorkerSettings.model_fields[field].default
     return f"default: {getattr(value, 'value', value)}, setting worker.{field}"
 

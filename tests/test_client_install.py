@@ -4,6 +4,7 @@ the commands that need the worker extra. The jobs are served by a worker from th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,8 +56,6 @@ def test_client_install_has_no_torch_and_works(client_venv, workers, redis_serve
     follow = run_in(client_venv, tmp_path, "layertap", "results", "--run", run_name, "--follow", "--json",
                     "--timeout", "60", env=env)
     assert follow.returncode == 0, follow.stderr
-    import json
-
     (result,) = [json.loads(line) for line in follow.stdout.splitlines()]
     assert result["job_id"] == job_id and result["status"] == "ok", result
     status = run_in(client_venv, tmp_path, "layertap", "status", env=env)
