@@ -1,4 +1,4 @@
-"""The client install: a fresh venv with the checkout's wheel and no extras (so no torch)
+"""The client install: a fresh venv with ``pip install .`` and no extras (so no torch)
 enqueues, reads results and status, loads a file with numpy, and prints the install hint for
 the commands that need the worker extra. The jobs are served by a worker from the dev venv."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
@@ -18,18 +18,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv with ``pip install <wheel of this checkout>``, no extras (dependencies from pip's indexes)."""
+    """A venv where ``pip install .`` ran in a copy of the checkout's package files (no extras;
+    dependencies from pip's indexes), so the build leaves nothing in the checkout."""
     root = tmp_path_factory.mktemp("client-venv")
-    wheels = root / "wheels"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w",
-                            str(wheels), str(REPO)], check=True, capture_output=True, text=True, timeout=120)
-    for noise in ("BuildBackendWarning", "SetuptoolsDeprecationWarning", "producer.data"):  # `make demo` shows them
-        assert noise not in built.stdout + built.stderr
+    source = root / "layertap"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for package in ("producer", "worker"):
+        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     env_dir = root / "venv"
     venv.create(env_dir, with_pip=True)
-    (wheel,) = wheels.glob("layertap-*.whl")
-    subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True,
-                   capture_output=True, timeout=300)
+    built = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-v", "."], cwd=source,
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    for noise in ("BuildBackendWarning", "SetuptoolsDeprecationWarning", "producer.data"):  # `make demo` showed them
+        assert noise not in built.stdout + built.stderr
     return env_dir / "bin"
 
 
