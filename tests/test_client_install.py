@@ -72,6 +72,9 @@ def test_client_install_has_no_torch_and_works(client_venv, workers, redis_serve
     assert loaded.returncode == 0, loaded.stderr
     module, rows, tokens = loaded.stdout.split()
     assert module == "numpy" and int(rows) == int(tokens) == result["num_tokens"]
+    inspected = run_in(client_venv, tmp_path, "layertap", "inspect", result["path"], "--plot", str(tmp_path / "x.png"))
+    assert inspected.returncode == 1
+    assert inspected.stderr.strip() == "error: --plot needs matplotlib, which is not installed: pip install 'layertap[plots]'"
 
 
 @pytest.mark.parametrize("command", [["worker", "--model", "anything"], ["make-tiny-model", "x"], ["demo"],
