@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from producer import runs
 from producer.client import Client
 from producer.monitor import FleetStatus, RunProgress, RunTracker, fleet_status, throughput_history
 from producer.redis_conn import redacted_url
@@ -90,6 +91,10 @@ def register(app: typer.Typer) -> None:
         with Client(redis_url=redis_url) as client:
             tracker = RunTracker(client.redis, run)
             current = tracker.poll()
+            unserved = sorted(runs.waiting_models(client.redis, run) - client.served_models())
+            if not current.complete and unserved:
+                console.print(f"warning: no live worker serves {', '.join(unserved)}: the run's jobs wait in the "
+                              "queue (no ETA) until one does", highlight=False, soft_wrap=True)
             columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[failed]}"), TextColumn("{task.fields[rate]}"),
                        TextColumn("{task.fields[eta]}"))

@@ -81,6 +81,19 @@ def list_runs(client: redis.Redis) -> list[RunSummary]:
     return [summary(client, run) for run in sorted(names)]
 
 
+def waiting_models(client: redis.Redis, run: str, sample: int = 100) -> set[str]:
+    """Models that (up to ``sample``) unfinished jobs of ``run`` were sent to (their pending records)."""
+    models: set[str] = set()
+    for seen, (_, record) in enumerate(client.hscan_iter(keys.PENDING_HASH, match=f"{keys.task_id(run, '')}*",
+                                                          count=1000)):
+        model = keys.queue_model(json.loads(record)["queue"])
+        if model is not None:
+            models.add(model)
+        if seen + 1 >= sample:
+            break
+    return models
+
+
 def is_cancelled(client: redis.Redis, run: str) -> bool:
     return bool(client.exists(keys.run_cancelled_key(run)))
 
