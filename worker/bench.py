@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[in
 
 def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
     """(d) Redis -> Celery worker process -> files -> results on the stream."""
-    from producer.client import Client
+    from producer.client import Client, NoWorkerWarning
     from producer.redis_server import RedisServer
     from producer.settings import Settings
 
@@ -296,7 +297,9 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
             def serving() -> dict[str, Any]:
                 return {n: i for n, i in client.workers().items() if i["model"] == name}
 
-            job_ids = submit_all() if cfg.backlog else []
+            with warnings.catch_warnings():  # a backlog is queued before its worker starts, on purpose
+                warnings.simplefilter("ignore", NoWorkerWarning)
+                job_ids = submit_all() if cfg.backlog else []
             worker = start_worker()
             while len(serving()) < expected:
                 if worker.poll() is not None or time.monotonic() > deadline:
