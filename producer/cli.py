@@ -15,15 +15,17 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from producer import cli_data, cli_dlq
+from producer import __version__, cli_data, cli_dlq, cli_runs
+from producer.cli_ops import folding_table
 from producer.cli_ops import register as register_ops
-from producer.settings import LogFormat, Settings
+from producer.extras import require
+from producer.settings import LogFormat, Settings, WorkerSettings, unknown_settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
                   "write safetensors files, publish their paths.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+                  pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"max_content_width": 120, "show_default": True})
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
@@ -34,6 +36,19 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+def show_version(value: bool) -> None:
+    if value:
+        print(f"layertap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    for warning in unknown_settings():
+        err_console.print(f"warning: {warning}", markup=False, highlight=False)
 
 
 def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
@@ -51,6 +66,12 @@ def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
     return settings.model_copy(update=top) if top else settings
 
 
+def worker_default(field: str) -> str:
+    """``"default: <value>, setting worker.<field>"`` for a flag whose default is a setting."""
+    value = WorkerSettings.model_fields[field].default
+    return f"default: {getattr(value, 'value', value)}, setting worker.{field}"
+
+
 def parse_layers(text: str | None) -> list[int] | None:
     from producer.layers import parse_layer_list
 
@@ -60,27 +81,37 @@ def parse_layers(text: str | None) -> list[int] | None:
 @app.command()
 def worker(
     model: str = typer.Option(..., "--model", help="Model folder or hub id to load."),
-    name: Optional[str] = typer.Option(None, "--name", help="Model name jobs use (default: --model)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Model name jobs use (default: the folder's name, "
+                                "org/name for a hub cache snapshot, else --model as given)."),
     layers: Optional[str] = typer.Option(None, help="Default layer ids, e.g. 2,18,-1 (default: EAGLE-3's)."),
     chat_template: Optional[str] = typer.Option(None, help="Jinja chat template file to use instead of the model's."),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N"),
-    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32"),
-    storage: Optional[Path] = typer.Option(None, help="Storage root for files."),
+    device: Optional[str] = typer.Option(None, help=f"auto | cpu | cuda | cuda:N ({worker_default('device')})."),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32, or bf16 | fp16 | fp32 "
+                                        f"({worker_default('dtype')}: bfloat16 on a GPU, float32 on the CPU)."),
+    storage: Optional[Path] = typer.Option(None, "--storage-root", "--storage", help="Storage root for files "
+                                           "(setting storage_root; default layertap-data, made absolute at start)."),
     node_name: Optional[str] = typer.Option(None, help="Celery node name (default layertap-<pid>@<host>)."),
-    token_budget: Optional[int] = typer.Option(None, help="Tokens per batch (padded batches count their padding)."),
+    token_budget: Optional[int] = typer.Option(None, help="Tokens per batch, padded batches counting their padding "
+                                               f"({worker_default('token_budget')})."),
     batching: Optional[str] = typer.Option(None, help="auto | packed | padded: how jobs share a forward (auto: "
                                            "from the model's structure; either way checked at start)."),
-    concurrency: Optional[int] = typer.Option(None, help="Jobs in flight in this worker."),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers."),
+    concurrency: Optional[int] = typer.Option(None, help=f"Jobs in flight in this worker "
+                                              f"({worker_default('concurrency')})."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers "
+                                           f"({worker_default('compile')})."),
     gpus: Optional[str] = typer.Option(None, help="all | 0,1,...: one supervised worker process per GPU."),
-    gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process (model split across them)."),
+    gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process (model split across them; "
+                                                  f"{worker_default('gpus_per_worker')})."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (default $LAYERTAP_REDIS_URL or localhost)."),
-    loglevel: Optional[str] = typer.Option(None, help="DEBUG | INFO | WARNING"),
-    log_format: Optional[LogFormat] = typer.Option(None, help="json: one object per line, with job_id and run."),
+    loglevel: Optional[str] = typer.Option(None, help=f"DEBUG | INFO | WARNING ({worker_default('loglevel')})."),
+    log_format: Optional[LogFormat] = typer.Option(None, help="json: one object per line, with job_id and run "
+                                                   f"({worker_default('log_format')})."),
     metrics_port: Optional[int] = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics on this "
-                                               "port (0 = off; with --gpus, worker i uses port + i)."),
+                                               "port (0 = off; with --gpus, worker i uses port + i; "
+                                               f"{worker_default('metrics_port')})."),
 ) -> None:
     """Serve one model: load it once, take jobs from its queue, write files, publish results."""
+    require("`layertap worker`")
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
                              token_budget=token_budget, batching=batching, concurrency=concurrency, compile=compile,
@@ -121,16 +152,26 @@ def supervise(settings: Settings) -> int:
 @app.command()
 def results(
     run: str = typer.Option("default", "--run", help="Run name."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new results."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new results until every "
+                                "submitted job has one."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    every_entry: bool = typer.Option(False, "--every-entry", help="Print every stream entry, a job's repeats "
+                                     "included (default: a job again only when its status changes)."),
     timeout: Optional[float] = typer.Option(None, help="With --follow: stop after this many idle seconds."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Print a run's results so far (or keep following with --follow)."""
+    from producer import runs
     from producer.client import Client
 
     with Client(load_settings(redis_url=redis_url)) as client:
-        for result in client.results(run, follow=follow, timeout=timeout):
+        if not follow and not runs.exists(client.redis, run):
+            raise CliError(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
+        printed: dict[str, str] = {}  # job id -> status last printed
+        for result in client.results(run, follow=follow, timeout=timeout, until_complete=True):
+            if not every_entry and printed.get(result.job_id) == result.status.value:
+                continue
+            printed[result.job_id] = result.status.value
             if as_json:
                 print(result.model_dump_json(), flush=True)
             elif result.ok:
@@ -162,16 +203,16 @@ def inspect(
 
 
 def print_file_description(info: dict[str, Any]) -> None:
-    console.print(f"[bold]{info['path']}[/bold]  ({info['bytes']:,} bytes)")
-    tensors = Table("tensor", "shape", "dtype", title="tensors")
+    console.print(f"[bold]{info['path']}[/bold]  ({info['bytes']:,} bytes)", soft_wrap=True)
+    tensors = folding_table("tensor", "shape", "dtype", title="tensors")
     for name, tensor in info["tensors"].items():
         tensors.add_row(name, str(tensor["shape"]), tensor["dtype"])
     console.print(tensors)
-    meta = Table("key", "value", title="metadata")
+    meta = folding_table("key", "value", title="metadata")
     for key, value in sorted(info["metadata"].items()):
         meta.add_row(key, value if len(value) < 100 else value[:97] + "...")
     console.print(meta)
-    stats = Table("layer", "mean", "std", "min", "max", "mean |h|", "finite", title="hidden_states per layer")
+    stats = folding_table("layer", "mean", "std", "min", "max", "mean |h|", "finite", title="hidden_states per layer")
     for row in info["layer_stats"]:
         stats.add_row(str(row["layer"]), f"{row['mean']:.4g}", f"{row['std']:.4g}", f"{row['min']:.4g}",
                       f"{row['max']:.4g}", f"{row['mean_token_norm']:.4g}", str(row["finite"]))
@@ -187,6 +228,7 @@ def make_tiny_model(
     seed: int = typer.Option(0, help="Random seed for the weights."),
 ) -> None:
     """Build a tiny random-weight model with a trained tokenizer and chat template."""
+    require("`layertap make-tiny-model`")
     from worker.tiny_model import make_tiny_model as build
 
     print(build(directory, arch, num_layers=layers, hidden_size=hidden_size, seed=seed))
@@ -199,6 +241,7 @@ def demo(
     timeout: float = typer.Option(300.0, help="Give up after this many seconds."),
 ) -> None:
     """Run the whole pipeline on a tiny model on the CPU, with an embedded Redis."""
+    require("`layertap demo`")
     from producer.demo import run_demo
 
     run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console)
@@ -215,7 +258,8 @@ def bench(
     min_len: int = typer.Option(128, help="Shortest random prompt (tokens)."),
     max_len: int = typer.Option(2047, help="Longest random prompt (tokens)."),
     file: Optional[Path] = typer.Option(None, help="JSONL of prompts ({'prompt'} or {'token_ids'}) instead."),
-    storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go (emptied)."),
+    storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go: a new or empty folder, or one an "
+                                 "earlier bench made (any other folder is refused, never emptied)."),
     token_budget: int = typer.Option(16384, help="Tokens per batch (padded batches count their padding)."),
     max_padding: float = typer.Option(0.25, help="Padded batches: the largest share of a batch that is padding."),
     parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, p plain HF padded batches of 8, "
@@ -227,9 +271,10 @@ def bench(
     backlog: bool = typer.Option(False, "--backlog", help="For (d): enqueue every job before the worker "
                                  "starts, then time how fast it drains the queue (no client sharing the CPU)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis for (d) (default: an embedded one)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report here."),
+    report_out: Optional[Path] = typer.Option(None, "--report", help="Write the full report here (JSON)."),
 ) -> None:
     """Measure naive HF, the bare forward, the engine and the whole queue path on the same prompts."""
+    require("`layertap bench`")
     from worker.bench import BenchConfig, format_table, run_bench
 
     config = BenchConfig(model=model, device=device, dtype=dtype, layers=parse_layers(layers) or [],
@@ -240,13 +285,27 @@ def bench(
                          backlog=backlog)
     report = run_bench(config, log=lambda line: console.print(line, markup=False, highlight=False))
     console.print(format_table(report), markup=False, highlight=False)
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2))
+    if report_out:
+        report_out.write_text(json.dumps(report, indent=2))
 
 
 cli_data.register(app)
 cli_dlq.register(app)
+cli_runs.register(app)
 register_ops(app)
+
+
+def describe_invalid(exc: Any) -> str:
+    """One line for a pydantic ``ValidationError``; a setting is named with its variable (a bad
+    ``LAYERTAP_*`` value stops every command that reads the settings, so say which)."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    group = {"Settings": "", "WorkerSettings": "worker."}.get(exc.title)
+    if group is None or not where:
+        return f"invalid {where or exc.title}: {first['msg']}"
+    setting = group + where
+    return (f"invalid setting {setting} (LAYERTAP_{setting.upper().replace('.', '__')}, layertap.toml or its flag): "
+            f"{first['msg']}")
 
 
 def main() -> None:
@@ -268,8 +327,7 @@ def main() -> None:
         if os.environ.get("LAYERTAP_DEBUG"):
             raise
         if isinstance(exc, ValidationError):
-            first = exc.errors()[0]
-            message = f"invalid {'.'.join(str(p) for p in first['loc']) or exc.title}: {first['msg']}"
+            message = describe_invalid(exc)
         else:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         err_console.print(f"error: {message}", markup=False, highlight=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -52,13 +53,19 @@ def enqueue(
     final_hidden_states: bool = typer.Option(False, help="Also store the last layer's output after the final norm."),
     topk: Optional[int] = typer.Option(None, help="Also store the teacher's top-k next-token log-probs."),
     topk_on: Optional[str] = typer.Option(None, help="mask (positions predicting a loss-mask token) | all."),
-    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 | float8 (stored dtype)."),
-    check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model."),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 | float8 (stored dtype; "
+                                        "bf16, fp16, fp32, fp8 too)."),
+    check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model (with no live "
+                               "worker at all, warn and enqueue)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Read at most this many rows (prompts "
+                                        "first, then the file's)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Read and check the rows, print the job ids, send "
+                                 "nothing (Redis is not contacted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the ids of the jobs sent."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Stream jobs into the queue (one per row); skips jobs already ok in the run. Prints one job id per line."""
-    from producer.client import Client
+    from producer.client import Client, NoWorkerWarning
     from producer.enqueue import BadRow, Enqueuer, Outcome, Planned, job_from_data, plan_jobs
     from producer.formats import RowConverter
     from producer.layers import parse_layer_list
@@ -83,13 +90,21 @@ def enqueue(
         total = None if source.total is None else len(prompts) + source.total
         converter = RowConverter(input_format, column=column, id_column=id_column)
         items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file)))
+    if limit is not None:
+        items = itertools.islice(items, limit)
+        total = None if total is None else min(total, limit)
+    if dry_run:
+        raise typer.Exit(dry_run_report(items, run, quiet))
     counts: Counter[Outcome] = Counter()
-    with Client(settings, redis_url=redis_url) as client:
-        if check:
-            served, live = client.served_models(), client.workers()
-            if live and model not in served:
+    with Client(settings, redis_url=redis_url) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)  # said once below, as a line
+        served, live = client.served_models(), client.workers()
+        if model not in served:
+            if check and live:
                 raise fail(f"no live worker serves model {model!r} (served: {', '.join(sorted(served))}); "
                            "use --no-check to enqueue anyway")
+            err_console.print(f"warning: no live worker serves model {model!r}; its jobs wait in the queue "
+                              "until one does", markup=False, highlight=False)
         enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight)
         with progress(total, "enqueue") as step, one_line_errors():
             for outcome, item in enqueuer.run(items):
@@ -110,6 +125,26 @@ def enqueue(
         raise fail(f"{counts[Outcome.bad]} row(s) were not enqueued (see above{shown})", 2)
 
 
+def dry_run_report(items: Iterable[Any], run: str, quiet: bool) -> int:
+    """``enqueue --dry-run``: print each valid row's job id and each bad row's error; the exit code."""
+    from producer.enqueue import BadRow
+
+    good = bad = 0
+    with one_line_errors():
+        for item in items:
+            if isinstance(item, BadRow):
+                bad += 1
+                if bad <= MAX_REPORTED_ROWS:
+                    err_console.print(f"error: {item.where}: {item.reason}", markup=False, highlight=False)
+            else:
+                good += 1
+                if not quiet:
+                    print(item.job.job_id, flush=True)
+    err_console.print(f"run {run} (dry run, nothing sent): {good} job(s) would be sent, {bad} bad row(s)",
+                      markup=False, highlight=False)
+    return 2 if bad else 0
+
+
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
     """Expected failures as one ``error:`` line: exit 2 for a file whose format cannot be told, else 1."""
@@ -128,11 +163,14 @@ class RunListing:
     as one ``error:`` line (the first 100), counted in ``skipped`` and left out."""
 
     def __init__(self, run: str, redis_url: str | None, *, verify: bool = False):
+        from producer import runs
         from producer.client import Client
         from producer.manifest import ok_results
         from producer.settings import Settings
 
         with Client(Settings(), redis_url=redis_url) as client:
+            if not runs.exists(client.redis, run):
+                raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
             self.results = ok_results(client, run)
         self.verify = verify
         self.skipped = self.tokens = 0
@@ -155,7 +193,7 @@ class RunListing:
 
 
 def manifest(
-    run: str = typer.Option(..., "--run", help="Run name."),
+    run: str = typer.Option("default", "--run", help="Run name."),
     out: Optional[Path] = typer.Option(None, "--out", help="F.parquet or F.jsonl (default: <run>.manifest.parquet, "
                                        "or .jsonl without pyarrow)."),
     verify: bool = typer.Option(False, help="Also check every tensor's checksum (reads every file whole)."),
@@ -203,7 +241,7 @@ def export(
 
 def quiet_datasets() -> None:
     """Quiet the datasets library's own progress bars (ours is drawn instead)."""
-    from producer.sources import need
+    from producer.extras import need
 
     need("datasets").disable_progress_bars()
 

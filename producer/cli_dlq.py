@@ -37,7 +37,8 @@ def register(app: typer.Typer) -> None:
 
     @dlq.command("requeue")
     def requeue_command(
-        entry_ids: Optional[list[str]] = typer.Argument(None, help="Entry ids (default: all)."),
+        entry_ids: Optional[list[str]] = typer.Argument(None, help="Entry ids (default: all, after asking)."),
+        yes: bool = typer.Option(False, "--yes", help="Do not ask."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Submit dead jobs again with a fresh attempt count."""
@@ -45,6 +46,8 @@ def register(app: typer.Typer) -> None:
         from producer.client import Client
         from producer.dlq import requeue
 
+        if not entry_ids and not yes and not typer.confirm("Requeue ALL dead letters?"):
+            raise typer.Exit(1)
         with Client(load_settings(redis_url=redis_url)) as client:
             job_ids = requeue(client, entry_ids)
         for job_id in job_ids:

@@ -16,8 +16,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from producer import runs
 from producer.client import Client
 from producer.monitor import FleetStatus, RunProgress, RunTracker, fleet_status, throughput_history
+from producer.redis_conn import redacted_url
 
 console = Console()
 
@@ -29,13 +31,22 @@ def format_eta(seconds: float | None) -> str:
     return f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def render_status(status: FleetStatus) -> None:
-    queues = Table("model", "queued", title="queues")
+def folding_table(*headers: str, title: str) -> Table:
+    """A table whose cells wrap in a narrow terminal instead of being cut with an ellipsis."""
+    table = Table(title=title)
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    return table
+
+
+def render_status(status: FleetStatus, redis_url: str) -> None:
+    console.print(f"redis: {redacted_url(redis_url)}", highlight=False)
+    queues = folding_table("model", "queued", title="queues")
     for model, depth in status.queues.items():
         queues.add_row(model, str(depth))
     console.print(queues)
-    workers = Table("node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
-                    "last beat", title="workers")
+    workers = folding_table("node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
+                            "last beat", title="workers")
     for state in status.workers:
         beat = "-" if state.beat_age_s is None else f"{state.beat_age_s:.0f}s ago"
         workers.add_row(state.node, "yes" if state.alive else "no", state.device, state.gpus or "-", state.model,
@@ -63,14 +74,15 @@ def register(app: typer.Typer) -> None:
         """Show queue depth per model, workers (alive, device, GPUs, model, tokens/s) and dead letters."""
         with Client(redis_url=redis_url) as client:
             fleet = fleet_status(client.redis)
+            url = client.settings.broker_url
         if as_json:
-            print(json.dumps(fleet.as_json(), indent=2))
+            print(json.dumps({"redis_url": redacted_url(url), **fleet.as_json()}, indent=2))
         else:
-            render_status(fleet)
+            render_status(fleet, url)
 
     @app.command()
     def watch(
-        run: str = typer.Option(..., "--run", help="Run name."),
+        run: str = typer.Option("default", "--run", help="Run name."),
         plot: Optional[Path] = typer.Option(None, help="When complete, write a throughput-over-time chart (PNG)."),
         interval: float = typer.Option(1.0, min=0.05, help="Seconds between refreshes."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
@@ -79,6 +91,10 @@ def register(app: typer.Typer) -> None:
         with Client(redis_url=redis_url) as client:
             tracker = RunTracker(client.redis, run)
             current = tracker.poll()
+            unserved = sorted(runs.waiting_models(client.redis, run) - client.served_models())
+            if not current.complete and unserved:
+                console.print(f"warning: no live worker serves {', '.join(unserved)}: the run's jobs wait in the "
+                              "queue (no ETA) until one does", highlight=False, soft_wrap=True)
             columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[failed]}"), TextColumn("{task.fields[rate]}"),
                        TextColumn("{task.fields[eta]}"))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
 from kombu.exceptions import OperationalError
 
-from producer import keys
+from producer import keys, runs
 from producer.celery_app import make_celery, send_extract
 from producer.redis_conn import connect
 from producer.schema import Job, Result
@@ -29,6 +30,25 @@ class JobTooLarge(ValueError):
     """A job whose JSON exceeds ``limits.max_job_bytes``."""
 
 
+class NoWorker(RuntimeError):
+    """``submit(..., check=True)``: no live worker serves the job's model."""
+
+
+class NoWorkerWarning(UserWarning):
+    """``submit``: no live worker serves the job's model (its jobs wait in the queue until one does)."""
+
+
+class JobFailed(RuntimeError):
+    """``wait(..., raise_on_error=True)``: some jobs ended with an error result (``.results`` has them all)."""
+
+    def __init__(self, failed: list[Result], results: dict[str, Result]):
+        first = failed[0]
+        super().__init__(f"{len(failed)} of {len(results)} job(s) failed; job {first.job_id}: "
+                         f"{first.error_type.value if first.error_type else 'error'}: {first.error}")
+        self.failed = failed
+        self.results = results
+
+
 class Client:
     """Submit jobs to the model's queue and read results back from Redis."""
 
@@ -39,15 +59,22 @@ class Client:
         self.settings = settings
         self.celery = make_celery(settings)
         self.redis = connect(settings, decode_responses=True)
+        self._open_runs: set[str] = set()  # runs seen not cancelled by this client
+        self._served: set[str] = set()  # models seen served by a live worker, or already warned about
 
     # -- submitting -------------------------------------------------------------------
-    def submit(self, job: Job | Mapping[str, Any], **fields: Any) -> Job:
-        """Validate, give an id, and enqueue one job; returns the job as sent (with ``job_id``)."""
+    def submit(self, job: Job | Mapping[str, Any], *, check: bool = False, **fields: Any) -> Job:
+        """Validate, give an id, and enqueue one job; returns the job as sent (with ``job_id``).
+
+        The first job of a model that no live worker serves warns (:class:`NoWorkerWarning`),
+        or with ``check=True`` raises :class:`NoWorker`; a job for a cancelled run raises
+        :class:`~producer.runs.RunCancelled`. Each is looked up once per model or run and client."""
         if not isinstance(job, Job):
             job = Job.model_validate({**job, **fields})
         elif fields:
             job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
         job = job.with_id()
+        self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
         size = len(json.dumps(payload))
         if size > self.settings.limits.max_job_bytes:
@@ -59,6 +86,23 @@ class Client:
         self._retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
         self._retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
         return job
+
+    def _check_destination(self, job: Job, check: bool) -> None:
+        if job.run not in self._open_runs:
+            if runs.is_cancelled(self.redis, job.run):
+                raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap run delete {job.run}` first, "
+                                        "or use another run name")
+            self._open_runs.add(job.run)
+        if job.model in self._served:
+            return
+        served = self.served_models()
+        if job.model not in served:
+            message = (f"no live worker serves model {job.model!r} (served: {', '.join(sorted(served)) or 'none'}); "
+                       f"its jobs wait in queue {keys.model_queue(job.model)} until one does")
+            if check:
+                raise NoWorker(message)
+            warnings.warn(message, NoWorkerWarning, stacklevel=3)
+        self._served.add(job.model)
 
     def _record_pending(self, job: Job, queue: str, task_id: str, args: list[Any], kwargs: dict[str, Any],
                         now: float) -> None:
@@ -87,16 +131,21 @@ class Client:
 
     # -- reading results ---------------------------------------------------------------
     def results(self, run: str, *, follow: bool = False, since: str = "0",
-                block_ms: int = 1000, timeout: float | None = None) -> Iterator[Result]:
+                block_ms: int = 1000, timeout: float | None = None,
+                until_complete: bool = False) -> Iterator[Result]:
         """Yield the run's results in stream order; with ``follow``, keep waiting for more.
 
-        Stops after ``timeout`` seconds without a new result when following.
+        Stops after ``timeout`` seconds without a new result when following, and with
+        ``until_complete`` once every submitted job has a result and all are yielded.
         """
         stream = keys.results_stream(run)
         last_id, idle_since = since, time.monotonic()
         while True:
+            # Completeness is read before the stream: a result is on the stream when it counts.
+            draining = follow and until_complete and runs.is_complete(self.redis, run)
             try:
-                batches = self.redis.xread({stream: last_id}, count=1000, block=block_ms if follow else None)
+                batches = self.redis.xread({stream: last_id}, count=1000,
+                                           block=block_ms if follow and not draining else None)
             except redis.exceptions.ConnectionError:
                 if not follow:
                     raise
@@ -106,6 +155,8 @@ class Client:
             for entry_id, fields in entries:
                 last_id = entry_id
                 yield Result.model_validate_json(fields[RESULT_FIELD])
+            if draining and len(entries) < 1000:
+                return
             if entries:
                 idle_since = time.monotonic()
             elif not follow:
@@ -117,14 +168,19 @@ class Client:
         """One result per job id (the last published) from the run's stream so far."""
         return {result.job_id: result for result in self.results(run)}
 
-    def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0) -> dict[str, Result]:
-        """Block until every job in ``job_ids`` has a result; raise ``TimeoutError`` otherwise."""
+    def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0, *,
+             raise_on_error: bool = False) -> dict[str, Result]:
+        """Block until every job in ``job_ids`` has a result; raise ``TimeoutError`` otherwise.
+        With ``raise_on_error``, raise :class:`JobFailed` if any of them is an error result."""
         wanted, found = set(job_ids), {}
         deadline = time.monotonic() + timeout
         for result in self.results(run, follow=True, block_ms=500, timeout=timeout):
             if result.job_id in wanted:
                 found[result.job_id] = result
                 if len(found) == len(wanted):
+                    failed = [found[job_id] for job_id in sorted(found) if not found[job_id].ok]
+                    if raise_on_error and failed:
+                        raise JobFailed(failed, found)
                     return found
             if time.monotonic() > deadline:
                 break

@@ -58,6 +58,7 @@ def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, consol
     from producer.file_stats import describe_file
 
     deadline = time.monotonic() + timeout
+    temporary = workdir is None
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="layertap-demo-")))
@@ -68,7 +69,8 @@ def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, consol
             console.print(f"[dim]embedded Redis at {server.url}[/dim]")
         storage = workdir / "files"
         model_dir = workdir / "model"
-        env = {**os.environ, "LAYERTAP_REDIS_URL": settings.broker_url, "LAYERTAP_STORAGE_ROOT": str(storage)}
+        env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ, "LAYERTAP_REDIS_URL": settings.broker_url,
+               "LAYERTAP_STORAGE_ROOT": str(storage)}
         with console.status("building a tiny qwen3-style model and tokenizer..."):
             subprocess.run(_cli("make-tiny-model", str(model_dir), "--arch", "qwen3"), check=True, env=env,
                            stdout=subprocess.DEVNULL)
@@ -104,7 +106,8 @@ def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, consol
         tokens = sum(r.num_tokens or 0 for r in ok)  # type: ignore[attr-defined]
         console.print(f"\n[bold green]{len(ok)}/{len(results)} jobs ok[/bold green], {tokens} tokens in "
                       f"{elapsed:.2f}s ({tokens / elapsed:,.0f} tokens/s end to end)")
-        console.print(f"files under {storage / DEMO_RUN}")
+        kept = " (a temporary folder, removed when the demo ends: --workdir DIR keeps it)" if temporary else ""
+        console.print(f"files under {storage / DEMO_RUN}{kept}", soft_wrap=True)
         failed = [r for r in results if not r.ok]  # type: ignore[attr-defined]
         for result in failed:
             console.print(f"[red]error[/red] {result.job_id}: {result.error}")  # type: ignore[attr-defined]

@@ -77,11 +77,11 @@ def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict
             yield BadRow(where, row.error)
             continue
         try:
-            yield Planned(where, job_from_data(converter.job_data(row.data), defaults))
+            yield Planned(where, job_from_data(converter.job_data(row.data, row.where), defaults))
         except UndetectableFormat as exc:
             raise UndetectableFormat(f"{origin}: {exc}" if origin else str(exc)) from None
         except ValueError as exc:
-            yield BadRow(where, str(exc))
+            yield BadRow(where, converter.explain(str(exc)))
 
 
 class InflightLimiter:

@@ -35,7 +35,7 @@ from typing import Any
 from producer import fileformat as ff
 from producer.manifest import ManifestEntry
 from producer.reader import shared_lock
-from producer.sources import need
+from producer.extras import need
 
 HS_FOLDER = "hidden_states"
 LINK_FALLBACK_ERRORS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}

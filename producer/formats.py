@@ -14,6 +14,7 @@ same job id); unknown roles and non-text content are refused, never guessed at.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any
@@ -176,13 +177,16 @@ class RowConverter:
         self.format = None if fmt is InputFormat.auto else fmt
         self.column = column
         self.id_column = id_column
+        self.detected_at: str | None = None  # where the format was detected (None: chosen with --format)
+        self.input_column: str | None = None  # the column the last row's input came from
         self._detect_failures = 0
 
-    def job_data(self, row: Any) -> dict[str, Any]:
+    def job_data(self, row: Any, where: str = "the first row") -> dict[str, Any]:
         """The job data of one row (input and, when the row has one, ``job_id``); raises :class:`RowError`,
         or :class:`UndetectableFormat` when detection failed on the first :data:`DETECT_ATTEMPTS` rows."""
         if self.format is None:
             self.format = self._detect(row)
+            self.detected_at = where
         if not isinstance(row, Mapping):
             raise RowError(f"expected a JSON object, got {type(row).__name__}")
         fields = present(row)
@@ -209,6 +213,16 @@ class RowConverter:
             data["job_id"] = job_id
         return data
 
+    def explain(self, reason: str) -> str:
+        """A bad row's reason in the file's terms: the job field a converted row was validated as
+        (``messages.3.content``) renamed to the row's column and turn, and how the format was chosen."""
+        if self.format not in (None, InputFormat.jobs) and self.input_column is not None:
+            reason = re.sub(r"^messages\.(\d+)\.\w+:", lambda m: f"{self.input_column} turn {m.group(1)}:", reason)
+            reason = re.sub(r"^(messages|prompt):", f"{self.input_column}:", reason)
+        if self.format is None or self.detected_at is None:
+            return reason
+        return f"{reason} (format {self.format.value}, detected from {self.detected_at}; use --format to choose another)"
+
     def _detect(self, row: Any) -> InputFormat:
         try:
             return detect_format(row, self.column)
@@ -223,6 +237,7 @@ class RowConverter:
         names = (self.column,) if self.column is not None else FORMAT_COLUMNS[self.format]
         for name in names:
             if name in fields:
+                self.input_column = name
                 return fields[name]
         raise RowError(f"no {' or '.join(repr(n) for n in names)} column for format {self.format.value}")
 

@@ -63,6 +63,25 @@ def run_submitted_hash(run: str) -> str:
     return f"{PREFIX}:run:{run}:submitted"
 
 
+#: ``SCAN MATCH`` pattern of every run's submitted hash: the runs the Client has sent jobs to.
+RUN_SUBMITTED_PATTERN = f"{PREFIX}:run:*:submitted"
+
+
+def run_of_submitted_hash(key: str) -> str:
+    """The run whose submitted hash ``key`` is (run names hold no ``:``)."""
+    return key[len(f"{PREFIX}:run:"):-len(":submitted")]
+
+
+def run_cancelled_key(run: str) -> str:
+    """String key (the cancel time) present while ``run`` is cancelled: its jobs are not run or sent again."""
+    return f"{PREFIX}:run:{run}:cancelled"
+
+
+def attempts_pattern(run: str) -> str:
+    """``SCAN MATCH`` pattern of a run's attempt counters."""
+    return f"{PREFIX}:attempts:{run}:*"
+
+
 def attempts_key(run: str, job_id: str) -> str:
     """Counter of how many times a job started (crash requeues included)."""
     return f"{PREFIX}:attempts:{run}:{job_id}"

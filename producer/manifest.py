@@ -118,7 +118,7 @@ def write_manifest(entries: Iterable[ManifestEntry], out: str | Path) -> int:
     temp = out.with_name(f".{out.name}.tmp")
     count = 0
     if out.suffix == ".parquet":
-        from producer.sources import need
+        from producer.extras import need
 
         pa, pq = need("pyarrow"), need("pyarrow.parquet")
         schema = arrow_schema()
@@ -145,7 +145,7 @@ def iter_manifest(path: str | Path) -> Iterator[ManifestEntry]:
     """The entries of a manifest file (parquet read batch by batch, or JSON lines)."""
     path = Path(path)
     if path.suffix == ".parquet":
-        from producer.sources import need
+        from producer.extras import need
 
         parquet = need("pyarrow.parquet").ParquetFile(path)
         for batch in parquet.iter_batches(batch_size=WRITE_BATCH):

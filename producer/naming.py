@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: A Hugging Face hub repo id: ``name`` or ``org/name`` (models and datasets alike).
+HUB_ID_PATTERN = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 FILE_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 #: Hex digits of the fan-out folder: 16**3 = 4096 folders keep 10^7 files at ~2.4k per folder.
@@ -30,6 +32,12 @@ def check_name(value: str, what: str) -> str:
             "A-Z a-z 0-9 . _ -, starting with a letter or digit, without '..'"
         )
     return value
+
+
+def is_hub_id(text: str) -> bool:
+    """``text`` has the form of a hub repo id (it may still not exist there)."""
+    return (len(text) <= 96 and HUB_ID_PATTERN.match(text) is not None and "--" not in text and ".." not in text
+            and not text.startswith((".", "-")))
 
 
 def canonical_json(obj: Any) -> str:

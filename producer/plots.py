@@ -13,13 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
+from producer.extras import MissingExtra, hint
 from producer.file_stats import layer_cosine_similarity, read_hidden_states, token_norms
 
 try:
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
-except ImportError as exc:  # the client install has no matplotlib; the CLI prints this one line
-    raise RuntimeError("plots need matplotlib: pip install 'layertap[plots]'") from exc
+except ImportError:  # the client install has no matplotlib; the CLI prints this one line
+    raise MissingExtra(hint("matplotlib", "--plot")) from None
 
 DPI = 100
 FILE_PLOT_PX = (1400, 500)

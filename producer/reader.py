@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +42,7 @@ def load_hidden_states(
     path: str | Path,
     *,
     verify: bool = True,
-    framework: Literal["pt", "np"] = "pt",
+    framework: Literal["pt", "np"] | None = None,
     device: str = "cpu",
     dequantize: bool = True,
 ) -> dict[str, Any]:
@@ -52,7 +53,11 @@ def load_hidden_states(
     avoids torch (bfloat16 is widened to float32). Float8 states are returned as float32
     values (their ``_scale`` tensors consumed) unless ``dequantize=False``, which gives the
     stored tensors as they are (with numpy: raw uint8 codes).
+    The default framework is ``"pt"`` where torch is installed and ``"np"`` where it is not
+    (the client install).
     """
+    if framework is None:
+        framework = "pt" if importlib.util.find_spec("torch") is not None else "np"
     with shared_lock(path):
         if verify:
             verify_file(path)

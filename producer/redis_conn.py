@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ssl
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -31,3 +32,14 @@ def connect(settings: Settings, *, decode_responses: bool = False) -> redis.Redi
     """A client for ``settings.broker_url``."""
     return redis.Redis.from_url(settings.broker_url, decode_responses=decode_responses, health_check_interval=10,
                                 socket_keepalive=True, **(ssl_options(settings) or {}))
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for printing which Redis is read)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

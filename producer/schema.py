@@ -25,6 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 #: Output dtypes a job may ask for: ``auto`` is the worker's compute dtype; ``float8`` is
 #: e4m3 with one float32 scale per stored row (see ``docs/training-record.md``).
 OutputDtype = Literal["auto", "bfloat16", "float16", "float32", "float8"]
+#: Short names accepted wherever a dtype is (jobs, ``enqueue --dtype``, ``worker --dtype``).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                 "fp8": "float8"}
+
+
+def normalize_dtype(value: Any) -> Any:
+    """A dtype name with its alias resolved (``bf16`` -> ``bfloat16``); other values as given."""
+    return DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
 
 from producer.naming import check_name, content_hash
 
@@ -59,7 +67,9 @@ def check_json_text(value: Any, what: str) -> Any:
 
 def describe_validation_error(exc: ValidationError, most: int = 5) -> str:
     """One line naming the first ``most`` bad fields and what is wrong with each."""
-    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'job'}: {error['msg']}" for error in exc.errors()[:most]]
+    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'job'}: "
+             f"{'is not a job field' if error['type'] == 'extra_forbidden' else error['msg'].removeprefix('Value error, ')}"
+             for error in exc.errors()[:most]]
     more = f" (+{exc.error_count() - most} more)" if exc.error_count() > most else ""
     return "; ".join(parts) + more
 
@@ -113,6 +123,11 @@ class Job(BaseModel):
     @classmethod
     def _text(cls, value: str | None) -> str | None:
         return None if value is None else check_text(value, "text")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return normalize_dtype(value)
 
     @field_validator("tools")
     @classmethod
@@ -177,6 +192,7 @@ class ErrorType(str, Enum):
     out_of_memory = "out_of_memory"  # does not fit on the device even alone
     write_failed = "write_failed"  # the file could not be written
     dead_letter = "dead_letter"  # failed max_attempts times; moved to the dead-letter stream
+    cancelled = "cancelled"  # its run was cancelled (``layertap run cancel``) before it ran
     internal = "internal"  # a bug or an unexpected fault; the message says what
 
 

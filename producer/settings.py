@@ -7,16 +7,24 @@ Example: ``LAYERTAP_WORKER__TOKEN_BUDGET=32768``.
 
 from __future__ import annotations
 
+import difflib
+import json
+import os
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from producer.schema import normalize_dtype
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -35,10 +43,11 @@ class WorkerSettings(BaseModel):
     served_model_name: str | None = None  # name jobs use; defaults to ``model``
     revision: str | None = None
     trust_remote_code: bool = False
-    layers: list[int] | None = None  # default layers; None = EAGLE-3's [2, L//2, L-3, L]
+    # default layers; None = EAGLE-3's [2, L//2, L-3, L]; from the environment as "2,18,-1" or "[2, 18, -1]"
+    layers: Annotated[list[int] | None, NoDecode] = None
     chat_template: str | None = None  # a Jinja chat template file used instead of the model's (read once)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
     batching: str = Field(default="auto", pattern="^(auto|packed|padded)$")  # auto: chosen from the model's structure
     max_batch_jobs: int = Field(default=256, gt=0)
@@ -55,9 +64,24 @@ class WorkerSettings(BaseModel):
     log_format: LogFormat = LogFormat.text
     metrics_port: int = Field(default=0, ge=0, le=65535)  # Prometheus /metrics; 0 = off (supervised: +i per child)
 
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            from producer.layers import parse_layer_list
+
+            return json.loads(value) if value.strip().startswith("[") else parse_layer_list(value)
+        return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return normalize_dtype(value)
+
 
 class Limits(BaseModel):
-    """Sizes past which a job is refused with ``invalid_job`` or ``too_long``."""
+    """Sizes past which a job is refused with ``invalid_job`` or ``too_long``. The worker applies
+    them (``max_job_bytes`` is also checked by the Client before sending); set them where workers run."""
 
     max_tokens: int = Field(default=131072, gt=0)
     max_turns: int = Field(default=4096, gt=0)
@@ -117,3 +141,57 @@ class Settings(BaseSettings):
     @property
     def broker_url(self) -> str:
         return self.redis_url or DEFAULT_REDIS_URL
+
+
+#: ``LAYERTAP_*`` variables that are not settings: ``LAYERTAP_DEBUG`` (tracebacks) and the ones
+#: ``compose.yaml`` interpolates.
+OTHER_VARIABLES = {"LAYERTAP_DEBUG", "LAYERTAP_MODEL", "LAYERTAP_MODEL_NAME", "LAYERTAP_HOST"}
+
+
+def setting_paths() -> set[str]:
+    """Every setting's dotted name (``redis_url``, ``worker.layers``, ...) and every group's (``worker``)."""
+    paths: set[str] = set()
+    for name, field in Settings.model_fields.items():
+        paths.add(name)
+        group = field.annotation if isinstance(field.annotation, type) else None
+        if group is not None and issubclass(group, BaseModel):
+            paths.update(f"{name}.{sub}" for sub in group.model_fields)
+    return paths
+
+
+def _unknown(path: str, known: set[str], spell: Any) -> str:
+    close = difflib.get_close_matches(path, sorted(known), n=1, cutoff=0.75)
+    return " (did you mean " + spell(close[0]) + "?)" if close else ""
+
+
+def unknown_settings(environ: Mapping[str, str] | None = None,
+                     toml_path: str | Path = "layertap.toml") -> list[str]:
+    """One warning per ``LAYERTAP_*`` variable and ``layertap.toml`` key that is no setting (a typo
+    would otherwise be ignored silently)."""
+    known = setting_paths()
+    warnings = []
+    for name in sorted(os.environ if environ is None else environ):
+        upper = name.upper()
+        if not upper.startswith("LAYERTAP_") or upper in OTHER_VARIABLES:
+            continue
+        path = upper.removeprefix("LAYERTAP_").lower().replace("__", ".")
+        if path not in known:
+            hint = _unknown(path, known, lambda found: "LAYERTAP_" + found.upper().replace(".", "__"))
+            warnings.append(f"{name} is not a layertap setting{hint}; it is ignored")
+    toml_file = Path(toml_path)
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the file is not checked
+        return warnings
+    if toml_file.is_file():
+        try:
+            data = tomllib.loads(toml_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return [*warnings, f"{toml_file}: cannot be read ({exc})"]
+        for key, value in data.items():
+            paths = [f"{key}.{sub}" for sub in value] if isinstance(value, dict) and key in known else [key]
+            for path in paths:
+                if path not in known:
+                    warnings.append(f"{toml_file}: {path} is not a layertap setting"
+                                    f"{_unknown(path, known, str)}; it is ignored")
+    return warnings

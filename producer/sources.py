@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from producer.extras import need
+from producer.naming import is_hub_id
+
 BATCH_ROWS = 1024
 
 
@@ -35,16 +38,6 @@ class RowSource:
     kind: str
     total: int | None
     rows: Iterator[SourceRow]
-
-
-def need(module: str) -> Any:
-    """Import an optional dependency of the ``[data]`` extra, or say how to install it."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise RuntimeError(f"reading this input needs {module.split('.')[0]}: pip install 'layertap[data]'") from None
 
 
 def iter_jsonl(path: Path) -> Iterator[SourceRow]:
@@ -154,10 +147,35 @@ def saved_dataset_source(path: Path, split: str | None) -> RowSource:
     return RowSource("dataset", len(dataset), rows())
 
 
+#: Suffixes that name a local file, never a hub dataset id.
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
+
+
+def hub_dataset_source(dataset_id: str, split: str | None) -> RowSource:
+    """A dataset on the Hugging Face hub (or in its local cache), streamed with ``datasets.load_dataset``."""
+    datasets = need("datasets", "a hub dataset id")
+    try:
+        loaded = datasets.load_dataset(dataset_id, split=split or "train", streaming=True)
+    except Exception as exc:  # datasets raises many types (hub, network, missing split)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{dataset_id}: no such file, and datasets could not load it as a hub dataset: "
+                         f"{first}") from None
+
+    def rows() -> Iterator[SourceRow]:
+        for index, row in enumerate(loaded):
+            yield SourceRow(f"row {index}", row)
+
+    return RowSource("hub", None, rows())
+
+
 def open_source(path: str | Path, *, split: str | None = None) -> RowSource:
-    """Open ``path`` by what it is: a saved dataset folder, parquet, a JSON array, or JSONL (anything else)."""
+    """Open ``path`` by what it is: a saved dataset folder, parquet, a JSON array, JSONL (any other
+    file), or, when no such file exists and it has the form ``org/name``, a hub dataset."""
+    text = str(path)
     path = Path(path)
     if not path.exists():
+        if is_hub_id(text) and not text.endswith(FILE_SUFFIXES):
+            return hub_dataset_source(text, split)
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():

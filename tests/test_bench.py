@@ -15,7 +15,7 @@ def test_bench_runs_all_parts_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LAYERTAP_REDIS_URL"}
     out = subprocess.run(cli("bench", "--model", "shape:qwen3-tiny", "--device", "cpu", "--layers", "0,2,-1",
                              "--prompts", "12", "--min-len", "8", "--max-len", "48", "--storage",
-                             str(tmp_path / "files"), "--json", str(report_path)),
+                             str(tmp_path / "files"), "--report", str(report_path)),
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = json.loads(report_path.read_text())
@@ -35,7 +35,7 @@ def test_bench_backlog_drains_a_full_queue(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LAYERTAP_REDIS_URL"}
     out = subprocess.run(cli("bench", "--model", "shape:qwen3-tiny", "--device", "cpu", "--layers", "1,-1",
                              "--prompts", "40", "--min-len", "8", "--max-len", "24", "--parts", "d", "--backlog",
-                             "--storage", str(tmp_path / "files"), "--json", str(report_path)),
+                             "--storage", str(tmp_path / "files"), "--report", str(report_path)),
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = json.loads(report_path.read_text())
@@ -45,3 +45,15 @@ def test_bench_backlog_drains_a_full_queue(tmp_path):
     assert queue["jobs"] == 40 and queue["errors"] == 0 and queue["tokens"] == report["tokens"]
     assert queue["bytes_written"] > 0  # (the bench removes each part's files after measuring them)
     assert 1 <= queue["notes"]["batches"] <= 40
+
+
+def test_bench_refuses_a_folder_it_did_not_make(tmp_path):
+    """``--storage`` copied from ``worker --storage``: a folder with data in it is refused, not emptied."""
+    data = tmp_path / "real-data"
+    data.mkdir()
+    (data / "keep.safetensors").write_bytes(b"precious")
+    out = subprocess.run(cli("bench", "--model", "shape:qwen3-tiny", "--device", "cpu", "--prompts", "2",
+                             "--storage", str(data)), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "is not empty and was not made by layertap bench" in out.stderr
+    assert (data / "keep.safetensors").read_bytes() == b"precious"

@@ -14,5 +14,6 @@ def test_demo_runs_end_to_end(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "16/16 jobs ok" in out.stdout
+    assert "it/s" not in out.stdout + out.stderr  # no progress bars of the libraries underneath
     assert "loss_mask" in out.stdout
     assert len(list((tmp_path / "files" / "demo").glob("*/*.safetensors"))) == 16

@@ -201,7 +201,7 @@ def test_poison_job_is_dead_lettered_and_later_jobs_are_unaffected(make_worker, 
                             capture_output=True, text=True, timeout=60)
     assert json.loads(listed.stdout.splitlines()[0])["job_id"] == poison.job_id
     path.rmdir()  # fix the cause, then requeue
-    requeued = subprocess.run([sys.executable, "-m", "producer.cli", "dlq", "requeue"], env=env,
+    requeued = subprocess.run([sys.executable, "-m", "producer.cli", "dlq", "requeue", "--yes"], env=env,
                               capture_output=True, text=True, timeout=60)
     assert poison.job_id in requeued.stdout
     wait_for(lambda: private_client.latest("poison")[poison.job_id].ok, 30, "the requeued job")

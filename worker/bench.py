@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -299,7 +300,7 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[in
 
 def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
     """(d) Redis -> Celery worker process -> files -> results on the stream."""
-    from producer.client import Client
+    from producer.client import Client, NoWorkerWarning
     from producer.redis_server import RedisServer
     from producer.settings import Settings
 
@@ -334,7 +335,9 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
             def serving() -> dict[str, Any]:
                 return {n: i for n, i in client.workers().items() if i["model"] == name}
 
-            job_ids = submit_all() if cfg.backlog else []
+            with warnings.catch_warnings():  # a backlog is queued before its worker starts, on purpose
+                warnings.simplefilter("ignore", NoWorkerWarning)
+                job_ids = submit_all() if cfg.backlog else []
             worker = start_worker()
             while len(serving()) < expected:
                 if worker.poll() is not None or time.monotonic() > deadline:
@@ -450,7 +453,25 @@ def memory_check(loaded: LoadedModel, layer_ids: list[int], budget: int) -> dict
     return report
 
 
+#: A file the bench leaves in its storage folder: the folder is the bench's to empty.
+BENCH_MARKER = ".layertap-bench"
+
+
+def claim_storage(storage: Path) -> None:
+    """Make ``storage`` the bench's folder: new, empty, or made by an earlier bench (it has
+    :data:`BENCH_MARKER`). A folder holding anything else is refused, never emptied."""
+    if storage.exists() and any(storage.iterdir()) and not (storage / BENCH_MARKER).exists():
+        raise ValueError(f"--storage {storage} is not empty and was not made by layertap bench; "
+                         "give a new or empty folder (the bench deletes what it writes there)")
+    storage.mkdir(parents=True, exist_ok=True)
+    (storage / BENCH_MARKER).touch()
+    for name in ("a", "c", "d"):  # an interrupted earlier bench's files
+        shutil.rmtree(storage / name, ignore_errors=True)
+
+
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    storage = Path(cfg.storage)
+    claim_storage(storage)
     loaded = load_model(cfg.model, name="bench-model", device=cfg.device, dtype=cfg.dtype)
     layer_ids = resolve_layer_ids(cfg.layers, loaded.num_layers)
     if cfg.file:
@@ -459,9 +480,6 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         prompts = random_prompts(cfg.prompts, cfg.min_len, cfg.max_len, loaded.vocab_size, cfg.seed)
     lengths = [len(p) for p in prompts]
     batching = loaded.batching.describe()
-    storage = Path(cfg.storage)
-    shutil.rmtree(storage, ignore_errors=True)
-    storage.mkdir(parents=True)
     rate = matmul_rate(loaded.device)
     flops = useful_flops(loaded, layer_ids, lengths)
     log(f"model {cfg.model} ({loaded.num_layers} layers, {loaded.dtype}) on {loaded.device}; {len(prompts)} prompts, "

@@ -58,7 +58,7 @@ class Extractor:
         that is not full (as the worker's setting)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, name=name, device=device,
                                                                                dtype=dtype, batching=batching)
-        self.processor = build_processor(self.loaded, storage_root=Path(storage_root),
+        self.processor = build_processor(self.loaded, storage_root=Path(storage_root).expanduser().resolve(),
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
                                          layers=layers, limits=limits or Limits(), token_budget=token_budget,
                                          batch_wait_s=batch_wait_ms / 1000)
@@ -84,10 +84,12 @@ class Extractor:
 
     def extract(self, inputs: Iterable[str | list[int] | Mapping[str, Any] | Job], out_dir: str | Path | None = None,
                 *, run: str = "offline", **fields: Any) -> list[Result]:
-        """Extract every input; results come back in input order. ``fields`` apply to every job."""
+        """Extract every input; results come back in input order. ``fields`` apply to every job.
+        Result paths are absolute (``out_dir`` is resolved against the working folder now)."""
         processor = self.processor
-        if out_dir is not None and Path(out_dir) != processor.storage_root:
-            processor = JobProcessor(self.loaded, processor.engine, processor.preparer, Path(out_dir),
+        out_root = None if out_dir is None else Path(out_dir).expanduser().resolve()
+        if out_root is not None and out_root != processor.storage_root:
+            processor = JobProcessor(self.loaded, processor.engine, processor.preparer, out_root,
                                      processor.worker_name, self_check=processor.self_check)
         jobs = [self.job(item, run, **fields) for item in inputs]
         return list(self._pool.map(processor.process, jobs))

@@ -28,6 +28,7 @@ from worker.metrics import MeteredPublisher, WorkerMetrics
 from worker.model_loading import load_model
 from worker.reconciler import Reconciler
 from worker.service import WorkerService
+from worker.startup import check_layers, check_model_source, default_served_name
 from worker.task_events import batch_task_events
 from worker.tasks import register_extract_task
 from worker.writer import remove_stale_temp_files
@@ -59,18 +60,20 @@ def run_worker(settings: Settings) -> int:
     ws = settings.worker
     if not ws.model:
         raise ValueError("no model given: pass --model (a local folder or hub id) or set LAYERTAP_WORKER__MODEL")
+    check_model_source(ws.model)
     configure_logging(ws.loglevel, ws.log_format)
     node = ws.node_name or default_node_name()
-    storage_root = Path(settings.storage_root)
+    storage_root = Path(settings.storage_root).expanduser().resolve()  # published paths are absolute
     removed = remove_stale_temp_files(storage_root)
     if removed:
         log.info("removed %d stale temp files under %s", removed, storage_root)
-    loaded = load_model(ws.model, name=ws.served_model_name, device=ws.device, dtype=ws.dtype,
-                        revision=ws.revision, trust_remote_code=ws.trust_remote_code,
+    loaded = load_model(ws.model, name=ws.served_model_name or default_served_name(ws.model), device=ws.device,
+                        dtype=ws.dtype, revision=ws.revision, trust_remote_code=ws.trust_remote_code,
                         chat_template=read_chat_template(ws.chat_template), batching=ws.batching)
-    log.info("serving %s (%s, %d layers, hidden %d) on %s as %s; queue %s", loaded.name, loaded.architecture,
-             loaded.num_layers, loaded.hidden_size, loaded.device, str(loaded.dtype).removeprefix("torch."),
-             keys.model_queue(loaded.name))
+    check_layers(ws.layers, loaded.num_layers)
+    log.info("serving %s (%s, %d layers, hidden %d) on %s as %s; queue %s; jobs use --model %s", loaded.name,
+             loaded.architecture, loaded.num_layers, loaded.hidden_size, loaded.device,
+             str(loaded.dtype).removeprefix("torch."), keys.model_queue(loaded.name), loaded.name)
     log.info("batching: %s", loaded.batching.describe())
     faults: list[BaseException] = []
 
@@ -99,7 +102,7 @@ def run_worker(settings: Settings) -> int:
         metrics.serve(ws.metrics_port)
     static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device), "dtype": dtype,
                    "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers, "pid": os.getpid(),
-                   "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root.resolve()),
+                   "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root),
                    "gpus": gpus, "metrics_port": ws.metrics_port, "architecture": loaded.architecture,
                    "batching": loaded.batching.path.value, "batching_reason": loaded.batching.reason,
                    "self_check": processor.self_check.describe() if processor.self_check else None}

@@ -11,7 +11,8 @@ its queue (queues are FIFO: it cannot be behind it), is not held by any worker (
 ``unacked`` entry carries its task id) and is not finished. A job found missing on two
 sweeps at least ``grace`` seconds apart (covering a delivery in progress) is sent again
 with the same task id and payload. A false alarm only costs a duplicate delivery, which
-the worker answers from disk (jobs are idempotent).
+the worker answers from disk (jobs are idempotent). A missing job of a cancelled run
+(``producer.runs``) is not sent again: its ``cancelled`` result is published instead.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any
 import redis
 from celery import Celery
 
-from producer import keys
+from producer import keys, runs
 from producer.celery_app import send_extract
 from worker.periodic import Periodic
+from worker.publisher import ResultPublisher
 
 log = logging.getLogger(__name__)
 UNACKED_KEY = "unacked"  # kombu's default ``unacked_key``
@@ -64,6 +66,7 @@ class Reconciler:
         self.node = node
         self.interval = interval
         self.grace = grace
+        self.publisher = ResultPublisher(client)
         self._ticker = Periodic("reconcile sweep", interval, self.sweep)
 
     def start(self) -> Reconciler:
@@ -110,6 +113,12 @@ class Reconciler:
     def _resend(self, task_id: str) -> bool:
         payload: Any = self.redis.hget(keys.PENDING_PAYLOAD_HASH, task_id)
         if payload is None:
+            return False
+        parsed = keys.parse_task_id(task_id)
+        if parsed is not None and runs.is_cancelled(self.redis, parsed[0]):
+            run, job_id = parsed
+            self.publisher.publish(runs.cancelled_result(run, job_id, worker=self.node))
+            log.info("job %s was lost and its run is cancelled: published its cancelled result", task_id)
             return False
         data = json.loads(payload)
         send_extract(self.app, data["args"], data["kwargs"], data["queue"], task_id)

@@ -1,6 +1,8 @@
 """What the Celery task does around the processor: attempts, retries, dead letters, publishing.
 
 Invariants:
+* a job of a cancelled run (``producer.runs``) is not run: it gets a ``cancelled`` error
+  result, published like any other final result;
 * every job that starts increments ``layertap:attempts:<run>:<job_id>`` first, so a job
   that kills its worker is counted too; a job past ``max_attempts`` starts is not run
   again but dead-lettered, with its last error;
@@ -21,7 +23,7 @@ from typing import Any
 
 import redis
 
-from producer import keys
+from producer import keys, runs
 from producer.schema import ErrorType, Job, Result, Status
 from worker.errors import JobError
 from worker.processor import JobProcessor
@@ -66,8 +68,13 @@ class WorkerService:
         pipe = self.redis.pipeline(transaction=False)
         pipe.incr(attempts)
         pipe.expire(attempts, ATTEMPTS_TTL_S)
-        attempt = int(pipe.execute()[0])
-        if attempt > self.max_attempts:
+        pipe.exists(keys.run_cancelled_key(job.run))
+        count, _, cancelled = pipe.execute()
+        attempt = int(count)
+        if cancelled:
+            result = runs.cancelled_result(job.run, job.job_id or "", worker=self.processor.worker_name,
+                                           model=job.model, metadata=job.metadata)
+        elif attempt > self.max_attempts:
             result = self.dead_letter(job, attempt - 1, ErrorType.internal,
                                       f"the worker died {attempt - 1} time(s) while running this job")
         else:
@@ -77,6 +84,9 @@ class WorkerService:
                     raise RetryLater(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempt - 1)))
                 result = self.dead_letter(job, attempt, result.error_type, result.error or "")  # type: ignore[arg-type]
         self.publisher.publish(result, also_delete=(attempts,))
+        if not result.ok:  # Celery's own log line calls every returned task "succeeded"
+            log.warning("job %s (run %s) ended with an error result, %s: %s", result.job_id, result.run,
+                        result.error_type.value if result.error_type else "error", result.error)
         return result.model_dump(mode="json")
 
     def dead_letter(self, job: Job, attempts: int, last_type: ErrorType, last_error: str) -> Result:

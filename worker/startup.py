@@ -1,0 +1,49 @@
+"""Checks a worker makes before it serves: a configuration that can only fail is refused at
+start with one line, instead of failing every job later.
+
+* ``--model``: an existing folder, a hub id (``name`` or ``org/name``) or ``shape:...``;
+  anything else is "no such folder, and not a hub id", before Hugging Face is asked.
+* the served name: ``--name`` if given, else a stable one (:func:`default_served_name`).
+* ``--layers``: every id must exist in the loaded model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from producer.layers import resolve_layer_ids
+from producer.naming import is_hub_id
+
+SHAPE_PREFIX = "shape:"  # as worker.shapes (not imported: it imports torch)
+
+
+def check_model_source(source: str) -> None:
+    """Raise ``ValueError`` unless ``source`` is an existing folder, a hub id or a shape."""
+    if source.startswith(SHAPE_PREFIX) or Path(source).expanduser().is_dir():
+        return
+    if Path(source).expanduser().exists():
+        raise ValueError(f"--model {source}: is a file; give the model's folder (with config.json) or a hub id")
+    if not is_hub_id(source):
+        raise ValueError(f"--model {source}: no such folder, and not a hub id (org/name)")
+
+
+def default_served_name(source: str) -> str:
+    """The name jobs use when ``--name`` is not given: a hub id or shape as given; for a folder
+    its basename, or ``org/name`` for a Hugging Face cache snapshot
+    (``.../models--org--name/snapshots/<revision>``)."""
+    folder = Path(source).expanduser()
+    if source.startswith(SHAPE_PREFIX) or not folder.is_dir():
+        return source
+    folder = folder.resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return folder.name
+
+
+def check_layers(layers: list[int] | None, num_layers: int) -> None:
+    """Raise ``ValueError`` (``LayerIdError``) if the worker's default layers do not fit the model."""
+    if layers is not None:
+        try:
+            resolve_layer_ids(layers, num_layers)
+        except ValueError as exc:
+            raise type(exc)(f"--layers {','.join(map(str, layers))}: {exc}") from None
