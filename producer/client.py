@@ -85,6 +85,12 @@ class Client:
         """Submit each job; returns them with ids."""
         return [self.submit(job, **fields) for job in jobs]
 
+    def seal(self, run: str, sealed: bool = True) -> None:
+        """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer
+        (``producer.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
+        key = keys.run_sealed_key(run)
+        self._retrying(lambda: self.redis.set(key, time.time()) if sealed else self.redis.delete(key))
+
     # -- reading results ---------------------------------------------------------------
     def results(self, run: str, *, follow: bool = False, since: str = "0",
                 block_ms: int = 1000, timeout: float | None = None) -> Iterator[Result]:

@@ -63,6 +63,23 @@ def run_submitted_hash(run: str) -> str:
     return f"{PREFIX}:run:{run}:submitted"
 
 
+def run_consumed_hash(run: str) -> str:
+    """Hash job_id -> time a streaming consumer acknowledged the job's result (ok or error).
+
+    Written only by ``producer.streaming``; with ``enqueue.inflight_until=consumed`` the
+    enqueue counts a job in flight until it is here (see ``producer.enqueue``).
+    """
+    return f"{PREFIX}:run:{run}:consumed"
+
+
+def run_sealed_key(run: str) -> str:
+    """String: time the last enqueue into ``run`` finished sending; absent while one is sending.
+
+    A streaming consumer stops only once the run is sealed and every submitted job is final.
+    """
+    return f"{PREFIX}:run:{run}:sealed"
+
+
 def attempts_key(run: str, job_id: str) -> str:
     """Counter of how many times a job started (crash requeues included)."""
     return f"{PREFIX}:attempts:{run}:{job_id}"

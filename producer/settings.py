@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 from pydantic_settings import (
@@ -73,10 +74,17 @@ class TlsSettings(BaseModel):
     cert_reqs: str = Field(default="required", pattern="^(required|optional|none)$")
 
 
+#: When a job stops counting as in flight for ``enqueue.max_inflight``: once it has a final
+#: result, or once a streaming consumer acknowledged that result (``producer.streaming``).
+InflightUntil = Literal["finished", "consumed"]
+
+
 class EnqueueSettings(BaseModel):
     """``layertap enqueue``: how a file streams into the queue."""
 
     max_inflight: int = Field(default=10000, gt=0)  # --max-inflight: jobs of the run submitted but not finished
+    #: --inflight-until: a job stops counting at its final result, or once a streaming consumer took it
+    inflight_until: InflightUntil = "finished"
 
 
 class Settings(BaseSettings):
