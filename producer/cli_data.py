@@ -48,6 +48,9 @@ def enqueue(
     inflight_until: Optional[str] = typer.Option(None, help="finished | consumed: a job stops counting in flight "
                                                  "at its result, or once a streaming consumer took it (default: "
                                                  "setting enqueue.inflight_until)."),
+    consumer_group: Optional[str] = typer.Option(None, help="With --inflight-until consumed: the streaming "
+                                                 "consumer group that counts (default: setting "
+                                                 "enqueue.consumer_group, 'train')."),
     layers: Optional[str] = typer.Option(None, help="Layer ids for every job, e.g. 2,18,-1."),
     max_length: Optional[int] = typer.Option(None, help="Token limit per job."),
     truncate: bool = typer.Option(False, help="Cut jobs longer than --max-length instead of failing them."),
@@ -96,7 +99,8 @@ def enqueue(
         until = inflight_until or settings.enqueue.inflight_until
         if until not in ("finished", "consumed"):
             raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
-        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight, until=until)  # type: ignore[arg-type]
+        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight, until=until,  # type: ignore[arg-type]
+                            group=consumer_group or settings.enqueue.consumer_group)
         with progress(total, "enqueue") as step, one_line_errors():
             for outcome, item in enqueuer.run(items):
                 counts[outcome] += 1

@@ -11,8 +11,8 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
   this enqueue's start), so it costs no memory per row;
 * **back-pressure**: before each submit the loop waits until the run has fewer than
   ``max_inflight`` jobs submitted but not finished (submitted hash minus status hash), or,
-  with ``until="consumed"``, submitted but not yet taken by a streaming consumer
-  (submitted hash minus consumed hash, ``producer.streaming``), so that a slow trainer
+  with ``until="consumed"``, submitted but not yet taken by the streaming consumer group
+  ``group`` (submitted hash minus its consumed hash, ``producer.streaming``), so that a slow trainer
   slows the producer and the files on disk stay under ``max_inflight``;
 * **sealing**: a run is unsealed when this enqueue first sends into it and sealed when its
   last row is done (``keys.run_sealed_key``); a streaming consumer stops only on a sealed run.
@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from producer import keys
 from producer.client import Client, JobTooLarge
 from producer.formats import RowConverter, UndetectableFormat
+from producer.naming import check_name
 from producer.schema import Job, Status, describe_validation_error
 from producer.settings import InflightUntil
 from producer.sources import SourceRow
@@ -99,11 +100,13 @@ class InflightLimiter:
     every moment (counting jobs left in flight by an earlier enqueue of the same run).
     """
 
-    def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05, until: InflightUntil = "finished"):
+    def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05, until: InflightUntil = "finished",
+                 group: str = keys.DEFAULT_CONSUMER_GROUP):
         self.redis = client
         self.limit = limit
         self.poll_s = poll_s
-        self.done_hash = keys.run_consumed_hash if until == "consumed" else keys.run_status_hash
+        check_name(group, "consumer group")
+        self.until, self.group = until, group
         self.runs: set[str] = set()
         self.in_flight = 0
 
@@ -112,7 +115,7 @@ class InflightLimiter:
         pipe = self.redis.pipeline(transaction=False)
         for run in sorted(self.runs):
             pipe.hlen(keys.run_submitted_hash(run))
-            pipe.hlen(self.done_hash(run))
+            pipe.hlen(keys.run_consumed_hash(run, self.group) if self.until == "consumed" else keys.run_status_hash(run))
         counts = pipe.execute()
         self.in_flight = sum(max(0, sub - done) for sub, done in zip(counts[0::2], counts[1::2]))
 
@@ -131,9 +134,10 @@ class Enqueuer:
     """Sends planned jobs with resume, repeat skipping and back-pressure (see the module doc)."""
 
     def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
-                 until: InflightUntil = "finished"):
+                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP):
         self.client = client
-        self.limiter = InflightLimiter(client.redis, max_inflight, until=until)
+        self.group = group
+        self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group)
         self.batch_size = batch_size
         self.started_at = time.time()
         self.fed: set[str] = set()  # runs this enqueue unsealed
@@ -183,7 +187,7 @@ class Enqueuer:
         if reopen:  # sent before: clear its old (error) status, mark it sent by this enqueue
             pipe = self.client.redis.pipeline(transaction=True)
             pipe.hdel(keys.run_status_hash(job.run), job.job_id)  # type: ignore[arg-type]
-            pipe.hdel(keys.run_consumed_hash(job.run), job.job_id)  # type: ignore[arg-type]
+            pipe.hdel(keys.run_consumed_hash(job.run, self.group), job.job_id)  # type: ignore[arg-type]
             pipe.hset(keys.run_submitted_hash(job.run), job.job_id, time.time())  # type: ignore[arg-type]
             pipe.execute()
         try:

@@ -63,13 +63,15 @@ def run_submitted_hash(run: str) -> str:
     return f"{PREFIX}:run:{run}:submitted"
 
 
-def run_consumed_hash(run: str) -> str:
-    """Hash job_id -> time a streaming consumer acknowledged the job's result (ok or error).
+#: The consumer group a streaming trainer reads a run's results through, unless it names one.
+DEFAULT_CONSUMER_GROUP = "train"
 
-    Written only by ``producer.streaming``; with ``enqueue.inflight_until=consumed`` the
-    enqueue counts a job in flight until it is here (see ``producer.enqueue``).
-    """
-    return f"{PREFIX}:run:{run}:consumed"
+
+def run_consumed_hash(run: str, group: str) -> str:
+    """Hash job_id -> status (``ok``/``error``) of the job's result once consumer group ``group``
+    acknowledged it (``producer.streaming``). With ``enqueue.inflight_until=consumed`` the enqueue
+    counts a job in flight until it is here (see ``producer.enqueue``)."""
+    return f"{PREFIX}:run:{run}:consumed:{group}"
 
 
 def run_sealed_key(run: str) -> str:

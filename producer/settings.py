@@ -19,6 +19,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from producer.keys import DEFAULT_CONSUMER_GROUP
+
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
@@ -85,6 +87,7 @@ class EnqueueSettings(BaseModel):
     max_inflight: int = Field(default=10000, gt=0)  # --max-inflight: jobs of the run submitted but not finished
     #: --inflight-until: a job stops counting at its final result, or once a streaming consumer took it
     inflight_until: InflightUntil = "finished"
+    consumer_group: str = DEFAULT_CONSUMER_GROUP  # --consumer-group: whose consumption counts (inflight_until=consumed)
 
 
 class Settings(BaseSettings):

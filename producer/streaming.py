@@ -19,11 +19,11 @@ Protocol, per consumer (one per DataLoader worker of each torch.distributed rank
    came within ``block_ms``, so a buffer larger than the in-flight limit cannot stall);
 3. when the next item is asked for, the yielded item is finished: its file and lock are
    removed (``delete_after``), then in one step (a Lua script) the entry is acknowledged
-   (``XACK``) and the job is recorded in ``keys.run_consumed_hash`` (what the enqueue's
-   back-pressure with ``--inflight-until consumed`` counts);
+   (``XACK``) and the job is recorded in the group's ``keys.run_consumed_hash`` (what the
+   enqueue's back-pressure with ``--inflight-until consumed --consumer-group G`` counts);
 4. an error result is acknowledged, recorded as consumed (unless the job was sent again
-   since: its status is no longer ``error``) and counted; a result of a job already consumed,
-   or held in this consumer's buffer, is acknowledged and counted as a duplicate (with
+   since: its status is no longer ``error``) and counted; a result of a job the group already
+   consumed ok, or held in this consumer's buffer, is acknowledged and counted as a duplicate (with
    ``delete_after`` the file a re-run wrote again is removed); an ok result whose file is gone
    or damaged is acknowledged and counted (a damaged file is left for ``layertap inspect``);
 5. it stops when the run is complete: sealed (the enqueue that feeds it has sent its last row,
@@ -62,6 +62,7 @@ from producer import keys
 from producer.client import RESULT_FIELD
 from producer.dataset import collate, load_item
 from producer.fileformat import FileFormatError
+from producer.naming import check_name
 from producer.reader import cleanup_hidden_states
 from producer.redis_conn import connect
 from producer.schema import Result, Status
@@ -69,12 +70,12 @@ from producer.settings import Settings
 
 log = logging.getLogger(__name__)
 
-#: KEYS: stream, consumed hash, status hash. ARGV: group, entry id, job id, now, "error"|"ok".
-#: Acknowledge the entry and record the job as consumed; an error only while it is still the
-#: job's status (an enqueue that sent the job again cleared it).
+#: KEYS: stream, consumed hash, status hash. ARGV: group, entry id, job id, "error"|"ok".
+#: Acknowledge the entry and record the job as consumed with its status; an error only while
+#: it is still the job's status (an enqueue that sent the job again cleared it).
 _FINISH = """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if ARGV[5] == 'ok' or redis.call('HGET', KEYS[3], ARGV[3]) == 'error' then
+if ARGV[4] == 'ok' or redis.call('HGET', KEYS[3], ARGV[3]) == 'error' then
   redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 end
 """
@@ -102,7 +103,7 @@ class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
 
     collate = staticmethod(collate)
 
-    def __init__(self, run: str, *, group: str = "train", consumer: str = "trainer", redis_url: str | None = None,
+    def __init__(self, run: str, *, group: str = keys.DEFAULT_CONSUMER_GROUP, consumer: str = "trainer", redis_url: str | None = None,
                  settings: Settings | None = None, layers: Sequence[int] | None = None, dtype: Any = None,
                  max_length: int | None = None, verify: bool = True, delete_after: bool = False,
                  shuffle_buffer: int = 0, seed: int = 0, epochs: int = 1, max_items: int | None = None,
@@ -113,7 +114,8 @@ class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
                              "or train offline from a manifest, for more)")
         settings = settings or Settings()
         self.settings = settings if redis_url is None else settings.model_copy(update={"redis_url": redis_url})
-        self.run, self.group, self.consumer = run, group, consumer
+        self.run, self.group = check_name(run, "run"), check_name(group, "consumer group")
+        self.consumer = check_name(consumer, "consumer")
         self.layers = list(layers) if layers is not None else None
         self.dtype, self.max_length, self.verify, self.delete_after = dtype, max_length, verify, delete_after
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
@@ -173,6 +175,7 @@ class _Consumer:
     def __init__(self, dataset: StreamingHiddenStatesDataset, name: str):
         self.ds, self.name, self.counts = dataset, name, dataset.counts
         self.stream = keys.results_stream(dataset.run)
+        self.consumed_hash = keys.run_consumed_hash(dataset.run, dataset.group)
         self.redis = connect(dataset.settings, decode_responses=True)
         try:
             self.redis.xgroup_create(self.stream, dataset.group, id="0", mkstream=True)
@@ -268,8 +271,7 @@ class _Consumer:
             self.counts.errors += 1
             self._finish(entry_id, result.job_id, Status.error)
             return False
-        if result.job_id in self.buffered_jobs or self.redis.hexists(keys.run_consumed_hash(self.ds.run),
-                                                                    result.job_id):
+        if result.job_id in self.buffered_jobs or self.redis.hget(self.consumed_hash, result.job_id) == "ok":
             self.counts.duplicates += 1
             if self.ds.delete_after and result.job_id not in self.buffered_jobs and result.path:
                 cleanup_hidden_states(result.path)  # a re-run of a consumed job wrote its file again
@@ -310,9 +312,8 @@ class _Consumer:
 
     def _finish(self, entry_id: str, job_id: str, status: Status) -> None:
         """Acknowledge the entry and record the job as consumed (see ``_FINISH``)."""
-        run = self.ds.run
-        self.finish_script(keys=[self.stream, keys.run_consumed_hash(run), keys.run_status_hash(run)],
-                           args=[self.ds.group, entry_id, job_id, time.time(), status.value])
+        self.finish_script(keys=[self.stream, self.consumed_hash, keys.run_status_hash(self.ds.run)],
+                           args=[self.ds.group, entry_id, job_id, status.value])
         self.heartbeat.release(entry_id)
 
     def _ack(self, entry_id: str) -> None:

@@ -70,7 +70,7 @@ def test_two_consumers_split_a_live_run(workers, redis_server, client, run_name)
     assert Counter(every) == Counter(job["job_id"] for job in jobs)  # no duplicate, no gap, no error result
     assert sum(ds.counts.errors for ds in consumers.values()) == 1
     assert sum(ds.counts.yielded for ds in consumers.values()) == 40
-    assert "bad-token" in ok_ids and client.redis.hlen(keys.run_consumed_hash(run_name)) == 41  # errors count as consumed
+    assert "bad-token" in ok_ids and client.redis.hlen(keys.run_consumed_hash(run_name, "train")) == 41  # errors count as consumed
     assert client.redis.xpending(keys.results_stream(run_name), "train")["pending"] == 0
 
     # the same items as the offline dataset, and they batch with the same collate
@@ -118,12 +118,14 @@ def test_a_killed_consumers_entries_are_finished_by_another(workers, redis_serve
     assert client.redis.xpending(stream_key, "train")["pending"] == 0
 
 
-def test_restart_with_the_same_group_continues(workers, redis_server, client, run_name):
+def test_restart_with_the_same_group_continues_and_another_group_reads_it_all(workers, redis_server, client, run_name):
     job_ids = submit(client, run_name, token_jobs(20, seed=2))
     first = [item["job_id"] for item in stream(redis_server, run_name, group="g", read_count=8, max_items=5)]
     assert len(first) == 5
     rest = [item["job_id"] for item in stream(redis_server, run_name, group="g", read_count=8)]
     assert Counter(first + rest) == Counter(job_ids)
+    other_group = [item["job_id"] for item in stream(redis_server, run_name, group="h")]
+    assert Counter(other_group) == Counter(job_ids)  # each group trains on the whole run once
 
 
 def test_delete_after_leaves_no_files(workers, redis_server, client, run_name, storage_root):
@@ -133,7 +135,7 @@ def test_delete_after_leaves_no_files(workers, redis_server, client, run_name, s
     seen = [job_id for batch in loader for job_id in batch["job_ids"]]
     assert Counter(seen) == Counter(job_ids)
     assert files_under(storage_root / run_name) == []  # no file, no lock left
-    assert client.redis.hlen(keys.run_consumed_hash(run_name)) == len(job_ids)
+    assert client.redis.hlen(keys.run_consumed_hash(run_name, "train")) == len(job_ids)
 
 
 def worker_seconds_per_job(client, run: str) -> float:
