@@ -4,15 +4,16 @@ Two phases, each with a real ``layertap worker`` process and an embedded Redis (
 
 * **read**: the worker extracts ``--prompts`` random-token prompts into ``--storage``, then is
   stopped; with nothing else running, ``StreamingHiddenStatesDataset`` reads the run once with
-  ``verify`` (checksums) and once without (two consumer groups), and the consumer's own
-  tokens/s and GB/s of files are reported. The worker's own pace (first to last result) is
-  reported too: the consumer keeps up when its rate is above it.
+  ``verify`` (checksums) and once without (two consumer groups), each item collated (copied)
+  as a trainer would, and the consumer's own tokens/s and GB/s are reported. The worker's own
+  pace (first to last result) is reported too: the consumer keeps up when its rate is above it.
 * **live**: the worker runs again while ``layertap enqueue --max-inflight N --inflight-until
-  consumed`` feeds it and the consumer trains on nothing (``--consumer-delay-x K`` sleeps K
-  times the worker's seconds per job after each item, a slow trainer) with ``delete_after``.
-  A thread samples the files under the run's folder (and the filesystem's used bytes) every
-  10 ms; the report has their peaks against the in-flight bound (``N`` files, ``N`` x the
-  largest file in bytes) and how many files are left (none, when it works).
+  consumed`` feeds it (``--inflight-until finished`` is the control without back-pressure) and
+  the consumer, with ``delete_after``, trains on nothing (``--consumer-delay-x K`` sleeps K times
+  the worker's seconds per job after each item: a slow trainer). A thread samples the files
+  under the run's folder (and the filesystem's used bytes) every 10 ms; the report has their
+  peaks against the in-flight bound (``N`` files, ``N`` x the largest file in bytes) and how
+  many files are left (none, when it works).
 
 Usage (CPU, tiny model): ``python benchmarks/streaming_consumer.py --model tiny --prompts 200``;
 on a GPU host, see BENCHMARKS.md ("Streaming consumer"). Prints a JSON report (``--json F``
@@ -40,7 +41,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from producer.client import Client
-from producer.dataset import StreamingHiddenStatesDataset
+from producer.dataset import StreamingHiddenStatesDataset, collate
 from producer.redis_server import RedisServer
 from producer.settings import Settings
 from worker.bench import random_prompts
@@ -96,13 +97,16 @@ def worker_process(args: argparse.Namespace, model: str, env: dict[str, str], lo
 
 
 def consume(dataset: StreamingHiddenStatesDataset, loader_workers: int, delay_s: float = 0.0) -> dict[str, Any]:
-    """Iterate the stream to its end; tokens, bytes and seconds from the first call to the last item."""
+    """Iterate the stream to its end, each item collated into a batch of one (a copy of every
+    tensor, so the bytes of a memory-mapped file are really read); tokens, bytes and seconds
+    from the first call to the last item."""
     items = dataset if loader_workers == 0 else DataLoader(dataset, batch_size=None, num_workers=loader_workers)
     tokens = nbytes = count = 0
     start = time.perf_counter()
     for item in items:
-        tokens += int(item["input_ids"].shape[0])
-        nbytes += sum(value.numel() * value.element_size() for value in item.values() if hasattr(value, "numel"))
+        batch = collate([item])
+        tokens += int(batch["lengths"].sum())
+        nbytes += sum(value.numel() * value.element_size() for value in batch.values() if hasattr(value, "numel"))
         count += 1
         if delay_s:
             time.sleep(delay_s)
@@ -140,7 +144,8 @@ def run_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     storage = Path(args.storage) / f"stream-bench-{os.getpid()}"
     report: dict[str, Any] = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "model": args.model, "layers": args.layers, "prompts": args.prompts,
-                              "storage": str(storage), "max_inflight": args.max_inflight}
+                              "storage": str(storage), "max_inflight": args.max_inflight,
+                              "inflight_until": args.inflight_until}
     server = None if args.redis_url else RedisServer(data_dir=work / "redis").start()
     url = args.redis_url or server.url  # type: ignore[union-attr]
     env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(storage),
@@ -173,7 +178,8 @@ def run_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 disk.start()
                 enqueue = subprocess.Popen(
                     [sys.executable, "-m", "producer.cli", "enqueue", "--model", NAME, "--run", live_run, "--file",
-                     str(rows), "--quiet", "--max-inflight", str(args.max_inflight), "--inflight-until", "consumed"],
+                     str(rows), "--quiet", "--max-inflight", str(args.max_inflight), "--inflight-until",
+                     args.inflight_until],
                     env=env, stderr=subprocess.DEVNULL)
                 dataset = StreamingHiddenStatesDataset(live_run, redis_url=url, delete_after=True, verify=True)
                 live = consume(dataset, args.loader_workers, delay_s)
@@ -210,6 +216,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="The worker compiles its model.")
     parser.add_argument("--storage", default="/dev/shm", help="Files go to a new folder under this one.")
     parser.add_argument("--max-inflight", type=int, default=256)
+    parser.add_argument("--inflight-until", default="consumed", choices=["consumed", "finished"],
+                        help="Live phase: finished is the control without back-pressure from the trainer.")
     parser.add_argument("--consumer-delay-x", type=float, default=0.0,
                         help="Live phase: after each item sleep this many times the worker's seconds per job.")
     parser.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes (0: in-process).")

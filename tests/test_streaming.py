@@ -22,12 +22,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from producer import keys
-from producer.dataset import StreamingHiddenStatesDataset, collate
+from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
 from producer.manifest import entry_from_file
-from producer.dataset import HiddenStatesDataset
 from tests.conftest import cli
 
 MODEL = "tiny-qwen3"
+MAX_INFLIGHT = 6
 
 
 def token_jobs(count: int, seed: int = 0) -> list[dict]:
@@ -59,7 +59,7 @@ def test_two_consumers_split_a_live_run(workers, redis_server, client, run_name)
     threads = [threading.Thread(target=lambda n=name: taken[n].extend(consumers[n])) for name in consumers]
     for thread in threads:
         thread.start()  # before anything is submitted: they follow the run as it grows
-    ok_ids = submit(client, run_name, jobs[:20] + [bad] + jobs[20:])
+    sent = submit(client, run_name, jobs[:20] + [bad] + jobs[20:])
     for thread in threads:
         thread.join(timeout=90)
         assert not thread.is_alive()
@@ -70,7 +70,7 @@ def test_two_consumers_split_a_live_run(workers, redis_server, client, run_name)
     assert Counter(every) == Counter(job["job_id"] for job in jobs)  # no duplicate, no gap, no error result
     assert sum(ds.counts.errors for ds in consumers.values()) == 1
     assert sum(ds.counts.yielded for ds in consumers.values()) == 40
-    assert "bad-token" in ok_ids and client.redis.hlen(keys.run_consumed_hash(run_name, "train")) == 41  # errors count as consumed
+    assert len(sent) == 41 and client.redis.hlen(keys.run_consumed_hash(run_name, "train")) == 41  # errors too
     assert client.redis.xpending(keys.results_stream(run_name), "train")["pending"] == 0
 
     # the same items as the offline dataset, and they batch with the same collate
@@ -137,6 +137,18 @@ def test_delete_after_leaves_no_files(workers, redis_server, client, run_name, s
     assert files_under(storage_root / run_name) == []  # no file, no lock left
     assert client.redis.hlen(keys.run_consumed_hash(run_name, "train")) == len(job_ids)
 
+    # a job sent again after it was trained on: the worker writes its file again and publishes a
+    # second ok result; the group does not yield it twice and removes that file too
+    again = client.submit(token_jobs(1, seed=3)[0], model=MODEL, run=run_name)
+    deadline = time.monotonic() + 60
+    while sum(r.job_id == again.job_id for r in client.results(run_name)) < 2:
+        assert time.monotonic() < deadline, "no second result"
+        time.sleep(0.05)
+    assert len(files_under(storage_root / run_name)) == 2  # the file and its lock, written again
+    rerun = stream(redis_server, run_name, delete_after=True)
+    assert list(rerun) == [] and rerun.counts.duplicates == 1
+    assert files_under(storage_root / run_name) == []
+
 
 def worker_seconds_per_job(client, run: str) -> float:
     """The worker's own pace: time between its first and last result over a backlog of jobs."""
@@ -160,9 +172,8 @@ class DiskSampler(threading.Thread):
             self.peak_data, self.peak_locks = max(self.peak_data, len(names) - locks), max(self.peak_locks, locks)
 
 
-@pytest.mark.parametrize("max_inflight", [6])
 def test_in_flight_bound_holds_on_disk_with_a_slow_consumer(workers, redis_server, client, run_name, storage_root,
-                                                            tmp_path, max_inflight):
+                                                            tmp_path):
     delay = 10 * max(worker_seconds_per_job(client, f"{run_name}-pace"), 0.005)
     jobs = token_jobs(50, seed=5)
     rows = tmp_path / "jobs.jsonl"
@@ -171,7 +182,7 @@ def test_in_flight_bound_holds_on_disk_with_a_slow_consumer(workers, redis_serve
     sampler = DiskSampler(storage_root / run_name)
     sampler.start()
     enqueue = subprocess.Popen(cli("enqueue", "--model", MODEL, "--run", run_name, "--file", str(rows), "--quiet",
-                                   "--max-inflight", str(max_inflight), "--inflight-until", "consumed"),
+                                   "--max-inflight", str(MAX_INFLIGHT), "--inflight-until", "consumed"),
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = []
     for item in stream(redis_server, run_name, delete_after=True, read_count=2):
@@ -182,8 +193,8 @@ def test_in_flight_bound_holds_on_disk_with_a_slow_consumer(workers, redis_serve
     assert enqueue.wait(timeout=60) == 0, enqueue.stderr.read()
 
     assert Counter(seen) == Counter(job["job_id"] for job in jobs)
-    assert sampler.peak_data <= max_inflight and sampler.peak_locks <= max_inflight
-    assert sampler.peak_data >= max_inflight - 2  # the worker did run ahead up to the limit
+    assert sampler.peak_data <= MAX_INFLIGHT and sampler.peak_locks <= MAX_INFLIGHT
+    assert sampler.peak_data >= MAX_INFLIGHT - 2  # the worker did run ahead up to the limit
     assert files_under(storage_root / run_name) == []
 
 
