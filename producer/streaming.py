@@ -103,8 +103,9 @@ class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
 
     collate = staticmethod(collate)
 
-    def __init__(self, run: str, *, group: str = keys.DEFAULT_CONSUMER_GROUP, consumer: str = "trainer", redis_url: str | None = None,
-                 settings: Settings | None = None, layers: Sequence[int] | None = None, dtype: Any = None,
+    def __init__(self, run: str, *, group: str = keys.DEFAULT_CONSUMER_GROUP, consumer: str = "trainer",
+                 redis_url: str | None = None, settings: Settings | None = None,
+                 layers: Sequence[int] | None = None, dtype: Any = None,
                  max_length: int | None = None, verify: bool = True, delete_after: bool = False,
                  shuffle_buffer: int = 0, seed: int = 0, epochs: int = 1, max_items: int | None = None,
                  time_limit_s: float | None = None, wait_for_seal: bool = True, claim_idle_s: float = 60.0,

@@ -118,6 +118,27 @@ def test_a_killed_consumers_entries_are_finished_by_another(workers, redis_serve
     assert client.redis.xpending(stream_key, "train")["pending"] == 0
 
 
+def test_a_slow_live_consumers_entries_are_not_taken_from_it(workers, redis_server, client, run_name):
+    job_ids = submit(client, run_name, token_jobs(12, seed=6))
+    client.wait(run_name, job_ids, timeout=120)
+    slow = stream(redis_server, run_name, consumer="slow", read_count=6, claim_idle_s=1)
+    fast = stream(redis_server, run_name, consumer="fast", read_count=1, claim_idle_s=1)
+    slow_ids: list[str] = []
+
+    def train_slowly() -> None:
+        for item in slow:
+            slow_ids.append(item["job_id"])
+            time.sleep(0.4)  # holds its other entries for longer than claim_idle_s
+
+    thread = threading.Thread(target=train_slowly)
+    thread.start()
+    time.sleep(0.3)  # it has read its six
+    fast_ids = [item["job_id"] for item in fast]
+    thread.join(timeout=60)
+    assert len(slow_ids) == 6 and Counter(slow_ids + fast_ids) == Counter(job_ids)
+    assert slow.counts.claimed == fast.counts.claimed == 0  # its heartbeat kept them
+
+
 def test_restart_with_the_same_group_continues_and_another_group_reads_it_all(workers, redis_server, client, run_name):
     job_ids = submit(client, run_name, token_jobs(20, seed=2))
     first = [item["job_id"] for item in stream(redis_server, run_name, group="g", read_count=8, max_items=5)]
