@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from producer import keys
 from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
 from producer.manifest import entry_from_file
+from producer.redis_server import free_port
 from tests.conftest import cli
 
 MODEL = "tiny-qwen3"
@@ -137,6 +138,29 @@ def test_a_slow_live_consumers_entries_are_not_taken_from_it(workers, redis_serv
     thread.join(timeout=60)
     assert len(slow_ids) == 6 and Counter(slow_ids + fast_ids) == Counter(job_ids)
     assert slow.counts.claimed == fast.counts.claimed == 0  # its heartbeat kept them
+
+
+RANK = """
+import sys, torch.distributed as dist
+from producer.dataset import StreamingHiddenStatesDataset
+url, run = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+dataset = StreamingHiddenStatesDataset(run, redis_url=url, read_count=2)
+print(dataset.consumer_name(), *(item["job_id"] for item in dataset))
+dist.destroy_process_group()
+"""
+
+
+def test_each_distributed_rank_is_its_own_consumer(workers, redis_server, client, run_name):
+    job_ids = submit(client, run_name, token_jobs(16, seed=7))
+    client.wait(run_name, job_ids, timeout=120)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, redis_server.url, run_name], env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, text=True) for rank in range(2)]
+    lines = [rank.communicate(timeout=120)[0].split() for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0]
+    assert [line[0] for line in lines] == ["trainer.r0.w0", "trainer.r1.w0"]
+    assert Counter(lines[0][1:] + lines[1][1:]) == Counter(job_ids)
 
 
 def test_restart_with_the_same_group_continues_and_another_group_reads_it_all(workers, redis_server, client, run_name):
