@@ -99,8 +99,8 @@ def enqueue(
         until = inflight_until or settings.enqueue.inflight_until
         if until not in ("finished", "consumed"):
             raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
-        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight, until=until,  # type: ignore[arg-type]
-                            group=consumer_group or settings.enqueue.consumer_group)
+        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight,
+                            until=until, group=consumer_group or settings.enqueue.consumer_group)  # type: ignore[arg-type]
         with progress(total, "enqueue") as step, one_line_errors():
             for outcome, item in enqueuer.run(items):
                 counts[outcome] += 1

@@ -6,9 +6,12 @@ checks so a restarted server is reconnected to transparently.
 from __future__ import annotations
 
 import ssl
+import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
+from kombu.exceptions import OperationalError
 
 from producer.settings import Settings
 
@@ -31,3 +34,16 @@ def connect(settings: Settings, *, decode_responses: bool = False) -> redis.Redi
     """A client for ``settings.broker_url``."""
     return redis.Redis.from_url(settings.broker_url, decode_responses=decode_responses, health_check_interval=10,
                                 socket_keepalive=True, **(ssl_options(settings) or {}))
+
+
+def retrying(action: Callable[[], Any], give_up_s: float = 60.0) -> Any:
+    """Run ``action``, retrying while Redis is unreachable (restarting) for up to ``give_up_s``."""
+    deadline, delay = time.monotonic() + give_up_s, 0.1
+    while True:
+        try:
+            return action()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)

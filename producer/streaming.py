@@ -64,11 +64,14 @@ from producer.dataset import collate, load_item
 from producer.fileformat import FileFormatError
 from producer.naming import check_name
 from producer.reader import cleanup_hidden_states
-from producer.redis_conn import connect
+from producer.redis_conn import connect, retrying
 from producer.schema import Result, Status
 from producer.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: Seconds a consumer waits out an unreachable Redis (a restart) before it raises.
+REDIS_GIVE_UP_S = 300.0
 
 #: KEYS: stream, consumed hash, status hash. ARGV: group, entry id, job id, "error"|"ok".
 #: Acknowledge the entry and record the job as consumed with its status; an error only while
@@ -95,7 +98,8 @@ class StreamCounts:
 
 def current_rank() -> int:
     """This process's torch.distributed rank (0 when not distributed)."""
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_rank() if distributed else 0
 
 
 class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
@@ -178,11 +182,7 @@ class _Consumer:
         self.stream = keys.results_stream(dataset.run)
         self.consumed_hash = keys.run_consumed_hash(dataset.run, dataset.group)
         self.redis = connect(dataset.settings, decode_responses=True)
-        try:
-            self.redis.xgroup_create(self.stream, dataset.group, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        retrying(self._create_group, REDIS_GIVE_UP_S)
         self.finish_script = self.redis.register_script(_FINISH)
         self.heartbeat = _Heartbeat(connect(dataset.settings, decode_responses=True), self.stream, dataset.group,
                                     name, dataset.claim_idle_s / 4)
@@ -193,6 +193,13 @@ class _Consumer:
         self.history_cursor: str | None = "0"  # own pending entries first; None once read
         self.claim_cursor, self.next_claim = "0-0", time.monotonic() + dataset.claim_idle_s / 2
 
+    def _create_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, self.ds.group, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
     def close(self) -> None:
         self.heartbeat.stopped.set()
         self.heartbeat.join()
@@ -202,8 +209,8 @@ class _Consumer:
     def items(self) -> Iterator[dict[str, Any]]:
         ds, deadline = self.ds, time.monotonic() + self.ds.time_limit_s
         while self.counts.yielded < ds.max_items and time.monotonic() < deadline:
-            complete = self._run_complete()
-            entries = self._next_entries(block=not complete)
+            complete = retrying(self._run_complete, REDIS_GIVE_UP_S)
+            entries = retrying(lambda: self._next_entries(block=not complete), REDIS_GIVE_UP_S)
             for entry_id, fields in entries:
                 if self._take(entry_id, fields) and len(self.buffer) >= max(1, ds.shuffle_buffer):
                     yield from self._emit()
@@ -213,10 +220,14 @@ class _Consumer:
                 continue
             if self.buffer:
                 yield from self._emit()
-            elif complete and self.redis.xpending(self.stream, ds.group)["pending"] == 0:
+            elif complete and retrying(self._nothing_held, REDIS_GIVE_UP_S):
                 return
             elif complete:  # others still hold entries: wait for them, or claim them once idle
                 time.sleep(ds.block_ms / 1000)
+
+    def _nothing_held(self) -> bool:
+        """No consumer of the group holds an entry."""
+        return self.redis.xpending(self.stream, self.ds.group)["pending"] == 0
 
     def _run_complete(self) -> bool:
         """Sealed (unless not waited for) and every submitted job has a final result."""
@@ -272,7 +283,8 @@ class _Consumer:
             self.counts.errors += 1
             self._finish(entry_id, result.job_id, Status.error)
             return False
-        if result.job_id in self.buffered_jobs or self.redis.hget(self.consumed_hash, result.job_id) == "ok":
+        if result.job_id in self.buffered_jobs or retrying(lambda: self.redis.hget(self.consumed_hash, result.job_id),
+                                                           REDIS_GIVE_UP_S) == "ok":
             self.counts.duplicates += 1
             if self.ds.delete_after and result.job_id not in self.buffered_jobs and result.path:
                 cleanup_hidden_states(result.path)  # a re-run of a consumed job wrote its file again
@@ -313,10 +325,10 @@ class _Consumer:
 
     def _finish(self, entry_id: str, job_id: str, status: Status) -> None:
         """Acknowledge the entry and record the job as consumed (see ``_FINISH``)."""
-        self.finish_script(keys=[self.stream, self.consumed_hash, keys.run_status_hash(self.ds.run)],
-                           args=[self.ds.group, entry_id, job_id, status.value])
+        retrying(lambda: self.finish_script(keys=[self.stream, self.consumed_hash, keys.run_status_hash(self.ds.run)],
+                                            args=[self.ds.group, entry_id, job_id, status.value]), REDIS_GIVE_UP_S)
         self.heartbeat.release(entry_id)
 
     def _ack(self, entry_id: str) -> None:
-        self.redis.xack(self.stream, self.ds.group, entry_id)
+        retrying(lambda: self.redis.xack(self.stream, self.ds.group, entry_id), REDIS_GIVE_UP_S)
         self.heartbeat.release(entry_id)
