@@ -91,6 +91,21 @@ def test_two_consumers_split_a_live_run(workers, redis_server, client, run_name)
     assert batch["hidden_states"].shape[:2] == batch["attention_mask"].shape
 
 
+def test_options_select_layers_cast_and_cut_as_offline(workers, redis_server, client, run_name):
+    jobs = token_jobs(6, seed=9)
+    job_ids = submit(client, run_name, jobs)
+    paths = {r.job_id: r.path for r in client.wait(run_name, job_ids, timeout=120).values()}
+    options = {"layers": [4, 1], "dtype": torch.float16, "max_length": 10}
+    items = {item["job_id"]: item for item in stream(redis_server, run_name, **options)}
+    offline = HiddenStatesDataset([entry_from_file(job_id, paths[job_id]) for job_id in job_ids], **options)
+    for index, job_id in enumerate(job_ids):
+        assert items[job_id]["hidden_states"].shape == (min(10, len(jobs[index]["token_ids"])), 2, 64)
+        assert items[job_id]["hidden_states"].dtype == torch.float16
+        assert all(torch.equal(value, items[job_id][name]) for name, value in offline[index].items() if name != "job_id")
+    with pytest.raises(ValueError, match="not \\[7\\]"):
+        next(iter(stream(redis_server, run_name, group="other", layers=[7])))
+
+
 VICTIM = """
 import sys, time
 from producer.dataset import StreamingHiddenStatesDataset
