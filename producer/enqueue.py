@@ -12,8 +12,8 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
 * **back-pressure**: before each submit the loop waits until the run has fewer than
   ``max_inflight`` jobs submitted but not finished (submitted hash minus status hash), or,
   with ``until="consumed"``, submitted but not yet taken by the streaming consumer group
-  ``group`` (submitted hash minus its consumed hash, ``producer.streaming``), so that a slow trainer
-  slows the producer and the files on disk stay under ``max_inflight``;
+  ``group`` (submitted hash minus its consumed hash, ``producer.streaming``), so that a slow
+  trainer slows the producer and the files on disk stay under ``max_inflight``;
 * **sealing**: a run is unsealed when this enqueue first sends into it and sealed when its
   last row is done (``keys.run_sealed_key``); a streaming consumer stops only on a sealed run.
 
@@ -115,8 +115,8 @@ class InflightLimiter:
         pipe = self.redis.pipeline(transaction=False)
         for run in sorted(self.runs):
             pipe.hlen(keys.run_submitted_hash(run))
-            done = keys.run_consumed_hash(run, self.group) if self.until == "consumed" else keys.run_status_hash(run)
-            pipe.hlen(done)
+            done_hash = keys.run_consumed_hash(run, self.group) if self.until == "consumed" else keys.run_status_hash(run)
+            pipe.hlen(done_hash)
         counts = pipe.execute()
         self.in_flight = sum(max(0, sub - done) for sub, done in zip(counts[0::2], counts[1::2]))
 
