@@ -115,8 +115,8 @@ class InflightLimiter:
         pipe = self.redis.pipeline(transaction=False)
         for run in sorted(self.runs):
             pipe.hlen(keys.run_submitted_hash(run))
-            done_hash = keys.run_consumed_hash(run, self.group) if self.until == "consumed" else keys.run_status_hash(run)
-            pipe.hlen(done_hash)
+            pipe.hlen(keys.run_consumed_hash(run, self.group) if self.until == "consumed"
+                      else keys.run_status_hash(run))
         counts = pipe.execute()
         self.in_flight = sum(max(0, sub - done) for sub, done in zip(counts[0::2], counts[1::2]))
 
