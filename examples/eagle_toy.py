@@ -14,7 +14,12 @@ qwen3-style model, one ``layertap worker`` process. The steps are the commands a
    plus the embedding of token t+1, to predict token t+2 and the target's last-layer state
    at t+1, with the loss on assistant tokens only (the files' loss masks).
 
-Usage: ``python examples/eagle_toy.py [--workdir DIR] [--steps 40] [--json metrics.json]``
+With ``--online`` the steps run at once instead: the worker extracts while ``layertap enqueue
+--inflight-until consumed`` feeds it and the head trains from ``StreamingHiddenStatesDataset``
+(``delete_after``): each of ``steps`` x 16 conversations is trained on once as its file
+arrives, the file is then removed, and at most 32 files (the in-flight limit) are ever on disk.
+
+Usage: ``python examples/eagle_toy.py [--online] [--workdir DIR] [--steps 40] [--json metrics.json]``
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,13 +44,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from producer.client import Client
-from producer.dataset import HiddenStatesDataset, collate
+from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
 from producer.redis_server import RedisServer
 from producer.settings import Settings
 
 MODEL = "tiny-qwen3"
 RUN = "eagle-toy"
 LAYERS = [1, 2, 3, 4]  # three auxiliary layers, then the last layer (vLLM id L = 4)
+BATCH = 16  # conversations per training step
+ONLINE_MAX_INFLIGHT = 32  # --online: jobs submitted and not yet trained on, hence files on disk at most
 SUBJECTS = ["the river", "a red bird", "the small city", "one tree", "the dark mountain", "a green book",
             "the fast worker", "a large matrix", "the hidden state", "the draft model"]
 QUESTIONS = ["What is {s}?", "Describe {s}.", "Where is {s}?", "Why is {s} small?", "Compare {s} and {t}."]
@@ -126,29 +135,105 @@ def draft_loss(head: ToyEagleHead, batch: dict) -> torch.Tensor:
     return ((token_loss + state_loss) * weight).sum() / weight.sum().clamp(min=1.0)
 
 
-def train(manifest: Path, vocab_size: int, steps: int, seed: int = 0) -> list[float]:
-    """Train the toy head for ``steps`` batches of 16 conversations; return the loss of each step.
-    Padding (token id 0) is masked out of attention and loss, so its id does not matter."""
+def train(batches: Iterable[dict], vocab_size: int, hidden_size: int, steps: int | None = None,
+          seed: int = 0) -> list[float]:
+    """Train the toy head on ``batches`` (all of them, or the first ``steps``); return the loss of
+    each step. Padding (token id 0) is masked out of attention and loss, so its id does not matter."""
     torch.manual_seed(seed)
-    dataset = HiddenStatesDataset(manifest)
-    hidden_size = dataset[0]["hidden_states"].shape[-1]
     head = ToyEagleHead(vocab_size, hidden_size, num_aux=len(LAYERS) - 1)
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    loader = DataLoader(dataset, batch_size=16, shuffle=True, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(seed))
     losses: list[float] = []
-    while len(losses) < steps:
-        for batch in loader:
-            loss = draft_loss(head, batch)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-            if len(losses) % 5 == 0 or len(losses) == 1:
-                print(f"step {len(losses):3d}  loss {loss.item():.3f}", flush=True)
-            if len(losses) == steps:
-                break
+    for batch in batches:
+        loss = draft_loss(head, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if len(losses) % 5 == 0 or len(losses) == 1:
+            print(f"step {len(losses):3d}  loss {loss.item():.3f}", flush=True)
+        if len(losses) == steps:
+            break
     return losses
+
+
+def offline_batches(manifest: Path, seed: int = 0) -> Iterator[dict]:
+    """Shuffled batches of 16 from the manifest's files, epoch after epoch."""
+    loader = DataLoader(HiddenStatesDataset(manifest), batch_size=BATCH, shuffle=True, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(seed))
+    while True:
+        yield from loader
+
+
+class DiskPeak(threading.Thread):
+    """Samples the bytes and files under a folder every 10 ms and keeps the peaks."""
+
+    def __init__(self, folder: Path):
+        super().__init__(daemon=True)
+        self.folder, self.stopped = folder, threading.Event()
+        self.peak_bytes = self.peak_files = 0
+
+    def sample(self) -> tuple[int, int]:
+        sizes = []
+        for path in self.folder.rglob("*.safetensors") if self.folder.exists() else []:
+            with contextlib.suppress(FileNotFoundError):  # removed while we looked
+                sizes.append(path.stat().st_size)
+        return sum(sizes), len(sizes)
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.01):
+            size, count = self.sample()
+            self.peak_bytes, self.peak_files = max(self.peak_bytes, size), max(self.peak_files, count)
+
+
+def model_sizes(model_dir: Path) -> tuple[int, int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config["vocab_size"], config["hidden_size"]
+
+
+def main_online(workdir: Path, steps: int, max_inflight: int = ONLINE_MAX_INFLIGHT) -> dict:
+    """Worker, enqueue and training at once: ``steps`` x 16 conversations, each trained on once
+    as its file arrives, then removed (``delete_after``); the enqueue counts a job in flight until
+    the trainer took it, so at most ``max_inflight`` files are ever on disk."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    storage = workdir / "files"
+    with RedisServer(data_dir=workdir / "redis") as redis_server:
+        env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url, "LAYERTAP_STORAGE_ROOT": str(storage)}
+        model_dir = workdir / "model"
+        layertap(env, "make-tiny-model", str(model_dir), "--arch", "qwen3")
+        chats = workdir / "chats.jsonl"
+        chats.write_text("".join(json.dumps(row) + "\n" for row in sharegpt_conversations(steps * BATCH)))
+        disk = DiskPeak(storage)
+        with Client(Settings(redis_url=redis_server.url)) as client, \
+                running_worker(env, model_dir, workdir / "worker.log", client):
+            disk.start()
+            enqueue = subprocess.Popen(
+                [sys.executable, "-m", "producer.cli", "enqueue", "--model", MODEL, "--run", RUN, "--file", str(chats),
+                 "--quiet", "--max-inflight", str(max_inflight), "--inflight-until", "consumed"], env=env)
+            print(f"enqueueing {steps * BATCH} conversations from {chats}, training as they arrive", flush=True)
+            stream = StreamingHiddenStatesDataset(RUN, redis_url=redis_server.url, delete_after=True,
+                                                  shuffle_buffer=BATCH)
+            tokens = 0
+
+            def batches() -> Iterator[dict]:
+                nonlocal tokens
+                for batch in DataLoader(stream, batch_size=BATCH, collate_fn=collate):
+                    tokens += int(batch["lengths"].sum())
+                    yield batch
+
+            losses = train(batches(), *model_sizes(model_dir))
+            if enqueue.wait(timeout=60) != 0:
+                raise RuntimeError(f"layertap enqueue failed with exit code {enqueue.returncode}")
+            disk.stopped.set()
+            disk.join()
+    if stream.counts.errors:
+        raise RuntimeError(f"{stream.counts.errors} jobs failed; see {workdir / 'worker.log'}")
+    left = [path for path in storage.rglob("*") if path.is_file()]
+    print(f"{stream.counts.yielded} conversations, {tokens} tokens trained on as they were extracted", flush=True)
+    print(f"peak on disk: {disk.peak_bytes} bytes in {disk.peak_files} files (in-flight limit {max_inflight}); "
+          f"files left: {len(left)}", flush=True)
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps", flush=True)
+    return {"jobs": stream.counts.yielded, "tokens": tokens, "losses": losses, "max_inflight": max_inflight,
+            "peak_bytes": disk.peak_bytes, "peak_files": disk.peak_files, "files_left": len(left)}
 
 
 def main(workdir: Path, steps: int) -> dict:
@@ -169,10 +254,9 @@ def main(workdir: Path, steps: int) -> dict:
                 raise RuntimeError(f"{len(failed)} jobs failed, e.g. {failed[0].job_id}: {failed[0].error}")
             manifest = workdir / "manifest.parquet"
             layertap(env, "manifest", "--run", RUN, "--out", str(manifest))
-    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     tokens = sum(r.num_tokens or 0 for r in results.values())
     print(f"{len(results)} files, {tokens} tokens; manifest {manifest}", flush=True)
-    losses = train(manifest, vocab_size, steps)
+    losses = train(offline_batches(manifest), *model_sizes(model_dir), steps=steps)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps", flush=True)
     return {"jobs": len(results), "tokens": tokens, "manifest": str(manifest), "losses": losses}
 
@@ -182,9 +266,12 @@ if __name__ == "__main__":
     parser.add_argument("--workdir", type=Path, help="Keep everything here (default: a temp folder).")
     parser.add_argument("--steps", type=int, default=40, help="Training steps (batches of 16 conversations).")
     parser.add_argument("--json", type=Path, help="Write the metrics here.")
+    parser.add_argument("--online", action="store_true",
+                        help="Train from the results stream while extracting (steps x 16 conversations, one pass); "
+                             "files are removed once trained on.")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         folder = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eagle-toy-")))
-        metrics = main(folder, args.steps)
+        metrics = main_online(folder, args.steps) if args.online else main(folder, args.steps)
         if args.json:
             args.json.write_text(json.dumps(metrics, indent=2))

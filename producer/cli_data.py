@@ -46,6 +46,12 @@ def enqueue(
                                   "--id-column '') get a content hash."),
     max_inflight: Optional[int] = typer.Option(None, min=1, help="Most jobs of the run submitted but not "
                                                "finished (default: setting enqueue.max_inflight)."),
+    inflight_until: Optional[str] = typer.Option(None, help="finished | consumed: a job stops counting in flight "
+                                                 "at its result, or once a streaming consumer took it (default: "
+                                                 "setting enqueue.inflight_until)."),
+    consumer_group: Optional[str] = typer.Option(None, help="With --inflight-until consumed: the streaming "
+                                                 "consumer group that counts (default: setting "
+                                                 "enqueue.consumer_group, 'train')."),
     layers: Optional[str] = typer.Option(None, help="Layer ids for every job, e.g. 2,18,-1."),
     max_length: Optional[int] = typer.Option(None, help="Token limit per job."),
     truncate: bool = typer.Option(False, help="Cut jobs longer than --max-length instead of failing them."),
@@ -105,7 +111,11 @@ def enqueue(
                            "use --no-check to enqueue anyway")
             err_console.print(f"warning: no live worker serves model {model!r}; its jobs wait in the queue "
                               "until one does", markup=False, highlight=False)
-        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight)
+        until = inflight_until or settings.enqueue.inflight_until
+        if until not in ("finished", "consumed"):
+            raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
+        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight,
+                            until=until, group=consumer_group or settings.enqueue.consumer_group)  # type: ignore[arg-type]
         with progress(total, "enqueue") as step, one_line_errors():
             for outcome, item in enqueuer.run(items):
                 counts[outcome] += 1

@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
-from kombu.exceptions import OperationalError
 
 from producer import keys, runs
 from producer.celery_app import make_celery, send_extract
-from producer.redis_conn import connect
+from producer.redis_conn import connect, retrying
 from producer.schema import Job, Result
 from producer.settings import Settings
 
@@ -83,8 +82,8 @@ class Client:
         now = time.time()
         queue, task_id = keys.model_queue(job.model), keys.task_id(job.run, job.job_id)  # type: ignore[arg-type]
         args, kwargs = [payload], {"submitted_at": now}
-        self._retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
-        self._retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
+        retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
+        retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
         return job
 
     def _check_destination(self, job: Job, check: bool) -> None:
@@ -113,21 +112,15 @@ class Client:
         pipe.hset(keys.PENDING_PAYLOAD_HASH, task_id, json.dumps({"args": args, "kwargs": kwargs, "queue": queue}))
         pipe.execute()
 
-    def _retrying(self, action: Callable[[], Any], give_up_s: float = 60.0) -> Any:
-        """Run ``action``, retrying while Redis is unreachable (restarting) for up to ``give_up_s``."""
-        deadline, delay = time.monotonic() + give_up_s, 0.1
-        while True:
-            try:
-                return action()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
         """Submit each job; returns them with ids."""
         return [self.submit(job, **fields) for job in jobs]
+
+    def seal(self, run: str, sealed: bool = True) -> None:
+        """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer
+        (``producer.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
+        key = keys.run_sealed_key(run)
+        retrying(lambda: self.redis.set(key, time.time()) if sealed else self.redis.delete(key))
 
     # -- reading results ---------------------------------------------------------------
     def results(self, run: str, *, follow: bool = False, since: str = "0",

@@ -19,6 +19,9 @@ for a writer's lock and, with ``verify``, checks the checksums):
 to the longest ``T`` (``input_ids`` with ``pad_token_id``, the rest with 0), plus
 ``attention_mask`` int64 ``[B, T]`` (1 on real tokens), ``lengths`` int64 ``[B]`` and
 ``job_ids``; ``loss_mask`` is 0 on padding.
+
+:class:`~producer.streaming.StreamingHiddenStatesDataset` (importable from here too) yields
+the same items from a live run's results stream, one pass, as the files are written.
 """
 
 from __future__ import annotations
@@ -79,24 +82,41 @@ class HiddenStatesDataset:
         return [min(n, cap) if cap else n for _, _, _, n in self.items]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        import torch
-
         job_id, path, file_layers, _ = self.items[index]
-        tensors = load_hidden_states(path, verify=self.verify)
-        cut = slice(0, self.max_length)
-        hidden = tensors.pop(ff.HIDDEN_STATES)
-        if self.layers is not None:
-            hidden = hidden[:, [file_layers.index(layer) for layer in self.layers]]
-        if self.dtype is not None:
-            hidden = hidden.to(self.dtype)
-        input_ids = tensors.pop(ff.TOKEN_IDS)
-        loss_mask = tensors.pop(ff.LOSS_MASK, None)
-        item: dict[str, Any] = {
-            "job_id": job_id,
-            "input_ids": input_ids[cut],
-            "hidden_states": hidden[cut],
-            "loss_mask": (torch.ones_like(input_ids) if loss_mask is None else loss_mask.long())[cut],
-        }
-        for name, tensor in tensors.items():
-            item[name] = (tensor.to(self.dtype) if self.dtype is not None and "hidden_states" in name else tensor)[cut]
-        return item
+        return load_item(job_id, path, file_layers, layers=self.layers, dtype=self.dtype,
+                         max_length=self.max_length, verify=self.verify)
+
+
+def load_item(job_id: str, path: str | Path, file_layers: Sequence[int], *, layers: Sequence[int] | None = None,
+              dtype: Any = None, max_length: int | None = None, verify: bool = True) -> dict[str, Any]:
+    """One job's file as a training item (the module doc says what it holds); ``file_layers``
+    are the layer ids in the file's order and must include every one of ``layers``."""
+    import torch
+
+    tensors = load_hidden_states(path, verify=verify)
+    cut = slice(0, max_length)
+    hidden = tensors.pop(ff.HIDDEN_STATES)
+    if layers is not None:
+        hidden = hidden[:, [list(file_layers).index(layer) for layer in layers]]
+    if dtype is not None:
+        hidden = hidden.to(dtype)
+    input_ids = tensors.pop(ff.TOKEN_IDS)
+    loss_mask = tensors.pop(ff.LOSS_MASK, None)
+    item: dict[str, Any] = {
+        "job_id": job_id,
+        "input_ids": input_ids[cut],
+        "hidden_states": hidden[cut],
+        "loss_mask": (torch.ones_like(input_ids) if loss_mask is None else loss_mask.long())[cut],
+    }
+    for name, tensor in tensors.items():
+        item[name] = (tensor.to(dtype) if dtype is not None and "hidden_states" in name else tensor)[cut]
+    return item
+
+
+def __getattr__(name: str) -> Any:
+    """``StreamingHiddenStatesDataset`` lives in ``producer.streaming`` (it needs torch at import)."""
+    if name == "StreamingHiddenStatesDataset":
+        from producer.streaming import StreamingHiddenStatesDataset
+
+        return StreamingHiddenStatesDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,12 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
   skipped; "already sent" is read from the run's submitted hash (its time is at or after
   this enqueue's start), so it costs no memory per row;
 * **back-pressure**: before each submit the loop waits until the run has fewer than
-  ``max_inflight`` jobs submitted but not finished (submitted hash minus status hash).
+  ``max_inflight`` jobs submitted but not finished (submitted hash minus status hash), or,
+  with ``until="consumed"``, submitted but not yet taken by the streaming consumer group
+  ``group`` (submitted hash minus its consumed hash, ``producer.streaming``), so that a slow
+  trainer slows the producer and the files on disk stay under ``max_inflight``;
+* **sealing**: a run is unsealed when this enqueue first sends into it and sealed when its
+  last row is done (``keys.run_sealed_key``); a streaming consumer stops only on a sealed run.
 
 Jobs that were in flight when an earlier enqueue was killed have no result yet and are
 sent again; the worker answers a repeat of a finished job from its file on disk.
@@ -30,7 +35,9 @@ from pydantic import ValidationError
 from producer import keys
 from producer.client import Client, JobTooLarge
 from producer.formats import RowConverter, UndetectableFormat
+from producer.naming import check_name
 from producer.schema import Job, Status, describe_validation_error
+from producer.settings import InflightUntil
 from producer.sources import SourceRow
 
 
@@ -85,17 +92,21 @@ def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict
 
 
 class InflightLimiter:
-    """Waits until the runs fed have fewer than ``limit`` jobs submitted but not finished.
+    """Waits until the runs fed have fewer than ``limit`` jobs submitted but not finished
+    (``until="finished"``) or not consumed (``until="consumed"``).
 
     The count is read from Redis only when the running estimate reaches the limit; between
     reads each submit adds one, so the estimate is an upper bound and the limit holds at
     every moment (counting jobs left in flight by an earlier enqueue of the same run).
     """
 
-    def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05):
+    def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05, until: InflightUntil = "finished",
+                 group: str = keys.DEFAULT_CONSUMER_GROUP):
         self.redis = client
         self.limit = limit
         self.poll_s = poll_s
+        check_name(group, "consumer group")
+        self.until, self.group = until, group
         self.runs: set[str] = set()
         self.in_flight = 0
 
@@ -104,7 +115,8 @@ class InflightLimiter:
         pipe = self.redis.pipeline(transaction=False)
         for run in sorted(self.runs):
             pipe.hlen(keys.run_submitted_hash(run))
-            pipe.hlen(keys.run_status_hash(run))
+            pipe.hlen(keys.run_consumed_hash(run, self.group) if self.until == "consumed"
+                      else keys.run_status_hash(run))
         counts = pipe.execute()
         self.in_flight = sum(max(0, sub - done) for sub, done in zip(counts[0::2], counts[1::2]))
 
@@ -122,14 +134,18 @@ class InflightLimiter:
 class Enqueuer:
     """Sends planned jobs with resume, repeat skipping and back-pressure (see the module doc)."""
 
-    def __init__(self, client: Client, max_inflight: int, batch_size: int = 256):
+    def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
+                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP):
         self.client = client
-        self.limiter = InflightLimiter(client.redis, max_inflight)
+        self.group = group
+        self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group)
         self.batch_size = batch_size
         self.started_at = time.time()
+        self.fed: set[str] = set()  # runs this enqueue unsealed
 
     def run(self, items: Iterable[Planned | BadRow]) -> Iterator[tuple[Outcome, Planned | BadRow]]:
-        """Yield what happened to each item, in order of decision (bad rows as soon as they are read)."""
+        """Yield what happened to each item, in order of decision (bad rows as soon as they are read);
+        seal the runs fed once the last item is done."""
         batch: list[Planned] = []
         for item in items:
             if isinstance(item, BadRow):
@@ -140,10 +156,15 @@ class Enqueuer:
                 yield from self._send(batch)
                 batch = []
         yield from self._send(batch)
+        for run in sorted(self.fed):
+            self.client.seal(run)
 
     def _send(self, batch: list[Planned]) -> Iterator[tuple[Outcome, Planned | BadRow]]:
         if not batch:
             return
+        for run in sorted({item.job.run for item in batch} - self.fed):
+            self.client.seal(run, sealed=False)
+            self.fed.add(run)
         pipe = self.client.redis.pipeline(transaction=False)
         for item in batch:
             pipe.hget(keys.run_status_hash(item.job.run), item.job.job_id)  # type: ignore[arg-type]
@@ -167,6 +188,7 @@ class Enqueuer:
         if reopen:  # sent before: clear its old (error) status, mark it sent by this enqueue
             pipe = self.client.redis.pipeline(transaction=True)
             pipe.hdel(keys.run_status_hash(job.run), job.job_id)  # type: ignore[arg-type]
+            pipe.hdel(keys.run_consumed_hash(job.run, self.group), job.job_id)  # type: ignore[arg-type]
             pipe.hset(keys.run_submitted_hash(job.run), job.job_id, time.time())  # type: ignore[arg-type]
             pipe.execute()
         try:

@@ -133,10 +133,12 @@ def metadata_of(path: str | Path) -> dict[str, str]:
     return dict(header.get("__metadata__") or {})
 
 
-def verify_file(path: str | Path) -> dict[str, str]:
+def verify_file(path: str | Path, *, checksums: bool = True) -> dict[str, str]:
     """Check a file's structure, tensor shapes/dtypes and checksums; return its metadata.
 
-    Raises :class:`FileFormatError` naming the first problem found.
+    Raises :class:`FileFormatError` naming the first problem found. ``checksums=False`` checks
+    everything but the tensors' bytes, for a reader that loads them anyway and checks them there
+    (:func:`check_checksums`), reading the file once instead of twice.
     """
     path = Path(path)
     with open(path, "rb") as handle:
@@ -146,10 +148,7 @@ def verify_file(path: str | Path) -> dict[str, str]:
             raise FileFormatError(f"{path}: not a layertap file (header metadata has no format={FORMAT_NAME!r})")
         _check_shapes(path, header, meta)
         file_size = path.stat().st_size
-        try:
-            checksums = json.loads(meta.get(MetaKey.CHECKSUMS, ""))
-        except json.JSONDecodeError:
-            raise FileFormatError(f"{path}: header metadata 'checksums' is not valid JSON") from None
+        recorded = _recorded_checksums(path, meta)
         for name, info in header.items():
             begin, end = info["data_offsets"]
             if data_start + end > file_size:
@@ -157,9 +156,11 @@ def verify_file(path: str | Path) -> dict[str, str]:
                     f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
                     f"{file_size} bytes (truncated)"
                 )
-            expected = checksums.get(name)
+            expected = recorded.get(name)
             if expected is None:
                 raise FileFormatError(f"{path}: no checksum recorded for tensor {name!r}")
+            if not checksums:
+                continue
             handle.seek(data_start + begin)
             crc, left = 0, end - begin
             while left:
@@ -168,12 +169,31 @@ def verify_file(path: str | Path) -> dict[str, str]:
                     raise FileFormatError(f"{path}: tensor {name!r} is truncated")
                 crc = zlib.crc32(chunk, crc)
                 left -= len(chunk)
-            if f"{crc & 0xFFFFFFFF:08x}" != expected:
-                raise FileFormatError(
-                    f"{path}: checksum mismatch in tensor {name!r} (expected {expected}, "
-                    f"found {crc & 0xFFFFFFFF:08x}): the file is corrupt"
-                )
+            _check_crc(path, name, expected, crc)
     return meta
+
+
+def check_checksums(path: str | Path, meta: dict[str, str], tensor_bytes: dict[str, Any]) -> None:
+    """Check each loaded tensor's bytes (a buffer: ``{name: uint8 array}``) against the checksum
+    that ``meta`` (from :func:`verify_file`) records for it; raises :class:`FileFormatError`."""
+    recorded = _recorded_checksums(Path(path), meta)
+    for name, data in tensor_bytes.items():
+        _check_crc(Path(path), name, recorded.get(name, ""), zlib.crc32(data))
+
+
+def _recorded_checksums(path: Path, meta: dict[str, str]) -> dict[str, str]:
+    try:
+        return json.loads(meta.get(MetaKey.CHECKSUMS, ""))
+    except json.JSONDecodeError:
+        raise FileFormatError(f"{path}: header metadata 'checksums' is not valid JSON") from None
+
+
+def _check_crc(path: Path, name: str, expected: str, crc: int) -> None:
+    if f"{crc & 0xFFFFFFFF:08x}" != expected:
+        raise FileFormatError(
+            f"{path}: checksum mismatch in tensor {name!r} (expected {expected}, "
+            f"found {crc & 0xFFFFFFFF:08x}): the file is corrupt"
+        )
 
 
 def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> None:

@@ -82,6 +82,25 @@ def attempts_pattern(run: str) -> str:
     return f"{PREFIX}:attempts:{run}:*"
 
 
+#: The consumer group a streaming trainer reads a run's results through, unless it names one.
+DEFAULT_CONSUMER_GROUP = "train"
+
+
+def run_consumed_hash(run: str, group: str) -> str:
+    """Hash job_id -> status (``ok``/``error``) of the job's result once consumer group ``group``
+    acknowledged it (``producer.streaming``). With ``enqueue.inflight_until=consumed`` the enqueue
+    counts a job in flight until it is here (see ``producer.enqueue``)."""
+    return f"{PREFIX}:run:{run}:consumed:{group}"
+
+
+def run_sealed_key(run: str) -> str:
+    """String: time the last enqueue into ``run`` finished sending; absent while one is sending.
+
+    A streaming consumer stops only once the run is sealed and every submitted job is final.
+    """
+    return f"{PREFIX}:run:{run}:sealed"
+
+
 def attempts_key(run: str, job_id: str) -> str:
     """Counter of how many times a job started (crash requeues included)."""
     return f"{PREFIX}:attempts:{run}:{job_id}"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from producer import fp8
-from producer.fileformat import read_array, read_header, verify_file
+from producer.fileformat import check_checksums, read_array, read_header, verify_file
 from producer.naming import LOCK_SUFFIX
 
 
@@ -48,8 +48,9 @@ def load_hidden_states(
 ) -> dict[str, Any]:
     """Load a job's tensors (``hidden_states``, ``token_ids``, ...) after the writer is done.
 
-    With ``verify`` (default) shapes, dtypes and checksums are checked first and a
-    damaged file raises ``FileFormatError`` saying what is wrong. ``framework="np"``
+    With ``verify`` (default) shapes, dtypes and checksums are checked and a damaged file
+    raises ``FileFormatError`` saying what is wrong (structure first; into the CPU with torch,
+    the checksums on the loaded bytes, so that the file is read once). ``framework="np"``
     avoids torch (bfloat16 is widened to float32). Float8 states are returned as float32
     values (their ``_scale`` tensors consumed) unless ``dequantize=False``, which gives the
     stored tensors as they are (with numpy: raw uint8 codes).
@@ -59,12 +60,17 @@ def load_hidden_states(
     if framework is None:
         framework = "pt" if importlib.util.find_spec("torch") is not None else "np"
     with shared_lock(path):
+        in_place = verify and framework == "pt" and device == "cpu"  # checksums on the loaded bytes
         if verify:
-            verify_file(path)
+            meta = verify_file(path, checksums=not in_place)
         if framework == "pt":
+            import torch
             from safetensors.torch import load_file as load_torch
 
             tensors = load_torch(str(path), device=device)
+            if in_place:
+                check_checksums(path, meta, {name: tensor.reshape(-1).view(torch.uint8).numpy()
+                                             for name, tensor in tensors.items()})
         else:
             with open(path, "rb") as handle:
                 header, data_start = read_header(handle, path)

@@ -6,10 +6,13 @@ checks so a restarted server is reconnected to transparently.
 from __future__ import annotations
 
 import ssl
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from kombu.exceptions import OperationalError
 
 from producer.settings import Settings
 
@@ -43,3 +46,16 @@ def redacted_url(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def retrying(action: Callable[[], Any], give_up_s: float = 60.0) -> Any:
+    """Run ``action``, retrying while Redis is unreachable (restarting) for up to ``give_up_s``."""
+    deadline, delay = time.monotonic() + give_up_s, 0.1
+    while True:
+        try:
+            return action()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)

@@ -25,6 +25,7 @@ from pydantic_settings import (
 )
 
 from producer.schema import normalize_dtype
+from producer.keys import DEFAULT_CONSUMER_GROUP
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -99,10 +100,18 @@ class TlsSettings(BaseModel):
     cert_reqs: str = Field(default="required", pattern="^(required|optional|none)$")
 
 
+#: When a job stops counting as in flight for ``enqueue.max_inflight``: once it has a final
+#: result, or once a streaming consumer acknowledged that result (``producer.streaming``).
+InflightUntil = Literal["finished", "consumed"]
+
+
 class EnqueueSettings(BaseModel):
     """``layertap enqueue``: how a file streams into the queue."""
 
     max_inflight: int = Field(default=10000, gt=0)  # --max-inflight: jobs of the run submitted but not finished
+    #: --inflight-until: a job stops counting at its final result, or once a streaming consumer took it
+    inflight_until: InflightUntil = "finished"
+    consumer_group: str = DEFAULT_CONSUMER_GROUP  # --consumer-group: whose consumption counts (inflight_until=consumed)
 
 
 class Settings(BaseSettings):
