@@ -169,16 +169,17 @@ def test_status_and_progress_of_a_run_waiting_in_the_queue(ops_worker, client, c
         rows = table_rows(out.stdout)
         assert [UNSERVED, "2"] in rows and [MODEL, "0"] in rows
         worker_row = next(row for row in rows if row[0] == NODE)
-        assert worker_row[:6] == [NODE, "yes", "cpu", "-", MODEL, worker_row[5]]
-        assert float(worker_row[5].replace(",", "")) >= 0 and worker_row[-1].endswith("s ago")
+        assert worker_row[:7] == [NODE, "yes", "cpu", "-", MODEL, "packed", worker_row[6]]  # a Qwen3: packed rows
+        assert float(worker_row[6].replace(",", "")) >= 0 and worker_row[-1].endswith("s ago")
         assert ["model", "queued"] in rows
-        assert ["node", "alive", "device", "gpus", "model", "tokens/s", "jobs", "pending", "last beat"] in rows
+        assert ["node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
+                "last beat"] in rows
         assert f"dead letters: {client.redis.xlen(keys.DEAD_LETTER_STREAM)}" in out.stdout.splitlines()
 
         as_json = subprocess.run(cli("status", "--json"), env=cli_env, capture_output=True, text=True, timeout=60)
         status = json.loads(as_json.stdout)
         assert status["queues"][UNSERVED] == 2
-        assert {"node": NODE, "alive": True, "model": MODEL, "device": "cpu"}.items() <= next(
+        assert {"node": NODE, "alive": True, "model": MODEL, "device": "cpu", "batching": "packed"}.items() <= next(
             w for w in status["workers"] if w["node"] == NODE).items()
 
         progress = RunTracker(client.redis, run_name).poll()

@@ -99,17 +99,17 @@ def test_delete_refuses_unfinished_run_and_removes_files(workers, redis_server, 
 
     unserved = f"{run_name}-unserved"
     with pytest.warns(NoWorkerWarning):
-        client.submit({"prompt": "nobody serves me"}, model="tiny-nobody", run=unserved)
+        client.submit({"prompt": "nobody serves me"}, model="tiny-nobody-lifecycle", run=unserved)
     with pytest.raises(subprocess.TimeoutExpired) as watching:  # watch waits for the run to complete
         subprocess.run(cli("watch", "--run", unserved), env={**os.environ, "LAYERTAP_REDIS_URL": redis_server.url},
                        capture_output=True, text=True, timeout=10)
-    assert ("warning: no live worker serves tiny-nobody: the run's jobs wait in the queue (no ETA) until one does"
+    assert ("warning: no live worker serves tiny-nobody-lifecycle: the run's jobs wait in the queue (no ETA) until one does"
             in (watching.value.stdout or b"").decode())  # (bytes: the run was cut short)
     refused = layertap(redis_server.url, "run", "delete", unserved, "--yes")
     assert refused.returncode == 1 and "1 job(s) without a result" in refused.stderr
     forced = layertap(redis_server.url, "run", "delete", unserved, "--yes", "--force")
     assert forced.returncode == 0, forced.stderr
-    assert client.redis.llen(keys.model_queue("tiny-nobody")) == 0
+    assert client.redis.llen(keys.model_queue("tiny-nobody-lifecycle")) == 0
 
 
 def test_results_and_manifest_of_a_missing_run_fail(redis_server):

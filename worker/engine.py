@@ -278,7 +278,8 @@ class Engine:
         """Refuse all further work and tell the owner, which exits non-zero for its supervisor to restart."""
         with self._cond:
             self.fatal, self._stopping = exc, True
-            pending, self._pending = list(self._pending), deque()
+            pending = [*self._pending, *(request for batch in self._together for request in batch)]
+            self._pending, self._together = deque(), deque()
         for request in pending:
             request.future.set_exception(JobError(ErrorType.internal, f"device fault on this worker: {exc}"))
         if self._on_fatal is not None:

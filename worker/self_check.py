@@ -46,9 +46,16 @@ class CheckReport:
 
 
 def relative_error_per_layer(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``[T, n_layers, H]`` pair -> ``[n_layers]`` relative Frobenius errors."""
+    """``[T, n_layers, H]`` pair -> ``[n_layers]`` relative Frobenius errors over the finite
+    values. Non-finite values are a fault of the model, not of batching (each job that meets
+    them gets a ``non_finite`` error): they must sit at the same places in both, else the
+    layer's error is infinite."""
     got, reference = got.double(), reference.double()
-    return (got - reference).norm(dim=(0, 2)) / reference.norm(dim=(0, 2)).clamp_min(1e-30)
+    finite = got.isfinite()
+    same_places = (finite == reference.isfinite()).all(dim=2).all(dim=0)
+    got, reference = got.where(finite, 0.0), reference.where(finite, 0.0)
+    errors = (got - reference).norm(dim=(0, 2)) / reference.norm(dim=(0, 2)).clamp_min(1e-30)
+    return errors.where(same_places, torch.inf)
 
 
 def _captured_states(futures: list[Future]) -> list[torch.Tensor]:
@@ -86,6 +93,9 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     except JobError as exc:
         raise ModelRefused(loaded.architecture, f"its forward fails with {path} batching on the load-time self-check "
                                                 f"({exc.message})") from None
+    if not all(bool(states.isfinite().all()) for states in alone):
+        log.warning("%s gives NaN/Inf hidden states on random inputs; jobs that meet them get non_finite errors",
+                    loaded.architecture)
     errors = torch.stack([relative_error_per_layer(b, a) for b, a in zip(batched, alone)]).amax(dim=0)
     worst_layer = int(errors.argmax())
     report = CheckReport(float(errors[worst_layer]), worst_layer, TOLERANCE.get(loaded.dtype, HALF_TOLERANCE))
