@@ -12,10 +12,24 @@ same keys, same commands, same acknowledgement semantics.
 
 Used for ``redis://`` and ``rediss://`` brokers (:func:`transport_for`); other URLs keep
 kombu's own transport.
+
+A lost connection: Celery closes the connection, which closes the channel, and kombu's
+channel close restores every message it delivered and has not seen acknowledged. It does
+so after the transport has let go of its connection settings, and in kombu 5.7.0 that
+raises ``AttributeError`` on ``None.hostname`` (the worker dies); had it worked, it would
+have put back on the queue the messages of tasks this worker is still running. Here:
+
+* a channel whose transport is gone restores nothing: the held messages stay in kombu's
+  ``unacked`` records, their leases keep being renewed (``worker.lease``) while their tasks
+  run, and each task's ack removes its record; a worker that dies meanwhile leaves them to
+  the visibility timeout, like any dead worker;
+* a closed channel keeps serving commands (those acks) from its last client, whose pool
+  reconnects once Redis is back.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,12 +38,29 @@ from kombu.transport import redis as kombu_redis
 
 REUSED_CLIENT_SCHEMES = ("redis", "rediss")
 TRANSPORT_PATH = f"{__name__}:Transport"
+log = logging.getLogger(__name__)
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's Redis ack emulation; a channel cut off from its connection restores nothing."""
+
+    def restore_unacked(self, client: redis.Redis | None = None) -> None:
+        if self.channel.transport_gone():
+            log.warning("broker connection lost: %d held message(s) stay held (leases renewed until acked)",
+                        len(self._delivered))
+            return
+        super().restore_unacked(client)
 
 
 class Channel(kombu_redis.Channel):
     """A kombu Redis channel whose commands share one client per connection pool."""
 
+    QoS = QoS
     _shared_client: redis.Redis | None = None
+
+    def transport_gone(self) -> bool:
+        """True once the channel's connection or its transport's settings were released."""
+        return self.connection is None or self.connection.client is None
 
     @contextmanager
     def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
@@ -37,6 +68,11 @@ class Channel(kombu_redis.Channel):
             yield client
             return
         shared = self._shared_client
+        if self.transport_gone():  # closed after a lost connection: acks of running tasks still go through
+            if shared is None:
+                raise redis.exceptions.ConnectionError("this broker channel is closed and never had a client")
+            yield shared
+            return
         if shared is None or shared.connection_pool is not self.pool:
             shared = self._shared_client = self._create_client()
         yield shared

@@ -244,12 +244,23 @@ def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client,
     share = len(jobs) // rounds
     kills = 0
     for round_no in range(1, rounds + 1):
-        submitter = threading.Thread(target=submit_steadily, args=(jobs[(round_no - 1) * share:round_no * share],))
-        submitter.start()
+        round_jobs = jobs[(round_no - 1) * share:round_no * share]
+        submitter = threading.Thread(target=submit_steadily, args=(round_jobs,))
+        if round_no == 3:  # Redis crashes and restarts (AOF, appendfsync always) under a busy worker
+            with hold_lock(job_path(make_worker.storage, run, round_jobs[0].job_id)):  # one job surely in flight
+                submitter.start()
+                wait_for(lambda: attempts(private_client, round_jobs[0]) >= 1, 30, "the held job to start")
+                private_redis.restart()
+                time.sleep(rng.uniform(1.0, 3.0))
+                assert worker.process.poll() is None, "the Redis restart killed a busy worker: " + \
+                    worker.log_text()[-2000:]
+            submitter.join()  # the same worker, not a successor, finishes the round: it rode the restart out
+            wait_for(lambda: {j.job_id for j in round_jobs} <= set(private_client.latest(run)), 60,
+                     "the busy worker to finish the jobs sent around the restart")
+            assert worker.process.poll() is None, worker.log_text()[-2000:]
+        else:
+            submitter.start()
         time.sleep(rng.uniform(0.5, 2.0))
-        if round_no == 3:  # Redis crashes and restarts (AOF, appendfsync always) under a live worker
-            private_redis.restart()
-            time.sleep(rng.uniform(1.0, 3.0))  # the worker reconnects and goes on
         worker.kill()
         kills += 1
         submitter.join()

@@ -1,0 +1,35 @@
+"""Redis restarts and failovers under busy workers: the worker rides them out.
+
+A job is held "running" by the test holding its file's lock (see ``test_reliability``); Redis
+is killed and restarted while the worker holds it; the worker must stay alive, finish and
+publish the held job, and take new ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+from producer.naming import job_path
+from tests.test_reliability import (ORPHAN_TIMEOUT, attempts, hold_lock, make_job, results_for,  # noqa: F401
+                                    wait_for)
+from tests.test_reliability import make_worker, private_client, private_redis  # noqa: F401  (fixtures)
+
+
+def test_busy_worker_survives_a_redis_restart(make_worker, private_client, private_redis):
+    worker = make_worker("busy@localhost")
+    held = make_job("restart", "held while Redis restarts")
+    with hold_lock(job_path(make_worker.storage, held.run, held.job_id)):
+        private_client.submit(held)
+        wait_for(lambda: attempts(private_client, held) == 1, 30, "the job to start")
+        private_redis.restart()
+        time.sleep(3)
+        assert worker.process.poll() is None, worker.log_text()[-3000:]
+    result = private_client.wait(held.run, [held.job_id], timeout=60)[held.job_id]
+    assert result.ok
+    later = make_job("restart", "a job sent after the restart")
+    private_client.submit(later)
+    assert private_client.wait(later.run, [later.job_id], timeout=60)[later.job_id].ok
+    assert worker.process.poll() is None, worker.log_text()[-3000:]
+    time.sleep(2 * ORPHAN_TIMEOUT)
+    assert len(results_for(private_client, held.run, held.job_id)) == 1  # held, not put back and run again
+    assert private_client.redis.hlen("unacked") == 0  # kombu's record: the held job's ack reached Redis
