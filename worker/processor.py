@@ -111,8 +111,9 @@ class JobProcessor:
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
                                 topk=job.topk or 0, topk_rows=prepared.topk_rows)
-        captured = self.engine.submit(request).result().wait()
-        try:
+        job_slice = self.engine.submit(request).result()
+        try:  # the slice's host buffer is given back on every path, or the engine stalls for good
+            captured = job_slice.wait()
             if captured.non_finite:
                 raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
                                                      f"{DTYPE_NAMES[output_dtype]}'s range); no file written "
@@ -126,7 +127,7 @@ class JobProcessor:
                     raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:
-            captured.release()
+            job_slice.release()
         return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, DTYPE_NAMES[output_dtype],
                         Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
 
