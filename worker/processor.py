@@ -96,6 +96,10 @@ class JobProcessor:
             return self._error(job.job_id, job.run, JobError(ErrorType.internal, f"{type(exc).__name__}: {exc}"),
                                Timings(queued=queued), job=job, attempt=attempt)
 
+    def refused(self, job: Job, exc: JobError) -> Result:
+        """The error result of a valid job refused before it runs."""
+        return self._error(job.job_id, job.run, exc, Timings(), job=job)  # type: ignore[arg-type]
+
     def _run(self, job: Job, queued: float | None, attempt: int | None) -> Result:
         if job.model != self.loaded.name:
             raise JobError(ErrorType.unknown_model,

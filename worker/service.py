@@ -51,8 +51,11 @@ class WorkerService:
         self.publisher = publisher
         self.max_attempts = max_attempts
 
-    def handle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str | None) -> dict[str, Any]:
-        """Run one task message; returns the published result as JSON data. May raise :class:`RetryLater`."""
+    def handle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str | None,
+               refusal: str | None = None) -> dict[str, Any]:
+        """Run one task message; returns the published result as JSON data. May raise :class:`RetryLater`.
+
+        ``refusal``: why the message is refused without running (its scheduling fields)."""
         raw: Any = args[0] if len(args) == 1 else list(args)
         submitted_at = kwargs.get("submitted_at")
         submitted_at = submitted_at if isinstance(submitted_at, (int, float)) else None
@@ -60,6 +63,10 @@ class WorkerService:
             job = self.processor.parse(raw, task_id)
         except JobError:
             result = self.processor.process(raw, submitted_at=submitted_at, fallback_id=task_id)
+            self.publisher.publish(result)
+            return result.model_dump(mode="json")
+        if refusal is not None:
+            result = self.processor.refused(job, JobError(ErrorType.invalid_job, refusal))
             self.publisher.publish(result)
             return result.model_dump(mode="json")
         attempts = keys.attempts_key(job.run, job.job_id)  # type: ignore[arg-type]
