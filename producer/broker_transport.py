@@ -13,16 +13,19 @@ same keys, same commands, same acknowledgement semantics.
 Used for ``redis://`` and ``rediss://`` brokers (:func:`transport_for`); other URLs keep
 kombu's own transport.
 
-A lost connection: Celery closes the connection, which closes the channel, and kombu's
-channel close restores every message it delivered and has not seen acknowledged. It does
-so after the transport has let go of its connection settings, and in kombu 5.7.0 that
-raises ``AttributeError`` on ``None.hostname`` (the worker dies); had it worked, it would
-have put back on the queue the messages of tasks this worker is still running. Here:
+A lost connection (or an error reply such as ``OOM``, which Celery handles the same way):
+Celery closes the connection, which closes the channel, and kombu's channel close restores
+every message it delivered and has not seen acknowledged. It does so after the transport
+has let go of its connection settings, and in kombu 5.7.0 that raises ``AttributeError`` on
+``None.hostname`` (the worker dies); had it worked, it would have put back on the queue the
+messages of tasks this worker is still running (and kombu drops a message it took out of
+``unacked`` but could not push back, as under ``OOM``). Here:
 
-* a channel whose transport is gone restores nothing: the held messages stay in kombu's
-  ``unacked`` records, their leases keep being renewed (``worker.lease``) while their tasks
-  run, and each task's ack removes its record; a worker that dies meanwhile leaves them to
-  the visibility timeout, like any dead worker;
+* a channel restores only the messages no task of this process holds (:func:`set_held_messages`;
+  all of them once its transport is gone): held ones stay in kombu's ``unacked`` records,
+  their leases keep being renewed (``worker.lease``) while their tasks run, and each task's
+  ack removes its record; a worker that dies meanwhile leaves them to the visibility
+  timeout, like any dead worker;
 * a closed channel keeps serving commands (those acks) from its last client, whose pool
   reconnects once Redis is back.
 """
@@ -30,7 +33,7 @@ have put back on the queue the messages of tasks this worker is still running. H
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import redis
@@ -41,15 +44,29 @@ TRANSPORT_PATH = f"{__name__}:Transport"
 log = logging.getLogger(__name__)
 
 
+_held_messages: Callable[[], set[str]] = set
+
+
+def set_held_messages(provider: Callable[[], set[str]]) -> None:
+    """Tell channels which delivery tags this process's tasks hold (a worker sets it once)."""
+    global _held_messages
+    _held_messages = provider
+
+
 class QoS(kombu_redis.QoS):
-    """kombu's Redis ack emulation; a channel cut off from its connection restores nothing."""
+    """kombu's Redis ack emulation; closing restores only messages no task of this process holds."""
 
     def restore_unacked(self, client: redis.Redis | None = None) -> None:
-        if self.channel.transport_gone():
-            log.warning("broker connection lost: %d held message(s) stay held (leases renewed until acked)",
-                        len(self._delivered))
-            return
-        super().restore_unacked(client)
+        delivered = set(self._delivered)
+        kept = delivered if self.channel.transport_gone() else delivered & _held_messages()
+        if kept:
+            log.warning("broker channel closed: %d held message(s) stay held (leases renewed until acked)",
+                        len(kept))
+        if delivered - kept:
+            with self.channel.conn_or_acquire(client) as client:
+                for tag in delivered - kept:
+                    self.restore_by_tag(tag, client=client)
+        self._delivered.clear()
 
 
 class Channel(kombu_redis.Channel):

@@ -1,4 +1,4 @@
-"""Redis restarts and failovers under busy workers: the worker rides them out.
+"""Redis restarts and a full Redis under busy workers: the worker rides them out.
 
 A job is held "running" by the test holding its file's lock (see ``test_reliability``); Redis
 is killed and restarted while the worker holds it; the worker must stay alive, finish and
@@ -7,6 +7,9 @@ publish the held job, and take new ones.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 from producer.naming import job_path
@@ -33,3 +36,31 @@ def test_busy_worker_survives_a_redis_restart(make_worker, private_client, priva
     time.sleep(2 * ORPHAN_TIMEOUT)
     assert len(results_for(private_client, held.run, held.job_id)) == 1  # held, not put back and run again
     assert private_client.redis.hlen("unacked") == 0  # kombu's record: the held job's ack reached Redis
+
+
+def test_redis_at_maxmemory_is_waited_out_and_shown_in_status(make_worker, private_client, private_redis):
+    """Redis refuses writes (``maxmemory`` reached, ``noeviction``) while a job is running and
+    while a second worker starts: both stay up, say so, and carry on once memory is freed."""
+    busy = make_worker("full-a@localhost", extra_args=["--concurrency", "1"])
+    held, queued = make_job("full", "finishing while Redis is full"), make_job("full", "queued behind it")
+    redis = private_client.redis
+    with hold_lock(job_path(make_worker.storage, held.run, held.job_id)):
+        private_client.submit(held)
+        wait_for(lambda: attempts(private_client, held) == 1, 30, "the job to start")
+        private_client.submit(queued)
+        redis.config_set("maxmemory", 1)  # every write is now refused: OOM command not allowed
+    late = make_worker("full-b@localhost", wait=False)  # starts while Redis is full
+    time.sleep(6)
+    assert busy.process.poll() is None and late.process.poll() is None, busy.log_text()[-2000:]
+    assert results_for(private_client, held.run, held.job_id) == []  # its publish is being retried
+    env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
+    shown = subprocess.run([sys.executable, "-m", "producer.cli", "status"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert "REDIS IS FULL" in shown.stdout, shown.stdout + shown.stderr
+    assert "Redis refuses writes" in busy.log_text()
+    redis.config_set("maxmemory", 0)
+    results = private_client.wait(held.run, [held.job_id, queued.job_id], timeout=30)
+    assert all(result.ok for result in results.values())
+    late.wait_ready(timeout=30)
+    assert busy.process.poll() is None and late.process.poll() is None
+    assert len(results_for(private_client, held.run, held.job_id)) == 1

@@ -18,11 +18,12 @@ from pathlib import Path
 from celery.signals import worker_ready
 
 from producer import keys
+from producer.broker_transport import set_held_messages
 from producer.celery_app import make_celery
 from producer.redis_conn import connect
 from producer.settings import LogFormat, Settings
 from worker.extractor import build_processor
-from worker.lease import LeaseKeeper
+from worker.lease import LeaseKeeper, held_delivery_tags
 from worker.logs import configure_logging
 from worker.metrics import MeteredPublisher, WorkerMetrics
 from worker.model_loading import load_model
@@ -88,6 +89,7 @@ def run_worker(settings: Settings) -> int:
     client = connect(settings)
     service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts)
     app = make_celery(settings)
+    set_held_messages(held_delivery_tags)  # a broker channel closing after an error leaves these held
     register_extract_task(app, service)
     batch_task_events(app)
     processor.engine.warm_up()

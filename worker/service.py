@@ -25,7 +25,7 @@ from producer import keys
 from producer.schema import ErrorType, Job, Result, Status
 from worker.errors import JobError
 from worker.processor import JobProcessor
-from worker.publisher import ResultPublisher
+from worker.publisher import ResultPublisher, wait_out_redis
 
 log = logging.getLogger(__name__)
 TRANSIENT_ERRORS = {ErrorType.internal, ErrorType.write_failed}
@@ -70,10 +70,14 @@ class WorkerService:
             self.publisher.publish(result)
             return result.model_dump(mode="json")
         attempts = keys.attempts_key(job.run, job.job_id)  # type: ignore[arg-type]
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.incr(attempts)
-        pipe.expire(attempts, ATTEMPTS_TTL_S)
-        attempt = int(pipe.execute()[0])
+
+        def count_attempt() -> int:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.incr(attempts)
+            pipe.expire(attempts, ATTEMPTS_TTL_S)
+            return int(pipe.execute()[0])
+
+        attempt = wait_out_redis(count_attempt, f"counting an attempt of {job.job_id}", self.publisher.give_up_s)
         if attempt > self.max_attempts:
             result = self.dead_letter(job, attempt - 1, ErrorType.internal,
                                       f"the worker died {attempt - 1} time(s) while running this job")
