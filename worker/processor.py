@@ -58,6 +58,12 @@ class JobProcessor:
         self.storage_root = Path(storage_root)
         self.worker_name = worker_name
         self._write_slots = threading.BoundedSemaphore(write_slots)
+        self._awaiting_engine = 0
+        self._awaiting_lock = threading.Lock()
+
+    def awaiting_engine(self) -> int:
+        """Jobs submitted to the engine whose batch has not come back yet (the watchdog reads it)."""
+        return self._awaiting_engine
 
     def parse(self, raw: Any, fallback_id: str | None = None) -> Job:
         """Validate raw message data into a job with an id; raises :class:`JobError`.
@@ -115,7 +121,13 @@ class JobProcessor:
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
                                 topk=job.topk or 0, topk_rows=prepared.topk_rows)
-        job_slice = self.engine.submit(request).result()
+        with self._awaiting_lock:
+            self._awaiting_engine += 1
+        try:
+            job_slice = self.engine.submit(request).result()
+        finally:
+            with self._awaiting_lock:
+                self._awaiting_engine -= 1
         try:  # the slice's host buffer is given back on every path, or the engine stalls for good
             captured = job_slice.wait()
             if captured.non_finite:
