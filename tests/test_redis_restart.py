@@ -1,4 +1,5 @@
-"""Redis restarts and a full Redis under busy workers: the worker rides them out.
+"""Redis restarts, a full Redis and a failover to a real replica under busy workers: the worker
+rides them out.
 
 A job is held "running" by the test holding its file's lock (see ``test_reliability``); Redis
 is killed and restarted while the worker holds it; the worker must stay alive, finish and
@@ -64,3 +65,42 @@ def test_redis_at_maxmemory_is_waited_out_and_shown_in_status(make_worker, priva
     late.wait_ready(timeout=30)
     assert busy.process.poll() is None and late.process.poll() is None
     assert len(results_for(private_client, held.run, held.job_id)) == 1
+
+
+def test_worker_rides_out_a_failover_to_a_real_replica_and_back(make_worker, private_client, private_redis, tmp_path):
+    """The primary the worker uses is demoted to a replica of a real ``--replicaof`` server
+    (it answers READONLY, then resyncs) while a job is in flight, and promoted back: the
+    worker stays up, and the job's result and later jobs arrive."""
+    from producer.redis_server import RedisServer
+
+    worker = make_worker("failover@localhost")
+    primary = private_client.redis
+    with RedisServer(data_dir=tmp_path / "replica", extra_args=["--replicaof", "127.0.0.1",
+                                                                str(private_redis.port)]) as replica_server:
+        replica = redis_client(replica_server.url)
+        wait_for(lambda: replica.info("replication").get("master_link_status") == "up", 30, "the replica to sync")
+        held = make_job("failover", "held across the failover")
+        with hold_lock(job_path(make_worker.storage, held.run, held.job_id)):
+            private_client.submit(held)
+            wait_for(lambda: attempts(private_client, held) == 1, 30, "the job to start")
+            replica.replicaof("no", "one")  # failover: the replica is the primary now ...
+            primary.replicaof("127.0.0.1", replica_server.port)  # ... and the old primary follows it (READONLY)
+            wait_for(lambda: primary.info("replication").get("master_link_status") == "up", 30, "the demoted sync")
+        time.sleep(3)  # the job finishes; its publish meets READONLY and is retried
+        assert worker.process.poll() is None, worker.log_text()[-3000:]
+        assert "READONLY" in worker.log_text() or "read only replica" in worker.log_text()
+        primary.replicaof("no", "one")  # fail back: the worker's address takes writes again
+        replica.replicaof("127.0.0.1", private_redis.port)
+        result = private_client.wait(held.run, [held.job_id], timeout=30)[held.job_id]
+        assert result.ok
+        later = make_job("failover", "sent after the failback")
+        private_client.submit(later)
+        assert private_client.wait(later.run, [later.job_id], timeout=30)[later.job_id].ok
+        assert worker.process.poll() is None
+        assert len(results_for(private_client, held.run, held.job_id)) == 1
+
+
+def redis_client(url: str):
+    import redis
+
+    return redis.Redis.from_url(url, decode_responses=True)
