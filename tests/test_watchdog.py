@@ -1,65 +1,27 @@
 """A worker whose engine hangs notices it and exits, so its jobs finish on a healthy worker.
 
-The hang is real: the model folder carries its own modeling code (loaded with
-``trust_remote_code``), whose decoder blocks in its forward while a gate file exists, as a
-CUDA kernel that never returns would. Nothing in the worker is patched.
+The hang is real (``tests.blocking_model``): the model folder carries its own modeling code,
+whose decoder blocks in its forward while a gate file exists, as a CUDA kernel that never
+returns would. Nothing in the worker is patched.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from producer import keys
-from tests.test_reliability import ORPHAN_TIMEOUT, attempts, make_job, wait_for  # noqa: F401
+from tests.blocking_model import blocking_model, hang_env  # noqa: F401  (fixture)
+from tests.test_reliability import ORPHAN_TIMEOUT, attempts, make_job, wait_for
 from tests.test_reliability import make_worker, private_client, private_redis  # noqa: F401  (fixtures)
 from worker.main import EXIT_STALLED
 
 HANG_TIMEOUT = 4.0
-BLOCKING_MODEL_CODE = '''
-"""A Qwen3 model whose decoder waits while the file named by LAYERTAP_TEST_HANG_GATE exists."""
-import os
-import time
-
-from transformers import Qwen3ForCausalLM
-
-
-def _wait_at_gate(module, args, kwargs):
-    gate = os.environ.get("LAYERTAP_TEST_HANG_GATE")
-    while gate and os.path.exists(gate):
-        time.sleep(0.05)
-
-
-class BlockingQwen3ForCausalLM(Qwen3ForCausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model.register_forward_pre_hook(_wait_at_gate, with_kwargs=True)
-'''
-
-
-@pytest.fixture(scope="module")
-def blocking_model(tiny_models, tmp_path_factory) -> Path:
-    """The tiny Qwen3 model, saved with modeling code of its own that can block."""
-    import shutil
-
-    folder = tmp_path_factory.mktemp("blocking") / "model"
-    shutil.copytree(tiny_models["qwen3"], folder)
-    (folder / "modeling_blocking.py").write_text(BLOCKING_MODEL_CODE)
-    config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_blocking.BlockingQwen3ForCausalLM"}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 def test_hung_engine_exits_and_its_jobs_finish_on_a_healthy_worker(make_worker, private_client, blocking_model,
                                                                    tmp_path):
     gate = tmp_path / "hang-gate"
-    env = {"LAYERTAP_WORKER__TRUST_REMOTE_CODE": "true", "LAYERTAP_TEST_HANG_GATE": str(gate),
-           "LAYERTAP_WORKER__HANG_TIMEOUT": str(HANG_TIMEOUT)}
+    env = hang_env(gate, HANG_TIMEOUT)
     hung = make_worker("hangs@localhost", model_dir=blocking_model, env=env)
     jobs = [make_job("hang", f"a job for the hung engine {i}") for i in range(4)]
     gate.touch()  # from now on the engine's forward blocks
@@ -81,8 +43,7 @@ def test_hung_engine_exits_and_its_jobs_finish_on_a_healthy_worker(make_worker, 
 
 def test_warm_shutdown_of_a_hung_engine_has_a_deadline(make_worker, private_client, blocking_model, tmp_path):
     gate = tmp_path / "hang-gate"
-    env = {"LAYERTAP_WORKER__TRUST_REMOTE_CODE": "true", "LAYERTAP_TEST_HANG_GATE": str(gate),
-           "LAYERTAP_WORKER__HANG_TIMEOUT": "600", "LAYERTAP_WORKER__SHUTDOWN_TIMEOUT": "3"}
+    env = {**hang_env(gate, 600), "LAYERTAP_WORKER__SHUTDOWN_TIMEOUT": "3"}
     hung = make_worker("stuck@localhost", model_dir=blocking_model, env=env)
     job = make_job("stuck", "a job that never finishes here")
     gate.touch()
