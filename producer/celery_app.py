@@ -61,6 +61,7 @@ def make_celery(settings: Settings) -> Celery:
         result_expires=settings.result_ttl,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
+        broker_channel_error_retry=True,  # an error reply (OOM at maxmemory, READONLY) reconnects, not dies
         worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_send_task_events=True,
         task_send_sent_event=False,  # one Redis write less per submitted job; workers still send events

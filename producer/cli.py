@@ -132,7 +132,7 @@ def worker(
 def supervise(settings: Settings) -> int:
     """Run one child worker per GPU group; children read the same settings from the environment."""
     from worker.logs import configure_logging
-    from worker.supervisor import Supervisor, visible_gpus
+    from worker.supervisor import SIGKILL_GRACE_S, Supervisor, visible_gpus
 
     ws = settings.worker
     configure_logging(ws.loglevel, ws.log_format)
@@ -145,7 +145,8 @@ def supervise(settings: Settings) -> int:
     os.environ.update(env)
     device = ["--device", "cuda"] if ws.device == "auto" else []
     supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker,
-                            metrics_port=ws.metrics_port)
+                            metrics_port=ws.metrics_port,
+                            kill_after_s=ws.shutdown_deadline_s(settings.limits.max_tokens) + SIGKILL_GRACE_S)
     return supervisor.run()
 
 

@@ -53,6 +53,12 @@ def render_status(status: FleetStatus, redis_url: str) -> None:
                         state.batching or "-", f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending), beat)
     console.print(workers)
     console.print(f"dead letters: {status.dead_letters}", highlight=False)
+    memory = status.redis
+    limit = f"{memory.max_bytes:,} bytes ({memory.policy})" if memory.max_bytes else "no limit"
+    console.print(f"redis memory: {memory.used_bytes:,} bytes used, maxmemory {limit}", highlight=False)
+    if memory.refusing_writes:
+        console.print("REDIS IS FULL: it refuses writes (OOM); workers wait, holding their jobs, until memory "
+                      "is freed or maxmemory raised", style="bold red", highlight=False)
 
 
 def describe_progress(progress: RunProgress) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 * the fleet: queue depth per model (``SCAN`` for ``layertap.q.*``, ``LLEN``; kombu's
   priority sub-queues are added to their queue), every worker in ``layertap:workers``
-  (alive while its heartbeat key exists), and the dead-letter count (``XLEN``);
+  (alive while its heartbeat key exists), the dead-letter count (``XLEN``) and Redis's
+  memory against its ``maxmemory`` (``INFO memory``): at the limit under ``noeviction``
+  Redis refuses writes, so workers can neither beat nor finish jobs until memory is freed;
 * a run: its total is ``HLEN`` of the submitted hash, finished jobs ``HLEN`` of the status
   hash (one entry per job, so duplicates never count twice); failed jobs are read once
   with ``HSCAN`` and then kept up to date from the results stream, which also gives
@@ -47,10 +49,21 @@ class WorkerState:
 
 
 @dataclass
+class RedisMemory:
+    """Redis's memory use; ``refusing_writes`` at ``maxmemory`` under ``noeviction`` (OOM replies)."""
+
+    used_bytes: int
+    max_bytes: int  # 0: no limit
+    policy: str
+    refusing_writes: bool
+
+
+@dataclass
 class FleetStatus:
     queues: dict[str, int]  # model -> messages waiting in its queue
     workers: list[WorkerState]
     dead_letters: int
+    redis: RedisMemory
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,14 +104,21 @@ def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerS
     return states
 
 
+def redis_memory(client: redis.Redis) -> RedisMemory:
+    info = client.info("memory")
+    used, limit, policy = int(info["used_memory"]), int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy", ""))
+    return RedisMemory(used, limit, policy, refusing_writes=policy == "noeviction" and 0 < limit <= used)
+
+
 def fleet_status(client: redis.Redis) -> FleetStatus:
-    """Queues (models that live workers serve are listed even when empty), workers, dead letters."""
+    """Queues (models that live workers serve are listed even when empty), workers, dead letters, Redis memory."""
     workers = worker_states(client)
     queues = queue_depths(client)
     for state in workers:
         if state.alive:
             queues.setdefault(state.model, 0)
-    return FleetStatus(dict(sorted(queues.items())), workers, int(client.xlen(keys.DEAD_LETTER_STREAM)))
+    return FleetStatus(dict(sorted(queues.items())), workers, int(client.xlen(keys.DEAD_LETTER_STREAM)),
+                       redis_memory(client))
 
 
 @dataclass

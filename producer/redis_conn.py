@@ -31,6 +31,20 @@ def ssl_options(settings: Settings) -> dict[str, Any] | None:
     return options
 
 
+#: Error replies that end when an operator or a failover fixes the server: writes refused at
+#: ``maxmemory`` (OOM), by a replica (READONLY), after a failed snapshot (MISCONF), by an ACL (NOPERM).
+WRITE_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+                  redis.exceptions.NoPermissionError)
+#: Errors of a server that is away for a while: waited out, like the refusals.
+UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
+
+
+def refuses_writes(exc: BaseException) -> bool:
+    """True for an error reply in :data:`WRITE_REFUSALS` (MISCONF has no class of its own)."""
+    return isinstance(exc, WRITE_REFUSALS) or (isinstance(exc, redis.exceptions.ResponseError)
+                                               and str(exc).startswith("MISCONF"))
+
+
 def connect(settings: Settings, *, decode_responses: bool = False) -> redis.Redis:
     """A client for ``settings.broker_url``."""
     return redis.Redis.from_url(settings.broker_url, decode_responses=decode_responses, health_check_interval=10,

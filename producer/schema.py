@@ -37,6 +37,8 @@ def normalize_dtype(value: Any) -> Any:
 from producer.naming import check_name, content_hash
 
 _ALLOWED_CONTROL = {"\t", "\n", "\r"}
+#: Deepest nesting of free-form JSON (``tools``, ``tool_calls``); real tool schemas use a handful.
+MAX_JSON_DEPTH = 32
 
 
 def check_text(value: str, what: str) -> str:
@@ -51,17 +53,20 @@ def check_text(value: str, what: str) -> str:
     return value
 
 
-def check_json_text(value: Any, what: str) -> Any:
-    """:func:`check_text` on every string (keys included) inside JSON data."""
+def check_json_text(value: Any, what: str, depth: int = 0) -> Any:
+    """:func:`check_text` on every string (keys included) inside JSON data, nested at most
+    :data:`MAX_JSON_DEPTH` levels (deeper data could not be hashed, stored or dead-lettered)."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep")
     if isinstance(value, str):
         return check_text(value, what)
     if isinstance(value, dict):
         for key, item in value.items():
             check_text(str(key), what)
-            check_json_text(item, what)
+            check_json_text(item, what, depth + 1)
     elif isinstance(value, list):
         for item in value:
-            check_json_text(item, what)
+            check_json_text(item, what, depth + 1)
     return value
 
 

@@ -28,6 +28,9 @@ from producer.schema import normalize_dtype
 from producer.keys import DEFAULT_CONSUMER_GROUP
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+#: The default hang bound: this much time per batch, plus its tokens at the slowest prefill assumed.
+HANG_BASE_S = 60.0
+WORST_TOKENS_PER_S = 200.0
 
 
 class LogFormat(str, Enum):
@@ -64,6 +67,20 @@ class WorkerSettings(BaseModel):
     loglevel: str = "INFO"
     log_format: LogFormat = LogFormat.text
     metrics_port: int = Field(default=0, ge=0, le=65535)  # Prometheus /metrics; 0 = off (supervised: +i per child)
+    # Seconds jobs may wait on the engine with no batch finished before the worker counts as hung
+    # and exits (its jobs go to other workers); None: see hang_bound_s.
+    hang_timeout: float | None = Field(default=None, gt=0)
+    # Seconds a warm shutdown (SIGTERM) may take before the worker exits anyway; None: the hang bound + 60 s.
+    shutdown_timeout: float | None = Field(default=None, gt=0)
+
+    def hang_bound_s(self, max_tokens: int) -> float:
+        """``hang_timeout``, else 60 s plus the longest batch (the larger of ``token_budget`` and the
+        longest job, ``max_tokens``) at 200 tokens/s: about 12 minutes for a 131k-token prompt."""
+        return self.hang_timeout or HANG_BASE_S + max(self.token_budget, max_tokens) / WORST_TOKENS_PER_S
+
+    def shutdown_deadline_s(self, max_tokens: int) -> float:
+        """``shutdown_timeout``, else the hang bound plus a minute for the writes and publishes after it."""
+        return self.shutdown_timeout or self.hang_bound_s(max_tokens) + HANG_BASE_S
 
     @field_validator("layers", mode="before")
     @classmethod

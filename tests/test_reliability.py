@@ -29,9 +29,12 @@ from producer.reader import load_hidden_states
 from producer.redis_server import RedisServer
 from producer.schema import ErrorType, Job
 from producer.settings import Settings
+from tests.blocking_model import blocking_model, hang_env  # noqa: F401  (fixture)
 from tests.conftest import WorkerProcess
+from worker.main import EXIT_STALLED
 
 ORPHAN_TIMEOUT = 2.0
+CHAOS_HANG_TIMEOUT = 12.0  # longer than the start of the healthy worker that follows the hang
 RELIABILITY_ENV = {"LAYERTAP_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT), "LAYERTAP_MAX_ATTEMPTS": "3"}
 
 
@@ -221,7 +224,12 @@ def test_lost_message_is_sent_again(make_worker, private_client):
     assert private_client.redis.hlen(keys.PENDING_HASH) == 0  # the final result closed the record
 
 
-def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client, private_redis, tiny_models):
+def test_chaos_kills_restarts_and_a_hang_lose_nothing(make_worker, private_client, private_redis, tiny_models,
+                                                      blocking_model, tmp_path):
+    """3 Redis restarts with jobs in flight (the busy worker rides each out), 5 SIGKILLs of
+    busy workers (a successor already running, as in a fleet) and one hung engine: every job
+    ends ok once, matching plain transformers, and each dead or hung worker's jobs are started
+    again within ``orphan_timeout + 10`` s."""
     rng = random.Random(1234)
     run = "chaos"
     jobs = [Job(model="tiny-qwen3", run=run, token_ids=[rng.randrange(700) for _ in range(rng.randint(20, 300))],
@@ -238,23 +246,67 @@ def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client,
                 producer.submit(job)
                 time.sleep(0.02)
 
+    def in_flight() -> dict[str, int]:
+        """Attempts so far of every started job without a result."""
+        done = set(private_client.latest(run))
+        return {job.job_id: attempts(private_client, job) for job in jobs
+                if job.job_id not in done and attempts(private_client, job) >= 1}
+
+    def wait_back(held: dict[str, int], since: float, what: str) -> None:
+        """Until every job in ``held`` has started again or has its result; records how long."""
+        by_id = {job.job_id: job for job in jobs}
+        wait_for(lambda: all(attempts(private_client, by_id[job_id]) > count or job_id in private_client.latest(run)
+                             for job_id, count in held.items()), 60, what)
+        back_s.append(time.monotonic() - since)
+        held_counts.append(len(held))
+
     # Each worker life gets its share of fresh jobs as it starts: a fixed pace over the
     # whole schedule would leave late lives idle on a machine whose workers drain faster.
-    rounds = 6
-    share = len(jobs) // rounds
-    kills = 0
+    rounds, restart_rounds = 8, {2, 4, 6}
+    share = len(jobs) // (rounds + 1)  # the last share goes to the engine that hangs
+    kills = restarts = 0
+    back_s: list[float] = []
+    held_counts: list[int] = []  # jobs in flight at each kill and at the hang
     for round_no in range(1, rounds + 1):
-        submitter = threading.Thread(target=submit_steadily, args=(jobs[(round_no - 1) * share:round_no * share],))
+        round_jobs = jobs[(round_no - 1) * share:round_no * share]
+        submitter = threading.Thread(target=submit_steadily, args=(round_jobs,))
+        if round_no in restart_rounds:  # Redis crashes and restarts (AOF, appendfsync always) under a busy worker
+            with hold_lock(job_path(make_worker.storage, run, round_jobs[0].job_id)):  # one job surely in flight
+                submitter.start()
+                wait_for(lambda: attempts(private_client, round_jobs[0]) >= 1, 30, "the held job to start")
+                private_redis.restart()
+                restarts += 1
+                time.sleep(rng.uniform(1.0, 3.0))
+                assert worker.process.poll() is None, "the Redis restart killed a busy worker: " + \
+                    worker.log_text()[-2000:]
+            submitter.join()  # the same worker, not a successor, finishes the round: it rode the restart out
+            wait_for(lambda: {j.job_id for j in round_jobs} <= set(private_client.latest(run)), 60,
+                     "the busy worker to finish the jobs sent around the restart")
+            assert worker.process.poll() is None, worker.log_text()[-2000:]
+            continue
+        successor = make_worker(f"chaos-{round_no}@localhost", extra_args=slow, env=patient) \
+            if round_no < rounds else None
         submitter.start()
-        time.sleep(rng.uniform(0.5, 2.0))
-        if round_no == 3:  # Redis crashes and restarts (AOF, appendfsync always) under a live worker
-            private_redis.restart()
-            time.sleep(rng.uniform(1.0, 3.0))  # the worker reconnects and goes on
+        time.sleep(rng.uniform(0.2, 0.5))  # the kill lands while the round's jobs arrive
+        held = in_flight()
         worker.kill()
+        killed_at = time.monotonic()
         kills += 1
         submitter.join()
-        worker = make_worker(f"chaos-{round_no}@localhost", extra_args=slow, env=patient)
-    assert kills >= 5
+        if successor is None:  # the last successor's engine hangs once it has taken jobs
+            gate = tmp_path / "hang-gate"
+            successor = hung = make_worker("chaos-hung@localhost", extra_args=slow, model_dir=blocking_model,
+                                           env={**patient, **hang_env(gate, CHAOS_HANG_TIMEOUT)})
+            gate.touch()
+        wait_back(held, killed_at, f"the jobs of killed worker {round_no} to start again")
+        worker = successor
+    make_worker("chaos-last@localhost", extra_args=slow, env=patient)  # healthy, for what the hung one holds
+    hung_held = in_flight()
+    submit_steadily(jobs[rounds * share:])
+    assert hung.process.poll() is None, "the hung worker gave up before it could be timed"
+    assert hung.process.wait(timeout=CHAOS_HANG_TIMEOUT + 30) == EXIT_STALLED
+    wait_back(hung_held, time.monotonic(), "the hung worker's jobs to start again")
+    assert kills == 5 and restarts == 3 and sum(held_counts[:-1]) > 0 and held_counts[-1] > 0  # busy when hit
     deadline = time.monotonic() + 240
     while True:
         latest = private_client.latest(run)
@@ -269,8 +321,11 @@ def test_chaos_kills_and_redis_restart_lose_nothing(make_worker, private_client,
     assert set(latest) == {job.job_id for job in jobs}  # duplicates in the stream are the same jobs
     everything = list(private_client.results(run))
     assert len({r.worker for r in everything}) >= 4, "the kills did not land while jobs were running"
-    print(f"chaos: {len(everything)} stream entries for {len(jobs)} jobs from "
-          f"{len({r.worker for r in everything})} worker lives; max attempt {max(r.attempt or 1 for r in everything)}")
+    assert max(back_s) < ORPHAN_TIMEOUT + 10, back_s
+    print(f"chaos: {len(jobs)} jobs ok once each ({len(everything)} stream entries) from "
+          f"{len({r.worker for r in everything})} worker lives; {restarts} Redis restarts with jobs in flight, "
+          f"0 worker deaths from them; {kills} SIGKILLs and 1 hung engine holding {held_counts} jobs, back within "
+          f"{max(back_s):.1f}s (bound {ORPHAN_TIMEOUT + 10:.0f}s); max attempt {max(r.attempt or 1 for r in everything)}")
     assert temp_files(make_worker.storage) == []
     from worker import Extractor
 

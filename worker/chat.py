@@ -13,6 +13,13 @@ the template emits after that turn's generation prompt through the end of the tu
 prefixes: ``render(turns[:k], add_generation_prompt=True)`` ends where turn ``k`` starts
 and ``render(turns[:k+1])`` ends where it stops; both must be prefixes of the whole chat.
 
+Rendering every prefix costs time quadratic in the turns, so the spans are first read off
+one streamed rendering of the whole chat (``ChatRenderer.streamed_reads``: the output
+length when the template first reads each message, a fixed distance after where the
+message's text starts, measured on the first turn by the prefix rule); they are used when
+the streamed text is the chat's rendering and the prefix rule holds at the first, the
+last and two middle assistant turns, else every prefix is rendered.
+
 Templates that rewrite earlier turns (Qwen3 drops the reasoning of turns before the last
 user message) break that for earlier turns only: ``loss_on="last"`` still works. With
 ``loss_on="all"`` such a template is used through its ``{% generation %}`` blocks when it
@@ -23,7 +30,10 @@ has them (the mask is then exactly what those blocks enclose, by transformers'
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any, Literal
+
+from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template, _plain_template_data
 
 from producer.schema import ErrorType
 from worker.errors import JobError
@@ -33,6 +43,43 @@ GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 class TemplateRewritesTurns(Exception):
     """A turn's prefix rendering is not a prefix of the whole chat's rendering."""
+
+
+#: Assistant turns at which streamed spans are checked against the prefix rule (first, last, middle).
+CHECKED_TURNS = 4
+
+
+class _WatchedMessage(dict):
+    """A message that reports each read of its fields (``on_read(index)``)."""
+
+    def __init__(self, data: dict[str, Any], index: int, on_read: Any):
+        super().__init__(data)
+        self._index, self._on_read = index, on_read
+
+    def __getitem__(self, key: Any) -> Any:
+        self._on_read(self._index)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._on_read(self._index)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self._on_read(self._index)
+        return super().__contains__(key)
+
+
+class _WatchedMessages(list):
+    """The message list; iterating it (the template's loop) reports each message handed out."""
+
+    def __init__(self, items: list[_WatchedMessage], on_yield: Any):
+        super().__init__(items)
+        self._on_yield = on_yield
+
+    def __iter__(self) -> Iterator[Any]:
+        for index, item in enumerate(list.__iter__(self)):
+            self._on_yield(index)
+            yield item
 
 
 class ChatRenderer:
@@ -56,6 +103,33 @@ class ChatRenderer:
                 add_generation_prompt=generation_prompt)
         except Exception as exc:  # jinja errors, raise_exception() in templates
             raise JobError(ErrorType.chat_template, f"the chat template could not render this chat: {exc}") from None
+
+    def streamed_reads(self, text: str) -> list[int] | None:
+        """``reads[i]``: the output length at the first read of message ``i`` after the
+        template's loop reached it, from one streamed rendering of the whole chat. Message
+        ``i``'s text starts a fixed number of characters earlier (what the loop body emits
+        before it reads the message cannot depend on it). None when the stream is not
+        ``text`` (a template this cannot follow)."""
+        emitted, yielded, first_read = 0, set(), {}
+
+        def on_read(index: int) -> None:
+            if index in yielded and index not in first_read:
+                first_read[index] = emitted
+
+        chat = _alias_reasoning_fields(_plain_template_data(self.messages))
+        watched = _WatchedMessages([_WatchedMessage(m, i, on_read) for i, m in enumerate(chat)], yielded.add)
+        pieces = []
+        try:
+            for piece in _compile_jinja_template(self.template).generate(
+                    messages=watched, tools=_plain_template_data(self.tools), documents=None,
+                    add_generation_prompt=False, **_plain_template_data(self.tokenizer.special_tokens_map)):
+                pieces.append(piece)
+                emitted += len(piece)
+        except Exception:  # the real rendering already succeeded: this template is one the stream cannot follow
+            return None
+        if "".join(pieces) != text or len(first_read) != len(self.messages):
+            return None
+        return [first_read[i] for i in range(len(self.messages))]
 
     def turn_span(self, index: int, text: str) -> tuple[int, int]:
         """Character span of assistant turn ``index`` in ``text`` (the whole chat), by the prefix rule."""
@@ -89,13 +163,38 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     if loss_on == "last":
         turns = turns[-1:]
     try:
-        spans = [renderer.turn_span(index, text) for index in turns]
+        spans = _streamed_spans(renderer, text, turns) or [renderer.turn_span(index, text) for index in turns]
     except TemplateRewritesTurns as exc:
         if loss_on == "all" and GENERATION_BLOCK.search(renderer.template):
             return renderer.generation_block_mask()
         hint = ("; use loss_on='last', or a template with {% generation %} blocks" if loss_on == "all" else "")
         raise JobError(ErrorType.chat_template, f"{exc}, so its assistant tokens cannot be located{hint}") from None
     return _mask_spans(tokenizer, text, spans)
+
+
+def _streamed_spans(renderer: ChatRenderer, text: str, turns: list[int]) -> list[tuple[int, int]] | None:
+    """Each turn's span from one streamed rendering, if it agrees with the prefix rule at the
+    checked turns (raises :class:`TemplateRewritesTurns` where the rule fails); else None.
+    With fewer turns than are checked, rendering every prefix costs no more: None."""
+    if len(turns) < CHECKED_TURNS:
+        return None
+    reads, suffix = renderer.streamed_reads(text), _generation_prompt(renderer)
+    if reads is None or suffix is None:
+        return None
+    lead = reads[turns[0] + 1] - renderer.turn_span(turns[0], text)[1]  # what the loop emits before a read
+    starts = [read - lead for read in reads] + [len(text)]
+    spans = [(starts[index] + len(suffix) if index else 0, starts[index + 1]) for index in turns]
+    picks = {0, len(turns) - 1, *(len(turns) * part // (CHECKED_TURNS - 1) for part in range(1, CHECKED_TURNS - 1))}
+    if any(renderer.turn_span(turns[pick], text) != spans[pick] for pick in sorted(picks)):
+        return None
+    return spans
+
+
+def _generation_prompt(renderer: ChatRenderer) -> str | None:
+    """What the template adds for ``add_generation_prompt`` after the first message, if it only appends."""
+    plain = renderer.render(1, generation_prompt=False)
+    prompted = renderer.render(1, generation_prompt=True)
+    return prompted[len(plain):] if prompted.startswith(plain) else None
 
 
 def _check_reasoning_rendered(messages: list[dict[str, Any]], text: str) -> None:

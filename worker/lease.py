@@ -61,7 +61,10 @@ class LeaseKeeper:
         self._ticker = Periodic("lease renewal", self.interval, self.beat)
 
     def start(self) -> LeaseKeeper:
-        self.beat()
+        try:
+            self.beat()
+        except redis.exceptions.RedisError as exc:  # Redis away or refusing writes: the ticker tries again
+            log.warning("first heartbeat failed (%s); trying again in %.1fs", exc, self.interval)
         self._ticker.start()
         return self
 

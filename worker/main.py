@@ -15,14 +15,15 @@ import socket
 import time
 from pathlib import Path
 
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutting_down
 
 from producer import keys
+from producer.broker_transport import set_held_messages
 from producer.celery_app import make_celery
 from producer.redis_conn import connect
 from producer.settings import LogFormat, Settings
 from worker.extractor import build_processor
-from worker.lease import LeaseKeeper
+from worker.lease import LeaseKeeper, held_delivery_tags
 from worker.logs import configure_logging
 from worker.metrics import MeteredPublisher, WorkerMetrics
 from worker.model_loading import load_model
@@ -31,11 +32,14 @@ from worker.service import WorkerService
 from worker.startup import check_layers, check_model_source, default_served_name
 from worker.task_events import batch_task_events
 from worker.tasks import register_extract_task
+from worker.watchdog import EngineWatchdog, start_deadline
 from worker.writer import remove_stale_temp_files
 
 log = logging.getLogger("layertap.worker")
 #: Exit code after a device fault: the supervisor (or systemd, Kubernetes) restarts the process.
 EXIT_DEVICE_FAULT = 3
+#: Exit code of a worker that stopped making progress (hung engine, warm shutdown past its deadline).
+EXIT_STALLED = 4
 
 
 def default_node_name() -> str:
@@ -94,6 +98,7 @@ def run_worker(settings: Settings) -> int:
     client = connect(settings)
     service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts)
     app = make_celery(settings)
+    set_held_messages(held_delivery_tags)  # a broker channel closing after an error leaves these held
     register_extract_task(app, service)
     batch_task_events(app)
     processor.engine.warm_up()
@@ -111,12 +116,32 @@ def run_worker(settings: Settings) -> int:
                          settings.orphan_timeout)
     reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout)
 
+    hang_bound = ws.hang_bound_s(settings.limits.max_tokens)
+
+    def on_stall(reason: str) -> None:
+        # Nothing here waits on the engine: stop renewing leases, deregister, exit. The held
+        # messages go back to the queue after orphan_timeout; the supervisor restarts us.
+        log.critical("worker stalled, exiting so its jobs go to other workers: %s", reason)
+        keeper.stop()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_STALLED)
+
+    watchdog = EngineWatchdog(processor.engine, processor.awaiting_engine, hang_bound, on_stall)
+
     def on_ready(**_: object) -> None:
         # Announce the worker (heartbeat) only once Celery consumes and handles SIGTERM.
         keeper.start()
         reconciler.start()
+        watchdog.start()
+
+    def on_shutting_down(**_: object) -> None:
+        seconds = ws.shutdown_deadline_s(settings.limits.max_tokens)
+        start_deadline(seconds, f"the warm shutdown did not end within {seconds:.0f}s "
+                                "(LAYERTAP_WORKER__SHUTDOWN_TIMEOUT)", on_stall)
 
     worker_ready.connect(on_ready, weak=False)
+    worker_shutting_down.connect(on_shutting_down, weak=False)
     celery_worker = app.Worker(
         hostname=node, pool_cls="threads", concurrency=ws.concurrency, queues=[keys.model_queue(loaded.name)],
         loglevel=ws.loglevel.upper(), without_gossip=True, without_mingle=True, send_events=True,
@@ -125,6 +150,7 @@ def run_worker(settings: Settings) -> int:
     try:
         celery_worker.start()
     finally:
+        watchdog.stop()
         reconciler.stop()
         keeper.stop()
         metrics.close()

@@ -2,12 +2,19 @@
 the positions to compute teacher top-k at, and the output dtype.
 
 Runs on the caller's thread (a Celery task thread), never on the engine thread.
-Every problem with the input raises :class:`JobError` with a typed reason.
+Every problem with the input raises :class:`JobError` with a typed reason. Tokenizer calls
+take one of :data:`TOKENIZER_POOL` copies of the tokenizer (a tokenizer is not safe to share
+between threads), so one long chat holds one copy and other jobs go on with the rest; a
+prompt that cannot fit is refused before it is tokenized.
 """
 
 from __future__ import annotations
 
-import threading
+import copy
+import os
+import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +25,11 @@ from worker.chat import render_chat
 from worker.errors import JobError
 from worker.model_loading import LoadedModel
 from worker.teacher import logit_transform
+
+#: Copies of the tokenizer that jobs tokenize with at once.
+TOKENIZER_POOL = max(2, min(4, os.cpu_count() or 1))
+#: A text is refused unread when even this many times the longest token per token leaves it over the limit.
+UNFITTABLE_MARGIN = 2
 
 
 @dataclass
@@ -30,13 +42,17 @@ class PreparedInput:
 
 
 class Preparer:
-    """Tokenizes jobs for one model. Thread-safe (tokenizer calls are serialised)."""
+    """Tokenizes jobs for one model. Thread-safe (each call borrows a tokenizer from the pool)."""
 
     def __init__(self, loaded: LoadedModel, default_layers: list[int], limits: Limits):
         self.loaded = loaded
         self.default_layers = default_layers
         self.limits = limits
-        self._tokenizer_lock = threading.Lock()
+        self._tokenizers: queue.Queue[Any] = queue.Queue()
+        if loaded.tokenizer is not None:
+            for index in range(TOKENIZER_POOL):
+                self._tokenizers.put(loaded.tokenizer if index == 0 else copy.deepcopy(loaded.tokenizer))
+        self._longest_token_chars = longest_token_chars(loaded.tokenizer)
 
     def prepare(self, job: Job) -> PreparedInput:
         layer_ids = self._layers(job)
@@ -45,7 +61,7 @@ class Preparer:
         if job.token_ids is not None:
             token_ids = self._check_token_ids(job.token_ids)
         elif job.prompt is not None:
-            token_ids = self._tokenize_prompt(job.prompt)
+            token_ids = self._tokenize_prompt(job, job.prompt)
         else:
             token_ids, loss_mask = self._tokenize_chat(job)
         token_ids, loss_mask, truncated_from = self._fit_length(job, token_ids, loss_mask)
@@ -88,19 +104,33 @@ class Preparer:
             raise JobError(ErrorType.bad_token_ids, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         return token_ids
 
-    def _tokenizer(self) -> Any:
+    @contextmanager
+    def _tokenizer(self) -> Iterator[Any]:
+        """A tokenizer of the pool, for this thread alone until the block ends."""
         if self.loaded.tokenizer is None:
             raise JobError(ErrorType.invalid_job, "this worker has no tokenizer: send token_ids")
-        return self.loaded.tokenizer
+        tokenizer = self._tokenizers.get()
+        try:
+            yield tokenizer
+        finally:
+            self._tokenizers.put(tokenizer)
 
-    def _tokenize_prompt(self, prompt: str) -> list[int]:
+    def _refuse_unfittable(self, job: Job, chars: int) -> None:
+        """``too_long`` before tokenizing when ``chars`` of text cannot make fewer tokens than the limit."""
+        limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
+        fewest = chars // max(1, UNFITTABLE_MARGIN * self._longest_token_chars)  # margin: normalizers may drop text
+        if not job.truncate and fewest > limit:
+            raise JobError(ErrorType.too_long, f"{chars} characters make at least {fewest} tokens, over the limit of "
+                                               f"{limit}; set truncate=true to keep the first {limit}")
+
+    def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
         if not prompt.strip():
             raise JobError(ErrorType.empty_input, "prompt is empty")
         if len(prompt) > self.limits.max_chars:
             raise JobError(ErrorType.invalid_job, f"prompt has {len(prompt)} characters; the limit is "
                                                   f"{self.limits.max_chars}")
-        tokenizer = self._tokenizer()
-        with self._tokenizer_lock:
+        self._refuse_unfittable(job, len(prompt))
+        with self._tokenizer() as tokenizer:
             token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if not token_ids:
             raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
@@ -118,8 +148,8 @@ class Preparer:
             raise JobError(ErrorType.invalid_job, f"the chat has {chars} characters; the limit is {self.limits.max_chars}")
         if not any(m["role"] == "assistant" for m in messages):
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on")
-        tokenizer = self._tokenizer()
-        with self._tokenizer_lock:
+        self._refuse_unfittable(job, chars)
+        with self._tokenizer() as tokenizer:
             return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on)
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
@@ -131,6 +161,13 @@ class Preparer:
             raise JobError(ErrorType.too_long,
                            f"{len(token_ids)} tokens exceed {source}={limit}; set truncate=true to keep the first {limit}")
         return token_ids[:limit], (loss_mask[:limit] if loss_mask is not None else None), len(token_ids)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Length of the vocabulary's longest token string, 0 without a tokenizer. Token strings
+    spell bytes (byte-level BPE) or add markers (``▁``, ``##``), so no token covers more
+    characters of text than this."""
+    return 0 if tokenizer is None else max((len(token) for token in tokenizer.get_vocab()), default=0)
 
 
 def topk_rows(job: Job, loss_mask: list[int] | None) -> list[int] | None:

@@ -60,6 +60,12 @@ class JobProcessor:
         self.storage_root = Path(storage_root)
         self.worker_name = worker_name
         self._write_slots = threading.BoundedSemaphore(write_slots)
+        self._awaiting_engine = 0
+        self._awaiting_lock = threading.Lock()
+
+    def awaiting_engine(self) -> int:
+        """Jobs submitted to the engine whose batch has not come back yet (the watchdog reads it)."""
+        return self._awaiting_engine
 
     def parse(self, raw: Any, fallback_id: str | None = None) -> Job:
         """Validate raw message data into a job with an id; raises :class:`JobError`.
@@ -98,6 +104,10 @@ class JobProcessor:
             return self._error(job.job_id, job.run, JobError(ErrorType.internal, f"{type(exc).__name__}: {exc}"),
                                Timings(queued=queued), job=job, attempt=attempt)
 
+    def refused(self, job: Job, exc: JobError) -> Result:
+        """The error result of a valid job refused before it runs."""
+        return self._error(job.job_id, job.run, exc, Timings(), job=job)  # type: ignore[arg-type]
+
     def _run(self, job: Job, queued: float | None, attempt: int | None) -> Result:
         if job.model != self.loaded.name:
             raise JobError(ErrorType.unknown_model,
@@ -113,8 +123,15 @@ class JobProcessor:
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
                                 topk=job.topk or 0, topk_rows=prepared.topk_rows)
-        captured = self.engine.submit(request).result().wait()
+        with self._awaiting_lock:
+            self._awaiting_engine += 1
         try:
+            job_slice = self.engine.submit(request).result()
+        finally:
+            with self._awaiting_lock:
+                self._awaiting_engine -= 1
+        try:  # the slice's host buffer is given back on every path, or the engine stalls for good
+            captured = job_slice.wait()
             if captured.non_finite:
                 raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
                                                      f"{DTYPE_NAMES[output_dtype]}'s range); no file written "
@@ -128,7 +145,7 @@ class JobProcessor:
                     raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:
-            captured.release()
+            job_slice.release()
         return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, DTYPE_NAMES[output_dtype],
                         Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
 

@@ -3,22 +3,49 @@ run's status hash (one entry per job) and the end of the job's pending record (s
 ``worker.reconciler``), in one MULTI/EXEC transaction.
 
 The stream entry holds the result as flat JSON under the field ``result``. Redis being
-away is waited out with backoff; only after ``give_up_s`` does publishing raise, and the
-caller then leaves the job unacknowledged so it is redelivered (and answered from disk).
+away, or refusing writes for a while (``OOM`` at ``maxmemory``, ``READONLY`` after a
+failover, ``MISCONF``, ``NOPERM``: ``producer.redis_conn.refuses_writes``), is waited out
+with backoff, so the result arrives once Redis takes writes again; only after
+``give_up_s`` does publishing raise (the job's pending record then lets the reconciler
+send it again).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 
 from producer import keys
 from producer.client import RESULT_FIELD
+from producer.redis_conn import UNREACHABLE, refuses_writes
 from producer.schema import Result
 
 log = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
+
+
+def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
+    """``action()``, tried again with backoff while Redis is away or refuses writes; raises
+    the last error after ``give_up_s`` seconds, and any other error at once."""
+    deadline = time.monotonic() + give_up_s
+    delay = 0.1
+    while True:
+        try:
+            return action()
+        except redis.exceptions.RedisError as exc:
+            unwritable = refuses_writes(exc)
+            if not (unwritable or isinstance(exc, UNREACHABLE)) or time.monotonic() > deadline:
+                raise
+            log.log(logging.ERROR if unwritable else logging.WARNING, "%s failed (%s%s); retrying in %.1fs", what,
+                    exc, ": Redis refuses writes" if unwritable else "", delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 class ResultPublisher:
@@ -30,25 +57,17 @@ class ResultPublisher:
         """Publish ``result`` (and delete ``also_delete`` keys in the same transaction)."""
         data = result.model_dump_json()
         stream = keys.results_stream(result.run)
-        deadline = time.monotonic() + self.give_up_s
-        delay = 0.1
-        while True:
-            try:
-                pipe = self.redis.pipeline(transaction=True)
-                pipe.xadd(stream, {RESULT_FIELD: data})
-                pipe.publish(stream, data)
-                pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
-                task_id = keys.task_id(result.run, result.job_id)
-                for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
-                    pipe.hdel(pending, task_id)
-                if also_delete:
-                    pipe.delete(*also_delete)
-                pipe.execute()
-                return
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                    redis.exceptions.BusyLoadingError) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("publishing result of %s failed (%s); retrying in %.1fs", result.job_id, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+
+        def send() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(stream, {RESULT_FIELD: data})
+            pipe.publish(stream, data)
+            pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
+            task_id = keys.task_id(result.run, result.job_id)
+            for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
+                pipe.hdel(pending, task_id)
+            if also_delete:
+                pipe.delete(*also_delete)
+            pipe.execute()
+
+        wait_out_redis(send, f"publishing the result of {result.job_id}", self.give_up_s)

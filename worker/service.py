@@ -27,7 +27,7 @@ from producer import keys, runs
 from producer.schema import ErrorType, Job, Result, Status
 from worker.errors import JobError
 from worker.processor import JobProcessor
-from worker.publisher import ResultPublisher
+from worker.publisher import ResultPublisher, wait_out_redis
 
 log = logging.getLogger(__name__)
 TRANSIENT_ERRORS = {ErrorType.internal, ErrorType.write_failed}
@@ -53,8 +53,11 @@ class WorkerService:
         self.publisher = publisher
         self.max_attempts = max_attempts
 
-    def handle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str | None) -> dict[str, Any]:
-        """Run one task message; returns the published result as JSON data. May raise :class:`RetryLater`."""
+    def handle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str | None,
+               refusal: str | None = None) -> dict[str, Any]:
+        """Run one task message; returns the published result as JSON data. May raise :class:`RetryLater`.
+
+        ``refusal``: why the message is refused without running (its scheduling fields)."""
         raw: Any = args[0] if len(args) == 1 else list(args)
         submitted_at = kwargs.get("submitted_at")
         submitted_at = submitted_at if isinstance(submitted_at, (int, float)) else None
@@ -64,13 +67,22 @@ class WorkerService:
             result = self.processor.process(raw, submitted_at=submitted_at, fallback_id=task_id)
             self.publisher.publish(result)
             return result.model_dump(mode="json")
+        if refusal is not None:
+            result = self.processor.refused(job, JobError(ErrorType.invalid_job, refusal))
+            self.publisher.publish(result)
+            return result.model_dump(mode="json")
         attempts = keys.attempts_key(job.run, job.job_id)  # type: ignore[arg-type]
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.incr(attempts)
-        pipe.expire(attempts, ATTEMPTS_TTL_S)
-        pipe.exists(keys.run_cancelled_key(job.run))
-        count, _, cancelled = pipe.execute()
-        attempt = int(count)
+
+        def count_attempt() -> tuple[int, bool]:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.incr(attempts)
+            pipe.expire(attempts, ATTEMPTS_TTL_S)
+            pipe.exists(keys.run_cancelled_key(job.run))
+            count, _, cancelled = pipe.execute()
+            return int(count), bool(cancelled)
+
+        attempt, cancelled = wait_out_redis(count_attempt, f"counting an attempt of {job.job_id}",
+                                            self.publisher.give_up_s)
         if cancelled:
             result = runs.cancelled_result(job.run, job.job_id or "", worker=self.processor.worker_name,
                                            model=job.model, metadata=job.metadata)

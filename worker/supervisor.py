@@ -4,7 +4,8 @@ Each child is a plain ``layertap worker`` with its own ``CUDA_VISIBLE_DEVICES`` 
 node name ``gpu<i>@<host>`` (``gpu<i>-<j>@<host>`` for a group). A child that exits is
 restarted after a backoff that grows while it keeps dying quickly; SIGTERM/SIGINT are
 passed to every child (warm shutdown: running jobs finish, reserved ones go back to the
-queue) and the supervisor exits when they have. No CUDA is touched here: children are
+queue) and the supervisor exits when they have; a child still running ``kill_after_s``
+after its SIGTERM gets SIGKILL (its leases lapse and its jobs go back to the queue). No CUDA is touched here: children are
 started with ``subprocess`` (no fork of a CUDA process).
 
 Invariants: a child never supervises in turn (its environment says ``--gpus`` is unset,
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 log = logging.getLogger("layertap.supervisor")
 RESTART_BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0
+#: Time a child gets after its own shutdown deadline before the supervisor sends SIGKILL.
+SIGKILL_GRACE_S = 30.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -75,14 +78,14 @@ class Child:
     backoff: float = 1.0
     next_start: float = 0.0
     node: str = field(default="")
-    stop_sent: bool = False
+    stop_sent_at: float | None = None  # monotonic time of the SIGTERM passed on
 
     def start(self) -> None:
         parent = os.getpid()
         preexec = (lambda: die_with_parent(parent)) if sys.platform.startswith("linux") else None
         self.process = subprocess.Popen(self.argv, env=self.env, preexec_fn=preexec)
         self.started = time.monotonic()
-        self.stop_sent = False
+        self.stop_sent_at = None
         log.info("started %s (pid %d) on GPU %s", self.node, self.process.pid, ",".join(self.gpus))
 
 
@@ -90,8 +93,9 @@ class Supervisor:
     """Starts, restarts and stops the children."""
 
     def __init__(self, worker_args: list[str], gpus: list[str], per_worker: int = 1, host: str | None = None,
-                 metrics_port: int = 0):
+                 metrics_port: int = 0, kill_after_s: float = 900.0):
         host = host or socket.gethostname()
+        self.kill_after_s = kill_after_s
         self.children = []
         for index, ids in enumerate(group(gpus, per_worker)):
             node = f"gpu{'-'.join(ids)}@{host}"
@@ -109,10 +113,16 @@ class Supervisor:
         self._stopping = True  # the loop passes SIGTERM on: a child started meanwhile gets it too
 
     def _stop_children(self) -> None:
+        now = time.monotonic()
         for child in self.children:
-            if child.process and child.process.poll() is None and not child.stop_sent:
+            if not (child.process and child.process.poll() is None):
+                continue
+            if child.stop_sent_at is None:
                 child.process.send_signal(signal.SIGTERM)
-                child.stop_sent = True
+                child.stop_sent_at = now
+            elif now - child.stop_sent_at > self.kill_after_s:
+                log.warning("%s still running %.0fs after SIGTERM; sending SIGKILL", child.node, self.kill_after_s)
+                child.process.kill()
 
     def run(self, poll_s: float = 0.5) -> int:
         """Supervise until SIGTERM/SIGINT; returns 0 when every child stopped cleanly."""
