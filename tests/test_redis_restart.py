@@ -70,10 +70,13 @@ def test_redis_at_maxmemory_is_waited_out_and_shown_in_status(make_worker, priva
 def test_worker_rides_out_a_failover_to_a_real_replica_and_back(make_worker, private_client, private_redis, tmp_path):
     """The primary the worker uses is demoted to a replica of a real ``--replicaof`` server
     (it answers READONLY, then resyncs) while a job is in flight, and promoted back: the
-    worker stays up, and the job's result and later jobs arrive."""
+    worker stays up, and the job's result and later jobs arrive. The worker's orphan timeout
+    is longer than the failover window here (as in production, 60 s against seconds): with
+    the suite's 2 s, leases that cannot be renewed while Redis is read-only lapse, and the
+    reconciler rightly sends the job again (answered from disk: a second, agreeing result)."""
     from producer.redis_server import RedisServer
 
-    worker = make_worker("failover@localhost")
+    worker = make_worker("failover@localhost", env={"LAYERTAP_ORPHAN_TIMEOUT": "30"})
     primary = private_client.redis
     with RedisServer(data_dir=tmp_path / "replica", extra_args=["--replicaof", "127.0.0.1",
                                                                 str(private_redis.port)]) as replica_server:
