@@ -136,8 +136,8 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
             pipe.hdel(pending, *task_ids)
     for key in client.scan_iter(match=keys.attempts_pattern(run), count=1000):
         pipe.delete(key)
-    pipe.delete(keys.results_stream(run), keys.run_status_hash(run), keys.run_submitted_hash(run),
-                keys.run_cancelled_key(run))
+    pipe.delete(keys.results_stream(run), keys.run_status_hash(run), keys.run_result_ids_hash(run),
+                keys.run_submitted_hash(run), keys.run_cancelled_key(run))
     pipe.execute()
     return paths
 

@@ -13,6 +13,14 @@ sweeps at least ``grace`` seconds apart (covering a delivery in progress) is sen
 with the same task id and payload. A false alarm only costs a duplicate delivery, which
 the worker answers from disk (jobs are idempotent). A missing job of a cancelled run
 (``producer.runs``) is not sent again: its ``cancelled`` result is published instead.
+
+A sweep reads ids and times, never a message body: the held task ids are the keys of
+``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``), a queue's head is
+known by its delivery tag (a server-side script returns only the tag) and its send time
+by that job's pending record, and the suspects' first-seen times come in one ``HGETALL``
+and go back in one pipeline. A body is read only for a job it resends (its pending
+payload), and for a held or queued message whose tag carries no task id or whose job has
+no pending record (sent by an older client, or a finished job's duplicate).
 """
 
 from __future__ import annotations
@@ -32,7 +40,16 @@ from worker.periodic import Periodic
 from worker.publisher import ResultPublisher
 
 log = logging.getLogger(__name__)
-UNACKED_KEY = "unacked"  # kombu's default ``unacked_key``
+
+#: The delivery tag of the message next in line in KEYS[1] (false if the queue is empty, "" if
+#: it has none): the only part of the message that leaves Redis. A tag is a property of the
+#: message (kombu's JSON); the body is base64 and the headers' reprs escape quotes, so the
+#: first match is the tag.
+HEAD_DELIVERY_TAG = """
+local message = redis.call('LINDEX', KEYS[1], -1)
+if not message then return false end
+return string.match(message, '"delivery_tag": *"([^"]*)"') or ''
+"""
 
 
 def _held_task_id(unacked_entry: bytes | str) -> str | None:
@@ -57,6 +74,10 @@ def _submitted_at_of(raw_message: bytes | str) -> float | None:
         return None
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class Reconciler:
     """A background thread in every worker; at most one sweeps at a time."""
 
@@ -67,6 +88,7 @@ class Reconciler:
         self.interval = interval
         self.grace = grace
         self.publisher = ResultPublisher(client)
+        self._head_tag = client.register_script(HEAD_DELIVERY_TAG)
         self._ticker = Periodic("reconcile sweep", interval, self.sweep)
 
     def start(self) -> Reconciler:
@@ -81,34 +103,54 @@ class Reconciler:
         if not self.redis.set(keys.RECONCILE_LOCK, self.node, nx=True, ex=max(1, int(self.interval))):
             return 0
         now = time.time()
-        held = {_held_task_id(raw) for _, raw in self.redis.hscan_iter(UNACKED_KEY)}
-        oldest: dict[str, float | None] = {}
-        resent = 0
+        held = self._held_task_ids()
+        suspects = {_text(task_id): float(seen) for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
+        sent_at: dict[str, float] = {}
+        queues: dict[str, list[str]] = {}
         for task_id, info in self.redis.hscan_iter(keys.PENDING_HASH, count=1000):
-            task_id = task_id.decode() if isinstance(task_id, bytes) else task_id
-            record = json.loads(info)
-            queue, submitted_at = record["queue"], float(record["submitted_at"])
-            if queue not in oldest:
-                oldest[queue] = self._oldest_queued(queue)
-            cutoff = oldest[queue]
-            missing = (task_id not in held and cutoff is not None and submitted_at < cutoff
-                       and now - submitted_at > self.grace)
-            if not missing:
-                self.redis.hdel(keys.SUSPECT_HASH, task_id)
-                continue
-            first_seen = self.redis.hget(keys.SUSPECT_HASH, task_id)
-            if first_seen is None:
-                self.redis.hset(keys.SUSPECT_HASH, task_id, now)
-            elif now - float(first_seen) >= self.grace and self._resend(task_id):
-                resent += 1
-        return resent
+            task_id, record = _text(task_id), json.loads(info)
+            sent_at[task_id] = float(record["submitted_at"])
+            queues.setdefault(record["queue"], []).append(task_id)
+        missing = set()
+        for queue, task_ids in queues.items():
+            cutoff = self._oldest_queued(queue, sent_at)
+            if cutoff is not None:
+                missing.update(task_id for task_id in task_ids if task_id not in held
+                               and sent_at[task_id] < cutoff and now - sent_at[task_id] > self.grace)
+        pipe = self.redis.pipeline(transaction=False)
+        cleared = [task_id for task_id in suspects if task_id not in missing]
+        if cleared:
+            pipe.hdel(keys.SUSPECT_HASH, *cleared)
+        found = {task_id: now for task_id in missing if task_id not in suspects}
+        if found:
+            pipe.hset(keys.SUSPECT_HASH, mapping=found)
+        pipe.execute()
+        due = sorted(task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace)
+        return sum(self._resend(task_id) for task_id in due)
 
-    def _oldest_queued(self, queue: str) -> float | None:
+    def _held_task_ids(self) -> set[str | None]:
+        """Task ids of every message a worker holds, from the ``unacked`` hash's keys (delivery tags)."""
+        held: set[str | None] = set()
+        untagged = []
+        for tag in map(_text, self.redis.hkeys(keys.UNACKED_HASH)):
+            task_id = keys.task_id_of_delivery_tag(tag)
+            if task_id is None:
+                untagged.append(tag)
+            held.add(task_id)
+        if untagged:  # sent without a task id in its tag: read those messages
+            held.update(_held_task_id(raw) for raw in self.redis.hmget(keys.UNACKED_HASH, untagged) if raw)
+        return held
+
+    def _oldest_queued(self, queue: str, sent_at: dict[str, float]) -> float | None:
         """Send time of the message next in line in ``queue``: +inf if empty, None if unknown."""
-        head = self.redis.lindex(queue, -1)
-        if head is None:
+        tag = self._head_tag(keys=[queue])
+        if tag is None:
             return float("inf")
-        return _submitted_at_of(head)
+        task_id = keys.task_id_of_delivery_tag(_text(tag))
+        if task_id in sent_at:
+            return sent_at[task_id]
+        head = self.redis.lindex(queue, -1)  # a tag without a task id, or a finished job's duplicate
+        return float("inf") if head is None else _submitted_at_of(head)
 
     def _resend(self, task_id: str) -> bool:
         payload: Any = self.redis.hget(keys.PENDING_PAYLOAD_HASH, task_id)
