@@ -109,6 +109,8 @@ class Client:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
         pipe.hset(keys.PENDING_HASH, task_id, json.dumps({"queue": queue, "submitted_at": now}))
+        pipe.zadd(keys.pending_sent_zset(queue), {task_id: now})
+        pipe.sadd(keys.PENDING_QUEUES_SET, queue)
         pipe.hset(keys.PENDING_PAYLOAD_HASH, task_id, json.dumps({"args": args, "kwargs": kwargs, "queue": queue}))
         pipe.execute()
 

@@ -28,6 +28,8 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 PENDING_HASH = f"{PREFIX}:pending"
 #: Hash task id -> JSON {"args", "kwargs", "queue"}: what to send again if the message is lost.
 PENDING_PAYLOAD_HASH = f"{PREFIX}:pending:payload"
+#: Set of the queues the Client has sent jobs to (bounded by the models ever used).
+PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
 #: Hash task id -> time the reconciler first found the job neither queued, held nor finished.
 SUSPECT_HASH = f"{PREFIX}:pending:suspect"
 #: Lock (SET NX EX) so that one worker at a time reconciles.
@@ -49,6 +51,14 @@ DELIVERY_TAG_SEPARATOR = "|"
 def model_queue(model: str) -> str:
     """The Celery queue (a Redis list) that carries jobs for ``model``."""
     return f"{QUEUE_PREFIX}{model}"
+
+
+def pending_sent_zset(queue: str) -> str:
+    """Sorted set task id -> send time of ``queue``'s jobs in :data:`PENDING_HASH`: the reconciler
+    reads only the ones sent before the queue's head (held, lost or just finished), never the
+    backlog. Written with the record; removed with the final result (a result without a model
+    leaves its member to the next sweep that reaches it, which drops members without a record)."""
+    return f"{PREFIX}:pending:sent:{queue}"
 
 
 def queue_model(queue_key: str) -> str | None:

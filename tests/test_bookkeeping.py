@@ -89,6 +89,24 @@ def test_sweep_reads_no_message_body_and_resends_only_the_lost_job(own_client, o
     raw.close()
 
 
+def test_sweep_does_not_read_the_backlog(own_client, own_redis):
+    """Jobs queued behind the head cannot be lost: a sweep reads none of their records."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)
+        for index in range(502):
+            own_client.submit({"model": MODEL, "run": "backlog", "job_id": f"j{index}", "token_ids": [1, 2, 3]})
+    raw = redis.Redis.from_url(own_redis.url)
+    with own_client.celery.connection_for_read() as connection:
+        channel = connection.default_channel
+        assert all(channel.basic_get(keys.model_queue(MODEL), no_ack=False) is not None for _ in range(2))
+        reconciler = Reconciler(raw, own_client.celery, "sweeper@host", interval=1.0, grace=0.0)
+        resent, read = read_by(raw, reconciler.sweep)
+        assert resent == 0 and raw.hlen(keys.SUSPECT_HASH) == 0
+        assert raw.hlen(keys.PENDING_HASH) == 502 and raw.llen(keys.model_queue(MODEL)) == 500
+    assert read < 1_000, f"a sweep read {read} bytes with 2 jobs held and 500 queued"
+    raw.close()
+
+
 def test_wait_returns_results_published_before_and_after_it_was_called(own_client):
     publisher = ResultPublisher(own_client.redis)
     for index in range(3):

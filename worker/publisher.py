@@ -75,6 +75,8 @@ class ResultPublisher:
             task_id = keys.task_id(result.run, result.job_id)
             for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
                 pipe.hdel(pending, task_id)
+            if result.model:
+                pipe.zrem(keys.pending_sent_zset(keys.model_queue(result.model)), task_id)
             if also_delete:
                 pipe.delete(*also_delete)
             pipe.execute()

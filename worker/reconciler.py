@@ -14,13 +14,16 @@ with the same task id and payload. A false alarm only costs a duplicate delivery
 the worker answers from disk (jobs are idempotent). A missing job of a cancelled run
 (``producer.runs``) is not sent again: its ``cancelled`` result is published instead.
 
-A sweep reads ids and times, never a message body: the held task ids are the keys of
-``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``), a queue's head is
-known by its delivery tag (a server-side script returns only the tag) and its send time
-by that job's pending record, and the suspects' first-seen times come in one ``HGETALL``
-and go back in one pipeline. A body is read only for a job it resends (its pending
-payload), and for a held or queued message whose tag carries no task id or whose job has
-no pending record (sent by an older client, or a finished job's duplicate).
+A sweep reads ids and times, never a message body, and never the backlog: the held task
+ids are the keys of ``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``),
+a queue's head is known by its delivery tag (a server-side script returns only the tag)
+and its send time by the queue's sorted set of pending send times
+(``keys.pending_sent_zset``), from which only the jobs sent before the head are read (the
+held, the lost and the just finished: O(in-flight)); the suspects' first-seen times come
+in one ``HGETALL`` and go back in one pipeline. A body is read only for a job it resends
+(its pending payload), for a held message whose tag carries no task id, and for a queue
+head whose job has no pending send time (sent by an older client, or a finished job's
+duplicate). A job sent by a client older than the sorted sets has none and is not swept.
 """
 
 from __future__ import annotations
@@ -105,18 +108,9 @@ class Reconciler:
         now = time.time()
         held = self._held_task_ids()
         suspects = {_text(task_id): float(seen) for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
-        sent_at: dict[str, float] = {}
-        queues: dict[str, list[str]] = {}
-        for task_id, info in self.redis.hscan_iter(keys.PENDING_HASH, count=1000):
-            task_id, record = _text(task_id), json.loads(info)
-            sent_at[task_id] = float(record["submitted_at"])
-            queues.setdefault(record["queue"], []).append(task_id)
-        missing = set()
-        for queue, task_ids in queues.items():
-            cutoff = self._oldest_queued(queue, sent_at)
-            if cutoff is not None:
-                missing.update(task_id for task_id in task_ids if task_id not in held
-                               and sent_at[task_id] < cutoff and now - sent_at[task_id] > self.grace)
+        missing: set[str] = set()
+        for queue in sorted(map(_text, self.redis.smembers(keys.PENDING_QUEUES_SET))):
+            missing.update(self._missing_from(queue, held, now))
         pipe = self.redis.pipeline(transaction=False)
         cleared = [task_id for task_id in suspects if task_id not in missing]
         if cleared:
@@ -141,14 +135,32 @@ class Reconciler:
             held.update(_held_task_id(raw) for raw in self.redis.hmget(keys.UNACKED_HASH, untagged) if raw)
         return held
 
-    def _oldest_queued(self, queue: str, sent_at: dict[str, float]) -> float | None:
+    def _missing_from(self, queue: str, held: set[str | None], now: float) -> list[str]:
+        """Pending jobs of ``queue`` sent before its head and over ``grace`` ago that no worker holds."""
+        cutoff = self._oldest_queued(queue)
+        if cutoff is None:
+            return []
+        sent = keys.pending_sent_zset(queue)
+        before = self.redis.zrangebyscore(sent, "-inf", f"({min(cutoff, now - self.grace)!r}")
+        candidates = [task_id for task_id in map(_text, before) if task_id not in held]
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in candidates:
+            pipe.hexists(keys.PENDING_HASH, task_id)
+        recorded = pipe.execute() if candidates else []
+        finished = [task_id for task_id, exists in zip(candidates, recorded) if not exists]
+        if finished:
+            self.redis.zrem(sent, *finished)
+        return [task_id for task_id, exists in zip(candidates, recorded) if exists]
+
+    def _oldest_queued(self, queue: str) -> float | None:
         """Send time of the message next in line in ``queue``: +inf if empty, None if unknown."""
         tag = self._head_tag(keys=[queue])
         if tag is None:
             return float("inf")
         task_id = keys.task_id_of_delivery_tag(_text(tag))
-        if task_id in sent_at:
-            return sent_at[task_id]
+        sent_at = self.redis.zscore(keys.pending_sent_zset(queue), task_id) if task_id else None
+        if sent_at is not None:
+            return sent_at
         head = self.redis.lindex(queue, -1)  # a tag without a task id, or a finished job's duplicate
         return float("inf") if head is None else _submitted_at_of(head)
 
