@@ -89,6 +89,24 @@ def test_sweep_reads_no_message_body_and_resends_only_the_lost_job(own_client, o
     raw.close()
 
 
+def test_sweep_resends_a_lost_job_recorded_by_an_older_client(own_client, own_redis):
+    """A pending record without its send-time member (as an older Client wrote them) is still swept."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)
+        job = own_client.submit({"model": MODEL, "run": "older", "job_id": "j0", "token_ids": [1, 2, 3]})
+    queue, task_id = keys.model_queue(MODEL), keys.task_id("older", "j0")
+    own_client.redis.delete(keys.pending_sent_zset(queue), keys.PENDING_QUEUES_SET)
+    assert own_client.redis.rpop(queue) is not None  # lost
+    raw = redis.Redis.from_url(own_redis.url)
+    reconciler = Reconciler(raw, own_client.celery, "sweeper@host", interval=1.0, grace=0.0)
+    assert reconciler.sweep() == 0
+    assert raw.zscore(keys.pending_sent_zset(queue), task_id) is not None
+    raw.delete(keys.RECONCILE_LOCK)
+    assert reconciler.sweep() == 1
+    assert json.loads(raw.lindex(queue, -1))["headers"]["id"] == keys.task_id(job.run, job.job_id)
+    raw.close()
+
+
 def test_sweep_does_not_read_the_backlog(own_client, own_redis):
     """Jobs queued behind the head cannot be lost: a sweep reads none of their records."""
     with warnings.catch_warnings():

@@ -23,7 +23,8 @@ held, the lost and the just finished: O(in-flight)); the suspects' first-seen ti
 in one ``HGETALL`` and go back in one pipeline. A body is read only for a job it resends
 (its pending payload), for a held message whose tag carries no task id, and for a queue
 head whose job has no pending send time (sent by an older client, or a finished job's
-duplicate). A job sent by a client older than the sorted sets has none and is not swept.
+duplicate). Pending records without a sorted-set member (written by a client older than
+the sorted sets: the records outnumber the members) are given one, in one full pass.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ class Reconciler:
         now = time.time()
         held = self._held_task_ids()
         suspects = {_text(task_id): float(seen) for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
+        queues = self._adopt_unsorted_records()
         missing: set[str] = set()
-        for queue in sorted(map(_text, self.redis.smembers(keys.PENDING_QUEUES_SET))):
+        for queue in sorted(queues):
             missing.update(self._missing_from(queue, held, now))
         pipe = self.redis.pipeline(transaction=False)
         cleared = [task_id for task_id in suspects if task_id not in missing]
@@ -121,6 +123,26 @@ class Reconciler:
         pipe.execute()
         due = sorted(task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace)
         return sum(self._resend(task_id) for task_id in due)
+
+    def _adopt_unsorted_records(self) -> set[str]:
+        """The queues with pending jobs; first, if some pending record has no send-time member
+        (the client writes both in one transaction, so only an older client's), add the members."""
+        queues = set(map(_text, self.redis.smembers(keys.PENDING_QUEUES_SET)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hlen(keys.PENDING_HASH)
+        for queue in queues:
+            pipe.zcard(keys.pending_sent_zset(queue))
+        records, *members = pipe.execute()
+        if records <= sum(members):
+            return queues
+        for task_id, info in self.redis.hscan_iter(keys.PENDING_HASH, count=1000):
+            record = json.loads(info)
+            pipe.zadd(keys.pending_sent_zset(record["queue"]), {_text(task_id): float(record["submitted_at"])}, nx=True)
+            pipe.sadd(keys.PENDING_QUEUES_SET, record["queue"])
+            queues.add(record["queue"])
+        pipe.execute()
+        log.info("gave %d pending record(s) of an older client their send-time entries", records - sum(members))
+        return queues
 
     def _held_task_ids(self) -> set[str | None]:
         """Task ids of every message a worker holds, from the ``unacked`` hash's keys (delivery tags)."""
