@@ -171,7 +171,7 @@ class Client:
         Jobs already finished are read by their stream ids (``keys.run_result_ids_hash``), the
         others from the stream's end onwards: the cost grows with ``job_ids``, not with the run."""
         wanted = set(job_ids)
-        found, since = self._published_results(run, wanted)
+        found, since = retrying(lambda: self._published_results(run, wanted), give_up_s=timeout)
         deadline = time.monotonic() + timeout
         if len(found) < len(wanted):
             for result in self.results(run, follow=True, since=since, block_ms=500, timeout=timeout):
