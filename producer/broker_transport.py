@@ -28,6 +28,10 @@ messages of tasks this worker is still running (and kombu drops a message it too
   timeout, like any dead worker;
 * a closed channel keeps serving commands (those acks) from its last client, whose pool
   reconnects once Redis is back.
+
+A task message's delivery tag carries its task id (``keys.delivery_tag``): kombu's
+``unacked`` hash is keyed by delivery tag, so the reconciler (``worker.reconciler``) learns
+which jobs workers hold from the hash's keys, without reading a message body.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from contextlib import contextmanager
 
 import redis
 from kombu.transport import redis as kombu_redis
+
+from producer import keys
 
 REUSED_CLIENT_SCHEMES = ("redis", "rediss")
 TRANSPORT_PATH = f"{__name__}:Transport"
@@ -74,6 +80,14 @@ class Channel(kombu_redis.Channel):
 
     QoS = QoS
     _shared_client: redis.Redis | None = None
+
+    def _inplace_augment_message(self, message: dict, exchange: str, routing_key: str) -> None:
+        """kombu's encoding and delivery tag; a task message's tag then gets its task id in front."""
+        super()._inplace_augment_message(message, exchange, routing_key)
+        task_id = (message.get("headers") or {}).get("id")
+        if isinstance(task_id, str):
+            properties = message["properties"]
+            properties["delivery_tag"] = keys.delivery_tag(task_id, properties["delivery_tag"])
 
     def transport_gone(self) -> bool:
         """True once the channel's connection or its transport's settings were released."""

@@ -109,6 +109,8 @@ class Client:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
         pipe.hset(keys.PENDING_HASH, task_id, json.dumps({"queue": queue, "submitted_at": now}))
+        pipe.zadd(keys.pending_sent_zset(queue), {task_id: now})
+        pipe.sadd(keys.PENDING_QUEUES_SET, queue)
         pipe.hset(keys.PENDING_PAYLOAD_HASH, task_id, json.dumps({"args": args, "kwargs": kwargs, "queue": queue}))
         pipe.execute()
 
@@ -164,22 +166,51 @@ class Client:
     def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0, *,
              raise_on_error: bool = False) -> dict[str, Result]:
         """Block until every job in ``job_ids`` has a result; raise ``TimeoutError`` otherwise.
-        With ``raise_on_error``, raise :class:`JobFailed` if any of them is an error result."""
-        wanted, found = set(job_ids), {}
+        With ``raise_on_error``, raise :class:`JobFailed` if any of them is an error result.
+
+        Jobs already finished are read by their stream ids (``keys.run_result_ids_hash``), the
+        others from the stream's end onwards: the cost grows with ``job_ids``, not with the run."""
+        wanted = set(job_ids)
+        found, since = retrying(lambda: self._published_results(run, wanted), give_up_s=timeout)
         deadline = time.monotonic() + timeout
-        for result in self.results(run, follow=True, block_ms=500, timeout=timeout):
-            if result.job_id in wanted:
-                found[result.job_id] = result
-                if len(found) == len(wanted):
-                    failed = [found[job_id] for job_id in sorted(found) if not found[job_id].ok]
-                    if raise_on_error and failed:
-                        raise JobFailed(failed, found)
-                    return found
-            if time.monotonic() > deadline:
-                break
+        if len(found) < len(wanted):
+            for result in self.results(run, follow=True, since=since, block_ms=500, timeout=timeout):
+                if result.job_id in wanted:
+                    found[result.job_id] = result
+                    if len(found) == len(wanted):
+                        break
+                if time.monotonic() > deadline:
+                    break
+        if len(found) == len(wanted):
+            failed = [found[job_id] for job_id in sorted(found) if not found[job_id].ok]
+            if raise_on_error and failed:
+                raise JobFailed(failed, found)
+            return found
         missing = sorted(wanted - set(found))
         raise TimeoutError(f"{len(missing)} of {len(wanted)} jobs have no result after {timeout:.0f}s, "
                            f"e.g. {missing[:3]}")
+
+    def _published_results(self, run: str, wanted: set[str]) -> tuple[dict[str, Result], str]:
+        """The latest results of ``wanted`` jobs published so far, and the stream id after which
+        every later result lies (one snapshot: ``MULTI``). A job with a status but no indexed
+        entry (published before the index existed) sends the caller to the stream's start."""
+        stream, order = keys.results_stream(run), sorted(wanted)
+        if not order:
+            return {}, "0"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xrevrange(stream, count=1)
+        pipe.hmget(keys.run_result_ids_hash(run), order)
+        pipe.hmget(keys.run_status_hash(run), order)
+        last, entry_ids, statuses = pipe.execute()
+        if any(status is not None and entry_id is None for status, entry_id in zip(statuses, entry_ids)):
+            return {}, "0"
+        indexed = [(job_id, entry_id) for job_id, entry_id in zip(order, entry_ids) if entry_id is not None]
+        pipe = self.redis.pipeline(transaction=False)
+        for _, entry_id in indexed:
+            pipe.xrange(stream, entry_id, entry_id)
+        found = {job_id: Result.model_validate_json(entries[0][1][RESULT_FIELD])
+                 for (job_id, _), entries in zip(indexed, pipe.execute()) if entries}
+        return found, last[0][0] if last else "0"
 
     def subscribe(self, run: str) -> Iterator[Result]:
         """Results as they are published (pub/sub: at-most-once; use :meth:`results` to not miss any)."""

@@ -28,6 +28,8 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 PENDING_HASH = f"{PREFIX}:pending"
 #: Hash task id -> JSON {"args", "kwargs", "queue"}: what to send again if the message is lost.
 PENDING_PAYLOAD_HASH = f"{PREFIX}:pending:payload"
+#: Set of the queues the Client has sent jobs to (bounded by the models ever used).
+PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
 #: Hash task id -> time the reconciler first found the job neither queued, held nor finished.
 SUSPECT_HASH = f"{PREFIX}:pending:suspect"
 #: Lock (SET NX EX) so that one worker at a time reconciles.
@@ -35,10 +37,28 @@ RECONCILE_LOCK = f"{PREFIX}:reconcile:lock"
 #: Counter of jobs the reconciler sent again.
 RECOVERED_COUNTER = f"{PREFIX}:stats:recovered"
 
+#: kombu's Redis transport (default names): hash delivery tag -> JSON ``[message, exchange,
+#: routing_key]`` of every delivered, unacknowledged message, and sorted set delivery tag ->
+#: delivery time (renewed by ``worker.lease``). Bounded by the messages workers hold.
+UNACKED_HASH = "unacked"
+UNACKED_INDEX = "unacked_index"
+#: A layertap message's delivery tag is ``<task id><DELIVERY_TAG_SEPARATOR><uuid>``
+#: (``producer.broker_transport``), so the reconciler learns which jobs are held from the tags
+#: alone. Task ids never hold it (run names and job ids are :data:`naming.NAME_PATTERN`).
+DELIVERY_TAG_SEPARATOR = "|"
+
 
 def model_queue(model: str) -> str:
     """The Celery queue (a Redis list) that carries jobs for ``model``."""
     return f"{QUEUE_PREFIX}{model}"
+
+
+def pending_sent_zset(queue: str) -> str:
+    """Sorted set task id -> send time of ``queue``'s jobs in :data:`PENDING_HASH`: the reconciler
+    reads only the ones sent before the queue's head (held, lost or just finished), never the
+    backlog. Written with the record; removed with the final result (a result without a model
+    leaves its member to the next sweep that reaches it, which drops members without a record)."""
+    return f"{PREFIX}:pending:sent:{queue}"
 
 
 def queue_model(queue_key: str) -> str | None:
@@ -56,6 +76,13 @@ def results_stream(run: str) -> str:
 def run_status_hash(run: str) -> str:
     """Hash job_id -> latest status of that job in ``run`` (deduplicated view of the stream)."""
     return f"{PREFIX}:run:{run}:status"
+
+
+def run_result_ids_hash(run: str) -> str:
+    """Hash job_id -> stream id of the job's latest entry in :func:`results_stream` (set with the
+    entry, in the same transaction): ``Client.wait`` reads a finished job's result without reading
+    the stream from its start. No TTL; one field per job of the run, deleted with the run."""
+    return f"{PREFIX}:run:{run}:result_ids"
 
 
 def run_submitted_hash(run: str) -> str:
@@ -114,6 +141,17 @@ def worker_heartbeat_key(node: str) -> str:
 def task_id(run: str, job_id: str) -> str:
     """Celery task id of a job: ``AsyncResult(task_id(run, job_id)).get()`` gives its result."""
     return f"{run}:{job_id}"
+
+
+def delivery_tag(task_id: str, unique: str) -> str:
+    """The delivery tag of one delivery of the task ``task_id`` (``unique``: kombu's uuid)."""
+    return f"{task_id}{DELIVERY_TAG_SEPARATOR}{unique}"
+
+
+def task_id_of_delivery_tag(tag: str) -> str | None:
+    """The task id a :func:`delivery_tag` carries; None for a tag of another form."""
+    task, sep, _unique = tag.rpartition(DELIVERY_TAG_SEPARATOR)
+    return task if sep and task else None
 
 
 def parse_task_id(value: str) -> tuple[str, str] | None:

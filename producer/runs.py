@@ -134,10 +134,15 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
         task_ids = [_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]
         if task_ids:
             pipe.hdel(pending, *task_ids)
+    for queue in map(_text, client.smembers(keys.PENDING_QUEUES_SET)):
+        sent = keys.pending_sent_zset(queue)
+        task_ids = [_text(task_id) for task_id, _ in client.zscan_iter(sent, match=f"{prefix}*")]
+        if task_ids:
+            pipe.zrem(sent, *task_ids)
     for key in client.scan_iter(match=keys.attempts_pattern(run), count=1000):
         pipe.delete(key)
-    pipe.delete(keys.results_stream(run), keys.run_status_hash(run), keys.run_submitted_hash(run),
-                keys.run_cancelled_key(run))
+    pipe.delete(keys.results_stream(run), keys.run_status_hash(run), keys.run_result_ids_hash(run),
+                keys.run_submitted_hash(run), keys.run_cancelled_key(run))
     pipe.execute()
     return paths
 

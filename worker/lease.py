@@ -30,7 +30,6 @@ from producer import keys
 from worker.periodic import Periodic
 
 log = logging.getLogger(__name__)
-UNACKED_INDEX_KEY = "unacked_index"  # kombu's default ``unacked_index_key``
 
 
 def held_delivery_tags() -> set[str]:
@@ -51,7 +50,7 @@ class LeaseKeeper:
     """Background thread: heartbeat + lease renewal for one worker node."""
 
     def __init__(self, client: redis.Redis, node: str, info: Callable[[], dict[str, Any]], orphan_timeout: float,
-                 unacked_index_key: str = UNACKED_INDEX_KEY):
+                 unacked_index_key: str = keys.UNACKED_INDEX):
         self.redis = client
         self.node = node
         self.info = info

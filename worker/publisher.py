@@ -1,5 +1,6 @@
 """Publishing a final result: the run's Stream (durable), its pub/sub channel (instant), the
-run's status hash (one entry per job) and the end of the job's pending record (see
+run's status hash (one entry per job), the entry's stream id in the run's result-ids hash
+(``keys.run_result_ids_hash``) and the end of the job's pending record (see
 ``worker.reconciler``), in one MULTI/EXEC transaction.
 
 The stream entry holds the result as flat JSON under the field ``result``. Redis being
@@ -28,6 +29,13 @@ log = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
+
+#: XADD KEYS[1] field ARGV[1] = ARGV[2], and record the new entry's id under job ARGV[3] in KEYS[2].
+XADD_AND_INDEX = """
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], id)
+return id
+"""
 
 
 def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
@@ -60,12 +68,15 @@ class ResultPublisher:
 
         def send() -> None:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.xadd(stream, {RESULT_FIELD: data})
+            pipe.eval(XADD_AND_INDEX, 2, stream, keys.run_result_ids_hash(result.run), RESULT_FIELD, data,
+                      result.job_id)
             pipe.publish(stream, data)
             pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
             task_id = keys.task_id(result.run, result.job_id)
             for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
                 pipe.hdel(pending, task_id)
+            if result.model:
+                pipe.zrem(keys.pending_sent_zset(keys.model_queue(result.model)), task_id)
             if also_delete:
                 pipe.delete(*also_delete)
             pipe.execute()

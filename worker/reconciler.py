@@ -13,6 +13,18 @@ sweeps at least ``grace`` seconds apart (covering a delivery in progress) is sen
 with the same task id and payload. A false alarm only costs a duplicate delivery, which
 the worker answers from disk (jobs are idempotent). A missing job of a cancelled run
 (``producer.runs``) is not sent again: its ``cancelled`` result is published instead.
+
+A sweep reads ids and times, never a message body, and never the backlog: the held task
+ids are the keys of ``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``),
+a queue's head is known by its delivery tag (a server-side script returns only the tag)
+and its send time by the queue's sorted set of pending send times
+(``keys.pending_sent_zset``), from which only the jobs sent before the head are read (the
+held, the lost and the just finished: O(in-flight)); the suspects' first-seen times come
+in one ``HGETALL`` and go back in one pipeline. A body is read only for a job it resends
+(its pending payload), for a held message whose tag carries no task id, and for a queue
+head whose job has no pending send time (sent by an older client, or a finished job's
+duplicate). Pending records without a sorted-set member (written by a client older than
+the sorted sets: the records outnumber the members) are given one, in one full pass.
 """
 
 from __future__ import annotations
@@ -32,7 +44,16 @@ from worker.periodic import Periodic
 from worker.publisher import ResultPublisher
 
 log = logging.getLogger(__name__)
-UNACKED_KEY = "unacked"  # kombu's default ``unacked_key``
+
+#: The delivery tag of the message next in line in KEYS[1] (false if the queue is empty, "" if
+#: it has none): the only part of the message that leaves Redis. A tag is a property of the
+#: message (kombu's JSON); the body is base64 and the headers' reprs escape quotes, so the
+#: first match is the tag.
+HEAD_DELIVERY_TAG = """
+local message = redis.call('LINDEX', KEYS[1], -1)
+if not message then return false end
+return string.match(message, '"delivery_tag": *"([^"]*)"') or ''
+"""
 
 
 def _held_task_id(unacked_entry: bytes | str) -> str | None:
@@ -57,6 +78,10 @@ def _submitted_at_of(raw_message: bytes | str) -> float | None:
         return None
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class Reconciler:
     """A background thread in every worker; at most one sweeps at a time."""
 
@@ -67,6 +92,7 @@ class Reconciler:
         self.interval = interval
         self.grace = grace
         self.publisher = ResultPublisher(client)
+        self._head_tag = client.register_script(HEAD_DELIVERY_TAG)
         self._ticker = Periodic("reconcile sweep", interval, self.sweep)
 
     def start(self) -> Reconciler:
@@ -81,34 +107,84 @@ class Reconciler:
         if not self.redis.set(keys.RECONCILE_LOCK, self.node, nx=True, ex=max(1, int(self.interval))):
             return 0
         now = time.time()
-        held = {_held_task_id(raw) for _, raw in self.redis.hscan_iter(UNACKED_KEY)}
-        oldest: dict[str, float | None] = {}
-        resent = 0
+        held = self._held_task_ids()
+        suspects = {_text(task_id): float(seen) for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
+        queues = self._adopt_unsorted_records()
+        missing: set[str] = set()
+        for queue in sorted(queues):
+            missing.update(self._missing_from(queue, held, now))
+        pipe = self.redis.pipeline(transaction=False)
+        cleared = [task_id for task_id in suspects if task_id not in missing]
+        if cleared:
+            pipe.hdel(keys.SUSPECT_HASH, *cleared)
+        found = {task_id: now for task_id in missing if task_id not in suspects}
+        if found:
+            pipe.hset(keys.SUSPECT_HASH, mapping=found)
+        pipe.execute()
+        due = sorted(task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace)
+        return sum(self._resend(task_id) for task_id in due)
+
+    def _adopt_unsorted_records(self) -> set[str]:
+        """The queues with pending jobs; first, if some pending record has no send-time member
+        (the client writes both in one transaction, so only an older client's), add the members."""
+        queues = set(map(_text, self.redis.smembers(keys.PENDING_QUEUES_SET)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hlen(keys.PENDING_HASH)
+        for queue in queues:
+            pipe.zcard(keys.pending_sent_zset(queue))
+        records, *members = pipe.execute()
+        if records <= sum(members):
+            return queues
         for task_id, info in self.redis.hscan_iter(keys.PENDING_HASH, count=1000):
-            task_id = task_id.decode() if isinstance(task_id, bytes) else task_id
             record = json.loads(info)
-            queue, submitted_at = record["queue"], float(record["submitted_at"])
-            if queue not in oldest:
-                oldest[queue] = self._oldest_queued(queue)
-            cutoff = oldest[queue]
-            missing = (task_id not in held and cutoff is not None and submitted_at < cutoff
-                       and now - submitted_at > self.grace)
-            if not missing:
-                self.redis.hdel(keys.SUSPECT_HASH, task_id)
-                continue
-            first_seen = self.redis.hget(keys.SUSPECT_HASH, task_id)
-            if first_seen is None:
-                self.redis.hset(keys.SUSPECT_HASH, task_id, now)
-            elif now - float(first_seen) >= self.grace and self._resend(task_id):
-                resent += 1
-        return resent
+            pipe.zadd(keys.pending_sent_zset(record["queue"]), {_text(task_id): float(record["submitted_at"])}, nx=True)
+            pipe.sadd(keys.PENDING_QUEUES_SET, record["queue"])
+            queues.add(record["queue"])
+        pipe.execute()
+        log.info("gave %d pending record(s) of an older client their send-time entries", records - sum(members))
+        return queues
+
+    def _held_task_ids(self) -> set[str | None]:
+        """Task ids of every message a worker holds, from the ``unacked`` hash's keys (delivery tags)."""
+        held: set[str | None] = set()
+        untagged = []
+        for tag in map(_text, self.redis.hkeys(keys.UNACKED_HASH)):
+            task_id = keys.task_id_of_delivery_tag(tag)
+            if task_id is None:
+                untagged.append(tag)
+            held.add(task_id)
+        if untagged:  # sent without a task id in its tag: read those messages
+            held.update(_held_task_id(raw) for raw in self.redis.hmget(keys.UNACKED_HASH, untagged) if raw)
+        return held
+
+    def _missing_from(self, queue: str, held: set[str | None], now: float) -> list[str]:
+        """Pending jobs of ``queue`` sent before its head and over ``grace`` ago that no worker holds."""
+        cutoff = self._oldest_queued(queue)
+        if cutoff is None:
+            return []
+        sent = keys.pending_sent_zset(queue)
+        before = self.redis.zrangebyscore(sent, "-inf", f"({min(cutoff, now - self.grace)!r}")
+        candidates = [task_id for task_id in map(_text, before) if task_id not in held]
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in candidates:
+            pipe.hexists(keys.PENDING_HASH, task_id)
+        recorded = pipe.execute() if candidates else []
+        finished = [task_id for task_id, exists in zip(candidates, recorded) if not exists]
+        if finished:
+            self.redis.zrem(sent, *finished)
+        return [task_id for task_id, exists in zip(candidates, recorded) if exists]
 
     def _oldest_queued(self, queue: str) -> float | None:
         """Send time of the message next in line in ``queue``: +inf if empty, None if unknown."""
-        head = self.redis.lindex(queue, -1)
-        if head is None:
+        tag = self._head_tag(keys=[queue])
+        if tag is None:
             return float("inf")
-        return _submitted_at_of(head)
+        task_id = keys.task_id_of_delivery_tag(_text(tag))
+        sent_at = self.redis.zscore(keys.pending_sent_zset(queue), task_id) if task_id else None
+        if sent_at is not None:
+            return sent_at
+        head = self.redis.lindex(queue, -1)  # a tag without a task id, or a finished job's duplicate
+        return float("inf") if head is None else _submitted_at_of(head)
 
     def _resend(self, task_id: str) -> bool:
         payload: Any = self.redis.hget(keys.PENDING_PAYLOAD_HASH, task_id)
