@@ -21,6 +21,15 @@ from worker.batch_schedule import padded_length
 from worker.batching import BatchingPath
 from worker.packed_attention import packed_sequences
 
+#: Padded batches on a GPU are rounded up to this many tokens per row, so kernels see few
+#: distinct shapes (Triton autotuning and cuDNN plans are per shape).
+PAD_TO_CUDA = 16
+
+
+def pad_multiple(device: torch.device) -> int:
+    """What padded rows are rounded up to on ``device`` (1 on the CPU: no shape caches there)."""
+    return PAD_TO_CUDA if device.type == "cuda" else 1
+
 
 @dataclass
 class BatchInputs:

@@ -43,14 +43,13 @@ from producer.settings import Limits, WorkerSettings
 from worker.capture import StopForward
 from worker.extractor import build_processor
 from worker.model_loading import LoadedModel, compile_decoder_layers, load_model
-from worker.batch_inputs import build_inputs
+from worker.batch_inputs import build_inputs, pad_multiple
 from worker.batch_schedule import plan_batches
 from worker.batching import BatchingPath
-from worker.engine import PAD_TO_CUDA
 from worker.packed_attention import set_attention, use_packed_attention
+from worker.self_check import relative_error_per_layer
 
 PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
-KNOWN_PARTS = ("a", "p", "b", "c", "d")
 PLAIN_BATCH = 8
 COMPARE_PROMPTS = 8
 
@@ -241,7 +240,7 @@ def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: l
     handle = stop_module.register_forward_pre_hook(stop) if stop_module is not None else None
     lengths = [len(p) for p in prompts]
     path = loaded.batching.path
-    pad_to = PAD_TO_CUDA if device.type == "cuda" else 1
+    pad_to = pad_multiple(device)
     batches = plan_batches(lengths, padded=path is BatchingPath.padded, token_budget=budget,
                            max_jobs=WorkerSettings().max_batch_jobs, pad_to=pad_to, max_padding=max_padding)
     tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
@@ -388,7 +387,7 @@ def compare(naive_dir: Path, engine_paths: list[str], count: int) -> dict[str, A
         got = load_file(engine_paths[index])["hidden_states"].float()
         worst_abs = max(worst_abs, (got - reference).abs().max().item())
         worst_rel = max(worst_rel, ((got - reference).norm() / reference.norm()).item())
-        layer_rel = ((got - reference).norm(dim=(0, 2)) / reference.norm(dim=(0, 2))).tolist()
+        layer_rel = relative_error_per_layer(got, reference).tolist()
         per_layer = [max(a, b) for a, b in zip(per_layer, layer_rel)] if per_layer else layer_rel
     return {"max_abs_error": worst_abs, "max_relative_error": worst_rel, "relative_error_per_layer": per_layer,
             "prompts_compared": min(count, len(engine_paths))}
@@ -418,7 +417,7 @@ def fp32_reference_errors(loaded: LoadedModel, prompts: list[list[int]], layer_i
                                  for i in layer_ids], 1).float().cpu()
             for errors, path in ((naive_err, naive_dir / f"{index}.safetensors"), (engine_err, Path(engine_paths[index]))):
                 got = load_file(str(path))["hidden_states"].float()
-                rel = ((got - exact).norm(dim=(0, 2)) / exact.norm(dim=(0, 2))).tolist()
+                rel = relative_error_per_layer(got, exact).tolist()
                 errors[:] = [max(a, b) for a, b in zip(errors, rel)] if errors else rel
     finally:
         handle.remove()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from producer.schema import ErrorType
-from worker.batch_inputs import build_inputs
+from worker.batch_inputs import build_inputs, pad_multiple
 from worker.batch_schedule import MAX_PADDING, select_batch
 from worker.batching import BatchingPath
 from worker.capture import LayerCapture, StopForward
@@ -45,9 +45,6 @@ from worker.output_dtype import non_finite_rows, to_output
 from worker.teacher import TeacherHead
 
 log = logging.getLogger(__name__)
-#: Padded batches on a GPU are rounded up to this many tokens per row, so kernels see few
-#: distinct shapes (Triton autotuning and cuDNN plans are per shape).
-PAD_TO_CUDA = 16
 
 
 def is_device_fatal(exc: BaseException) -> bool:
@@ -200,7 +197,7 @@ class Engine:
         self._timing_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
         self._padded = loaded.batching.path is BatchingPath.padded
-        self._pad_to = PAD_TO_CUDA if self._cuda else 1
+        self._pad_to = pad_multiple(loaded.device)
         self._thread = threading.Thread(target=self._loop, name="layertap-engine", daemon=True)
         self._thread.start()
 
@@ -233,6 +230,10 @@ class Engine:
     def pending(self) -> int:
         with self._cond:
             return len(self._pending)
+
+    def thread_alive(self) -> bool:
+        """Whether the engine thread still runs (it ends only on ``stop`` or a device fault)."""
+        return self._thread.is_alive()
 
     def stop(self, timeout: float = 60.0) -> None:
         """Finish what is queued, then stop the engine thread."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from worker.packed_attention import use_packed_attention
 
 log = logging.getLogger(__name__)
 
+#: Any of these in a model folder means it has a tokenizer (fast, slow or its config).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -154,16 +157,15 @@ def compile_decoder_layers(loaded: LoadedModel) -> None:
 
 
 def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any | None:
-    """The folder's tokenizer, or None for a folder that has none (such a worker takes
-    ``token_ids`` jobs only)."""
+    """The model's tokenizer, or None for a local folder that holds weights only (such a
+    worker takes ``token_ids`` jobs only). A tokenizer that is there but fails to load raises."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as exc:
-        log.warning("no tokenizer loaded from %s (%s): serving token_ids jobs only", source,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        log.warning("%s has no tokenizer files: serving token_ids jobs only", source)
         return None
+    return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
 
 
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",

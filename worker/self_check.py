@@ -75,10 +75,8 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     :class:`ModelRefused` when batching changes the states."""
     loaded = engine.loaded
     generator = torch.Generator().manual_seed(seed)
-    scale = max(1, sum(PROBE_LENGTHS) * 2 // engine.token_budget + 1)
-    lengths = [max(2, n // scale) for n in PROBE_LENGTHS]
     layer_ids = list(range(loaded.num_layers + 1))
-    probes = [torch.randint(0, loaded.vocab_size, (n,), generator=generator) for n in lengths]
+    probes = [torch.randint(0, loaded.vocab_size, (n,), generator=generator) for n in PROBE_LENGTHS]
     path = loaded.batching.path.value
     try:
         batched = _captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
@@ -101,9 +99,9 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     report = CheckReport(float(errors[worst_layer]), worst_layer, TOLERANCE.get(loaded.dtype, HALF_TOLERANCE))
     if not report.worst_relative_error <= report.tolerance:  # NaN fails too
         raise ModelRefused(
-            loaded.architecture, f"{loaded.batching.path.value} batching changes the hidden states on the load-time "
-            f"self-check ({report.describe()}), so its files would be wrong; try --batching "
-            f"{'padded' if loaded.batching.path.value == 'packed' else 'packed'} (LAYERTAP_WORKER__BATCHING)")
-    log.info("self-check of %s batching on %s %s: %s", loaded.batching.path.value, loaded.device,
+            loaded.architecture, f"{path} batching changes the hidden states on the load-time self-check "
+            f"({report.describe()}), so its files would be wrong; try --batching "
+            f"{'padded' if path == 'packed' else 'packed'} (LAYERTAP_WORKER__BATCHING)")
+    log.info("self-check of %s batching on %s %s: %s", path, loaded.device,
              str(loaded.dtype).removeprefix("torch."), report.describe())
     return report

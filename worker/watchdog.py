@@ -2,12 +2,12 @@
 
 A forward that never returns (a CUDA kernel, a deadlock) leaves the lease thread renewing
 the held jobs forever, and a warm shutdown waiting on them forever. Two guards, both
-reading the engine from outside (``Engine.snapshot()``, its thread):
+reading the engine from outside (its batch count and ``Engine.thread_alive()``):
 
 * :class:`EngineWatchdog` checks every ``interval`` seconds: when jobs wait on the engine
   (``JobProcessor.awaiting_engine()``) and no batch has finished for ``bound_s`` seconds
   (counted from when the wait began, so an idle engine is never suspected), or when the
-  engine thread has died without being stopped, it calls ``on_stall(reason)``;
+  engine thread has died without a device fault, it calls ``on_stall(reason)``;
 * :func:`start_deadline` calls ``on_stall(reason)`` once ``seconds`` have passed (a warm
   shutdown that did not end).
 
@@ -26,12 +26,6 @@ from collections.abc import Callable
 from worker.engine import Engine
 
 log = logging.getLogger(__name__)
-ENGINE_THREAD_NAME = "layertap-engine"
-
-
-def engine_thread() -> threading.Thread | None:
-    """The running engine thread of this process (one engine per worker), or None."""
-    return next((thread for thread in threading.enumerate() if thread.name == ENGINE_THREAD_NAME), None)
 
 
 class EngineWatchdog:
@@ -44,7 +38,6 @@ class EngineWatchdog:
         self.bound_s = bound_s
         self.on_stall = on_stall
         self.interval = min(interval, bound_s / 4)
-        self._thread_watched = engine_thread()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="layertap-watchdog", daemon=True)
 
@@ -59,7 +52,7 @@ class EngineWatchdog:
 
     def check(self, batches: int, since: float, now: float) -> str | None:
         """Why the engine counts as hung now, or None (``since``: the last progress or idle moment)."""
-        if self._thread_watched is not None and not self._thread_watched.is_alive() and self.engine.fatal is None:
+        if not self.engine.thread_alive() and self.engine.fatal is None:
             return "the engine thread died"
         if now - since > self.bound_s:
             return (f"{self.awaiting()} job(s) waited {now - since:.0f}s on the engine with no batch finished "
@@ -69,7 +62,7 @@ class EngineWatchdog:
     def _run(self) -> None:
         last_batches, since = -1, time.monotonic()
         while not self._stop.wait(self.interval):
-            batches, now = int(self.engine.snapshot()["batches"]), time.monotonic()
+            batches, now = self.engine.stats.batches, time.monotonic()
             if batches != last_batches or self.awaiting() == 0:
                 last_batches, since = batches, now
             reason = self.check(batches, since, now)
