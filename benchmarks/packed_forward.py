@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import worker.packed_attention as packed
-from worker.model_loading import load_model
+import worker.engine.attention as packed
+from worker.model.loading import load_model
 
 
 def masked_row(query, key, value, output, bounds, scaling, sliding_window, gqa) -> None:

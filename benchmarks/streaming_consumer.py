@@ -41,12 +41,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.dataset import StreamingHiddenStatesDataset, collate
-from producer.redis_server import RedisServer
+from producer.dev.redis_server import RedisServer
 from producer.settings import Settings
-from worker.bench import random_prompts
-from worker.shapes import SHAPE_PREFIX, is_shape, shape_config
+from worker.bench.bench import random_prompts
+from worker.model.shapes import SHAPE_PREFIX, is_shape, shape_config
 
 NAME = "stream-bench"
 
@@ -79,7 +79,7 @@ class DiskPeak(threading.Thread):
 def worker_process(args: argparse.Namespace, model: str, env: dict[str, str], log: Path) -> Iterator[None]:
     """A ``layertap worker`` serving ``model`` as NAME until the block ends (SIGTERM)."""
     node = f"stream-bench-{os.getpid()}-{time.monotonic_ns()}@{socket.gethostname()}"
-    command = [sys.executable, "-m", "producer.cli", "worker", "--model", model, "--name", NAME, "--device",
+    command = [sys.executable, "-m", "producer", "worker", "--model", model, "--name", NAME, "--device",
                args.device, "--dtype", args.dtype, "--layers", args.layers, "--token-budget", str(args.token_budget),
                "--node-name", node, "--loglevel", "WARNING"]
     with open(log, "a") as out:
@@ -138,7 +138,7 @@ def vocab_size(model: str) -> int:
 def run_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = args.model
     if model == "tiny":
-        from worker.tiny_model import make_tiny_model
+        from worker.model.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(work / "tiny-model", "qwen3"))
     prompts = random_prompts(args.prompts, args.min_len, args.max_len, vocab_size(model), args.seed)
@@ -181,7 +181,7 @@ def run_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             with worker_process(args, model, env, work / "worker.log"):
                 disk.start()
                 enqueue = subprocess.Popen(
-                    [sys.executable, "-m", "producer.cli", "enqueue", "--model", NAME, "--run", live_run, "--file",
+                    [sys.executable, "-m", "producer", "enqueue", "--model", NAME, "--run", live_run, "--file",
                      str(rows), "--quiet", "--max-inflight", str(args.max_inflight), "--inflight-until",
                      args.inflight_until],
                     env=env, stderr=subprocess.DEVNULL)

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from producer.client import Client
+from producer.client.client import Client
 from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
-from producer.redis_server import RedisServer
+from producer.dev.redis_server import RedisServer
 from producer.settings import Settings
 
 MODEL = "tiny-qwen3"
@@ -76,7 +76,7 @@ def sharegpt_conversations(count: int = 200, seed: int = 0) -> list[dict]:
 
 def layertap(env: dict[str, str], *args: str) -> str:
     """Run one ``layertap`` command; return its stdout (raise with its stderr when it fails)."""
-    done = subprocess.run([sys.executable, "-m", "producer.cli", *args], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "producer", *args], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"layertap {args[0]} failed: {done.stderr.strip()}")
     return done.stdout
@@ -87,7 +87,7 @@ def running_worker(env: dict[str, str], model_dir: Path, log_path: Path, client:
     """A ``layertap worker`` process serving ``model_dir`` as MODEL, stopped (SIGTERM) on exit."""
     with open(log_path, "w") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "worker", "--model", str(model_dir), "--name", MODEL,
+            [sys.executable, "-m", "producer", "worker", "--model", str(model_dir), "--name", MODEL,
              "--device", "cpu", "--layers", ",".join(map(str, LAYERS)), "--node-name", f"eagle-toy-{os.getpid()}@local"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -207,7 +207,7 @@ def main_online(workdir: Path, steps: int, max_inflight: int = ONLINE_MAX_INFLIG
                 running_worker(env, model_dir, workdir / "worker.log", client):
             disk.start()
             enqueue = subprocess.Popen(
-                [sys.executable, "-m", "producer.cli", "enqueue", "--model", MODEL, "--run", RUN, "--file", str(chats),
+                [sys.executable, "-m", "producer", "enqueue", "--model", MODEL, "--run", RUN, "--file", str(chats),
                  "--quiet", "--max-inflight", str(max_inflight), "--inflight-until", "consumed"], env=env)
             print(f"enqueueing {steps * BATCH} conversations from {chats}, training as they arrive", flush=True)
             stream = StreamingHiddenStatesDataset(RUN, redis_url=redis_server.url, delete_after=True,

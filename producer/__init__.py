@@ -1,16 +1,41 @@
 """layertap's client side: the wire protocol, settings, submitting jobs, reading results
 and files. Imports no torch.
+
+Lazy: ``import producer`` imports nothing else; each public name imports its module on
+first use, so a DataLoader process that only reads files never imports Celery or Redis.
 """
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 
-from producer.client import Client
-from producer.fileformat import FileFormatError
-from producer.reader import cleanup_hidden_states, load_hidden_states
-from producer.schema import ChatMessage, ErrorType, Job, Result, Status
-from producer.settings import Settings
+#: public name -> the module that holds it
+_EXPORTS = {
+    "Client": "producer.client.client",
+    "FileFormatError": "producer.protocol.fileformat",
+    "cleanup_hidden_states": "producer.files.reader",
+    "load_hidden_states": "producer.files.reader",
+    "ChatMessage": "producer.protocol.schema",
+    "ErrorType": "producer.protocol.schema",
+    "Job": "producer.protocol.schema",
+    "Result": "producer.protocol.schema",
+    "Status": "producer.protocol.schema",
+    "Settings": "producer.settings",
+}
 
-__all__ = [
-    "__version__", "ChatMessage", "Client", "ErrorType", "FileFormatError", "Job", "Result", "Settings", "Status",
-    "cleanup_hidden_states", "load_hidden_states",
-]
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'producer' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

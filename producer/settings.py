@@ -24,8 +24,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from producer.schema import normalize_dtype
-from producer.keys import DEFAULT_CONSUMER_GROUP
+from producer.protocol.keys import DEFAULT_CONSUMER_GROUP
+from producer.protocol.schema import normalize_dtype
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: The default hang bound: this much time per batch, plus its tokens at the slowest prefill assumed.
@@ -53,7 +53,7 @@ class WorkerSettings(BaseModel):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
-    batching: Literal["auto", "packed", "padded"] = "auto"  # auto: chosen from the model's structure (worker.batching)
+    batching: Literal["auto", "packed", "padded"] = "auto"  # auto: chosen from the model's structure (worker.model.batching)
     max_batch_jobs: int = Field(default=256, gt=0)
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
     max_padding: float = Field(default=0.25, ge=0, lt=1)  # padded batches: the largest share of a batch that is padding
@@ -86,7 +86,7 @@ class WorkerSettings(BaseModel):
     @classmethod
     def _layers(cls, value: Any) -> Any:
         if isinstance(value, str):
-            from producer.layers import parse_layer_list
+            from producer.protocol.layers import parse_layer_list
 
             return json.loads(value) if value.strip().startswith("[") else parse_layer_list(value)
         return value
@@ -118,7 +118,7 @@ class TlsSettings(BaseModel):
 
 
 #: When a job stops counting as in flight for ``enqueue.max_inflight``: once it has a final
-#: result, or once a streaming consumer acknowledged that result (``producer.streaming``).
+#: result, or once a streaming consumer acknowledged that result (``producer.files.streaming``).
 InflightUntil = Literal["finished", "consumed"]
 
 

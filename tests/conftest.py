@@ -7,22 +7,23 @@ restartable), models are built with ``make-tiny-model`` and loaded back with
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from producer.client import Client
-from producer.redis_server import RedisServer
+from producer.client.client import Client
+from producer.dev.redis_server import RedisServer
 from producer.settings import Settings
-
-ARCHES = ("qwen3", "llama", "gpt2")
+from tests.support import blocking
+from tests.support.architectures import ARCHES
+from tests.support.jobs import ORPHAN_TIMEOUT, RELIABILITY_ENV
+from tests.support.processes import WorkerProcess
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny float32 models of three architectures (4 layers, hidden 64), built on the fly."""
-    from worker.tiny_model import make_tiny_model
+    from worker.model.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: make_tiny_model(root / arch, arch) for arch in ARCHES}
@@ -43,69 +44,6 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def storage_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("files")
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "producer.cli", *args]
-
-
-@dataclass
-class WorkerProcess:
-    """A ``layertap worker`` subprocess serving one model."""
-
-    model_dir: Path
-    name: str
-    redis_url: str
-    storage_root: Path
-    node: str
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    log_path: Path | None = None
-    client_settings: Settings | None = None  # how the test reaches Redis (default: redis_url alone)
-    process: subprocess.Popen | None = None
-
-    def start(self, wait: bool = True, timeout: float = 120.0) -> WorkerProcess:
-        env = {**os.environ, "LAYERTAP_REDIS_URL": self.redis_url, "LAYERTAP_STORAGE_ROOT": str(self.storage_root),
-               **self.env}
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            cli("worker", "--model", str(self.model_dir), "--name", self.name, "--device", "cpu",
-                "--node-name", self.node, *self.extra_args),
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        if wait:
-            self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        with Client(self.client_settings or Settings(redis_url=self.redis_url)) as client:
-            deadline = time.monotonic() + timeout
-            while self.node not in client.workers():
-                assert self.process is not None
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"worker {self.node} exited with {self.process.returncode}; log: "
-                                       f"{self.log_text()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker {self.node} not ready; log: {self.log_text()[-3000:]}")
-                time.sleep(0.1)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
-
-    def kill(self) -> None:
-        """SIGKILL the worker (a crash)."""
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM (warm shutdown) and wait."""
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.process.returncode if self.process else None
 
 
 @pytest.fixture(scope="session")
@@ -138,3 +76,48 @@ def run_name(request: pytest.FixtureRequest) -> str:
     """A run name unique to the test (results streams don't mix)."""
     safe = "".join(ch if ch.isalnum() else "-" for ch in request.node.name)[:80].strip("-")
     return f"{safe}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    with RedisServer(data_dir=tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def make_worker(private_redis, tiny_models, tmp_path):
+    started: list[WorkerProcess] = []
+    storage = tmp_path / "files"
+
+    def make(node: str, *, wait: bool = True, extra_args: list[str] | None = None,
+             env: dict[str, str] | None = None, model_dir: Path | None = None, name: str = "tiny-qwen3") -> WorkerProcess:
+        worker = WorkerProcess(model_dir or tiny_models["qwen3"], name, private_redis.url, storage, node=node,
+                               extra_args=extra_args or [], env={**RELIABILITY_ENV, **(env or {})},
+                               log_path=tmp_path / f"{node.split('@')[0]}.log")
+        started.append(worker)
+        return worker.start(wait=wait)
+
+    make.storage = storage  # type: ignore[attr-defined]
+    yield make
+    for worker in started:
+        if worker.process and worker.process.poll() is None:
+            os.kill(worker.process.pid, signal.SIGCONT)
+        worker.kill()
+
+
+@pytest.fixture
+def private_client(private_redis):
+    with Client(Settings(redis_url=private_redis.url, orphan_timeout=ORPHAN_TIMEOUT)) as value:
+        yield value
+
+
+@pytest.fixture(scope="module")
+def blocking_model(tiny_models, tmp_path_factory) -> Path:
+    """The tiny Qwen3 model, saved with modeling code of its own that can block."""
+    folder = tmp_path_factory.mktemp("blocking") / "model"
+    shutil.copytree(tiny_models["qwen3"], folder)
+    (folder / "modeling_blocking.py").write_text(blocking.BLOCKING_MODEL_CODE)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_blocking.BlockingQwen3ForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -1,7 +1,7 @@
 """In-process extraction, no Redis: for notebooks and one-off offline runs.
 
 ``Extractor(model, layers=[2, 18, -1]).extract(prompts, out_dir)`` runs the same engine,
-writes the same files and returns the same :class:`~producer.schema.Result` objects as
+writes the same files and returns the same :class:`~producer.protocol.schema.Result` objects as
 a queued worker. The Celery task is a thin shell around the same ``JobProcessor``.
 """
 
@@ -14,15 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from producer.layers import eagle3_layer_ids
-from producer.schema import Job, Result
+from producer.protocol.layers import eagle3_layer_ids
+from producer.protocol.schema import Job, Result
 from producer.settings import Limits
-from worker.batch_schedule import MAX_PADDING
-from worker.engine import Engine
-from worker.model_loading import LoadedModel, compile_decoder_layers, load_model
-from worker.prepare import Preparer
-from worker.processor import JobProcessor
-from worker.self_check import check_batching
+from worker.engine.engine import Engine
+from worker.engine.scheduler import MAX_PADDING
+from worker.job.pipeline import JobProcessor
+from worker.job.tokenize import Preparer
+from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
+from worker.model.self_check import check_batching
 
 
 def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
@@ -31,8 +31,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
                     host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
-    The engine passes the batching self-check first (``worker.self_check``), or this raises
-    :class:`~worker.batching.ModelRefused` and nothing is served."""
+    The engine passes the batching self-check first (``worker.model.self_check``), or this raises
+    :class:`~worker.model.batching.ModelRefused` and nothing is served."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
     engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
                     batch_wait_s=batch_wait_s, max_padding=max_padding, host_buffers=host_buffers,

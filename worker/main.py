@@ -17,23 +17,23 @@ from pathlib import Path
 
 from celery.signals import worker_ready, worker_shutting_down
 
-from producer import keys
-from producer.broker_transport import set_held_messages
-from producer.celery_app import make_celery
-from producer.redis_conn import connect
+from producer.protocol import keys
 from producer.settings import LogFormat, Settings
+from producer.transport.broker_transport import set_held_messages
+from producer.transport.celery_app import make_celery
+from producer.transport.redis_conn import connect
 from worker.extractor import build_processor
-from worker.lease import LeaseKeeper, held_delivery_tags
-from worker.logs import configure_logging
-from worker.metrics import MeteredPublisher, WorkerMetrics
-from worker.model_loading import load_model
-from worker.reconciler import Reconciler
-from worker.service import WorkerService
+from worker.job.writer import remove_stale_temp_files
+from worker.model.loading import load_model
+from worker.ops.logs import configure_logging
+from worker.ops.metrics import MeteredPublisher, WorkerMetrics
+from worker.ops.watchdog import EngineWatchdog, start_deadline
+from worker.queue.handler import WorkerService
+from worker.queue.lease import LeaseKeeper, held_delivery_tags
+from worker.queue.reconciler import Reconciler
+from worker.queue.task_events import batch_task_events
+from worker.queue.tasks import register_extract_task
 from worker.startup import check_layers, check_model_source, default_served_name
-from worker.task_events import batch_task_events
-from worker.tasks import register_extract_task
-from worker.watchdog import EngineWatchdog, start_deadline
-from worker.writer import remove_stale_temp_files
 
 log = logging.getLogger("layertap.worker")
 #: Exit code after a device fault: the supervisor (or systemd, Kubernetes) restarts the process.

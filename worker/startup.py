@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from producer.layers import resolve_layer_ids
-from producer.naming import is_hub_id
+from producer.protocol.layers import resolve_layer_ids
+from producer.protocol.naming import is_hub_id
 
-SHAPE_PREFIX = "shape:"  # as worker.shapes (not imported: it imports torch)
+SHAPE_PREFIX = "shape:"  # as worker.model.shapes (not imported: it imports torch)
 
 
 def check_model_source(source: str) -> None:

@@ -1,0 +1,166 @@
+"""The ``layertap`` command. Client subcommands import no torch; ``worker``,
+``make-tiny-model`` and ``bench`` import the worker package when they run.
+
+Every flag maps to a setting (``producer.settings``); flags win over the environment.
+Errors print one line (``error: ...``) and exit non-zero; ``LAYERTAP_DEBUG=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from producer import __version__
+from producer.cli import data as cli_data
+from producer.cli import dlq as cli_dlq
+from producer.cli import runs as cli_runs
+from producer.cli import worker as cli_worker
+from producer.cli.common import (
+    CliError,
+    console,
+    err_console,
+    load_settings,
+    print_file_description,
+)
+from producer.cli.ops import register as register_ops
+from producer.extras import require
+from producer.settings import Settings, unknown_settings
+
+app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
+                  "write safetensors files, publish their paths.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"max_content_width": 120, "show_default": True})
+
+
+def show_version(value: bool) -> None:
+    if value:
+        print(f"layertap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    for warning in unknown_settings():
+        err_console.print(f"warning: {warning}", markup=False, highlight=False)
+
+
+@app.command()
+def results(
+    run: str = typer.Option("default", "--run", help="Run name."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new results until every "
+                                "submitted job has one."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    every_entry: bool = typer.Option(False, "--every-entry", help="Print every stream entry, a job's repeats "
+                                     "included (default: a job again only when its status changes)."),
+    timeout: Optional[float] = typer.Option(None, help="With --follow: stop after this many idle seconds."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+) -> None:
+    """Print a run's results so far (or keep following with --follow)."""
+    from producer.client import runs
+    from producer.client.client import Client
+
+    with Client(load_settings(redis_url=redis_url)) as client:
+        if not follow and not runs.exists(client.redis, run):
+            raise CliError(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
+        printed: dict[str, str] = {}  # job id -> status last printed
+        for result in client.results(run, follow=follow, timeout=timeout, until_complete=True):
+            if not every_entry and printed.get(result.job_id) == result.status.value:
+                continue
+            printed[result.job_id] = result.status.value
+            if as_json:
+                print(result.model_dump_json(), flush=True)
+            elif result.ok:
+                print(f"ok     {result.job_id}  {result.num_tokens} tokens  {result.path}", flush=True)
+            else:
+                print(f"error  {result.job_id}  {result.error_type.value if result.error_type else ''}: "
+                      f"{result.error}", flush=True)
+
+
+@app.command()
+def inspect(
+    file: Path = typer.Argument(..., help="A layertap .safetensors file."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    verify: bool = typer.Option(True, help="Check shapes and checksums first."),
+    plot: Optional[Path] = typer.Option(None, help="Also draw per-layer statistics to this PNG file."),
+) -> None:
+    """Show a file's tensors, metadata and per-layer statistics."""
+    from producer.files.file_stats import describe_file
+
+    info = describe_file(file, verify=verify)
+    if plot is not None:
+        from producer.files.plots import plot_file
+
+        plot_file(file, plot)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    print_file_description(info)
+
+
+@app.command()
+def demo(
+    workdir: Optional[Path] = typer.Option(None, help="Keep the model and files here (default: a temp folder)."),
+    redis_url: Optional[str] = typer.Option(None, help="Use this Redis instead of an embedded one."),
+    timeout: float = typer.Option(300.0, help="Give up after this many seconds."),
+) -> None:
+    """Run the whole pipeline on a tiny model on the CPU, with an embedded Redis."""
+    require("`layertap demo`")
+    from producer.dev.demo import run_demo
+
+    run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console)
+
+
+cli_data.register(app)
+cli_worker.register(app)
+cli_dlq.register(app)
+cli_runs.register(app)
+register_ops(app)
+
+
+def describe_invalid(exc: Any) -> str:
+    """One line for a pydantic ``ValidationError``; a setting is named with its variable (a bad
+    ``LAYERTAP_*`` value stops every command that reads the settings, so say which)."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    group = {"Settings": "", "WorkerSettings": "worker."}.get(exc.title)
+    if group is None or not where:
+        return f"invalid {where or exc.title}: {first['msg']}"
+    setting = group + where
+    return (f"invalid setting {setting} (LAYERTAP_{setting.upper().replace('.', '__')}, layertap.toml or its flag): "
+            f"{first['msg']}")
+
+
+def main() -> None:
+    """Entry point: run the app, turning expected failures into one line and an exit code."""
+    import redis
+    from pydantic import ValidationError
+
+    try:
+        app()
+    except CliError as exc:
+        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(exc.code)
+    except redis.exceptions.ConnectionError as exc:
+        url = Settings().broker_url
+        err_console.print(f"error: cannot reach Redis ({exc}); is it running at {url}? "
+                          "Set LAYERTAP_REDIS_URL or pass --redis-url", markup=False, highlight=False)
+        sys.exit(1)
+    except (ValidationError, ValueError, OSError, RuntimeError, redis.exceptions.RedisError) as exc:
+        if os.environ.get("LAYERTAP_DEBUG"):
+            raise
+        if isinstance(exc, ValidationError):
+            message = describe_invalid(exc)
+        else:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        err_console.print(f"error: {message}", markup=False, highlight=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

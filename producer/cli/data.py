@@ -1,0 +1,286 @@
+"""``layertap enqueue``, ``manifest`` and ``export``: datasets in, training data out.
+
+Self-contained (it does not import ``producer.cli.app``, which runs as ``__main__`` under
+``python -m producer``): errors that need their own exit code print one
+``error: ...`` line here and exit; others propagate to ``producer.cli.app.main``.
+Nothing here imports torch; the data libraries are imported when a command needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from producer.cli.common import err_console, fail
+from producer.ingest.formats import InputFormat
+
+MAX_REPORTED_ROWS = 100
+
+
+def enqueue(
+    model: str = typer.Option(..., "--model", help="Model name the worker serves."),
+    run: str = typer.Option("default", "--run", help="Run name: output folder and result stream."),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="A prompt (repeatable)."),
+    file: Optional[Path] = typer.Option(None, "--file", help="JSONL or JSON file, parquet file or folder, or a "
+                                        "dataset folder saved with datasets' save_to_disk."),
+    input_format: InputFormat = typer.Option(InputFormat.auto, "--format", case_sensitive=False,
+                                             help="Row format; auto: detected from the first row."),
+    column: Optional[str] = typer.Option(None, help="Column holding the input (default: found by format)."),
+    split: Optional[str] = typer.Option(None, help="Split of a saved DatasetDict or a parquet folder."),
+    id_column: str = typer.Option("id", help="Column whose value is the job id; rows without it (or with "
+                                  "--id-column '') get a content hash."),
+    max_inflight: Optional[int] = typer.Option(None, min=1, help="Most jobs of the run submitted but not "
+                                               "finished (default: setting enqueue.max_inflight)."),
+    inflight_until: Optional[str] = typer.Option(None, help="finished | consumed: a job stops counting in flight "
+                                                 "at its result, or once a streaming consumer took it (default: "
+                                                 "setting enqueue.inflight_until)."),
+    consumer_group: Optional[str] = typer.Option(None, help="With --inflight-until consumed: the streaming "
+                                                 "consumer group that counts (default: setting "
+                                                 "enqueue.consumer_group, 'train')."),
+    layers: Optional[str] = typer.Option(None, help="Layer ids for every job, e.g. 2,18,-1."),
+    max_length: Optional[int] = typer.Option(None, help="Token limit per job."),
+    truncate: bool = typer.Option(False, help="Cut jobs longer than --max-length instead of failing them."),
+    loss_on: Optional[str] = typer.Option(None, help="Chats: all | last assistant turn(s) in the loss mask."),
+    final_hidden_states: bool = typer.Option(False, help="Also store the last layer's output after the final norm."),
+    topk: Optional[int] = typer.Option(None, help="Also store the teacher's top-k next-token log-probs."),
+    topk_on: Optional[str] = typer.Option(None, help="mask (positions predicting a loss-mask token) | all."),
+    dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 | float8 (stored dtype; "
+                                        "bf16, fp16, fp32, fp8 too)."),
+    check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model (with no live "
+                               "worker at all, warn and enqueue)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Read at most this many rows (prompts "
+                                        "first, then the file's)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Read and check the rows, print the job ids, send "
+                                 "nothing (Redis is not contacted)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the ids of the jobs sent."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+) -> None:
+    """Stream jobs into the queue (one per row); skips jobs already ok in the run. Prints one job id per line."""
+    from producer.client.client import Client, NoWorkerWarning
+    from producer.ingest.enqueue import (
+        BadRow,
+        Enqueuer,
+        Outcome,
+        Planned,
+        job_from_data,
+        plan_jobs,
+    )
+    from producer.ingest.formats import RowConverter
+    from producer.ingest.sources import open_source
+    from producer.protocol.layers import parse_layer_list
+    from producer.settings import Settings
+
+    if not prompt and file is None:
+        raise fail("nothing to enqueue: give --prompt TEXT or --file F", 2)
+    defaults: dict[str, Any] = {"model": model, "run": run, "max_length": max_length, "truncate": truncate,
+                                "layers": parse_layer_list(layers) if layers is not None else None,
+                                "loss_on": loss_on, "topk": topk, "topk_on": topk_on, "dtype": dtype,
+                                "final_hidden_states": final_hidden_states or None}
+    defaults = {key: value for key, value in defaults.items() if value is not None}
+    settings = Settings()
+    prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults))
+               for i, text in enumerate(prompt or [])]
+    items: Iterable[Planned | BadRow] = prompts
+    total: int | None = len(prompts)
+    if file is not None:
+        with one_line_errors():
+            source = open_source(file, split=split)
+        total = None if source.total is None else len(prompts) + source.total
+        converter = RowConverter(input_format, column=column, id_column=id_column)
+        items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file)))
+    if limit is not None:
+        items = itertools.islice(items, limit)
+        total = None if total is None else min(total, limit)
+    if dry_run:
+        raise typer.Exit(dry_run_report(items, run, quiet))
+    counts: Counter[Outcome] = Counter()
+    with Client(settings, redis_url=redis_url) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)  # said once below, as a line
+        served, live = client.served_models(), client.workers()
+        if model not in served:
+            if check and live:
+                raise fail(f"no live worker serves model {model!r} (served: {', '.join(sorted(served))}); "
+                           "use --no-check to enqueue anyway")
+            err_console.print(f"warning: no live worker serves model {model!r}; its jobs wait in the queue "
+                              "until one does", markup=False, highlight=False)
+        until = inflight_until or settings.enqueue.inflight_until
+        if until not in ("finished", "consumed"):
+            raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
+        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight,
+                            until=until, group=consumer_group or settings.enqueue.consumer_group)  # type: ignore[arg-type]
+        with progress(total, "enqueue") as step, one_line_errors():
+            for outcome, item in enqueuer.run(items):
+                counts[outcome] += 1
+                if outcome is Outcome.bad and counts[outcome] <= MAX_REPORTED_ROWS:
+                    assert isinstance(item, BadRow)
+                    err_console.print(f"error: {item.where}: {item.reason}", markup=False, highlight=False)
+                elif outcome is Outcome.submitted and not quiet:
+                    assert isinstance(item, Planned)
+                    print(item.job.job_id, flush=True)
+                step(f"sent {counts[Outcome.submitted]} · already ok {counts[Outcome.already_ok]} · "
+                     f"bad {counts[Outcome.bad]} · in flight ≤ {enqueuer.limiter.in_flight}")
+    err_console.print(f"run {run}: {counts[Outcome.submitted]} job(s) sent, {counts[Outcome.already_ok]} already ok, "
+                      f"{counts[Outcome.repeated]} repeated row(s) skipped, {counts[Outcome.bad]} bad row(s)",
+                      markup=False, highlight=False)
+    if counts[Outcome.bad]:
+        shown = "" if counts[Outcome.bad] <= MAX_REPORTED_ROWS else f"; the first {MAX_REPORTED_ROWS} are shown"
+        raise fail(f"{counts[Outcome.bad]} row(s) were not enqueued (see above{shown})", 2)
+
+
+def dry_run_report(items: Iterable[Any], run: str, quiet: bool) -> int:
+    """``enqueue --dry-run``: print each valid row's job id and each bad row's error; the exit code."""
+    from producer.ingest.enqueue import BadRow
+
+    good = bad = 0
+    with one_line_errors():
+        for item in items:
+            if isinstance(item, BadRow):
+                bad += 1
+                if bad <= MAX_REPORTED_ROWS:
+                    err_console.print(f"error: {item.where}: {item.reason}", markup=False, highlight=False)
+            else:
+                good += 1
+                if not quiet:
+                    print(item.job.job_id, flush=True)
+    err_console.print(f"run {run} (dry run, nothing sent): {good} job(s) would be sent, {bad} bad row(s)",
+                      markup=False, highlight=False)
+    return 2 if bad else 0
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Expected failures as one ``error:`` line: exit 2 for a file whose format cannot be told, else 1."""
+    from producer.ingest.formats import UndetectableFormat
+
+    try:
+        yield
+    except UndetectableFormat as exc:
+        raise fail(str(exc), 2) from None
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise fail(str(exc)) from None
+
+
+class RunListing:
+    """A run's ok results as manifest entries, in order; a result without a valid file is printed
+    as one ``error:`` line (the first 100), counted in ``skipped`` and left out."""
+
+    def __init__(self, run: str, redis_url: str | None, *, verify: bool = False):
+        from producer.client import runs
+        from producer.client.client import Client
+        from producer.files.manifest import ok_results
+        from producer.settings import Settings
+
+        with Client(Settings(), redis_url=redis_url) as client:
+            if not runs.exists(client.redis, run):
+                raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
+            self.results = ok_results(client, run)
+        self.verify = verify
+        self.skipped = self.tokens = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        from producer.files.manifest import Skipped, collect
+
+        for entry in collect(self.results, verify=self.verify):
+            if isinstance(entry, Skipped):
+                self.skipped += 1
+                if self.skipped <= MAX_REPORTED_ROWS:
+                    err_console.print(f"error: job {entry.job_id}: {entry.reason}", markup=False, highlight=False)
+                continue
+            self.tokens += entry.num_tokens
+            yield entry
+
+    def fail_if_skipped(self) -> None:
+        if self.skipped:
+            raise fail(f"{self.skipped} ok result(s) have no valid file and are left out (see above)", 2)
+
+
+def manifest(
+    run: str = typer.Option("default", "--run", help="Run name."),
+    out: Optional[Path] = typer.Option(None, "--out", help="F.parquet or F.jsonl (default: <run>.manifest.parquet, "
+                                       "or .jsonl without pyarrow)."),
+    verify: bool = typer.Option(False, help="Also check every tensor's checksum (reads every file whole)."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+) -> None:
+    """Write a run's manifest: one row per job with an ok result (job id, path, tokens, layers, checksums)."""
+    from producer.files.manifest import default_manifest_path, write_manifest
+
+    out = out or default_manifest_path(run)
+    listing = RunListing(run, redis_url, verify=verify)
+    with progress(len(listing.results), "manifest") as step, one_line_errors():
+        count = write_manifest(counted(listing, step), out)
+    err_console.print(f"run {run}: {count} job(s), {listing.tokens} tokens -> {out}", markup=False, highlight=False)
+    listing.fail_if_skipped()
+
+
+def export(
+    out: Path = typer.Option(..., "--out", help="Folder to create (must be new or empty)."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run to export (its ok results)."),
+    from_manifest: Optional[Path] = typer.Option(None, "--manifest", help="Export this manifest instead of --run."),
+    export_format: str = typer.Option("speculators", "--format", help="speculators (the only layout so far)."),
+    any_layers: bool = typer.Option(False, "--any-layers", help="Skip the check that every file ends with the "
+                                    "model's last layer."),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+) -> None:
+    """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
+    from producer.files.export import export_speculators
+    from producer.files.manifest import iter_manifest
+
+    if export_format != "speculators":
+        raise fail(f"--format {export_format!r}: only 'speculators' is supported", 2)
+    if (run is None) == (from_manifest is None):
+        raise fail("give one of --run R or --manifest F", 2)
+    listing = RunListing(run, redis_url) if run is not None else None
+    entries: Any = listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
+    with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
+        quiet_datasets()
+        report = export_speculators(counted(entries, step), out, check_layers=not any_layers)
+    freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
+    err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "
+                      f"{report.copied} copied{freq})", markup=False, highlight=False)
+    if listing is not None:
+        listing.fail_if_skipped()
+
+
+def quiet_datasets() -> None:
+    """Quiet the datasets library's own progress bars (ours is drawn instead)."""
+    from producer.extras import need
+
+    need("datasets").disable_progress_bars()
+
+
+@contextlib.contextmanager
+def progress(total: int | None, label: str) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr when it is a terminal; yields ``step(status)``, one call per item."""
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[status]}"), console=err_console,
+                  disable=not err_console.is_terminal) as bar:
+        task = bar.add_task(label, total=total, status="")
+        yield lambda status="": bar.update(task, advance=1, status=status)
+
+
+def counted(items: Iterable[Any], step: Callable[[str], None]) -> Iterator[Any]:
+    """``items``, calling ``step`` after each."""
+    for item in items:
+        yield item
+        step("")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``enqueue``, ``manifest`` and ``export`` to the ``layertap`` app."""
+    app.command()(enqueue)
+    app.command()(manifest)
+    app.command()(export)

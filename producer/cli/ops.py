@@ -1,0 +1,114 @@
+"""Operations commands: ``layertap status`` (queues, workers, dead letters) and
+``layertap watch --run R`` (a live progress bar until the run is complete). Client
+side: no torch. Errors raise ``ValueError``/``RuntimeError``, which ``cli.main`` prints
+as one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from producer.cli.common import console, folding_table
+from producer.client import runs
+from producer.client.client import Client
+from producer.ops.monitor import (
+    FleetStatus,
+    RunProgress,
+    RunTracker,
+    fleet_status,
+    throughput_history,
+)
+from producer.transport.redis_conn import redacted_url
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "ETA -:--:--"
+    seconds = int(round(seconds))
+    return f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def render_status(status: FleetStatus, redis_url: str) -> None:
+    console.print(f"redis: {redacted_url(redis_url)}", highlight=False)
+    queues = folding_table("model", "queued", title="queues")
+    for model, depth in status.queues.items():
+        queues.add_row(model, str(depth))
+    console.print(queues)
+    workers = folding_table("node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
+                            "last beat", title="workers")
+    for state in status.workers:
+        beat = "-" if state.beat_age_s is None else f"{state.beat_age_s:.0f}s ago"
+        workers.add_row(state.node, "yes" if state.alive else "no", state.device, state.gpus or "-", state.model,
+                        state.batching or "-", f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending), beat)
+    console.print(workers)
+    console.print(f"dead letters: {status.dead_letters}", highlight=False)
+    memory = status.redis
+    limit = f"{memory.max_bytes:,} bytes ({memory.policy})" if memory.max_bytes else "no limit"
+    console.print(f"redis memory: {memory.used_bytes:,} bytes used, maxmemory {limit}", highlight=False)
+    if memory.refusing_writes:
+        console.print("REDIS IS FULL: it refuses writes (OOM); workers wait, holding their jobs, until memory "
+                      "is freed or maxmemory raised", style="bold red", highlight=False)
+
+
+def describe_progress(progress: RunProgress) -> dict[str, Any]:
+    """The progress bar's state and text fields."""
+    waiting = "" if progress.total else " (no jobs yet)"
+    return {"description": f"run {progress.run}{waiting}", "total": progress.total or None,
+            "completed": progress.finished, "failed": f"{progress.failed} failed",
+            "rate": f"{progress.tokens_per_s:,.0f} tokens/s", "eta": format_eta(progress.eta_s)}
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``status`` and ``watch`` to the ``layertap`` app."""
+
+    @app.command()
+    def status(
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Show queue depth per model, workers (alive, device, GPUs, model, tokens/s) and dead letters."""
+        with Client(redis_url=redis_url) as client:
+            fleet = fleet_status(client.redis)
+            url = client.settings.broker_url
+        if as_json:
+            print(json.dumps({"redis_url": redacted_url(url), **fleet.as_json()}, indent=2))
+        else:
+            render_status(fleet, url)
+
+    @app.command()
+    def watch(
+        run: str = typer.Option("default", "--run", help="Run name."),
+        plot: Optional[Path] = typer.Option(None, help="When complete, write a throughput-over-time chart (PNG)."),
+        interval: float = typer.Option(1.0, min=0.05, help="Seconds between refreshes."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Show a run's progress (done / failed / total, tokens/s, ETA) until every job has a result."""
+        with Client(redis_url=redis_url) as client:
+            tracker = RunTracker(client.redis, run)
+            current = tracker.poll()
+            unserved = sorted(runs.waiting_models(client.redis, run) - client.served_models())
+            if not current.complete and unserved:
+                console.print(f"warning: no live worker serves {', '.join(unserved)}: the run's jobs wait in the "
+                              "queue (no ETA) until one does", highlight=False, soft_wrap=True)
+            columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[failed]}"), TextColumn("{task.fields[rate]}"),
+                       TextColumn("{task.fields[eta]}"))
+            with Progress(*columns, console=console) as bar:
+                task = bar.add_task(**describe_progress(current))
+                while not current.complete:
+                    time.sleep(interval)
+                    current = tracker.poll()
+                    bar.update(task, **describe_progress(current))
+            console.print(f"run {run} complete: {current.done} ok, {current.failed} failed, "
+                          f"{current.total} jobs", highlight=False)
+            if plot is not None:
+                from producer.files.plots import plot_throughput
+
+                plot_throughput(throughput_history(client.redis, run), plot, title=f"run {run}")
+                console.print(f"wrote {plot}", highlight=False)

@@ -1,0 +1,77 @@
+"""``layertap runs`` and ``layertap run cancel|delete``: a run's lifecycle (``producer.client.runs``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from producer.files.reader import cleanup_hidden_states
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``runs`` and ``run cancel|delete`` to the ``layertap`` app."""
+    run_app = typer.Typer(help="One run: cancel its queued jobs, delete it.", no_args_is_help=True)
+    app.add_typer(run_app, name="run")
+
+    @app.command("runs")
+    def runs_command(
+        as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """List runs: jobs submitted, jobs finished, state (running, complete, cancelled)."""
+        from producer.client import runs
+        from producer.client.client import Client
+
+        with Client(redis_url=redis_url) as client:
+            found = runs.list_runs(client.redis)
+        for summary in found:
+            if as_json:
+                print(json.dumps({**summary.__dict__, "state": summary.state}))
+            else:
+                print(f"{summary.run}  {summary.finished}/{summary.submitted} finished  {summary.state}")
+        if not as_json:
+            print(f"{len(found)} run(s)")
+
+    @run_app.command("cancel")
+    def cancel_command(
+        run: str = typer.Argument(..., help="Run name."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Cancel a run: its jobs not yet started get a `cancelled` result instead of running; lost ones
+        are not sent again; new jobs for it are refused. Running jobs finish."""
+        from producer.client import runs
+        from producer.client.client import Client
+
+        with Client(redis_url=redis_url) as client:
+            if not runs.exists(client.redis, run):
+                raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
+            summary = runs.cancel(client.redis, run)
+        print(f"run {run} cancelled: {summary.submitted - summary.finished} job(s) without a result "
+              "will get a `cancelled` result as workers take them")
+
+    @run_app.command("delete")
+    def delete_command(
+        run: str = typer.Argument(..., help="Run name."),
+        files: bool = typer.Option(False, "--files", help="Also delete the files its ok results name."),
+        force: bool = typer.Option(False, "--force", help="Delete even with jobs still without a result "
+                                   "(their messages are taken out of the queues)."),
+        yes: bool = typer.Option(False, "--yes", help="Do not ask."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Delete a run's results, status and records from Redis (and with --files its files)."""
+        from producer.client import runs
+        from producer.client.client import Client
+
+        with Client(redis_url=redis_url) as client:
+            if not runs.exists(client.redis, run):
+                raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
+            what = f"run {run}'s results and records" + (" and its files" if files else "")
+            if not yes and not typer.confirm(f"Delete {what}?"):
+                raise typer.Exit(1)
+            paths = runs.delete(client.redis, run, force=force)
+        if files:
+            for path in paths:
+                cleanup_hidden_states(path)
+        print(f"deleted run {run}" + (f" and {len(paths)} file(s)" if files else ""))

@@ -1,0 +1,248 @@
+"""The client: submit jobs, read results. Imports no torch.
+
+Results are read from the run's Redis Stream (durable, ordered; ``XREAD``), which holds
+every result a worker published, duplicates included when a job ran twice. The
+:meth:`Client.results` iterator yields each result in stream order; use
+:meth:`Client.latest` for one result per job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import redis
+
+from producer.client import runs
+from producer.protocol import keys
+from producer.protocol.schema import Job, Result
+from producer.settings import Settings
+from producer.transport.celery_app import make_celery, send_extract
+from producer.transport.redis_conn import connect, retrying
+
+RESULT_FIELD = "result"
+
+
+class JobTooLarge(ValueError):
+    """A job whose JSON exceeds ``limits.max_job_bytes``."""
+
+
+class NoWorker(RuntimeError):
+    """``submit(..., check=True)``: no live worker serves the job's model."""
+
+
+class NoWorkerWarning(UserWarning):
+    """``submit``: no live worker serves the job's model (its jobs wait in the queue until one does)."""
+
+
+class JobFailed(RuntimeError):
+    """``wait(..., raise_on_error=True)``: some jobs ended with an error result (``.results`` has them all)."""
+
+    def __init__(self, failed: list[Result], results: dict[str, Result]):
+        first = failed[0]
+        super().__init__(f"{len(failed)} of {len(results)} job(s) failed; job {first.job_id}: "
+                         f"{first.error_type.value if first.error_type else 'error'}: {first.error}")
+        self.failed = failed
+        self.results = results
+
+
+class Client:
+    """Submit jobs to the model's queue and read results back from Redis."""
+
+    def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None):
+        settings = settings or Settings()
+        if redis_url is not None:
+            settings = settings.model_copy(update={"redis_url": redis_url})
+        self.settings = settings
+        self.celery = make_celery(settings)
+        self.redis = connect(settings, decode_responses=True)
+        self._open_runs: set[str] = set()  # runs seen not cancelled by this client
+        self._served: set[str] = set()  # models seen served by a live worker, or already warned about
+
+    # -- submitting -------------------------------------------------------------------
+    def submit(self, job: Job | Mapping[str, Any], *, check: bool = False, **fields: Any) -> Job:
+        """Validate, give an id, and enqueue one job; returns the job as sent (with ``job_id``).
+
+        The first job of a model that no live worker serves warns (:class:`NoWorkerWarning`),
+        or with ``check=True`` raises :class:`NoWorker`; a job for a cancelled run raises
+        :class:`~producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
+        if not isinstance(job, Job):
+            job = Job.model_validate({**job, **fields})
+        elif fields:
+            job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
+        job = job.with_id()
+        self._check_destination(job, check)
+        payload = job.model_dump(mode="json", exclude_none=True)
+        size = len(json.dumps(payload))
+        if size > self.settings.limits.max_job_bytes:
+            raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
+                              f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+        now = time.time()
+        queue, task_id = keys.model_queue(job.model), keys.task_id(job.run, job.job_id)  # type: ignore[arg-type]
+        args, kwargs = [payload], {"submitted_at": now}
+        retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
+        retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
+        return job
+
+    def _check_destination(self, job: Job, check: bool) -> None:
+        if job.run not in self._open_runs:
+            if runs.is_cancelled(self.redis, job.run):
+                raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap run delete {job.run}` first, "
+                                        "or use another run name")
+            self._open_runs.add(job.run)
+        if job.model in self._served:
+            return
+        served = self.served_models()
+        if job.model not in served:
+            message = (f"no live worker serves model {job.model!r} (served: {', '.join(sorted(served)) or 'none'}); "
+                       f"its jobs wait in queue {keys.model_queue(job.model)} until one does")
+            if check:
+                raise NoWorker(message)
+            warnings.warn(message, NoWorkerWarning, stacklevel=3)
+        self._served.add(job.model)
+
+    def _record_pending(self, job: Job, queue: str, task_id: str, args: list[Any], kwargs: dict[str, Any],
+                        now: float) -> None:
+        """Before sending: the run's ledger, and what the reconciler needs to resend a lost message."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
+        pipe.hset(keys.PENDING_HASH, task_id, json.dumps({"queue": queue, "submitted_at": now}))
+        pipe.zadd(keys.pending_sent_zset(queue), {task_id: now})
+        pipe.sadd(keys.PENDING_QUEUES_SET, queue)
+        pipe.hset(keys.PENDING_PAYLOAD_HASH, task_id, json.dumps({"args": args, "kwargs": kwargs, "queue": queue}))
+        pipe.execute()
+
+    def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
+        """Submit each job; returns them with ids."""
+        return [self.submit(job, **fields) for job in jobs]
+
+    def seal(self, run: str, sealed: bool = True) -> None:
+        """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer
+        (``producer.files.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
+        key = keys.run_sealed_key(run)
+        retrying(lambda: self.redis.set(key, time.time()) if sealed else self.redis.delete(key))
+
+    # -- reading results ---------------------------------------------------------------
+    def results(self, run: str, *, follow: bool = False, since: str = "0",
+                block_ms: int = 1000, timeout: float | None = None,
+                until_complete: bool = False) -> Iterator[Result]:
+        """Yield the run's results in stream order; with ``follow``, keep waiting for more.
+
+        Stops after ``timeout`` seconds without a new result when following, and with
+        ``until_complete`` once every submitted job has a result and all are yielded.
+        """
+        stream = keys.results_stream(run)
+        last_id, idle_since = since, time.monotonic()
+        while True:
+            # Completeness is read before the stream: a result is on the stream when it counts.
+            draining = follow and until_complete and runs.is_complete(self.redis, run)
+            try:
+                batches = self.redis.xread({stream: last_id}, count=1000,
+                                           block=block_ms if follow and not draining else None)
+            except redis.exceptions.ConnectionError:
+                if not follow:
+                    raise
+                time.sleep(0.5)  # Redis restarting: try again
+                continue
+            entries = batches[0][1] if batches else []
+            for entry_id, fields in entries:
+                last_id = entry_id
+                yield Result.model_validate_json(fields[RESULT_FIELD])
+            if draining and len(entries) < 1000:
+                return
+            if entries:
+                idle_since = time.monotonic()
+            elif not follow:
+                return
+            elif timeout is not None and time.monotonic() - idle_since > timeout:
+                return
+
+    def latest(self, run: str) -> dict[str, Result]:
+        """One result per job id (the last published) from the run's stream so far."""
+        return {result.job_id: result for result in self.results(run)}
+
+    def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0, *,
+             raise_on_error: bool = False) -> dict[str, Result]:
+        """Block until every job in ``job_ids`` has a result; raise ``TimeoutError`` otherwise.
+        With ``raise_on_error``, raise :class:`JobFailed` if any of them is an error result.
+
+        Jobs already finished are read by their stream ids (``keys.run_result_ids_hash``), the
+        others from the stream's end onwards: the cost grows with ``job_ids``, not with the run."""
+        wanted = set(job_ids)
+        found, since = retrying(lambda: self._published_results(run, wanted), give_up_s=timeout)
+        deadline = time.monotonic() + timeout
+        if len(found) < len(wanted):
+            for result in self.results(run, follow=True, since=since, block_ms=500, timeout=timeout):
+                if result.job_id in wanted:
+                    found[result.job_id] = result
+                    if len(found) == len(wanted):
+                        break
+                if time.monotonic() > deadline:
+                    break
+        if len(found) == len(wanted):
+            failed = [found[job_id] for job_id in sorted(found) if not found[job_id].ok]
+            if raise_on_error and failed:
+                raise JobFailed(failed, found)
+            return found
+        missing = sorted(wanted - set(found))
+        raise TimeoutError(f"{len(missing)} of {len(wanted)} jobs have no result after {timeout:.0f}s, "
+                           f"e.g. {missing[:3]}")
+
+    def _published_results(self, run: str, wanted: set[str]) -> tuple[dict[str, Result], str]:
+        """The latest results of ``wanted`` jobs published so far, and the stream id after which
+        every later result lies (one snapshot: ``MULTI``). A job with a status but no indexed
+        entry (published before the index existed) sends the caller to the stream's start."""
+        stream, order = keys.results_stream(run), sorted(wanted)
+        if not order:
+            return {}, "0"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xrevrange(stream, count=1)
+        pipe.hmget(keys.run_result_ids_hash(run), order)
+        pipe.hmget(keys.run_status_hash(run), order)
+        last, entry_ids, statuses = pipe.execute()
+        if any(status is not None and entry_id is None for status, entry_id in zip(statuses, entry_ids)):
+            return {}, "0"
+        indexed = [(job_id, entry_id) for job_id, entry_id in zip(order, entry_ids) if entry_id is not None]
+        pipe = self.redis.pipeline(transaction=False)
+        for _, entry_id in indexed:
+            pipe.xrange(stream, entry_id, entry_id)
+        found = {job_id: Result.model_validate_json(entries[0][1][RESULT_FIELD])
+                 for (job_id, _), entries in zip(indexed, pipe.execute()) if entries}
+        return found, last[0][0] if last else "0"
+
+    def subscribe(self, run: str) -> Iterator[Result]:
+        """Results as they are published (pub/sub: at-most-once; use :meth:`results` to not miss any)."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(keys.results_stream(run))
+        try:
+            for message in pubsub.listen():
+                yield Result.model_validate_json(message["data"])
+        finally:
+            pubsub.close()
+
+    # -- fleet -------------------------------------------------------------------------
+    def workers(self) -> dict[str, dict[str, Any]]:
+        """Live workers (their heartbeat key exists): node name -> description."""
+        described = self.redis.hgetall(keys.WORKERS_HASH)
+        alive = {}
+        for node, info in described.items():
+            if self.redis.exists(keys.worker_heartbeat_key(node)):
+                alive[node] = json.loads(info)
+        return alive
+
+    def served_models(self) -> set[str]:
+        """Models some live worker serves."""
+        return {info["model"] for info in self.workers().values()}
+
+    def close(self) -> None:
+        self.redis.close()
+        self.celery.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

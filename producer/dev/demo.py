@@ -1,0 +1,125 @@
+"""``layertap demo``: the whole pipeline on one machine, on the CPU, in about a minute.
+
+Starts an embedded Redis (unless a URL is configured), builds a tiny model, starts a
+real worker process, enqueues the bundled prompts and chats, follows the results with
+a progress bar, prints a summary and one inspected file, then stops everything, on
+Ctrl-C too. Imports no torch itself: the model builder and the worker are subprocesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from producer.client.client import Client
+from producer.dev.demo_data import demo_jobs
+from producer.dev.redis_server import RedisServer
+from producer.settings import Settings
+
+DEMO_MODEL = "tiny-qwen3"
+DEMO_RUN = "demo"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "producer", *args]
+
+
+def _wait_for_worker(client: Client, worker: subprocess.Popen, deadline: float) -> None:
+    while DEMO_MODEL not in client.served_models():
+        if worker.poll() is not None:
+            raise RuntimeError(f"the demo worker exited with code {worker.returncode} before serving")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the demo worker did not come up in time")
+        time.sleep(0.2)
+
+
+def _stop(process: subprocess.Popen | None) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, console: Console) -> None:
+    from producer.cli.common import print_file_description
+    from producer.files.file_stats import describe_file
+
+    deadline = time.monotonic() + timeout
+    temporary = workdir is None
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="layertap-demo-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        if settings.redis_url is None:
+            server = stack.enter_context(RedisServer(data_dir=workdir / "redis"))
+            settings = settings.model_copy(update={"redis_url": server.url})
+            console.print(f"[dim]embedded Redis at {server.url}[/dim]")
+        storage = workdir / "files"
+        model_dir = workdir / "model"
+        env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ, "LAYERTAP_REDIS_URL": settings.broker_url,
+               "LAYERTAP_STORAGE_ROOT": str(storage)}
+        with console.status("building a tiny qwen3-style model and tokenizer..."):
+            subprocess.run(_cli("make-tiny-model", str(model_dir), "--arch", "qwen3"), check=True, env=env,
+                           stdout=subprocess.DEVNULL)
+        log_path = workdir / "worker.log"
+        log_file = stack.enter_context(open(log_path, "w"))
+        worker = subprocess.Popen(
+            _cli("worker", "--model", str(model_dir), "--name", DEMO_MODEL, "--device", "cpu",
+                 "--layers", "0,2,-1", "--node-name", f"demo-{os.getpid()}@localhost"),
+            env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        stack.callback(_stop, worker)
+        client = stack.enter_context(Client(settings))
+        with console.status("starting a worker (loading the model)..."):
+            _wait_for_worker(client, worker, deadline)
+        jobs = [client.submit(data, model=DEMO_MODEL, run=DEMO_RUN) for data in demo_jobs()]
+        wanted = {job.job_id for job in jobs}
+        started = time.monotonic()
+        done: dict[str, object] = {}
+        with Progress(TextColumn("[bold]extracting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            bar = progress.add_task("jobs", total=len(wanted))
+            for result in client.results(DEMO_RUN, follow=True, block_ms=200,
+                                         timeout=max(1.0, deadline - time.monotonic())):
+                if result.job_id in wanted and result.job_id not in done:
+                    done[result.job_id] = result
+                    progress.advance(bar)
+                if len(done) == len(wanted):
+                    break
+        elapsed = time.monotonic() - started
+        if len(done) < len(wanted):
+            raise TimeoutError(f"only {len(done)} of {len(wanted)} demo jobs finished; see {log_path}")
+        results = list(done.values())
+        ok = [r for r in results if r.ok]  # type: ignore[attr-defined]
+        tokens = sum(r.num_tokens or 0 for r in ok)  # type: ignore[attr-defined]
+        console.print(f"\n[bold green]{len(ok)}/{len(results)} jobs ok[/bold green], {tokens} tokens in "
+                      f"{elapsed:.2f}s ({tokens / elapsed:,.0f} tokens/s end to end)")
+        kept = " (a temporary folder, removed when the demo ends: --workdir DIR keeps it)" if temporary else ""
+        console.print(f"files under {storage / DEMO_RUN}{kept}", soft_wrap=True)
+        failed = [r for r in results if not r.ok]  # type: ignore[attr-defined]
+        for result in failed:
+            console.print(f"[red]error[/red] {result.job_id}: {result.error}")  # type: ignore[attr-defined]
+        chat = next((r for r in ok if r.num_tokens and "loss_mask" in describe_file(r.path)["tensors"]), ok[0])  # type: ignore
+        console.print()
+        print_file_description(describe_file(chat.path))  # type: ignore[attr-defined]
+        if failed:
+            raise RuntimeError(f"{len(failed)} demo job(s) failed")
+    console.print("[dim]worker and Redis stopped[/dim]")

@@ -1,0 +1,148 @@
+"""``layertap export --format speculators``: a run in the layout vLLM's speculators trainer reads.
+
+Layout (``scripts/train.py --data-path OUT --hidden-states-path OUT/hidden_states``)::
+
+    OUT/data-*.arrow, dataset_info.json, state.json   HF datasets, save_to_disk; torch format
+        input_ids  list[int64]   the file's token_ids
+        loss_mask  list[int64]   the file's loss_mask (all 1 for a file without one)
+        seq_len    int64         len(input_ids)
+        job_id     string        the layertap job of the row
+    OUT/token_freq.pt            {token id: count} over loss_mask == 1 tokens (when torch is installed)
+    OUT/hidden_states/hs_{i}.safetensors   row i's layertap file: a hard link, or a copy across filesystems
+
+speculators loads ``hs_{i}`` with safetensors, takes ``hidden_states[:, :-1]`` as the
+auxiliary layers and ``hidden_states[:, -1]`` as the verifier's last layer, and checks
+``token_ids == input_ids``. So every file must hold the same layers, ending with vLLM
+id ``L`` (the last decoder layer before the final norm); the export refuses otherwise
+unless ``check_layers=False``. The extra tensors and header of a layertap file are ignored
+by it, so files are linked as they are (no bytes copied on one filesystem).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import shutil
+import tempfile
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from producer.extras import need
+from producer.files.manifest import ManifestEntry
+from producer.files.reader import shared_lock
+from producer.protocol import fileformat as ff
+
+HS_FOLDER = "hidden_states"
+LINK_FALLBACK_ERRORS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+@dataclass
+class ExportReport:
+    rows: int = 0
+    tokens: int = 0
+    linked: int = 0
+    copied: int = 0
+    token_freq: bool = False
+
+
+def link_or_copy(source: str | Path, target: Path) -> bool:
+    """Hard-link ``source`` to ``target``; copy when the filesystem cannot link. True if linked."""
+    try:
+        os.link(source, target)
+        return True
+    except OSError as exc:
+        if exc.errno not in LINK_FALLBACK_ERRORS:
+            raise
+    shutil.copyfile(source, target)
+    return False
+
+
+def read_tokens(path: str) -> tuple[Any, Any]:
+    """``(token_ids, loss_mask)`` of a file as numpy arrays, under the reader's shared lock."""
+    import numpy as np
+    from safetensors import safe_open
+
+    with shared_lock(path), safe_open(path, framework="numpy") as handle:
+        token_ids = handle.get_tensor(ff.TOKEN_IDS).astype(np.int64)
+        names = set(handle.keys())
+        mask = handle.get_tensor(ff.LOSS_MASK).astype(np.int64) if ff.LOSS_MASK in names else np.ones_like(token_ids)
+    return token_ids, mask
+
+
+def refuse_float8(entry: ManifestEntry) -> None:
+    """speculators would read float8 codes without their per-row scales: refuse, always."""
+    if entry.dtype.startswith("float8"):
+        raise ValueError(f"job {entry.job_id} is stored as {entry.dtype}: speculators would read raw float8 codes "
+                         "without their scales; extract with dtype bfloat16 for a speculators export")
+
+
+def check_speculators_layers(entry: ManifestEntry, first: ManifestEntry) -> None:
+    """Refuse files speculators would misread: layers differing between files, or not ending with ``L``."""
+    if list(entry.layers) != list(first.layers):
+        raise ValueError(f"job {entry.job_id} has layers {entry.layers} but job {first.job_id} has {first.layers}: "
+                         "speculators needs the same layers in every file")
+    if entry.layers[-1] != entry.num_hidden_layers:
+        raise ValueError(f"job {entry.job_id} has layers {entry.layers}: speculators reads the last one as the "
+                         f"verifier's last layer, vLLM id {entry.num_hidden_layers} (ask for layers ending "
+                         "with -1), or export with --any-layers")
+
+
+def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, check_layers: bool = True,
+                       on_row: Callable[[ManifestEntry], None] | None = None) -> ExportReport:
+    """Write the speculators layout of ``entries`` to ``out`` (missing or empty); rows in entry order."""
+    datasets = need("datasets")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty: export into a new folder")
+    hs_folder = out / HS_FOLDER
+    hs_folder.mkdir(parents=True, exist_ok=True)
+    report, token_freq = ExportReport(), Counter[int]()
+
+    def rows() -> Iterator[dict[str, Any]]:
+        import numpy as np
+
+        first: ManifestEntry | None = None
+        for index, entry in enumerate(entries):
+            first = first or entry
+            refuse_float8(entry)
+            if check_layers:
+                check_speculators_layers(entry, first)
+            token_ids, mask = read_tokens(entry.path)
+            linked = link_or_copy(entry.path, hs_folder / f"hs_{index}.safetensors")
+            report.rows, report.tokens = report.rows + 1, report.tokens + len(token_ids)
+            report.linked, report.copied = report.linked + linked, report.copied + (not linked)
+            ids, counts = np.unique(token_ids[mask == 1], return_counts=True)
+            token_freq.update(dict(zip(ids.tolist(), counts.tolist())))
+            if on_row:
+                on_row(entry)
+            yield {"input_ids": token_ids, "loss_mask": mask, "seq_len": len(token_ids), "job_id": entry.job_id}
+
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64"), "job_id": datasets.Value("string")})
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as cache:
+        try:
+            dataset = datasets.Dataset.from_generator(rows, features=features, cache_dir=cache,
+                                                      fingerprint=uuid.uuid4().hex)
+        except datasets.exceptions.DatasetGenerationError as exc:
+            raise (exc.__cause__ or exc) from None
+        if report.rows == 0:
+            raise ValueError("nothing to export: no ok results")
+        if importlib.util.find_spec("torch") is not None:  # speculators indexes rows as tensors
+            dataset = dataset.with_format("torch")
+            save_token_freq(dict(token_freq), out / "token_freq.pt")
+            report.token_freq = True
+        dataset.save_to_disk(str(out))
+    return report
+
+
+def save_token_freq(token_freq: dict[int, int], path: Path) -> None:
+    """The ``token_freq.pt`` speculators builds its draft vocabulary from (torch.save of a dict)."""
+    import torch
+
+    torch.save(token_freq, path)

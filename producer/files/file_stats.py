@@ -1,0 +1,80 @@
+"""What ``layertap inspect`` shows: shapes, dtypes, metadata and per-layer statistics,
+read with numpy alone (bfloat16 is widened to float32 bit-exactly), so it needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from producer.files.reader import shared_lock
+from producer.protocol.fileformat import (
+    HIDDEN_STATES,
+    SCALE_SUFFIX,
+    MetaKey,
+    read_array,
+    read_header,
+    verify_file,
+)
+from producer.protocol.fp8 import dequantize_array
+
+
+def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """A JSON-ready description of one file."""
+    path = Path(path)
+    with shared_lock(path):
+        if verify:
+            verify_file(path)
+        with open(path, "rb") as handle:
+            header, data_start = read_header(handle, path)
+        meta = dict(header.pop("__metadata__", None) or {})
+        tensors = {name: {"shape": info["shape"], "dtype": info["dtype"]} for name, info in header.items()}
+        layers = json.loads(meta.get(MetaKey.LAYERS, "[]"))
+        stats = []
+        if HIDDEN_STATES in header:
+            hidden = hidden_states_float32(path, header, data_start)
+            for slot, layer_id in enumerate(layers or range(hidden.shape[1])):
+                values = hidden[:, slot, :]
+                norms = np.linalg.norm(values, axis=-1)
+                stats.append({"layer": layer_id, "mean": float(values.mean()), "std": float(values.std()),
+                              "min": float(values.min()), "max": float(values.max()),
+                              "mean_token_norm": float(norms.mean()), "finite": bool(np.isfinite(values).all())})
+    return {"path": str(path), "bytes": path.stat().st_size, "tensors": tensors, "metadata": meta,
+            "layer_stats": stats}
+
+
+def hidden_states_float32(path: Path, header: dict, data_start: int) -> np.ndarray:
+    """A file's ``hidden_states`` as float32 (float8 files decoded with their scales)."""
+    hidden = read_array(path, header, data_start, HIDDEN_STATES)
+    scale = HIDDEN_STATES + SCALE_SUFFIX
+    if scale in header:
+        hidden = dequantize_array(hidden, read_array(path, header, data_start, scale))
+    return hidden.astype(np.float32)
+
+
+def read_hidden_states(path: str | Path) -> tuple[list[int], np.ndarray]:
+    """``(layer ids, hidden_states as float32 [T, num_layers, H])`` of a file, under its shared lock."""
+    path = Path(path)
+    with shared_lock(path):
+        with open(path, "rb") as handle:
+            header, data_start = read_header(handle, path)
+        if HIDDEN_STATES not in header:
+            raise ValueError(f"{path} has no {HIDDEN_STATES} tensor")
+        hidden = hidden_states_float32(path, header, data_start)
+    layers = json.loads((header.get("__metadata__") or {}).get(MetaKey.LAYERS, "[]"))
+    return (layers or list(range(hidden.shape[1]))), hidden
+
+
+def token_norms(hidden: np.ndarray) -> np.ndarray:
+    """L2 norm of each token's state in each layer: ``[num_layers, T]`` from ``[T, num_layers, H]``."""
+    return np.linalg.norm(hidden, axis=-1).T
+
+
+def layer_cosine_similarity(hidden: np.ndarray) -> np.ndarray:
+    """``[num_layers, num_layers]``: mean over tokens of the cosine between two layers' states."""
+    norms = np.linalg.norm(hidden, axis=-1, keepdims=True)
+    unit = hidden / np.maximum(norms, np.finfo(np.float32).tiny)
+    return np.einsum("tih,tjh->ij", unit, unit) / hidden.shape[0]

@@ -1,0 +1,198 @@
+"""The enqueue loop: rows become jobs, jobs go to the queue with back-pressure and resume.
+
+Rows (``producer.ingest.sources``) become job data (``producer.ingest.formats``); the command line's
+fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
+
+* **resume**: a job whose result in the run's status hash is ``ok`` is skipped, so
+  re-running the same command after an interruption sends only what is not done yet;
+  a job with an ``error`` result is sent again (its status entry is cleared first);
+* **repeats**: a job this enqueue already sent (same run and id: a repeated row) is
+  skipped; "already sent" is read from the run's submitted hash (its time is at or after
+  this enqueue's start), so it costs no memory per row;
+* **back-pressure**: before each submit the loop waits until the run has fewer than
+  ``max_inflight`` jobs submitted but not finished (submitted hash minus status hash), or,
+  with ``until="consumed"``, submitted but not yet taken by the streaming consumer group
+  ``group`` (submitted hash minus its consumed hash, ``producer.files.streaming``), so that a slow
+  trainer slows the producer and the files on disk stay under ``max_inflight``;
+* **sealing**: a run is unsealed when this enqueue first sends into it and sealed when its
+  last row is done (``keys.run_sealed_key``); a streaming consumer stops only on a sealed run.
+
+Jobs that were in flight when an earlier enqueue was killed have no result yet and are
+sent again; the worker answers a repeat of a finished job from its file on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from producer.client.client import Client, JobTooLarge
+from producer.ingest.formats import RowConverter, UndetectableFormat
+from producer.ingest.sources import SourceRow
+from producer.protocol import keys
+from producer.protocol.naming import check_name
+from producer.protocol.schema import Job, Status, describe_validation_error
+from producer.settings import InflightUntil
+
+
+@dataclass
+class BadRow:
+    """A row that was not enqueued: where it is and why."""
+
+    where: str
+    reason: str
+
+
+@dataclass
+class Planned:
+    """A valid job and the row it came from."""
+
+    where: str
+    job: Job
+
+
+class Outcome(str, Enum):
+    submitted = "submitted"
+    already_ok = "already_ok"  # the run has an ok result for this job
+    repeated = "repeated"  # this enqueue already sent this job (a repeated row)
+    bad = "bad"
+
+
+def job_from_data(data: Any, defaults: dict[str, Any]) -> Job:
+    """A job from one row's data with ``defaults`` under it; raises ``ValueError`` saying why not."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    try:
+        return Job.model_validate({**defaults, **data}).with_id()
+    except ValidationError as exc:
+        raise ValueError(describe_validation_error(exc, most=1)) from None
+
+
+def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict[str, Any],
+              origin: str = "") -> Iterator[Planned | BadRow]:
+    """A :class:`Planned` job or a :class:`BadRow` per row, placed as ``"<origin> <where>"``.
+    Raises ``UndetectableFormat`` for the whole file."""
+    for row in rows:
+        where = f"{origin} {row.where}" if origin else row.where
+        if row.error is not None:
+            yield BadRow(where, row.error)
+            continue
+        try:
+            yield Planned(where, job_from_data(converter.job_data(row.data, row.where), defaults))
+        except UndetectableFormat as exc:
+            raise UndetectableFormat(f"{origin}: {exc}" if origin else str(exc)) from None
+        except ValueError as exc:
+            yield BadRow(where, converter.explain(str(exc)))
+
+
+class InflightLimiter:
+    """Waits until the runs fed have fewer than ``limit`` jobs submitted but not finished
+    (``until="finished"``) or not consumed (``until="consumed"``).
+
+    The count is read from Redis only when the running estimate reaches the limit; between
+    reads each submit adds one, so the estimate is an upper bound and the limit holds at
+    every moment (counting jobs left in flight by an earlier enqueue of the same run).
+    """
+
+    def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05, until: InflightUntil = "finished",
+                 group: str = keys.DEFAULT_CONSUMER_GROUP):
+        self.redis = client
+        self.limit = limit
+        self.poll_s = poll_s
+        check_name(group, "consumer group")
+        self.until, self.group = until, group
+        self.runs: set[str] = set()
+        self.in_flight = 0
+
+    def refresh(self) -> None:
+        """Read the count of jobs in flight from Redis."""
+        pipe = self.redis.pipeline(transaction=False)
+        for run in sorted(self.runs):
+            pipe.hlen(keys.run_submitted_hash(run))
+            pipe.hlen(keys.run_consumed_hash(run, self.group) if self.until == "consumed"
+                      else keys.run_status_hash(run))
+        counts = pipe.execute()
+        self.in_flight = sum(max(0, sub - done) for sub, done in zip(counts[0::2], counts[1::2]))
+
+    def acquire(self, run: str) -> None:
+        """Block until one more job of ``run`` may be submitted, and count it."""
+        if run not in self.runs:
+            self.runs.add(run)
+            self.refresh()
+        while self.in_flight >= self.limit:
+            time.sleep(self.poll_s)
+            self.refresh()
+        self.in_flight += 1
+
+
+class Enqueuer:
+    """Sends planned jobs with resume, repeat skipping and back-pressure (see the module doc)."""
+
+    def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
+                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP):
+        self.client = client
+        self.group = group
+        self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group)
+        self.batch_size = batch_size
+        self.started_at = time.time()
+        self.fed: set[str] = set()  # runs this enqueue unsealed
+
+    def run(self, items: Iterable[Planned | BadRow]) -> Iterator[tuple[Outcome, Planned | BadRow]]:
+        """Yield what happened to each item, in order of decision (bad rows as soon as they are read);
+        seal the runs fed once the last item is done."""
+        batch: list[Planned] = []
+        for item in items:
+            if isinstance(item, BadRow):
+                yield Outcome.bad, item
+                continue
+            batch.append(item)
+            if len(batch) >= self.batch_size:
+                yield from self._send(batch)
+                batch = []
+        yield from self._send(batch)
+        for run in sorted(self.fed):
+            self.client.seal(run)
+
+    def _send(self, batch: list[Planned]) -> Iterator[tuple[Outcome, Planned | BadRow]]:
+        if not batch:
+            return
+        for run in sorted({item.job.run for item in batch} - self.fed):
+            self.client.seal(run, sealed=False)
+            self.fed.add(run)
+        pipe = self.client.redis.pipeline(transaction=False)
+        for item in batch:
+            pipe.hget(keys.run_status_hash(item.job.run), item.job.job_id)  # type: ignore[arg-type]
+            pipe.hget(keys.run_submitted_hash(item.job.run), item.job.job_id)  # type: ignore[arg-type]
+        found = pipe.execute()
+        sent: set[tuple[str, str]] = set()
+        for index, item in enumerate(batch):
+            job, status, submitted_at = item.job, found[2 * index], found[2 * index + 1]
+            key = (job.run, job.job_id or "")
+            if status == Status.ok.value:
+                yield Outcome.already_ok, item
+            elif key in sent or (submitted_at is not None and float(submitted_at) >= self.started_at):
+                yield Outcome.repeated, item
+            else:
+                sent.add(key)
+                yield self._submit(item, reopen=status is not None or submitted_at is not None)
+
+    def _submit(self, item: Planned, *, reopen: bool) -> tuple[Outcome, Planned | BadRow]:
+        job = item.job
+        self.limiter.acquire(job.run)
+        if reopen:  # sent before: clear its old (error) status, mark it sent by this enqueue
+            pipe = self.client.redis.pipeline(transaction=True)
+            pipe.hdel(keys.run_status_hash(job.run), job.job_id)  # type: ignore[arg-type]
+            pipe.hdel(keys.run_consumed_hash(job.run, self.group), job.job_id)  # type: ignore[arg-type]
+            pipe.hset(keys.run_submitted_hash(job.run), job.job_id, time.time())  # type: ignore[arg-type]
+            pipe.execute()
+        try:
+            self.client.submit(job)
+        except JobTooLarge as exc:
+            return Outcome.bad, BadRow(item.where, str(exc))
+        return Outcome.submitted, item

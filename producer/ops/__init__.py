@@ -1,0 +1,1 @@
+"""Watching a fleet: queue depths, workers, run progress, throughput windows."""

@@ -1,0 +1,205 @@
+"""What the fleet and a run are doing, read from Redis alone (no worker is asked anything).
+
+* the fleet: queue depth per model (``SCAN`` for ``layertap.q.*``, ``LLEN``; kombu's
+  priority sub-queues are added to their queue), every worker in ``layertap:workers``
+  (alive while its heartbeat key exists), the dead-letter count (``XLEN``) and Redis's
+  memory against its ``maxmemory`` (``INFO memory``): at the limit under ``noeviction``
+  Redis refuses writes, so workers can neither beat nor finish jobs until memory is freed;
+* a run: its total is ``HLEN`` of the submitted hash, finished jobs ``HLEN`` of the status
+  hash (one entry per job, so duplicates never count twice); failed jobs are read once
+  with ``HSCAN`` and then kept up to date from the results stream, which also gives
+  tokens. Each poll costs O(new results), not O(run size).
+
+All functions take a ``redis.Redis`` made with ``decode_responses=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from producer.client.client import RESULT_FIELD
+from producer.ops.throughput import RateWindow
+from producer.protocol import keys
+from producer.protocol.schema import Result, Status
+
+PAGE = 5000
+
+
+@dataclass
+class WorkerState:
+    """One worker as its last heartbeat described it."""
+
+    node: str
+    alive: bool
+    model: str
+    device: str
+    gpus: str
+    tokens_per_s: float
+    jobs: int
+    tokens: int
+    pending: int
+    beat_age_s: float | None
+    batching: str = ""  # the worker's batching path ("packed" | "padded"), chosen and self-checked at its start
+
+
+@dataclass
+class RedisMemory:
+    """Redis's memory use; ``refusing_writes`` at ``maxmemory`` under ``noeviction`` (OOM replies)."""
+
+    used_bytes: int
+    max_bytes: int  # 0: no limit
+    policy: str
+    refusing_writes: bool
+
+
+@dataclass
+class FleetStatus:
+    queues: dict[str, int]  # model -> messages waiting in its queue
+    workers: list[WorkerState]
+    dead_letters: int
+    redis: RedisMemory
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def queue_depths(client: redis.Redis) -> dict[str, int]:
+    """Messages waiting per model, for every non-empty model queue."""
+    found = sorted(client.scan_iter(match=keys.QUEUE_PATTERN, count=1000))
+    pipe = client.pipeline(transaction=False)
+    for key in found:
+        pipe.llen(key)
+    depths: dict[str, int] = {}
+    for key, depth in zip(found, pipe.execute(), strict=True):
+        model = keys.queue_model(key)
+        if model is not None:
+            depths[model] = depths.get(model, 0) + int(depth)
+    return depths
+
+
+def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerState]:
+    """Every registered worker, alive or not (a killed worker stays until it is replaced or removed)."""
+    now = time.time() if now is None else now
+    described = client.hgetall(keys.WORKERS_HASH)
+    nodes = sorted(described)
+    pipe = client.pipeline(transaction=False)
+    for node in nodes:
+        pipe.exists(keys.worker_heartbeat_key(node))
+    states = []
+    for node, alive in zip(nodes, pipe.execute(), strict=True):
+        info = json.loads(described[node])
+        engine = info.get("engine") or {}
+        beat = info.get("beat")
+        states.append(WorkerState(
+            node=node, alive=bool(alive), model=str(info.get("model", "")), device=str(info.get("device", "")),
+            gpus=str(info.get("gpus", "")), tokens_per_s=float(info.get("tokens_per_s") or 0.0),
+            jobs=int(engine.get("jobs", 0)), tokens=int(engine.get("tokens", 0)), pending=int(engine.get("pending", 0)),
+            beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", ""))))
+    return states
+
+
+def redis_memory(client: redis.Redis) -> RedisMemory:
+    info = client.info("memory")
+    used, limit, policy = int(info["used_memory"]), int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy", ""))
+    return RedisMemory(used, limit, policy, refusing_writes=policy == "noeviction" and 0 < limit <= used)
+
+
+def fleet_status(client: redis.Redis) -> FleetStatus:
+    """Queues (models that live workers serve are listed even when empty), workers, dead letters, Redis memory."""
+    workers = worker_states(client)
+    queues = queue_depths(client)
+    for state in workers:
+        if state.alive:
+            queues.setdefault(state.model, 0)
+    return FleetStatus(dict(sorted(queues.items())), workers, int(client.xlen(keys.DEAD_LETTER_STREAM)),
+                       redis_memory(client))
+
+
+@dataclass
+class RunProgress:
+    """A run at one moment. ``total`` counts distinct submitted jobs."""
+
+    run: str
+    total: int
+    done: int
+    failed: int
+    tokens: int  # tokens of ok results seen since the tracker started
+    tokens_per_s: float
+    jobs_per_s: float
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+    @property
+    def complete(self) -> bool:
+        """Every submitted job has a final result (and there was at least one job)."""
+        return self.total > 0 and self.finished >= self.total
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds until complete at the current job rate; None while no rate is known."""
+        remaining = self.total - self.finished
+        if remaining <= 0:
+            return 0.0
+        return remaining / self.jobs_per_s if self.jobs_per_s > 0 else None
+
+
+def stream_results(client: redis.Redis, run: str, after: str = "-") -> Iterator[tuple[str, Result]]:
+    """``(entry id, result)`` of the run's stream entries after ``after`` (``-``: all), in pages."""
+    stream = keys.results_stream(run)
+    start = after if after == "-" else f"({after}"
+    while True:
+        entries = client.xrange(stream, min=start, count=PAGE)
+        for entry_id, fields in entries:
+            yield entry_id, Result.model_validate_json(fields[RESULT_FIELD])
+        if len(entries) < PAGE:
+            return
+        start = f"({entries[-1][0]}"
+
+
+class RunTracker:
+    """Follows one run; :meth:`poll` returns its progress now."""
+
+    def __init__(self, client: redis.Redis, run: str, window_s: float = 30.0):
+        self.redis = client
+        self.run = run
+        last = client.xrevrange(keys.results_stream(run), count=1)
+        self._last_id = last[0][0] if last else "-"  # taken before the scan: later results are replayed
+        self._failed = {job for job, status in client.hscan_iter(keys.run_status_hash(run), count=PAGE)
+                        if status == Status.error.value}
+        self._tokens = 0
+        self._token_rate = RateWindow(window_s)
+        self._job_rate = RateWindow(window_s)
+
+    def poll(self) -> RunProgress:
+        for entry_id, result in stream_results(self.redis, self.run, self._last_id):
+            self._last_id = entry_id
+            if result.ok:
+                self._failed.discard(result.job_id)
+                self._tokens += result.num_tokens or 0
+            else:
+                self._failed.add(result.job_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hlen(keys.run_submitted_hash(self.run))
+        pipe.hlen(keys.run_status_hash(self.run))
+        submitted, finished = (int(value) for value in pipe.execute())
+        failed = min(len(self._failed), finished)
+        self._token_rate.add(self._tokens)
+        self._job_rate.add(finished)
+        return RunProgress(run=self.run, total=max(submitted, finished), done=finished - failed, failed=failed,
+                           tokens=self._tokens, tokens_per_s=self._token_rate.rate(),
+                           jobs_per_s=self._job_rate.rate())
+
+
+def throughput_history(client: redis.Redis, run: str) -> list[tuple[float, int]]:
+    """``(finished_at, num_tokens)`` of every ok result of the run, in time order (reads the whole stream)."""
+    points = [(result.finished_at, result.num_tokens or 0) for _, result in stream_results(client, run)
+              if result.ok]
+    return sorted(points)

@@ -1,0 +1,160 @@
+"""Every Redis key, channel, queue and task name layertap uses, in one place.
+
+Invariants: keys are built only here; run names and job ids are sanitized (see
+``naming``) before they reach these functions, so a key can never collide across runs.
+"""
+
+from __future__ import annotations
+
+PREFIX = "layertap"
+
+#: Celery task name of one extraction job (args: ``[job_dict]``; JSON only).
+EXTRACT_TASK = "layertap.extract"
+
+#: Dead-letter stream: jobs that failed ``max_attempts`` times, with their last error.
+DEAD_LETTER_STREAM = f"{PREFIX}:dead"
+
+#: Hash of live workers: node name -> JSON description (model, device, started).
+WORKERS_HASH = f"{PREFIX}:workers"
+
+#: Prefix of every model queue; ``SCAN MATCH QUEUE_PATTERN`` finds the non-empty ones.
+QUEUE_PREFIX = f"{PREFIX}.q."
+QUEUE_PATTERN = f"{QUEUE_PREFIX}*"
+#: kombu stores a queue's messages of priority p > 0 in ``<queue>\x06\x16<p>``.
+KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
+
+
+#: Hash task id -> JSON {"queue", "submitted_at"}: jobs sent by the Client and not yet finished.
+PENDING_HASH = f"{PREFIX}:pending"
+#: Hash task id -> JSON {"args", "kwargs", "queue"}: what to send again if the message is lost.
+PENDING_PAYLOAD_HASH = f"{PREFIX}:pending:payload"
+#: Set of the queues the Client has sent jobs to (bounded by the models ever used).
+PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
+#: Hash task id -> time the reconciler first found the job neither queued, held nor finished.
+SUSPECT_HASH = f"{PREFIX}:pending:suspect"
+#: Lock (SET NX EX) so that one worker at a time reconciles.
+RECONCILE_LOCK = f"{PREFIX}:reconcile:lock"
+#: Counter of jobs the reconciler sent again.
+RECOVERED_COUNTER = f"{PREFIX}:stats:recovered"
+
+#: kombu's Redis transport (default names): hash delivery tag -> JSON ``[message, exchange,
+#: routing_key]`` of every delivered, unacknowledged message, and sorted set delivery tag ->
+#: delivery time (renewed by ``worker.queue.lease``). Bounded by the messages workers hold.
+UNACKED_HASH = "unacked"
+UNACKED_INDEX = "unacked_index"
+#: A layertap message's delivery tag is ``<task id><DELIVERY_TAG_SEPARATOR><uuid>``
+#: (``producer.transport.broker_transport``), so the reconciler learns which jobs are held from the tags
+#: alone. Task ids never hold it (run names and job ids are :data:`naming.NAME_PATTERN`).
+DELIVERY_TAG_SEPARATOR = "|"
+
+
+def model_queue(model: str) -> str:
+    """The Celery queue (a Redis list) that carries jobs for ``model``."""
+    return f"{QUEUE_PREFIX}{model}"
+
+
+def pending_sent_zset(queue: str) -> str:
+    """Sorted set task id -> send time of ``queue``'s jobs in :data:`PENDING_HASH`: the reconciler
+    reads only the ones sent before the queue's head (held, lost or just finished), never the
+    backlog. Written with the record; removed with the final result (a result without a model
+    leaves its member to the next sweep that reaches it, which drops members without a record)."""
+    return f"{PREFIX}:pending:sent:{queue}"
+
+
+def queue_model(queue_key: str) -> str | None:
+    """The model whose queue (or priority sub-queue) ``queue_key`` is; None for another key."""
+    if not queue_key.startswith(QUEUE_PREFIX):
+        return None
+    return queue_key[len(QUEUE_PREFIX):].split(KOMBU_PRIORITY_SEPARATOR, 1)[0] or None
+
+
+def results_stream(run: str) -> str:
+    """Redis Stream of a run's results; the pub/sub channel has the same name."""
+    return f"{PREFIX}:results:{run}"
+
+
+def run_status_hash(run: str) -> str:
+    """Hash job_id -> latest status of that job in ``run`` (deduplicated view of the stream)."""
+    return f"{PREFIX}:run:{run}:status"
+
+
+def run_result_ids_hash(run: str) -> str:
+    """Hash job_id -> stream id of the job's latest entry in :func:`results_stream` (set with the
+    entry, in the same transaction): ``Client.wait`` reads a finished job's result without reading
+    the stream from its start. No TTL; one field per job of the run, deleted with the run."""
+    return f"{PREFIX}:run:{run}:result_ids"
+
+
+def run_submitted_hash(run: str) -> str:
+    """Hash job_id -> submit time, written by the client: the run's total is its length."""
+    return f"{PREFIX}:run:{run}:submitted"
+
+
+#: ``SCAN MATCH`` pattern of every run's submitted hash: the runs the Client has sent jobs to.
+RUN_SUBMITTED_PATTERN = f"{PREFIX}:run:*:submitted"
+
+
+def run_of_submitted_hash(key: str) -> str:
+    """The run whose submitted hash ``key`` is (run names hold no ``:``)."""
+    return key[len(f"{PREFIX}:run:"):-len(":submitted")]
+
+
+def run_cancelled_key(run: str) -> str:
+    """String key (the cancel time) present while ``run`` is cancelled: its jobs are not run or sent again."""
+    return f"{PREFIX}:run:{run}:cancelled"
+
+
+def attempts_pattern(run: str) -> str:
+    """``SCAN MATCH`` pattern of a run's attempt counters."""
+    return f"{PREFIX}:attempts:{run}:*"
+
+
+#: The consumer group a streaming trainer reads a run's results through, unless it names one.
+DEFAULT_CONSUMER_GROUP = "train"
+
+
+def run_consumed_hash(run: str, group: str) -> str:
+    """Hash job_id -> status (``ok``/``error``) of the job's result once consumer group ``group``
+    acknowledged it (``producer.files.streaming``). With ``enqueue.inflight_until=consumed`` the enqueue
+    counts a job in flight until it is here (see ``producer.ingest.enqueue``)."""
+    return f"{PREFIX}:run:{run}:consumed:{group}"
+
+
+def run_sealed_key(run: str) -> str:
+    """String: time the last enqueue into ``run`` finished sending; absent while one is sending.
+
+    A streaming consumer stops only once the run is sealed and every submitted job is final.
+    """
+    return f"{PREFIX}:run:{run}:sealed"
+
+
+def attempts_key(run: str, job_id: str) -> str:
+    """Counter of how many times a job started (crash requeues included)."""
+    return f"{PREFIX}:attempts:{run}:{job_id}"
+
+
+def worker_heartbeat_key(node: str) -> str:
+    """String key with a TTL; present while the worker ``node`` is alive."""
+    return f"{PREFIX}:heartbeat:{node}"
+
+
+def task_id(run: str, job_id: str) -> str:
+    """Celery task id of a job: ``AsyncResult(task_id(run, job_id)).get()`` gives its result."""
+    return f"{run}:{job_id}"
+
+
+def delivery_tag(task_id: str, unique: str) -> str:
+    """The delivery tag of one delivery of the task ``task_id`` (``unique``: kombu's uuid)."""
+    return f"{task_id}{DELIVERY_TAG_SEPARATOR}{unique}"
+
+
+def task_id_of_delivery_tag(tag: str) -> str | None:
+    """The task id a :func:`delivery_tag` carries; None for a tag of another form."""
+    task, sep, _unique = tag.rpartition(DELIVERY_TAG_SEPARATOR)
+    return task if sep and task else None
+
+
+def parse_task_id(value: str) -> tuple[str, str] | None:
+    """``(run, job_id)`` of a task id built by :func:`task_id` (names hold no ``:``); else None."""
+    run, sep, job_id = value.partition(":")
+    return (run, job_id) if sep and run and job_id and ":" not in job_id else None

@@ -1,0 +1,243 @@
+"""The wire protocol: a job going in, a result coming out. JSON only.
+
+Invariants:
+* a job has exactly one input: ``prompt``, ``messages`` or ``token_ids``;
+* ``job_id`` defaults to a content hash of everything that decides the file's content
+  (model, input, layers, options), so the same job enqueued twice has the same id;
+* ``run`` and ``job_id`` are safe path components (``naming.check_name``);
+* strings carry no NUL or other control characters (tab, newline, CR excepted) and are
+  valid Unicode; unknown fields are refused;
+* ``tools`` only comes with ``messages`` (a template renders them); ``loss_on`` and
+  ``topk_on`` only matter for chats and top-k jobs, and are ignored elsewhere.
+
+The training-record options (``loss_on``, ``final_hidden_states``, ``topk``, ``topk_on``,
+``dtype``) are documented in ``docs/training-record.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+#: Output dtypes a job may ask for: ``auto`` is the worker's compute dtype; ``float8`` is
+#: e4m3 with one float32 scale per stored row (see ``docs/training-record.md``).
+OutputDtype = Literal["auto", "bfloat16", "float16", "float32", "float8"]
+#: Short names accepted wherever a dtype is (jobs, ``enqueue --dtype``, ``worker --dtype``).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                 "fp8": "float8"}
+
+
+def normalize_dtype(value: Any) -> Any:
+    """A dtype name with its alias resolved (``bf16`` -> ``bfloat16``); other values as given."""
+    return DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
+
+from producer.protocol.naming import check_name, content_hash
+
+_ALLOWED_CONTROL = {"\t", "\n", "\r"}
+#: Deepest nesting of free-form JSON (``tools``, ``tool_calls``); real tool schemas use a handful.
+MAX_JSON_DEPTH = 32
+
+
+def check_text(value: str, what: str) -> str:
+    """Refuse control characters and unencodable text (lone surrogates)."""
+    bad = next((ch for ch in value if ord(ch) < 32 and ch not in _ALLOWED_CONTROL), None)
+    if bad is not None:
+        raise ValueError(f"{what} contains the control character {bad!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text ({exc.reason})") from None
+    return value
+
+
+def check_json_text(value: Any, what: str, depth: int = 0) -> Any:
+    """:func:`check_text` on every string (keys included) inside JSON data, nested at most
+    :data:`MAX_JSON_DEPTH` levels (deeper data could not be hashed, stored or dead-lettered)."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{what} is nested more than {MAX_JSON_DEPTH} levels deep")
+    if isinstance(value, str):
+        return check_text(value, what)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_text(str(key), what)
+            check_json_text(item, what, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            check_json_text(item, what, depth + 1)
+    return value
+
+
+def describe_validation_error(exc: ValidationError, most: int = 5) -> str:
+    """One line naming the first ``most`` bad fields and what is wrong with each."""
+    parts = [f"{'.'.join(str(p) for p in error['loc']) or 'job'}: "
+             f"{'is not a job field' if error['type'] == 'extra_forbidden' else error['msg'].removeprefix('Value error, ')}"
+             for error in exc.errors()[:most]]
+    more = f" (+{exc.error_count() - most} more)" if exc.error_count() > most else ""
+    return "; ".join(parts) + more
+
+
+class ChatMessage(BaseModel):
+    """One chat turn, as a chat template takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", "reasoning_content", "name", "tool_call_id")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return None if value is None else check_text(value, "message text")
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_json_text(value, "tool_calls")
+
+
+class Job(BaseModel):
+    """One extraction request. Everything except ``run``, ``job_id`` and ``metadata`` is content."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    run: str = "default"
+    job_id: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None  # JSON tool schemas, given to the chat template as ``tools``
+    layers: list[int] | None = None
+    max_length: int | None = Field(default=None, gt=0)
+    truncate: bool = False
+    loss_on: Literal["all", "last"] = "all"  # chats: mark every assistant turn, or only the last
+    final_hidden_states: bool = False  # also store the last layer's output after the final norm
+    topk: int | None = Field(default=None, ge=1)  # store the teacher's top-k next-token log-probs
+    topk_on: Literal["mask", "all"] = "mask"  # positions predicting a loss-mask token, or every position
+    dtype: OutputDtype = "auto"
+    metadata: str | None = Field(default=None, max_length=65536)
+
+    @field_validator("model", "prompt", "metadata")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return None if value is None else check_text(value, "text")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return normalize_dtype(value)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_json_text(value, "tools")
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, value: str) -> str:
+        return check_name(value, "run")
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_name(value, "job_id")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Job:
+        given = [name for name in ("prompt", "messages", "token_ids") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "a job needs exactly one input of prompt, messages or token_ids"
+                + (f" (got {' and '.join(given)})" if given else " (got none)")
+            )
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are rendered by a chat template: give them with messages, "
+                             "not with a prompt or token_ids")
+        return self
+
+    def spec(self) -> dict[str, Any]:
+        """The content-defining fields, as JSON-ready data."""
+        return self.model_dump(mode="json", exclude={"run", "job_id", "metadata"}, exclude_none=True)
+
+    def spec_hash(self) -> str:
+        """Hex sha256 of :meth:`spec`; recorded in the file header, it identifies the content."""
+        return content_hash(self.spec())
+
+    def with_id(self) -> Job:
+        """This job with ``job_id`` set (the content hash, shortened, if none was given)."""
+        if self.job_id is not None:
+            return self
+        return self.model_copy(update={"job_id": self.spec_hash()[:32]})
+
+
+class Status(str, Enum):
+    ok = "ok"
+    error = "error"
+
+
+class ErrorType(str, Enum):
+    """What went wrong, in words a caller can branch on."""
+
+    invalid_job = "invalid_job"  # not a valid job: types, fields, names, limits
+    unknown_model = "unknown_model"  # this worker does not serve the job's model
+    invalid_layers = "invalid_layers"  # a layer id outside the model's range, or repeated
+    empty_input = "empty_input"  # nothing to run: empty prompt, chat or token list
+    too_long = "too_long"  # over max_length (truncate off) or the worker's token limit
+    bad_token_ids = "bad_token_ids"  # token ids outside the vocabulary
+    chat_template = "chat_template"  # the chat cannot be rendered with the template
+    no_trainable_tokens = "no_trainable_tokens"  # a chat with no assistant token (after truncation)
+    non_finite = "non_finite"  # NaN or Inf in the captured states; no file written
+    out_of_memory = "out_of_memory"  # does not fit on the device even alone
+    write_failed = "write_failed"  # the file could not be written
+    dead_letter = "dead_letter"  # failed max_attempts times; moved to the dead-letter stream
+    cancelled = "cancelled"  # its run was cancelled (``layertap run cancel``) before it ran
+    internal = "internal"  # a bug or an unexpected fault; the message says what
+
+
+class Timings(BaseModel):
+    """Seconds spent: waiting in the queue, in the forward pass (batch share), writing."""
+
+    queued: float | None = None
+    compute: float | None = None
+    write: float | None = None
+
+
+class Result(BaseModel):
+    """What a job produced. ``path`` is set for ``ok``; ``error_type``/``error`` for ``error``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: str
+    run: str
+    status: Status
+    path: str | None = None
+    num_tokens: int | None = None
+    layers: list[int] | None = None
+    dtype: str | None = None
+    model: str | None = None
+    worker: str | None = None
+    timings: Timings = Field(default_factory=Timings)
+    error_type: ErrorType | None = None
+    error: str | None = None
+    metadata: str | None = None
+    attempt: int | None = None
+    cached: bool = False
+    finished_at: float = Field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.ok

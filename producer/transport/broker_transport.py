@@ -1,0 +1,121 @@
+"""kombu's Redis transport, with one reused client per channel instead of one per command.
+
+kombu's Redis ``Channel.conn_or_acquire`` builds a new ``redis.Redis`` object for every
+command it sends outside the consuming connection: each message's ``unacked`` append,
+each ack, each event batch, each publish. Building one costs redis-py's response-callback
+table (~200 entries); profiled on a worker draining small jobs, that was a quarter of the
+Celery consumer thread's time, the thread that bounds jobs/s. A ``redis.Redis`` object is
+thread-safe (commands borrow connections from its pool, pipelines are per call), so this
+channel keeps one, bound to the channel's current pool, and rebuilds it when kombu
+replaces the pool (after a fork or a reconnect). Nothing else of the transport changes:
+same keys, same commands, same acknowledgement semantics.
+
+Used for ``redis://`` and ``rediss://`` brokers (:func:`transport_for`); other URLs keep
+kombu's own transport.
+
+A lost connection (or an error reply such as ``OOM``, which Celery handles the same way):
+Celery closes the connection, which closes the channel, and kombu's channel close restores
+every message it delivered and has not seen acknowledged. It does so after the transport
+has let go of its connection settings, and in kombu 5.7.0 that raises ``AttributeError`` on
+``None.hostname`` (the worker dies); had it worked, it would have put back on the queue the
+messages of tasks this worker is still running (and kombu drops a message it took out of
+``unacked`` but could not push back, as under ``OOM``). Here:
+
+* a channel restores only the messages no task of this process holds (:func:`set_held_messages`;
+  all of them once its transport is gone): held ones stay in kombu's ``unacked`` records,
+  their leases keep being renewed (``worker.queue.lease``) while their tasks run, and each task's
+  ack removes its record; a worker that dies meanwhile leaves them to the visibility
+  timeout, like any dead worker;
+* a closed channel keeps serving commands (those acks) from its last client, whose pool
+  reconnects once Redis is back.
+
+A task message's delivery tag carries its task id (``keys.delivery_tag``): kombu's
+``unacked`` hash is keyed by delivery tag, so the reconciler (``worker.queue.reconciler``) learns
+which jobs workers hold from the hash's keys, without reading a message body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import redis
+from kombu.transport import redis as kombu_redis
+
+from producer.protocol import keys
+
+REUSED_CLIENT_SCHEMES = ("redis", "rediss")
+TRANSPORT_PATH = f"{__name__}:Transport"
+log = logging.getLogger(__name__)
+
+
+_held_messages: Callable[[], set[str]] = set
+
+
+def set_held_messages(provider: Callable[[], set[str]]) -> None:
+    """Tell channels which delivery tags this process's tasks hold (a worker sets it once)."""
+    global _held_messages
+    _held_messages = provider
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's Redis ack emulation; closing restores only messages no task of this process holds."""
+
+    def restore_unacked(self, client: redis.Redis | None = None) -> None:
+        delivered = set(self._delivered)
+        kept = delivered if self.channel.transport_gone() else delivered & _held_messages()
+        if kept:
+            log.warning("broker channel closed: %d held message(s) stay held (leases renewed until acked)",
+                        len(kept))
+        if delivered - kept:
+            with self.channel.conn_or_acquire(client) as client:
+                for tag in delivered - kept:
+                    self.restore_by_tag(tag, client=client)
+        self._delivered.clear()
+
+
+class Channel(kombu_redis.Channel):
+    """A kombu Redis channel whose commands share one client per connection pool."""
+
+    QoS = QoS
+    _shared_client: redis.Redis | None = None
+
+    def _inplace_augment_message(self, message: dict, exchange: str, routing_key: str) -> None:
+        """kombu's encoding and delivery tag; a task message's tag then gets its task id in front."""
+        super()._inplace_augment_message(message, exchange, routing_key)
+        task_id = (message.get("headers") or {}).get("id")
+        if isinstance(task_id, str):
+            properties = message["properties"]
+            properties["delivery_tag"] = keys.delivery_tag(task_id, properties["delivery_tag"])
+
+    def transport_gone(self) -> bool:
+        """True once the channel's connection or its transport's settings were released."""
+        return self.connection is None or self.connection.client is None
+
+    @contextmanager
+    def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
+        if client is not None:
+            yield client
+            return
+        shared = self._shared_client
+        if self.transport_gone():  # closed after a lost connection: acks of running tasks still go through
+            if shared is None:
+                raise redis.exceptions.ConnectionError("this broker channel is closed and never had a client")
+            yield shared
+            return
+        if shared is None or shared.connection_pool is not self.pool:
+            shared = self._shared_client = self._create_client()
+        yield shared
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with :class:`Channel`."""
+
+    Channel = Channel
+
+
+def transport_for(broker_url: str) -> str | None:
+    """The kombu transport to use for ``broker_url``: ours for plain and TLS Redis, else None."""
+    scheme = broker_url.split("://", 1)[0].lower()
+    return TRANSPORT_PATH if scheme in REUSED_CLIENT_SCHEMES else None

@@ -1,0 +1,87 @@
+"""The Celery application both sides share: JSON only, late acks, long-task timeouts.
+
+Invariants:
+* only JSON is accepted (task, result and event payloads): kombu will refuse a pickled
+  message before anything in it is deserialised;
+* a job is acknowledged only after its task returned, which happens after its file is
+  durable and its result published (``task_acks_late``); a worker that dies requeues
+  what it held (``task_reject_on_worker_lost``);
+* the broker's ``visibility_timeout`` is ``orphan_timeout``: a live worker renews the
+  lease of every message it holds (``worker.queue.lease``), so only a dead worker's messages
+  ever reach it and are restored to the queue; kombu checks every few seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery.result import AsyncResult
+
+from producer.protocol import keys
+from producer.settings import Settings
+from producer.transport.broker_transport import transport_for
+from producer.transport.redis_conn import ssl_options
+
+RESTORE_INTERVAL_MAX = 5.0
+
+
+def transport_options(settings: Settings) -> dict[str, object]:
+    """kombu Redis transport options derived from the settings.
+
+    ``unacked_mutex_expire`` is short: a worker killed while restoring must not block
+    every other worker's restores for kombu's default five minutes.
+    """
+    return {
+        "visibility_timeout": settings.orphan_timeout,
+        "unacked_restore_interval": max(1.0, min(RESTORE_INTERVAL_MAX, settings.orphan_timeout / 4)),
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": max(5, int(settings.orphan_timeout)),
+        "health_check_interval": 10,
+        "socket_keepalive": True,
+    }
+
+
+def make_celery(settings: Settings) -> Celery:
+    """A Celery app bound to ``settings.broker_url`` for both broker and result backend."""
+    app = Celery("layertap", broker=settings.broker_url, backend=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        event_serializer="json",
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        broker_transport=transport_for(settings.broker_url),
+        broker_transport_options=transport_options(settings),
+        result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
+        result_expires=settings.result_ttl,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        broker_channel_error_retry=True,  # an error reply (OOM at maxmemory, READONLY) reconnects, not dies
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        worker_send_task_events=True,
+        task_send_sent_event=False,  # one Redis write less per submitted job; workers still send events
+        worker_hijack_root_logger=False,
+        task_ignore_result=False,
+        timezone="UTC",
+    )
+    tls = ssl_options(settings)
+    if tls:
+        app.conf.update(broker_use_ssl=tls, redis_backend_use_ssl=tls)
+    return app
+
+
+def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: str, task_id: str) -> AsyncResult:
+    """Send one ``layertap.extract`` message (``args == [job payload]``).
+
+    Monitors (Flower, task events) show the job by model, run and id rather than by its
+    input: Celery's default repr of the arguments would put up to 1 KiB of prompt or
+    token ids into every event.
+    """
+    summary = {name: args[0][name] for name in ("model", "run", "job_id")}
+    return app.send_task(keys.EXTRACT_TASK, args=args, kwargs=kwargs, queue=queue, task_id=task_id,
+                         argsrepr=repr([summary]))

@@ -1,0 +1,1 @@
+"""Tests against real parts: a real Redis server, real Celery worker processes, real tiny models."""

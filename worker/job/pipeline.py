@@ -1,0 +1,228 @@
+"""One job from raw message data to a :class:`Result`: the core both the Celery task and
+the in-process :class:`~worker.extractor.Extractor` run.
+
+Steps: validate -> check the model -> tokenize (caller's thread) -> answer from disk if a
+complete file with the same ``spec_hash`` exists -> engine -> non-finite check -> write
+-> result. Every failure becomes an error result with a typed reason; nothing raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from producer.protocol import fileformat as ff
+from producer.protocol.fileformat import MetaKey
+from producer.protocol.layers import CONVENTION
+from producer.protocol.naming import NAME_PATTERN, content_hash, job_path
+from producer.protocol.schema import (
+    ErrorType,
+    Job,
+    Result,
+    Status,
+    Timings,
+    describe_validation_error,
+)
+from worker.engine.engine import Captured, Engine, EngineRequest
+from worker.job.errors import JobError
+from worker.job.output_dtype import DTYPE_NAMES, resolve_output_dtype
+from worker.job.teacher import dense_topk
+from worker.job.tokenize import PreparedInput, Preparer
+from worker.job.writer import existing_spec_hash, write_job_file
+from worker.model.loading import LoadedModel
+from worker.model.self_check import CheckReport
+
+log = logging.getLogger(__name__)
+
+
+def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
+    """Best-effort ``(job_id, run)`` of data that failed validation, for its error result."""
+    run = raw.get("run") if isinstance(raw, dict) else None
+    job_id = raw.get("job_id") if isinstance(raw, dict) else None
+    run = run if isinstance(run, str) and NAME_PATTERN.match(run) and ".." not in run else "default"
+    if not (isinstance(job_id, str) and NAME_PATTERN.match(job_id) and ".." not in job_id):
+        try:
+            job_id = "invalid-" + content_hash(raw)[:24]
+        except (TypeError, ValueError):
+            job_id = "invalid-" + (content_hash(fallback_id)[:24] if fallback_id else "unknown")
+    return job_id, run
+
+
+class JobProcessor:
+    """Thread-safe; one per worker (or Extractor), sharing one engine."""
+
+    def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage_root: Path,
+                 worker_name: str, write_slots: int = 8, self_check: CheckReport | None = None):
+        self.loaded = loaded
+        self.self_check = self_check  # the engine's batching self-check, passed before any job
+        self.engine = engine
+        self.preparer = preparer
+        self.storage_root = Path(storage_root)
+        self.worker_name = worker_name
+        self._write_slots = threading.BoundedSemaphore(write_slots)
+        self._awaiting_engine = 0
+        self._awaiting_lock = threading.Lock()
+
+    def awaiting_engine(self) -> int:
+        """Jobs submitted to the engine whose batch has not come back yet (the watchdog reads it)."""
+        return self._awaiting_engine
+
+    def parse(self, raw: Any, fallback_id: str | None = None) -> Job:
+        """Validate raw message data into a job with an id; raises :class:`JobError`.
+
+        The size is checked first, so a huge message is refused before it is validated."""
+        limit = self.preparer.limits.max_job_bytes
+        try:
+            size = len(json.dumps(raw, separators=(",", ":")))
+        except (TypeError, ValueError):
+            size = 0  # not JSON-like data: validation below names the problem
+        if size > limit:
+            raise JobError(ErrorType.invalid_job, f"the job is {size} bytes of JSON; this worker's limit is {limit} "
+                                                  "(LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+        try:
+            return Job.model_validate(raw).with_id()
+        except ValidationError as exc:
+            raise JobError(ErrorType.invalid_job, "invalid job: " + describe_validation_error(exc)) from None
+
+    def process(self, raw: Any, *, submitted_at: float | None = None, attempt: int | None = None,
+                fallback_id: str | None = None) -> Result:
+        """Run one job (raw message data, or an already validated :class:`Job`) and return its
+        result (never raises)."""
+        started = time.time()
+        queued = max(0.0, started - submitted_at) if submitted_at else None
+        try:
+            job = raw.with_id() if isinstance(raw, Job) else self.parse(raw, fallback_id)
+        except JobError as exc:
+            job_id, run = identify(raw, fallback_id)
+            return self._error(job_id, run, exc, Timings(queued=queued), attempt=attempt)
+        try:
+            return self._run(job, queued, attempt)
+        except JobError as exc:
+            return self._error(job.job_id, job.run, exc, Timings(queued=queued), job=job, attempt=attempt)
+        except Exception as exc:
+            log.exception("job %s failed", job.job_id)
+            return self._error(job.job_id, job.run, JobError(ErrorType.internal, f"{type(exc).__name__}: {exc}"),
+                               Timings(queued=queued), job=job, attempt=attempt)
+
+    def refused(self, job: Job, exc: JobError) -> Result:
+        """The error result of a valid job refused before it runs."""
+        return self._error(job.job_id, job.run, exc, Timings(), job=job)  # type: ignore[arg-type]
+
+    def _run(self, job: Job, queued: float | None, attempt: int | None) -> Result:
+        if job.model != self.loaded.name:
+            raise JobError(ErrorType.unknown_model,
+                           f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
+        path = job_path(self.storage_root, job.run, job.job_id)  # type: ignore[arg-type]
+        spec_hash = job.spec_hash()
+        if existing_spec_hash(path) == spec_hash:  # a redelivery: answer from disk, before tokenizing
+            cached = self._from_disk(job, path, queued, attempt)
+            if cached is not None:
+                return cached
+        prepared = self.preparer.prepare(job)
+        output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
+        request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
+                                want_final=job.final_hidden_states, output_dtype=output_dtype,
+                                topk=job.topk or 0, topk_rows=prepared.topk_rows)
+        with self._awaiting_lock:
+            self._awaiting_engine += 1
+        try:
+            job_slice = self.engine.submit(request).result()
+        finally:
+            with self._awaiting_lock:
+                self._awaiting_engine -= 1
+        try:  # the slice's host buffer is given back on every path, or the engine stalls for good
+            captured = job_slice.wait()
+            if captured.non_finite:
+                raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
+                                                     f"{DTYPE_NAMES[output_dtype]}'s range); no file written "
+                                                     "(check the model weights and dtype)")
+            tensors = self._tensors(job, prepared, request, captured)
+            write_start = time.perf_counter()
+            with self._write_slots:
+                try:
+                    write_job_file(path, tensors, self._metadata(job, prepared, spec_hash, output_dtype))
+                except OSError as exc:
+                    raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
+            write_s = time.perf_counter() - write_start
+        finally:
+            job_slice.release()
+        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, DTYPE_NAMES[output_dtype],
+                        Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
+
+    @staticmethod
+    def _tensors(job: Job, prepared: PreparedInput, request: EngineRequest,
+                 captured: Captured) -> dict[str, torch.Tensor]:
+        """The file's tensors (``producer.protocol.fileformat`` names) for what the job asked."""
+        tensors = {ff.HIDDEN_STATES: captured.hidden_states, ff.TOKEN_IDS: request.token_ids}
+        if captured.hidden_scale is not None:
+            tensors[ff.HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.hidden_scale
+        if prepared.loss_mask is not None:
+            tensors[ff.LOSS_MASK] = torch.tensor(prepared.loss_mask, dtype=torch.uint8)
+        if job.final_hidden_states:
+            tensors[ff.FINAL_HIDDEN_STATES] = captured.final_hidden_states  # type: ignore[assignment]
+            if captured.final_scale is not None:
+                tensors[ff.FINAL_HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.final_scale
+        if job.topk:
+            tensors[ff.TOPK_LOGPROBS], tensors[ff.TOPK_IDS] = dense_topk(  # type: ignore[arg-type]
+                request.num_tokens, prepared.topk_rows, captured.topk_logprobs, captured.topk_ids)
+        return tensors
+
+    def _from_disk(self, job: Job, path: Path, queued: float | None, attempt: int | None) -> Result | None:
+        """An ok result for a complete, valid file already written for this exact job."""
+        try:
+            meta = ff.verify_file(path)
+            with open(path, "rb") as handle:
+                header, _ = ff.read_header(handle, path)
+        except (ff.FileFormatError, OSError):
+            return None
+        layers = json.loads(meta[MetaKey.LAYERS])
+        result = self._ok(job, path, header[ff.TOKEN_IDS]["shape"][0], layers, meta.get(MetaKey.DTYPE, ""),
+                          Timings(queued=queued), attempt)
+        return result.model_copy(update={"cached": True})
+
+    def _metadata(self, job: Job, prepared: PreparedInput, spec_hash: str,
+                  output_dtype: torch.dtype) -> dict[str, str]:
+        loaded = self.loaded
+        options = {}
+        if prepared.loss_mask is not None:
+            options[MetaKey.LOSS_ON] = job.loss_on
+        if job.topk:
+            options.update({MetaKey.TOPK: str(job.topk), MetaKey.TOPK_ON: job.topk_on})
+        return {
+            MetaKey.FORMAT: ff.FORMAT_NAME,
+            MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,
+            MetaKey.MODEL: loaded.name,
+            MetaKey.MODEL_SOURCE: loaded.source,
+            MetaKey.MODEL_REVISION: loaded.revision or "",
+            MetaKey.LAYERS: json.dumps(prepared.layer_ids),
+            MetaKey.LAYER_CONVENTION: CONVENTION,
+            MetaKey.NUM_LAYERS: str(loaded.num_layers),
+            MetaKey.DTYPE: DTYPE_NAMES[output_dtype],
+            MetaKey.COMPUTE_DTYPE: DTYPE_NAMES[loaded.dtype],
+            MetaKey.BATCHING: loaded.batching.path.value,
+            MetaKey.ARCHITECTURE: loaded.architecture,
+            MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,
+            MetaKey.JOB_ID: job.job_id or "",
+            MetaKey.RUN: job.run,
+            MetaKey.SPEC_HASH: spec_hash,
+            **options,
+        }
+
+    def _ok(self, job: Job, path: Path, num_tokens: int, layers: list[int], dtype: str, timings: Timings,
+            attempt: int | None) -> Result:
+        return Result(job_id=job.job_id, run=job.run, status=Status.ok, path=str(path), num_tokens=num_tokens,
+                      layers=layers, dtype=dtype, model=self.loaded.name,
+                      worker=self.worker_name, timings=timings, metadata=job.metadata, attempt=attempt)
+
+    def _error(self, job_id: str, run: str, exc: JobError, timings: Timings, *, job: Job | None = None,
+               attempt: int | None = None) -> Result:
+        return Result(job_id=job_id, run=run, status=Status.error, error_type=exc.error_type, error=exc.message,
+                      model=job.model if job else None, worker=self.worker_name, timings=timings,
+                      metadata=job.metadata if job else None, attempt=attempt)

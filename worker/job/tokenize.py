@@ -1,0 +1,178 @@
+"""From a validated job to what the engine runs: token ids, loss mask, resolved layers,
+the positions to compute teacher top-k at, and the output dtype.
+
+Runs on the caller's thread (a Celery task thread), never on the engine thread.
+Every problem with the input raises :class:`JobError` with a typed reason. Tokenizer calls
+take one of :data:`TOKENIZER_POOL` copies of the tokenizer (a tokenizer is not safe to share
+between threads), so one long chat holds one copy and other jobs go on with the rest; a
+prompt that cannot fit is refused before it is tokenized.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from producer.protocol.layers import LayerIdError, resolve_layer_ids
+from producer.protocol.schema import ErrorType, Job
+from producer.settings import Limits
+from worker.job.chat import render_chat
+from worker.job.errors import JobError
+from worker.job.teacher import logit_transform
+from worker.model.loading import LoadedModel
+
+#: Copies of the tokenizer that jobs tokenize with at once.
+TOKENIZER_POOL = max(2, min(4, os.cpu_count() or 1))
+#: A text is refused unread when even this many times the longest token per token leaves it over the limit.
+UNFITTABLE_MARGIN = 2
+
+
+@dataclass
+class PreparedInput:
+    token_ids: list[int]
+    loss_mask: list[int] | None
+    layer_ids: list[int]  # resolved, in the job's order
+    truncated_from: int | None  # original length when truncated
+    topk_rows: list[int] | None = None  # positions for teacher top-k; None: all (or no top-k)
+
+
+class Preparer:
+    """Tokenizes jobs for one model. Thread-safe (each call borrows a tokenizer from the pool)."""
+
+    def __init__(self, loaded: LoadedModel, default_layers: list[int], limits: Limits):
+        self.loaded = loaded
+        self.default_layers = default_layers
+        self.limits = limits
+        self._tokenizers: queue.Queue[Any] = queue.Queue()
+        if loaded.tokenizer is not None:
+            for index in range(TOKENIZER_POOL):
+                self._tokenizers.put(loaded.tokenizer if index == 0 else copy.deepcopy(loaded.tokenizer))
+        self._longest_token_chars = longest_token_chars(loaded.tokenizer)
+
+    def prepare(self, job: Job) -> PreparedInput:
+        layer_ids = self._layers(job)
+        self._check_extras(job)
+        loss_mask: list[int] | None = None
+        if job.token_ids is not None:
+            token_ids = self._check_token_ids(job.token_ids)
+        elif job.prompt is not None:
+            token_ids = self._tokenize_prompt(job, job.prompt)
+        else:
+            token_ids, loss_mask = self._tokenize_chat(job)
+        token_ids, loss_mask, truncated_from = self._fit_length(job, token_ids, loss_mask)
+        if loss_mask is not None and not any(loss_mask):
+            raise JobError(ErrorType.no_trainable_tokens,
+                           "the chat has no assistant tokens" + (" left after truncation" if truncated_from else "")
+                           + ": its loss mask would be all zeros")
+        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask))
+
+    def _check_extras(self, job: Job) -> None:
+        """``topk`` within the limit and the vocabulary; the model parts the extras need exist."""
+        if job.topk is not None:
+            cap = min(self.limits.max_topk, self.loaded.vocab_size)
+            if job.topk > cap:
+                source = "max_topk" if cap == self.limits.max_topk else "the vocabulary size"
+                raise JobError(ErrorType.invalid_job, f"topk={job.topk} is above {source} ({cap})")
+            if self.loaded.lm_head is None:
+                raise JobError(ErrorType.invalid_job, "this model has no lm_head, so topk cannot be computed")
+            transform = logit_transform(self.loaded)
+            if transform is not None:
+                raise JobError(ErrorType.invalid_job, f"this model's head changes its logits after lm_head "
+                                                      f"({transform}), which topk does not reproduce")
+        if (job.topk is not None or job.final_hidden_states) and self.loaded.final_norm is None:
+            raise JobError(ErrorType.invalid_job, "this model's final norm was not found, so final_hidden_states "
+                                                  "and topk cannot be computed")
+
+    def _layers(self, job: Job) -> list[int]:
+        try:
+            return resolve_layer_ids(job.layers if job.layers is not None else self.default_layers,
+                                     self.loaded.num_layers)
+        except LayerIdError as exc:
+            raise JobError(ErrorType.invalid_layers, str(exc)) from None
+
+    def _check_token_ids(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise JobError(ErrorType.empty_input, "token_ids is empty")
+        vocab = self.loaded.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise JobError(ErrorType.bad_token_ids, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return token_ids
+
+    @contextmanager
+    def _tokenizer(self) -> Iterator[Any]:
+        """A tokenizer of the pool, for this thread alone until the block ends."""
+        if self.loaded.tokenizer is None:
+            raise JobError(ErrorType.invalid_job, "this worker has no tokenizer: send token_ids")
+        tokenizer = self._tokenizers.get()
+        try:
+            yield tokenizer
+        finally:
+            self._tokenizers.put(tokenizer)
+
+    def _refuse_unfittable(self, job: Job, chars: int) -> None:
+        """``too_long`` before tokenizing when ``chars`` of text cannot make fewer tokens than the limit."""
+        limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
+        fewest = chars // max(1, UNFITTABLE_MARGIN * self._longest_token_chars)  # margin: normalizers may drop text
+        if not job.truncate and fewest > limit:
+            raise JobError(ErrorType.too_long, f"{chars} characters make at least {fewest} tokens, over the limit of "
+                                               f"{limit}; set truncate=true to keep the first {limit}")
+
+    def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
+        if not prompt.strip():
+            raise JobError(ErrorType.empty_input, "prompt is empty")
+        if len(prompt) > self.limits.max_chars:
+            raise JobError(ErrorType.invalid_job, f"prompt has {len(prompt)} characters; the limit is "
+                                                  f"{self.limits.max_chars}")
+        self._refuse_unfittable(job, len(prompt))
+        with self._tokenizer() as tokenizer:
+            token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if not token_ids:
+            raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
+        return token_ids
+
+    def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
+        messages = [m.model_dump(exclude_none=True) for m in job.messages or []]
+        if not messages:
+            raise JobError(ErrorType.empty_input, "messages is empty")
+        if len(messages) > self.limits.max_turns:
+            raise JobError(ErrorType.invalid_job, f"the chat has {len(messages)} turns; the limit is "
+                                                  f"{self.limits.max_turns}")
+        chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages)
+        if chars > self.limits.max_chars:
+            raise JobError(ErrorType.invalid_job, f"the chat has {chars} characters; the limit is {self.limits.max_chars}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on")
+        self._refuse_unfittable(job, chars)
+        with self._tokenizer() as tokenizer:
+            return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on)
+
+    def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
+        limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
+        if len(token_ids) <= limit:
+            return token_ids, loss_mask, None
+        if not job.truncate:
+            source = "max_length" if job.max_length and job.max_length <= self.limits.max_tokens else "max_tokens"
+            raise JobError(ErrorType.too_long,
+                           f"{len(token_ids)} tokens exceed {source}={limit}; set truncate=true to keep the first {limit}")
+        return token_ids[:limit], (loss_mask[:limit] if loss_mask is not None else None), len(token_ids)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Length of the vocabulary's longest token string, 0 without a tokenizer. Token strings
+    spell bytes (byte-level BPE) or add markers (``▁``, ``##``), so no token covers more
+    characters of text than this."""
+    return 0 if tokenizer is None else max((len(token) for token in tokenizer.get_vocab()), default=0)
+
+
+def topk_rows(job: Job, loss_mask: list[int] | None) -> list[int] | None:
+    """Positions to compute teacher top-k at: with ``topk_on="mask"`` on a chat, each ``t`` whose
+    next token is trained (``loss_mask[t + 1] == 1``); otherwise every position (None)."""
+    if job.topk is None or job.topk_on == "all" or loss_mask is None:
+        return None
+    return [position for position in range(len(loss_mask) - 1) if loss_mask[position + 1]]

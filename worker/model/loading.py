@@ -1,0 +1,220 @@
+"""Loading a causal LM once and finding its parts: decoder layers, final norm, sizes.
+
+Decoder layers are found structurally (the ``nn.ModuleList`` of ``num_hidden_layers``
+blocks inside the text decoder, alike or not: hybrids such as Jamba mix block classes),
+so Llama, Qwen, Mistral, Gemma, Phi, GPT-2/NeoX-style, hybrid and multimodal wrappers
+work without a table of attribute paths. The batching path is chosen here too
+(``worker.model.batching``), and the model switched to packed attention only when packing is
+exact for it; otherwise it keeps the attention implementation transformers gave it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.engine.attention import use_packed_attention
+from worker.model.batching import (
+    BatchingPath,
+    BatchingPlan,
+    ModelRefused,
+    plan_batching,
+)
+
+log = logging.getLogger(__name__)
+
+#: Any of these in a model folder means it has a tokenizer (fast, slow or its config).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for hooked prefill, with what the engine needs to know about it."""
+
+    model: nn.Module  # the CausalLM (lm_head included; the engine calls ``decoder``)
+    decoder: nn.Module  # the base model: embeddings -> layers -> final norm
+    layers: nn.ModuleList
+    final_norm: nn.Module | None
+    lm_head: nn.Module | None  # hidden (after the final norm) -> logits
+    tokenizer: Any | None
+    name: str  # the served model name jobs use
+    source: str  # folder or hub id it was loaded from
+    revision: str | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer_fingerprint: str
+    batching: BatchingPlan
+    native_attention: str  # the attention implementation transformers chose (the self-check's reference)
+
+    @property
+    def architecture(self) -> str:
+        return type(self.model).__name__
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} asked for but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device, config: Any | None = None) -> torch.dtype:
+    """``auto`` -> float32 on the CPU; on a GPU the checkpoint's half dtype, else bfloat16."""
+    if spec != "auto":
+        if spec not in DTYPES:
+            raise ValueError(f"dtype {spec!r} is not one of {sorted(DTYPES)} or auto")
+        return DTYPES[spec]
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(config, "dtype", None)
+    return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
+    """Return ``(decoder, layers)``: the text decoder module and its list of ``num_layers``
+    blocks (the shallowest such list with weights in every block; the blocks may differ in
+    class, as in hybrids). Raises :class:`ModelRefused` when there is none."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = decoder if isinstance(decoder, nn.Module) else getattr(model, "base_model", model)
+    for scope in (decoder, model):
+        candidates = [
+            (name, module) for name, module in scope.named_modules()
+            if isinstance(module, nn.ModuleList) and len(module) == num_layers
+            and all(any(True for _ in block.parameters()) for block in module)
+        ]
+        if candidates:
+            _, layers = min(candidates, key=lambda item: item[0].count("."))
+            return decoder, layers
+    raise ModelRefused(type(model).__name__, f"no list of its {num_layers} decoder blocks (num_hidden_layers in "
+                       "its config) found, so its layers cannot be read")
+
+
+def find_final_norm(decoder: nn.Module) -> nn.Module | None:
+    """The norm applied after the last decoder layer, if the decoder has one of the usual names."""
+    for attr in FINAL_NORM_NAMES:
+        module = getattr(decoder, attr, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
+
+
+def tokenizer_fingerprint(tokenizer: Any | None) -> str:
+    """Short hash of the tokenizer's vocabulary/rules and chat template ('' without a tokenizer)."""
+    if tokenizer is None:
+        return ""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
+    digest.update(str(getattr(tokenizer, "chat_template", None) or "").encode())
+    return digest.hexdigest()[:16]
+
+
+def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
+             revision: str | None = None, batching: str = "auto") -> LoadedModel:
+    """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`, choose its
+    batching path (``batching``: auto, packed or padded) and, for packed, switch it to packed
+    attention. Raises :class:`ModelRefused` (one line) for a model that cannot be served."""
+    config = model.config.get_text_config()
+    num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if not num_layers:
+        raise ModelRefused(type(model).__name__, "its config names no num_hidden_layers, so its decoder blocks "
+                                                 "cannot be found")
+    decoder, layers = find_decoder_layers(model, num_layers)
+    plan = plan_batching(model, layers, batching)
+    native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    if plan.path is BatchingPath.packed:
+        use_packed_attention(model)
+    model.eval().requires_grad_(False)
+    parameter = next(model.parameters())
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    return LoadedModel(
+        model=model, decoder=decoder, layers=layers, final_norm=find_final_norm(decoder),
+        lm_head=model.get_output_embeddings(),
+        tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
+        hidden_size=getattr(config, "hidden_size", None) or getattr(config, "n_embd"),
+        vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
+    )
+
+
+def compile_decoder_layers(loaded: LoadedModel) -> None:
+    """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
+    MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
+    and the capture hooks stay outside (they run in ``Module.__call__``). Identical layers
+    share one compiled graph; the engine's warm-up pays the compile time."""
+    for layer in loaded.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any | None:
+    """The model's tokenizer, or None for a local folder that holds weights only (such a
+    worker takes ``token_ids`` jobs only). A tokenizer that is there but fails to load raises."""
+    from transformers import AutoTokenizer
+
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        log.warning("%s has no tokenizer files: serving token_ids jobs only", source)
+        return None
+    return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+
+
+def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
+               revision: str | None = None, trust_remote_code: bool = False,
+               chat_template: str | None = None, batching: str = "auto") -> LoadedModel:
+    """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
+    build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.model.shapes``).
+    ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
+    the attention implementation transformers picks for it (SDPA where it has one, else
+    its own), and is switched to packed attention only where packing is exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from worker.model.shapes import (
+        SHAPE_PREFIX,
+        build_random_model,
+        is_shape,
+        shape_config,
+    )
+
+    torch_device = resolve_device(device)
+    if is_shape(source):
+        if chat_template is not None:
+            raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
+        shape = source.removeprefix(SHAPE_PREFIX)
+        model = build_random_model(shape, torch_device, resolve_dtype(dtype, torch_device, shape_config(shape)))
+        return describe(model, None, name=name or source, source=source, batching=batching)
+    config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    torch_dtype = resolve_dtype(dtype, torch_device, config)
+    tokenizer = load_tokenizer(source, revision, trust_remote_code)
+    if chat_template is not None:
+        if tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
+        tokenizer.chat_template = chat_template
+    split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
+            device_map="auto" if split else None,
+        )
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
+                               "transformers has no causal LM class for it, so it has no decoder to read") from None
+        raise
+    if not split:  # several visible GPUs (--gpus-per-worker): device_map spread the layers
+        model = model.to(torch_device)
+    return describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching)

@@ -1,0 +1,107 @@
+"""The load-time self-check: a few random sequences batched the model's way, against each
+run alone, on the real device and dtype, before the worker takes a job.
+
+"Alone" is one sequence per forward through the attention implementation transformers
+chose for the model (SDPA, or its own), so the check covers packed attention itself too
+(positions, sliding windows, features it lacks), not only state leaking between prompts.
+Every layer ``0..L`` is compared (per layer: the relative Frobenius error over the
+sequence's tokens). A model whose batched states differ beyond the tolerance of its
+dtype is refused with :class:`~worker.model.batching.ModelRefused`. In float32 the tolerance is
+tight (1e-4; batching only reorders sums); in 16-bit dtypes it must sit above the
+rounding noise of deep random-weight stacks (about 6% at layer 36 of a Qwen3-8B shape in
+bf16), so there the structural rules of ``worker.model.batching`` are the first line and this
+check catches gross faults (a mixer that leaks state, a model that mixes the batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.attention import set_attention, use_packed_attention
+from worker.engine.engine import Engine, EngineRequest
+from worker.job.errors import JobError
+from worker.model.batching import BatchingPath, ModelRefused
+
+log = logging.getLogger(__name__)
+
+#: Lengths of the probe sequences (distinct: padded batches pad all but the longest).
+PROBE_LENGTHS = (29, 24, 31, 20)
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
+HALF_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    worst_relative_error: float
+    worst_layer: int
+    tolerance: float
+
+    def describe(self) -> str:
+        return (f"batched vs alone: worst relative error {self.worst_relative_error:.2g} (layer "
+                f"{self.worst_layer}; tolerance {self.tolerance:g})")
+
+
+def relative_error_per_layer(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``[T, n_layers, H]`` pair -> ``[n_layers]`` relative Frobenius errors over the finite
+    values. Non-finite values are a fault of the model, not of batching (each job that meets
+    them gets a ``non_finite`` error): they must sit at the same places in both, else the
+    layer's error is infinite."""
+    got, reference = got.double(), reference.double()
+    finite = got.isfinite()
+    same_places = (finite == reference.isfinite()).all(dim=2).all(dim=0)
+    got, reference = got.where(finite, 0.0), reference.where(finite, 0.0)
+    errors = (got - reference).norm(dim=(0, 2)) / reference.norm(dim=(0, 2)).clamp_min(1e-30)
+    return errors.where(same_places, torch.inf)
+
+
+def _captured_states(futures: list[Future]) -> list[torch.Tensor]:
+    """The futures' states (float32 copies; the host buffers are released)."""
+    states = []
+    for future in futures:
+        captured = future.result().wait()
+        try:
+            states.append(captured.hidden_states.float().clone())
+        finally:
+            captured.release()
+    return states
+
+
+def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
+    """Run the self-check through ``engine`` (started, before real jobs); raises
+    :class:`ModelRefused` when batching changes the states."""
+    loaded = engine.loaded
+    generator = torch.Generator().manual_seed(seed)
+    layer_ids = list(range(loaded.num_layers + 1))
+    probes = [torch.randint(0, loaded.vocab_size, (n,), generator=generator) for n in PROBE_LENGTHS]
+    path = loaded.batching.path.value
+    try:
+        batched = _captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
+                                                      together=True))
+        if loaded.batching.path is BatchingPath.packed:
+            set_attention(loaded.model, loaded.native_attention)
+        try:
+            alone = [_captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0] for ids in probes]
+        finally:
+            if loaded.batching.path is BatchingPath.packed:
+                use_packed_attention(loaded.model)
+    except JobError as exc:
+        raise ModelRefused(loaded.architecture, f"its forward fails with {path} batching on the load-time self-check "
+                                                f"({exc.message})") from None
+    if not all(bool(states.isfinite().all()) for states in alone):
+        log.warning("%s gives NaN/Inf hidden states on random inputs; jobs that meet them get non_finite errors",
+                    loaded.architecture)
+    errors = torch.stack([relative_error_per_layer(b, a) for b, a in zip(batched, alone)]).amax(dim=0)
+    worst_layer = int(errors.argmax())
+    report = CheckReport(float(errors[worst_layer]), worst_layer, TOLERANCE.get(loaded.dtype, HALF_TOLERANCE))
+    if not report.worst_relative_error <= report.tolerance:  # NaN fails too
+        raise ModelRefused(
+            loaded.architecture, f"{path} batching changes the hidden states on the load-time self-check "
+            f"({report.describe()}), so its files would be wrong; try --batching "
+            f"{'padded' if path == 'packed' else 'packed'} (LAYERTAP_WORKER__BATCHING)")
+    log.info("self-check of %s batching on %s %s: %s", path, loaded.device,
+             str(loaded.dtype).removeprefix("torch."), report.describe())
+    return report

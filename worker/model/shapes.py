@@ -1,0 +1,60 @@
+"""Config-only model shapes with random weights, for benchmarks on machines with no hub.
+
+``load_model("shape:qwen3-8b")`` builds the model from its config directly on the
+device (random init, no download, no tokenizer: such a worker takes ``token_ids`` jobs).
+Speed does not depend on the weights' values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SHAPE_PREFIX = "shape:"
+
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                               tie_word_embeddings=False)),
+    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # A Qwen3-Next-style hybrid of about 8B compute (7.8B in its layers): 3 gated-delta-net
+    # layers to 1 gated attention layer, dense MLPs (no experts). Batched padded (``worker.model.batching``).
+    "qwen3-next-8b": ("qwen3_next", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                                         linear_value_head_dim=128, linear_num_key_heads=16,
+                                         linear_num_value_heads=32, mlp_only_layers=list(range(36)),
+                                         max_position_embeddings=40960, rope_theta=10_000_000.0,
+                                         rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "qwen3-tiny": ("qwen3", dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=32768, tie_word_embeddings=False)),
+}
+
+
+def is_shape(source: str) -> bool:
+    return source.startswith(SHAPE_PREFIX)
+
+
+def shape_config(name: str):
+    from transformers import AutoConfig
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(sorted(SHAPES))}")
+    family, fields = SHAPES[name]
+    return AutoConfig.for_model(family, **fields)
+
+
+def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """The shape's CausalLM with random weights, built on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(name)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()

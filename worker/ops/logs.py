@@ -1,0 +1,68 @@
+"""Worker logging: text lines or JSON objects (``--log-format json``), one per line.
+
+Every line logged while a job is being handled carries that job's ``job_id`` and
+``run``, with no plumbing through the service: inside a task, the job comes from
+Celery's current task id (``keys.task_id(run, job_id)``); Celery's own per-task lines
+(received, succeeded, retry) carry the task id in their ``data`` record field. Lines
+about no single job (startup, the engine's batches) have ``job_id`` and ``run`` null.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import current_task, signals
+from pythonjsonlogger.core import RESERVED_ATTRS
+from pythonjsonlogger.json import JsonFormatter
+
+from producer.protocol import keys
+from producer.settings import LogFormat
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s%(job)s: %(message)s"
+JSON_FIELDS = "{levelname}{name}{message}{job_id}{run}"
+
+
+def current_task_id(record: logging.LogRecord) -> str | None:
+    """The Celery task id a record is about: its ``data['id']``, else the running task's id."""
+    data = getattr(record, "data", None)
+    if isinstance(data, dict) and isinstance(data.get("id"), str):
+        return data["id"]
+    request = getattr(current_task, "request", None)
+    task_id = getattr(request, "id", None)
+    return task_id if isinstance(task_id, str) else None
+
+
+class JobContextFilter(logging.Filter):
+    """Sets ``job_id``, ``run`` (None outside a job) and ``job`` (text suffix) on every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        task_id = current_task_id(record)
+        parsed = keys.parse_task_id(task_id) if task_id else None
+        record.run, record.job_id = parsed if parsed else (None, task_id)
+        record.job = f" [{record.run or '?'}/{record.job_id}]" if record.job_id else ""
+        return True
+
+
+def make_formatter(log_format: LogFormat) -> logging.Formatter:
+    if log_format is LogFormat.json:
+        # Celery's ``data`` (the task's args and return value) is left out: the message says it.
+        return JsonFormatter(JSON_FIELDS, style="{", reserved_attrs=[*RESERVED_ATTRS, "job", "data"],
+                             timestamp="time", rename_fields={"levelname": "level", "name": "logger"})
+    return logging.Formatter(TEXT_FORMAT)
+
+
+def _leave_logging_alone(**_: Any) -> None:
+    """A ``setup_logging`` receiver: its presence tells Celery not to configure logging."""
+
+
+def configure_logging(level: str, log_format: LogFormat) -> None:
+    """Send every log record to stderr in ``log_format``, with job context; Celery keeps it so."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(make_formatter(log_format))
+    handler.addFilter(JobContextFilter())
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    logging.captureWarnings(True)  # warnings become records too (one JSON line each)
+    signals.setup_logging.connect(_leave_logging_alone, weak=False)

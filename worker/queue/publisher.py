@@ -1,0 +1,84 @@
+"""Publishing a final result: the run's Stream (durable), its pub/sub channel (instant), the
+run's status hash (one entry per job), the entry's stream id in the run's result-ids hash
+(``keys.run_result_ids_hash``) and the end of the job's pending record (see
+``worker.queue.reconciler``), in one MULTI/EXEC transaction.
+
+The stream entry holds the result as flat JSON under the field ``result``. Redis being
+away, or refusing writes for a while (``OOM`` at ``maxmemory``, ``READONLY`` after a
+failover, ``MISCONF``, ``NOPERM``: ``producer.transport.redis_conn.refuses_writes``), is waited out
+with backoff, so the result arrives once Redis takes writes again; only after
+``give_up_s`` does publishing raise (the job's pending record then lets the reconciler
+send it again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+
+from producer.client.client import RESULT_FIELD
+from producer.protocol import keys
+from producer.protocol.schema import Result
+from producer.transport.redis_conn import UNREACHABLE, refuses_writes
+
+log = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
+
+#: XADD KEYS[1] field ARGV[1] = ARGV[2], and record the new entry's id under job ARGV[3] in KEYS[2].
+XADD_AND_INDEX = """
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], id)
+return id
+"""
+
+
+def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
+    """``action()``, tried again with backoff while Redis is away or refuses writes; raises
+    the last error after ``give_up_s`` seconds, and any other error at once."""
+    deadline = time.monotonic() + give_up_s
+    delay = 0.1
+    while True:
+        try:
+            return action()
+        except redis.exceptions.RedisError as exc:
+            unwritable = refuses_writes(exc)
+            if not (unwritable or isinstance(exc, UNREACHABLE)) or time.monotonic() > deadline:
+                raise
+            log.log(logging.ERROR if unwritable else logging.WARNING, "%s failed (%s%s); retrying in %.1fs", what,
+                    exc, ": Redis refuses writes" if unwritable else "", delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+class ResultPublisher:
+    def __init__(self, client: redis.Redis, give_up_s: float = 300.0):
+        self.redis = client
+        self.give_up_s = give_up_s
+
+    def publish(self, result: Result, also_delete: tuple[str, ...] | list[str] = ()) -> None:
+        """Publish ``result`` (and delete ``also_delete`` keys in the same transaction)."""
+        data = result.model_dump_json()
+        stream = keys.results_stream(result.run)
+
+        def send() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.eval(XADD_AND_INDEX, 2, stream, keys.run_result_ids_hash(result.run), RESULT_FIELD, data,
+                      result.job_id)
+            pipe.publish(stream, data)
+            pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
+            task_id = keys.task_id(result.run, result.job_id)
+            for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
+                pipe.hdel(pending, task_id)
+            if result.model:
+                pipe.zrem(keys.pending_sent_zset(keys.model_queue(result.model)), task_id)
+            if also_delete:
+                pipe.delete(*also_delete)
+            pipe.execute()
+
+        wait_out_redis(send, f"publishing the result of {result.job_id}", self.give_up_s)

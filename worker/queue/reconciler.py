@@ -1,0 +1,205 @@
+"""Resending jobs whose message was lost between the queue and a worker.
+
+kombu's Redis transport pops a message with ``BRPOP`` and only then records it in its
+``unacked`` hash: a worker killed between the two loses that message. To keep the
+promise that nothing is lost, the Client records every job it sends as *pending*
+(``layertap:pending``: queue and send time; ``layertap:pending:payload``: what to send
+again) and the worker that publishes the job's final result removes the record in the
+same transaction. Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the
+pending records: a job is *missing* when it is older than the oldest message still in
+its queue (queues are FIFO: it cannot be behind it), is not held by any worker (no
+``unacked`` entry carries its task id) and is not finished. A job found missing on two
+sweeps at least ``grace`` seconds apart (covering a delivery in progress) is sent again
+with the same task id and payload. A false alarm only costs a duplicate delivery, which
+the worker answers from disk (jobs are idempotent). A missing job of a cancelled run
+(``producer.client.runs``) is not sent again: its ``cancelled`` result is published instead.
+
+A sweep reads ids and times, never a message body, and never the backlog: the held task
+ids are the keys of ``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``),
+a queue's head is known by its delivery tag (a server-side script returns only the tag)
+and its send time by the queue's sorted set of pending send times
+(``keys.pending_sent_zset``), from which only the jobs sent before the head are read (the
+held, the lost and the just finished: O(in-flight)); the suspects' first-seen times come
+in one ``HGETALL`` and go back in one pipeline. A body is read only for a job it resends
+(its pending payload), for a held message whose tag carries no task id, and for a queue
+head whose job has no pending send time (sent by an older client, or a finished job's
+duplicate). Pending records without a sorted-set member (written by a client older than
+the sorted sets: the records outnumber the members) are given one, in one full pass.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from producer.client import runs
+from producer.protocol import keys
+from producer.transport.celery_app import send_extract
+from worker.queue.periodic import Periodic
+from worker.queue.publisher import ResultPublisher
+
+log = logging.getLogger(__name__)
+
+#: The delivery tag of the message next in line in KEYS[1] (false if the queue is empty, "" if
+#: it has none): the only part of the message that leaves Redis. A tag is a property of the
+#: message (kombu's JSON); the body is base64 and the headers' reprs escape quotes, so the
+#: first match is the tag.
+HEAD_DELIVERY_TAG = """
+local message = redis.call('LINDEX', KEYS[1], -1)
+if not message then return false end
+return string.match(message, '"delivery_tag": *"([^"]*)"') or ''
+"""
+
+
+def _held_task_id(unacked_entry: bytes | str) -> str | None:
+    """Task id of an ``unacked`` hash value (kombu stores ``[message, exchange, routing_key]``)."""
+    try:
+        return json.loads(unacked_entry)[0]["headers"]["id"]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _submitted_at_of(raw_message: bytes | str) -> float | None:
+    """The ``submitted_at`` keyword of a queued Celery message, if it has one."""
+    try:
+        message = json.loads(raw_message)
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        _args, kwargs, _embed = json.loads(body)
+        value = kwargs.get("submitted_at")
+        return float(value) if value is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Reconciler:
+    """A background thread in every worker; at most one sweeps at a time."""
+
+    def __init__(self, client: redis.Redis, app: Celery, node: str, interval: float, grace: float):
+        self.redis = client
+        self.app = app
+        self.node = node
+        self.interval = interval
+        self.grace = grace
+        self.publisher = ResultPublisher(client)
+        self._head_tag = client.register_script(HEAD_DELIVERY_TAG)
+        self._ticker = Periodic("reconcile sweep", interval, self.sweep)
+
+    def start(self) -> Reconciler:
+        self._ticker.start()
+        return self
+
+    def stop(self) -> None:
+        self._ticker.stop()
+
+    def sweep(self) -> int:
+        """One pass; returns how many jobs were sent again."""
+        if not self.redis.set(keys.RECONCILE_LOCK, self.node, nx=True, ex=max(1, int(self.interval))):
+            return 0
+        now = time.time()
+        held = self._held_task_ids()
+        suspects = {_text(task_id): float(seen) for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
+        queues = self._adopt_unsorted_records()
+        missing: set[str] = set()
+        for queue in sorted(queues):
+            missing.update(self._missing_from(queue, held, now))
+        pipe = self.redis.pipeline(transaction=False)
+        cleared = [task_id for task_id in suspects if task_id not in missing]
+        if cleared:
+            pipe.hdel(keys.SUSPECT_HASH, *cleared)
+        found = {task_id: now for task_id in missing if task_id not in suspects}
+        if found:
+            pipe.hset(keys.SUSPECT_HASH, mapping=found)
+        pipe.execute()
+        due = sorted(task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace)
+        return sum(self._resend(task_id) for task_id in due)
+
+    def _adopt_unsorted_records(self) -> set[str]:
+        """The queues with pending jobs; first, if some pending record has no send-time member
+        (the client writes both in one transaction, so only an older client's), add the members."""
+        queues = set(map(_text, self.redis.smembers(keys.PENDING_QUEUES_SET)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hlen(keys.PENDING_HASH)
+        for queue in queues:
+            pipe.zcard(keys.pending_sent_zset(queue))
+        records, *members = pipe.execute()
+        if records <= sum(members):
+            return queues
+        for task_id, info in self.redis.hscan_iter(keys.PENDING_HASH, count=1000):
+            record = json.loads(info)
+            pipe.zadd(keys.pending_sent_zset(record["queue"]), {_text(task_id): float(record["submitted_at"])}, nx=True)
+            pipe.sadd(keys.PENDING_QUEUES_SET, record["queue"])
+            queues.add(record["queue"])
+        pipe.execute()
+        log.info("gave %d pending record(s) of an older client their send-time entries", records - sum(members))
+        return queues
+
+    def _held_task_ids(self) -> set[str | None]:
+        """Task ids of every message a worker holds, from the ``unacked`` hash's keys (delivery tags)."""
+        held: set[str | None] = set()
+        untagged = []
+        for tag in map(_text, self.redis.hkeys(keys.UNACKED_HASH)):
+            task_id = keys.task_id_of_delivery_tag(tag)
+            if task_id is None:
+                untagged.append(tag)
+            held.add(task_id)
+        if untagged:  # sent without a task id in its tag: read those messages
+            held.update(_held_task_id(raw) for raw in self.redis.hmget(keys.UNACKED_HASH, untagged) if raw)
+        return held
+
+    def _missing_from(self, queue: str, held: set[str | None], now: float) -> list[str]:
+        """Pending jobs of ``queue`` sent before its head and over ``grace`` ago that no worker holds."""
+        cutoff = self._oldest_queued(queue)
+        if cutoff is None:
+            return []
+        sent = keys.pending_sent_zset(queue)
+        before = self.redis.zrangebyscore(sent, "-inf", f"({min(cutoff, now - self.grace)!r}")
+        candidates = [task_id for task_id in map(_text, before) if task_id not in held]
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in candidates:
+            pipe.hexists(keys.PENDING_HASH, task_id)
+        recorded = pipe.execute() if candidates else []
+        finished = [task_id for task_id, exists in zip(candidates, recorded) if not exists]
+        if finished:
+            self.redis.zrem(sent, *finished)
+        return [task_id for task_id, exists in zip(candidates, recorded) if exists]
+
+    def _oldest_queued(self, queue: str) -> float | None:
+        """Send time of the message next in line in ``queue``: +inf if empty, None if unknown."""
+        tag = self._head_tag(keys=[queue])
+        if tag is None:
+            return float("inf")
+        task_id = keys.task_id_of_delivery_tag(_text(tag))
+        sent_at = self.redis.zscore(keys.pending_sent_zset(queue), task_id) if task_id else None
+        if sent_at is not None:
+            return sent_at
+        head = self.redis.lindex(queue, -1)  # a tag without a task id, or a finished job's duplicate
+        return float("inf") if head is None else _submitted_at_of(head)
+
+    def _resend(self, task_id: str) -> bool:
+        payload: Any = self.redis.hget(keys.PENDING_PAYLOAD_HASH, task_id)
+        if payload is None:
+            return False
+        parsed = keys.parse_task_id(task_id)
+        if parsed is not None and runs.is_cancelled(self.redis, parsed[0]):
+            run, job_id = parsed
+            self.publisher.publish(runs.cancelled_result(run, job_id, worker=self.node))
+            log.info("job %s was lost and its run is cancelled: published its cancelled result", task_id)
+            return False
+        data = json.loads(payload)
+        send_extract(self.app, data["args"], data["kwargs"], data["queue"], task_id)
+        self.redis.hdel(keys.SUSPECT_HASH, task_id)
+        self.redis.incr(keys.RECOVERED_COUNTER)
+        log.warning("job %s was lost between the queue and a worker; sent it again", task_id)
+        return True
