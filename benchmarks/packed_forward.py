@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import worker.engine.attention as packed
+import worker.model.attention as packed
 from worker.model.loading import load_model
 
 

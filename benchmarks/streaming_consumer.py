@@ -42,6 +42,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from producer.client.client import Client
+from producer.command import layertap_argv
 from producer.dataset import StreamingHiddenStatesDataset, collate
 from producer.dev.redis_server import RedisServer
 from producer.settings import Settings
@@ -79,9 +80,9 @@ class DiskPeak(threading.Thread):
 def worker_process(args: argparse.Namespace, model: str, env: dict[str, str], log: Path) -> Iterator[None]:
     """A ``layertap worker`` serving ``model`` as NAME until the block ends (SIGTERM)."""
     node = f"stream-bench-{os.getpid()}-{time.monotonic_ns()}@{socket.gethostname()}"
-    command = [sys.executable, "-m", "producer", "worker", "--model", model, "--name", NAME, "--device",
+    command = layertap_argv("worker", "--model", model, "--name", NAME, "--device",
                args.device, "--dtype", args.dtype, "--layers", args.layers, "--token-budget", str(args.token_budget),
-               "--node-name", node, "--loglevel", "WARNING"]
+               "--node-name", node, "--loglevel", "WARNING")
     with open(log, "a") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -181,9 +182,9 @@ def run_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             with worker_process(args, model, env, work / "worker.log"):
                 disk.start()
                 enqueue = subprocess.Popen(
-                    [sys.executable, "-m", "producer", "enqueue", "--model", NAME, "--run", live_run, "--file",
+                    layertap_argv("enqueue", "--model", NAME, "--run", live_run, "--file",
                      str(rows), "--quiet", "--max-inflight", str(args.max_inflight), "--inflight-until",
-                     args.inflight_until],
+                     args.inflight_until),
                     env=env, stderr=subprocess.DEVNULL)
                 dataset = StreamingHiddenStatesDataset(live_run, redis_url=url, delete_after=True, verify=True)
                 live = consume(dataset, args.loader_workers, delay_s)

@@ -31,7 +31,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,6 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from producer.client.client import Client
+from producer.command import layertap_argv
 from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
 from producer.dev.redis_server import RedisServer
 from producer.settings import Settings
@@ -76,7 +76,7 @@ def sharegpt_conversations(count: int = 200, seed: int = 0) -> list[dict]:
 
 def layertap(env: dict[str, str], *args: str) -> str:
     """Run one ``layertap`` command; return its stdout (raise with its stderr when it fails)."""
-    done = subprocess.run([sys.executable, "-m", "producer", *args], env=env, capture_output=True, text=True)
+    done = subprocess.run(layertap_argv(*args), env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"layertap {args[0]} failed: {done.stderr.strip()}")
     return done.stdout
@@ -87,8 +87,8 @@ def running_worker(env: dict[str, str], model_dir: Path, log_path: Path, client:
     """A ``layertap worker`` process serving ``model_dir`` as MODEL, stopped (SIGTERM) on exit."""
     with open(log_path, "w") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "producer", "worker", "--model", str(model_dir), "--name", MODEL,
-             "--device", "cpu", "--layers", ",".join(map(str, LAYERS)), "--node-name", f"eagle-toy-{os.getpid()}@local"],
+            layertap_argv("worker", "--model", str(model_dir), "--name", MODEL,
+             "--device", "cpu", "--layers", ",".join(map(str, LAYERS)), "--node-name", f"eagle-toy-{os.getpid()}@local"),
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + timeout
@@ -207,8 +207,8 @@ def main_online(workdir: Path, steps: int, max_inflight: int = ONLINE_MAX_INFLIG
                 running_worker(env, model_dir, workdir / "worker.log", client):
             disk.start()
             enqueue = subprocess.Popen(
-                [sys.executable, "-m", "producer", "enqueue", "--model", MODEL, "--run", RUN, "--file", str(chats),
-                 "--quiet", "--max-inflight", str(max_inflight), "--inflight-until", "consumed"], env=env)
+                layertap_argv("enqueue", "--model", MODEL, "--run", RUN, "--file", str(chats),
+                 "--quiet", "--max-inflight", str(max_inflight), "--inflight-until", "consumed"), env=env)
             print(f"enqueueing {steps * BATCH} conversations from {chats}, training as they arrive", flush=True)
             stream = StreamingHiddenStatesDataset(RUN, redis_url=redis_server.url, delete_after=True,
                                                   shuffle_buffer=BATCH)

@@ -24,8 +24,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from producer.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
 from producer.protocol.keys import DEFAULT_CONSUMER_GROUP
-from producer.protocol.schema import normalize_dtype
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: The default hang bound: this much time per batch, plus its tokens at the slowest prefill assumed.
@@ -51,7 +51,7 @@ class WorkerSettings(BaseModel):
     layers: Annotated[list[int] | None, NoDecode] = None
     chat_template: str | None = None  # a Jinja chat template file used instead of the model's (read once)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # aliases bf16, fp16, fp32 accepted
+    dtype: WorkerDtype = AUTO  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
     batching: Literal["auto", "packed", "padded"] = "auto"  # auto: chosen from the model's structure (worker.model.batching)
     max_batch_jobs: int = Field(default=256, gt=0)

@@ -11,6 +11,9 @@ __all__ = ["Extractor"]
 
 def __getattr__(name: str) -> Any:
     if name == "Extractor":
+        from producer.extras import require
+
+        require("worker.Extractor")  # on a client-only install: the one-line hint, not ModuleNotFoundError
         from worker.extractor import Extractor
 
         return Extractor

@@ -19,10 +19,10 @@ from producer.protocol.schema import Job, Result
 from producer.settings import Limits
 from worker.engine.engine import Engine
 from worker.engine.scheduler import MAX_PADDING
+from worker.engine.self_check import check_batching
 from worker.job.pipeline import JobProcessor
 from worker.job.tokenize import Preparer
 from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
-from worker.model.self_check import check_batching
 
 
 def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
@@ -31,7 +31,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
                     host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
-    The engine passes the batching self-check first (``worker.model.self_check``), or this raises
+    The engine passes the batching self-check first (``worker.engine.self_check``), or this raises
     :class:`~worker.model.batching.ModelRefused` and nothing is served."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
     engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,

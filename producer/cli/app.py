@@ -113,7 +113,8 @@ def demo(
     require("`layertap demo`")
     from producer.dev.demo import run_demo
 
-    run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console)
+    run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console,
+             show_file=print_file_description)
 
 
 cli_data.register(app)

@@ -187,7 +187,7 @@ class RunListing:
         with Client(Settings(), redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
                 raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
-            self.results = ok_results(client, run)
+            self.results = ok_results(client.redis, run)
         self.verify = verify
         self.skipped = self.tokens = 0
 

@@ -17,13 +17,13 @@ from typing import Any
 import redis
 
 from producer.client import runs
+from producer.client.fleet import live_workers
+from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
-from producer.protocol.schema import Job, Result
+from producer.protocol.schema import Job, Result, json_size
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
 from producer.transport.redis_conn import connect, retrying
-
-RESULT_FIELD = "result"
 
 
 class JobTooLarge(ValueError):
@@ -76,7 +76,7 @@ class Client:
         job = job.with_id()
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
-        size = len(json.dumps(payload))
+        size = json_size(payload)
         if size > self.settings.limits.max_job_bytes:
             raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
                               f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
@@ -134,24 +134,21 @@ class Client:
         Stops after ``timeout`` seconds without a new result when following, and with
         ``until_complete`` once every submitted job has a result and all are yielded.
         """
-        stream = keys.results_stream(run)
         last_id, idle_since = since, time.monotonic()
         while True:
             # Completeness is read before the stream: a result is on the stream when it counts.
             draining = follow and until_complete and runs.is_complete(self.redis, run)
             try:
-                batches = self.redis.xread({stream: last_id}, count=1000,
-                                           block=block_ms if follow and not draining else None)
+                entries = read_after(self.redis, run, last_id, block_ms=block_ms if follow and not draining else None)
             except redis.exceptions.ConnectionError:
                 if not follow:
                     raise
                 time.sleep(0.5)  # Redis restarting: try again
                 continue
-            entries = batches[0][1] if batches else []
-            for entry_id, fields in entries:
+            for entry_id, result in entries:
                 last_id = entry_id
-                yield Result.model_validate_json(fields[RESULT_FIELD])
-            if draining and len(entries) < 1000:
+                yield result
+            if draining and len(entries) < PAGE:
                 return
             if entries:
                 idle_since = time.monotonic()
@@ -209,7 +206,7 @@ class Client:
         pipe = self.redis.pipeline(transaction=False)
         for _, entry_id in indexed:
             pipe.xrange(stream, entry_id, entry_id)
-        found = {job_id: Result.model_validate_json(entries[0][1][RESULT_FIELD])
+        found = {job_id: entry_result(entries[0][1])
                  for (job_id, _), entries in zip(indexed, pipe.execute()) if entries}
         return found, last[0][0] if last else "0"
 
@@ -226,12 +223,7 @@ class Client:
     # -- fleet -------------------------------------------------------------------------
     def workers(self) -> dict[str, dict[str, Any]]:
         """Live workers (their heartbeat key exists): node name -> description."""
-        described = self.redis.hgetall(keys.WORKERS_HASH)
-        alive = {}
-        for node, info in described.items():
-            if self.redis.exists(keys.worker_heartbeat_key(node)):
-                alive[node] = json.loads(info)
-        return alive
+        return live_workers(self.redis)
 
     def served_models(self) -> set[str]:
         """Models some live worker serves."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import redis
 
+from producer.client.results import stream_results
 from producer.protocol import keys
 from producer.protocol.schema import ErrorType, Result, Status
 
@@ -148,8 +149,6 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
 
 
 def _results(client: redis.Redis, run: str) -> Iterator[Result]:
-    from producer.ops.monitor import stream_results
-
     for _, result in stream_results(client, run):
         yield result
 

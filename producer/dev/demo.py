@@ -12,10 +12,11 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -27,6 +28,7 @@ from rich.progress import (
 )
 
 from producer.client.client import Client
+from producer.command import layertap_argv
 from producer.dev.demo_data import demo_jobs
 from producer.dev.redis_server import RedisServer
 from producer.settings import Settings
@@ -36,7 +38,7 @@ DEMO_RUN = "demo"
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "producer", *args]
+    return layertap_argv(*args)
 
 
 def _wait_for_worker(client: Client, worker: subprocess.Popen, deadline: float) -> None:
@@ -59,8 +61,9 @@ def _stop(process: subprocess.Popen | None) -> None:
         process.wait()
 
 
-def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, console: Console) -> None:
-    from producer.cli.common import print_file_description
+def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, console: Console,
+             show_file: Callable[[dict[str, Any]], None]) -> None:
+    """The whole pipeline on an embedded Redis; ``show_file`` prints one file's description."""
     from producer.files.file_stats import describe_file
 
     deadline = time.monotonic() + timeout
@@ -119,7 +122,7 @@ def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, consol
             console.print(f"[red]error[/red] {result.job_id}: {result.error}")  # type: ignore[attr-defined]
         chat = next((r for r in ok if r.num_tokens and "loss_mask" in describe_file(r.path)["tensors"]), ok[0])  # type: ignore
         console.print()
-        print_file_description(describe_file(chat.path))  # type: ignore[attr-defined]
+        show_file(describe_file(chat.path))  # type: ignore[attr-defined]
         if failed:
             raise RuntimeError(f"{len(failed)} demo job(s) failed")
     console.print("[dim]worker and Redis stopped[/dim]")

@@ -20,7 +20,7 @@ to the longest ``T`` (``input_ids`` with ``pad_token_id``, the rest with 0), plu
 ``attention_mask`` int64 ``[B, T]`` (1 on real tokens), ``lengths`` int64 ``[B]`` and
 ``job_ids``; ``loss_mask`` is 0 on padding.
 
-:class:`~producer.files.streaming.StreamingHiddenStatesDataset` (importable from here too) yields
+:class:`~producer.files.streaming.StreamingHiddenStatesDataset` (importable from ``producer.dataset``) yields
 the same items from a live run's results stream, one pass, as the files are written.
 """
 
@@ -111,12 +111,3 @@ def load_item(job_id: str, path: str | Path, file_layers: Sequence[int], *, laye
     for name, tensor in tensors.items():
         item[name] = (tensor.to(dtype) if dtype is not None and "hidden_states" in name else tensor)[cut]
     return item
-
-
-def __getattr__(name: str) -> Any:
-    """``StreamingHiddenStatesDataset`` lives in ``producer.files.streaming`` (it needs torch at import)."""
-    if name == "StreamingHiddenStatesDataset":
-        from producer.files.streaming import StreamingHiddenStatesDataset
-
-        return StreamingHiddenStatesDataset
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,8 +34,8 @@ from typing import Any
 
 from producer.extras import need
 from producer.files.manifest import ManifestEntry
-from producer.files.reader import shared_lock
 from producer.protocol import fileformat as ff
+from producer.protocol.locking import shared_lock
 
 HS_FOLDER = "hidden_states"
 LINK_FALLBACK_ERRORS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}

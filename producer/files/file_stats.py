@@ -10,16 +10,16 @@ from typing import Any
 
 import numpy as np
 
-from producer.files.reader import shared_lock
 from producer.protocol.fileformat import (
     HIDDEN_STATES,
     SCALE_SUFFIX,
+    FileHeader,
     MetaKey,
-    read_array,
-    read_header,
+    read_file_header,
     verify_file,
 )
 from producer.protocol.fp8 import dequantize_array
+from producer.protocol.locking import shared_lock
 
 
 def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
@@ -28,14 +28,13 @@ def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
     with shared_lock(path):
         if verify:
             verify_file(path)
-        with open(path, "rb") as handle:
-            header, data_start = read_header(handle, path)
-        meta = dict(header.pop("__metadata__", None) or {})
-        tensors = {name: {"shape": info["shape"], "dtype": info["dtype"]} for name, info in header.items()}
+        header = read_file_header(path)
+        meta = header.metadata
+        tensors = {name: {"shape": info["shape"], "dtype": info["dtype"]} for name, info in header.tensors.items()}
         layers = json.loads(meta.get(MetaKey.LAYERS, "[]"))
         stats = []
-        if HIDDEN_STATES in header:
-            hidden = hidden_states_float32(path, header, data_start)
+        if HIDDEN_STATES in header.tensors:
+            hidden = hidden_states_float32(header)
             for slot, layer_id in enumerate(layers or range(hidden.shape[1])):
                 values = hidden[:, slot, :]
                 norms = np.linalg.norm(values, axis=-1)
@@ -46,12 +45,12 @@ def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
             "layer_stats": stats}
 
 
-def hidden_states_float32(path: Path, header: dict, data_start: int) -> np.ndarray:
+def hidden_states_float32(header: FileHeader) -> np.ndarray:
     """A file's ``hidden_states`` as float32 (float8 files decoded with their scales)."""
-    hidden = read_array(path, header, data_start, HIDDEN_STATES)
+    hidden = header.array(HIDDEN_STATES)
     scale = HIDDEN_STATES + SCALE_SUFFIX
-    if scale in header:
-        hidden = dequantize_array(hidden, read_array(path, header, data_start, scale))
+    if scale in header.tensors:
+        hidden = dequantize_array(hidden, header.array(scale))
     return hidden.astype(np.float32)
 
 
@@ -59,12 +58,11 @@ def read_hidden_states(path: str | Path) -> tuple[list[int], np.ndarray]:
     """``(layer ids, hidden_states as float32 [T, num_layers, H])`` of a file, under its shared lock."""
     path = Path(path)
     with shared_lock(path):
-        with open(path, "rb") as handle:
-            header, data_start = read_header(handle, path)
-        if HIDDEN_STATES not in header:
+        header = read_file_header(path)
+        if HIDDEN_STATES not in header.tensors:
             raise ValueError(f"{path} has no {HIDDEN_STATES} tensor")
-        hidden = hidden_states_float32(path, header, data_start)
-    layers = json.loads((header.get("__metadata__") or {}).get(MetaKey.LAYERS, "[]"))
+        hidden = hidden_states_float32(header)
+    layers = json.loads(header.metadata.get(MetaKey.LAYERS, "[]"))
     return (layers or list(range(hidden.shape[1]))), hidden
 
 

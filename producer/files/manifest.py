@@ -15,11 +15,14 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from producer.client.client import Client
+from producer.client.results import stream_results
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import FileFormatError, MetaKey
+
+if TYPE_CHECKING:
+    import redis
 
 WRITE_BATCH = 10_000
 
@@ -55,10 +58,11 @@ class Skipped:
     reason: str
 
 
-def ok_results(client: Client, run: str) -> dict[str, tuple[str, str | None]]:
-    """job id -> (path, metadata) of its last ok result, in the order jobs first finished ok."""
+def ok_results(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]:
+    """job id -> (path, metadata) of its last ok result, in the order jobs first finished ok
+    (``client`` decodes responses, as ``Client.redis`` does)."""
     found: dict[str, tuple[str, str | None]] = {}
-    for result in client.results(run):
+    for _, result in stream_results(client, run):
         if result.ok and result.path:
             found[result.job_id] = (result.path, result.metadata)
     return found
@@ -66,9 +70,8 @@ def ok_results(client: Client, run: str) -> dict[str, tuple[str, str | None]]:
 
 def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, verify: bool = False) -> ManifestEntry:
     """The manifest entry of one file, from its header. Raises ``FileFormatError`` or ``OSError``."""
-    with open(path, "rb") as handle:
-        header, _ = ff.read_header(handle, path)
-    meta = dict(header.pop("__metadata__", None) or {})
+    parsed = ff.read_file_header(path)
+    header, meta = parsed.tensors, parsed.metadata
     if verify:
         ff.verify_file(path)
     if meta.get(MetaKey.JOB_ID) != job_id:

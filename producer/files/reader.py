@@ -1,46 +1,24 @@
 """Reading files: vLLM's reader protocol, plus validation.
 
-Protocol (same as vLLM's ``load_hidden_states``): open ``<path>.lock`` and take a
-*shared* ``flock`` on it, which sleeps while a writer holds the exclusive lock; then
-load. A file whose lock file was removed (``cleanup_hidden_states``) loads directly:
-files only ever appear at their final name complete (temp file + atomic rename).
-``fcntl.flock`` is used directly because the protocol is defined by flock semantics
-(filelock has no shared mode).
+Protocol (same as vLLM's ``load_hidden_states``): take the shared lock of
+``producer.protocol.locking`` (it waits out a writer), then load.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from producer.protocol import fp8
 from producer.protocol.fileformat import (
     check_checksums,
-    read_array,
-    read_header,
+    read_file_header,
     verify_file,
 )
-from producer.protocol.naming import LOCK_SUFFIX
-
-
-@contextlib.contextmanager
-def shared_lock(path: str | Path) -> Iterator[None]:
-    """Hold a shared flock on ``<path>.lock`` if it exists (blocks while a writer holds it)."""
-    try:
-        fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_RDONLY)
-    except FileNotFoundError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
+from producer.protocol.locking import lock_path, shared_lock
 
 
 def load_hidden_states(
@@ -67,7 +45,7 @@ def load_hidden_states(
     with shared_lock(path):
         in_place = verify and framework == "pt" and device == "cpu"  # checksums on the loaded bytes
         if verify:
-            meta = verify_file(path, checksums=not in_place)
+            meta = verify_file(path, checksums=not in_place).metadata
         if framework == "pt":
             import torch
             from safetensors.torch import load_file as load_torch
@@ -77,15 +55,13 @@ def load_hidden_states(
                 check_checksums(path, meta, {name: tensor.reshape(-1).view(torch.uint8).numpy()
                                              for name, tensor in tensors.items()})
         else:
-            with open(path, "rb") as handle:
-                header, data_start = read_header(handle, path)
-            header.pop("__metadata__", None)
-            tensors = {name: read_array(path, header, data_start, name) for name in header}
+            header = read_file_header(path)
+            tensors = {name: header.array(name) for name in header.tensors}
     return fp8.dequantize(tensors) if dequantize else tensors
 
 
 def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False) -> None:
     """Remove a file's lock file and, unless ``keep_data``, the file itself (as vLLM's helper)."""
-    for target in ([f"{path}{LOCK_SUFFIX}"] if keep_data else [f"{path}{LOCK_SUFFIX}", str(path)]):
+    for target in ([lock_path(path)] if keep_data else [lock_path(path), str(path)]):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(target)

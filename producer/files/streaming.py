@@ -58,13 +58,13 @@ import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
-from producer.client.client import RESULT_FIELD
+from producer.client.results import entry_result
 from producer.files.dataset import collate, load_item
 from producer.files.reader import cleanup_hidden_states
 from producer.protocol import keys
 from producer.protocol.fileformat import FileFormatError
 from producer.protocol.naming import check_name
-from producer.protocol.schema import Result, Status
+from producer.protocol.schema import Status
 from producer.settings import Settings
 from producer.transport.redis_conn import connect, retrying
 
@@ -274,7 +274,7 @@ class _Consumer:
     def _take(self, entry_id: str, fields: dict[str, str] | None) -> bool:
         """Load an entry's item into the buffer (True), or finish the entry without one (False)."""
         try:
-            result = Result.model_validate_json((fields or {})[RESULT_FIELD])
+            result = entry_result(fields or {})
         except (KeyError, ValidationError) as exc:  # trimmed away, or not a result: nothing to train on
             log.warning("entry %s of %s is not a result (%s); skipped", entry_id, self.stream, exc)
             self._ack(entry_id)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from producer.protocol.naming import NAME_PATTERN
+from producer.protocol.naming import is_safe_name
 from producer.protocol.schema import Job
 
 
@@ -246,6 +246,6 @@ class RowConverter:
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             return None
         text = str(value)
-        if NAME_PATTERN.match(text) and ".." not in text:
+        if is_safe_name(text):
             return text
         return "id-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]

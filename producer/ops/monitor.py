@@ -15,18 +15,17 @@ All functions take a ``redis.Redis`` made with ``decode_responses=True``.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
 
-from producer.client.client import RESULT_FIELD
+from producer.client.fleet import worker_records
+from producer.client.results import START, stream_results
 from producer.ops.throughput import RateWindow
 from producer.protocol import keys
-from producer.protocol.schema import Result, Status
+from producer.protocol.schema import Status
 
 PAGE = 5000
 
@@ -86,18 +85,12 @@ def queue_depths(client: redis.Redis) -> dict[str, int]:
 def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerState]:
     """Every registered worker, alive or not (a killed worker stays until it is replaced or removed)."""
     now = time.time() if now is None else now
-    described = client.hgetall(keys.WORKERS_HASH)
-    nodes = sorted(described)
-    pipe = client.pipeline(transaction=False)
-    for node in nodes:
-        pipe.exists(keys.worker_heartbeat_key(node))
     states = []
-    for node, alive in zip(nodes, pipe.execute(), strict=True):
-        info = json.loads(described[node])
+    for node, info, alive in worker_records(client):
         engine = info.get("engine") or {}
         beat = info.get("beat")
         states.append(WorkerState(
-            node=node, alive=bool(alive), model=str(info.get("model", "")), device=str(info.get("device", "")),
+            node=node, alive=alive, model=str(info.get("model", "")), device=str(info.get("device", "")),
             gpus=str(info.get("gpus", "")), tokens_per_s=float(info.get("tokens_per_s") or 0.0),
             jobs=int(engine.get("jobs", 0)), tokens=int(engine.get("tokens", 0)), pending=int(engine.get("pending", 0)),
             beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", ""))))
@@ -151,19 +144,6 @@ class RunProgress:
         return remaining / self.jobs_per_s if self.jobs_per_s > 0 else None
 
 
-def stream_results(client: redis.Redis, run: str, after: str = "-") -> Iterator[tuple[str, Result]]:
-    """``(entry id, result)`` of the run's stream entries after ``after`` (``-``: all), in pages."""
-    stream = keys.results_stream(run)
-    start = after if after == "-" else f"({after}"
-    while True:
-        entries = client.xrange(stream, min=start, count=PAGE)
-        for entry_id, fields in entries:
-            yield entry_id, Result.model_validate_json(fields[RESULT_FIELD])
-        if len(entries) < PAGE:
-            return
-        start = f"({entries[-1][0]}"
-
-
 class RunTracker:
     """Follows one run; :meth:`poll` returns its progress now."""
 
@@ -171,7 +151,7 @@ class RunTracker:
         self.redis = client
         self.run = run
         last = client.xrevrange(keys.results_stream(run), count=1)
-        self._last_id = last[0][0] if last else "-"  # taken before the scan: later results are replayed
+        self._last_id = last[0][0] if last else START  # taken before the scan: later results are replayed
         self._failed = {job for job, status in client.hscan_iter(keys.run_status_hash(run), count=PAGE)
                         if status == Status.error.value}
         self._tokens = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -71,7 +72,7 @@ class MetaKey:
     LAYERS = "layers"  # JSON list of resolved layer ids, in file order
     LAYER_CONVENTION = "layer_convention"
     NUM_LAYERS = "num_hidden_layers"
-    DTYPE = "dtype"  # of the stored states (DTYPE_NAMES values)
+    DTYPE = "dtype"  # of the stored states (``dtypes.RECORDED_NAMES`` values)
     COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
     BATCHING = "batching"  # how the worker batched jobs: "packed" | "padded" (worker.model.batching)
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
@@ -94,8 +95,37 @@ def crc32_hex(data: Any) -> str:
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
-def read_header(handle: BinaryIO, path: str | Path = "") -> tuple[dict[str, Any], int]:
-    """Parse a safetensors header: ``(header, data_start)``. Raises :class:`FileFormatError`."""
+@dataclass(frozen=True)
+class FileHeader:
+    """A safetensors header in its parts: ``tensors`` (name -> ``dtype``, ``shape``,
+    ``data_offsets``; no ``__metadata__`` entry), the string ``metadata``, and ``data_start``,
+    the byte offset where tensor data begins. The one reader of headers in layertap."""
+
+    path: Path
+    tensors: dict[str, dict[str, Any]]
+    metadata: dict[str, str]
+    data_start: int
+
+    def array(self, name: str) -> np.ndarray:
+        """One tensor as a numpy array, without torch: bfloat16 widened to float32 (exactly),
+        float8 as its raw uint8 codes (``producer.protocol.fp8`` decodes them)."""
+        info = self.tensors[name]
+        begin, end = info["data_offsets"]
+        raw = np.fromfile(self.path, dtype=np.uint8, count=end - begin, offset=self.data_start + begin)
+        array = raw.view(_NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"])
+        if info["dtype"] == "BF16":
+            array = (array.astype(np.uint32) << 16).view(np.float32)
+        return array
+
+
+def read_file_header(path: str | Path) -> FileHeader:
+    """The header of the file at ``path``. Raises :class:`FileFormatError` or ``OSError``."""
+    with open(path, "rb") as handle:
+        return parse_header(handle, path)
+
+
+def parse_header(handle: BinaryIO, path: str | Path = "") -> FileHeader:
+    """Parse the safetensors header at the start of ``handle``. Raises :class:`FileFormatError`."""
     raw_len = handle.read(8)
     if len(raw_len) != 8:
         raise FileFormatError(f"{path}: file is shorter than a safetensors header (truncated?)")
@@ -111,30 +141,17 @@ def read_header(handle: BinaryIO, path: str | Path = "") -> tuple[dict[str, Any]
         raise FileFormatError(f"{path}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise FileFormatError(f"{path}: header is not a JSON object")
-    return header, 8 + header_len
-
-
-def read_array(path: str | Path, header: dict[str, Any], data_start: int, name: str) -> np.ndarray:
-    """One tensor as a numpy array, without torch: bfloat16 widened to float32 (exactly), float8
-    as its raw uint8 codes (``producer.protocol.fp8`` decodes them)."""
-    info = header[name]
-    begin, end = info["data_offsets"]
-    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
-    array = raw.view(_NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"])
-    if info["dtype"] == "BF16":
-        array = (array.astype(np.uint32) << 16).view(np.float32)
-    return array
+    metadata = header.pop("__metadata__", None) or {}
+    return FileHeader(Path(path), header, dict(metadata), 8 + header_len)
 
 
 def metadata_of(path: str | Path) -> dict[str, str]:
     """The header metadata of a file, without loading any tensor."""
-    with open(path, "rb") as handle:
-        header, _ = read_header(handle, path)
-    return dict(header.get("__metadata__") or {})
+    return read_file_header(path).metadata
 
 
-def verify_file(path: str | Path, *, checksums: bool = True) -> dict[str, str]:
-    """Check a file's structure, tensor shapes/dtypes and checksums; return its metadata.
+def verify_file(path: str | Path, *, checksums: bool = True) -> FileHeader:
+    """Check a file's structure, tensor shapes/dtypes and checksums; return its header.
 
     Raises :class:`FileFormatError` naming the first problem found. ``checksums=False`` checks
     everything but the tensors' bytes, for a reader that loads them anyway and checks them there
@@ -142,8 +159,8 @@ def verify_file(path: str | Path, *, checksums: bool = True) -> dict[str, str]:
     """
     path = Path(path)
     with open(path, "rb") as handle:
-        header, data_start = read_header(handle, path)
-        meta = dict(header.pop("__metadata__", None) or {})
+        parsed = parse_header(handle, path)
+        header, meta, data_start = parsed.tensors, parsed.metadata, parsed.data_start
         if meta.get(MetaKey.FORMAT) != FORMAT_NAME:
             raise FileFormatError(f"{path}: not a layertap file (header metadata has no format={FORMAT_NAME!r})")
         _check_shapes(path, header, meta)
@@ -170,7 +187,7 @@ def verify_file(path: str | Path, *, checksums: bool = True) -> dict[str, str]:
                 crc = zlib.crc32(chunk, crc)
                 left -= len(chunk)
             _check_crc(path, name, expected, crc)
-    return meta
+    return parsed
 
 
 def check_checksums(path: str | Path, meta: dict[str, str], tensor_bytes: dict[str, Any]) -> None:

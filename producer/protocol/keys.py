@@ -11,6 +11,9 @@ PREFIX = "layertap"
 #: Celery task name of one extraction job (args: ``[job_dict]``; JSON only).
 EXTRACT_TASK = "layertap.extract"
 
+#: The one field of a results stream entry: the result as flat JSON (``schema.Result``).
+RESULT_FIELD = "result"
+
 #: Dead-letter stream: jobs that failed ``max_attempts`` times, with their last error.
 DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: A Hugging Face hub repo id: ``name`` or ``org/name`` (models and datasets alike).
@@ -22,11 +22,16 @@ LOCK_SUFFIX = ".lock"
 FANOUT_DIGITS = 3
 
 
+def is_safe_name(value: object) -> TypeGuard[str]:
+    """``value`` is a string that may be a run name or job id: one safe path component."""
+    return isinstance(value, str) and NAME_PATTERN.match(value) is not None and ".." not in value
+
+
 def check_name(value: str, what: str) -> str:
     """Return ``value`` if it is a safe name, else raise ``ValueError`` saying why."""
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string")
-    if not NAME_PATTERN.match(value) or ".." in value:
+    if not is_safe_name(value):
         raise ValueError(
             f"{what} {value[:80]!r} is not allowed: use 1-128 characters from "
             "A-Z a-z 0-9 . _ -, starting with a letter or digit, without '..'"

@@ -16,6 +16,7 @@ The training-record options (``loss_on``, ``final_hidden_states``, ``topk``, ``t
 
 from __future__ import annotations
 
+import json
 import time
 from enum import Enum
 from typing import Any, Literal
@@ -29,18 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-#: Output dtypes a job may ask for: ``auto`` is the worker's compute dtype; ``float8`` is
-#: e4m3 with one float32 scale per stored row (see ``docs/training-record.md``).
-OutputDtype = Literal["auto", "bfloat16", "float16", "float32", "float8"]
-#: Short names accepted wherever a dtype is (jobs, ``enqueue --dtype``, ``worker --dtype``).
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-                 "fp8": "float8"}
-
-
-def normalize_dtype(value: Any) -> Any:
-    """A dtype name with its alias resolved (``bf16`` -> ``bfloat16``); other values as given."""
-    return DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
-
+from producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
 from producer.protocol.naming import check_name, content_hash
 
 _ALLOWED_CONTROL = {"\t", "\n", "\r"}
@@ -86,6 +76,13 @@ def describe_validation_error(exc: ValidationError, most: int = 5) -> str:
     return "; ".join(parts) + more
 
 
+
+def json_size(data: Any) -> int:
+    """Bytes of ``data`` as compact JSON: the one measure of a job against ``limits.max_job_bytes``,
+    on the client before sending and on the worker before validating. Raises ``TypeError`` or
+    ``ValueError`` for data that is not JSON."""
+    return len(json.dumps(data, separators=(",", ":")))
+
 class ChatMessage(BaseModel):
     """One chat turn, as a chat template takes it."""
 
@@ -128,7 +125,7 @@ class Job(BaseModel):
     final_hidden_states: bool = False  # also store the last layer's output after the final norm
     topk: int | None = Field(default=None, ge=1)  # store the teacher's top-k next-token log-probs
     topk_on: Literal["mask", "all"] = "mask"  # positions predicting a loss-mask token, or every position
-    dtype: OutputDtype = "auto"
+    dtype: JobDtype = AUTO
     metadata: str | None = Field(default=None, max_length=65536)
 
     @field_validator("model", "prompt", "metadata")

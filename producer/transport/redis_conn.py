@@ -6,15 +6,17 @@ checks so a restarted server is reconnected to transparently.
 from __future__ import annotations
 
 import ssl
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from kombu.exceptions import OperationalError
 
 from producer.settings import Settings
+from producer.transport.backoff import Backoff, retry_while
+
+T = TypeVar("T")
 
 _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
 
@@ -35,8 +37,9 @@ def ssl_options(settings: Settings) -> dict[str, Any] | None:
 #: ``maxmemory`` (OOM), by a replica (READONLY), after a failed snapshot (MISCONF), by an ACL (NOPERM).
 WRITE_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
                   redis.exceptions.NoPermissionError)
-#: Errors of a server that is away for a while: waited out, like the refusals.
-UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
+#: Errors of a server that is away for a while (restarting, loading its data), as redis-py and
+#: kombu raise them: waited out, like the refusals. BusyLoadingError is a ConnectionError.
+UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError)
 
 
 def refuses_writes(exc: BaseException) -> bool:
@@ -62,14 +65,9 @@ def redacted_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def retrying(action: Callable[[], Any], give_up_s: float = 60.0) -> Any:
+CLIENT_BACKOFF = Backoff(first_s=0.1, max_s=2.0)
+
+
+def retrying(action: Callable[[], T], give_up_s: float = 60.0) -> T:
     """Run ``action``, retrying while Redis is unreachable (restarting) for up to ``give_up_s``."""
-    deadline, delay = time.monotonic() + give_up_s, 0.1
-    while True:
-        try:
-            return action()
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    return retry_while(action, lambda exc: isinstance(exc, UNREACHABLE), give_up_s=give_up_s, backoff=CLIENT_BACKOFF)

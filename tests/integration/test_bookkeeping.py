@@ -13,7 +13,7 @@ import warnings
 import pytest
 import redis
 
-from producer.client.client import RESULT_FIELD, Client, NoWorkerWarning
+from producer.client.client import Client, NoWorkerWarning
 from producer.dev.redis_server import RedisServer
 from producer.protocol import keys
 from producer.protocol.schema import Result, Status
@@ -163,7 +163,7 @@ def test_wait_at_the_end_of_a_long_stream_reads_only_the_jobs_it_waits_for(own_c
 def test_wait_finds_a_result_published_before_the_index_existed(own_client):
     """An entry without a stream id in the result-ids hash (an older worker's): read from the start."""
     old = ok_result("legacy", 7)
-    own_client.redis.xadd(keys.results_stream("legacy"), {RESULT_FIELD: old.model_dump_json()})
+    own_client.redis.xadd(keys.results_stream("legacy"), {keys.RESULT_FIELD: old.model_dump_json()})
     own_client.redis.hset(keys.run_status_hash("legacy"), old.job_id, old.status.value)
     ResultPublisher(own_client.redis).publish(ok_result("legacy", 8))
     found = own_client.wait("legacy", [old.job_id, "job-000008"], timeout=10)

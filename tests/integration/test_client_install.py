@@ -84,3 +84,11 @@ def test_worker_commands_print_the_install_hint(client_venv, tmp_path, command):
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         f"error: `layertap {command[0]}` needs torch, which is not installed: pip install 'layertap[worker]'"]
+
+
+def test_worker_extractor_names_the_extra_to_install(client_venv, tmp_path):
+    out = run_in(client_venv, tmp_path, "python", "-c", "from worker import Extractor")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "producer.extras.MissingExtra: worker.Extractor needs torch, which is not installed: "
+        "pip install 'layertap[worker]'")

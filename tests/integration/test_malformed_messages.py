@@ -54,6 +54,6 @@ def test_deep_nesting_and_scheduling_fields_end_in_one_result_each(make_worker, 
     assert soon_result.ok  # a short countdown (what the worker's own retries use) is honoured
     [not_expired_result] = one_result(private_client, not_expired)
     assert not_expired_result.ok
-    wait_for(lambda: private_client.redis.hlen("unacked") == 0, 10, "every message to be acknowledged")
+    wait_for(lambda: private_client.redis.hlen(keys.UNACKED_HASH) == 0, 10, "every message to be acknowledged")
     later = private_client.submit({"prompt": "still serving"}, model="tiny-qwen3", run=run)
     assert private_client.wait(run, [later.job_id], timeout=30)[later.job_id].ok

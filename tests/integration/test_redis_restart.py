@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
+from producer.command import layertap_argv
+from producer.protocol import keys
 from producer.protocol.naming import job_path
 from tests.support.jobs import (
     ORPHAN_TIMEOUT,
@@ -41,7 +42,7 @@ def test_busy_worker_survives_a_redis_restart(make_worker, private_client, priva
     assert worker.process.poll() is None, worker.log_text()[-3000:]
     time.sleep(2 * ORPHAN_TIMEOUT)
     assert len(results_for(private_client, held.run, held.job_id)) == 1  # held, not put back and run again
-    assert private_client.redis.hlen("unacked") == 0  # kombu's record: the held job's ack reached Redis
+    assert private_client.redis.hlen(keys.UNACKED_HASH) == 0  # kombu's record: the held job's ack reached Redis
 
 
 def test_redis_at_maxmemory_is_waited_out_and_shown_in_status(make_worker, private_client, private_redis):
@@ -60,7 +61,7 @@ def test_redis_at_maxmemory_is_waited_out_and_shown_in_status(make_worker, priva
     assert busy.process.poll() is None and late.process.poll() is None, busy.log_text()[-2000:]
     assert results_for(private_client, held.run, held.job_id) == []  # its publish is being retried
     env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
-    shown = subprocess.run([sys.executable, "-m", "producer", "status"], env=env, capture_output=True,
+    shown = subprocess.run(layertap_argv("status"), env=env, capture_output=True,
                            text=True, timeout=60)
     assert "REDIS IS FULL" in shown.stdout, shown.stdout + shown.stderr
     assert "Redis refuses writes" in busy.log_text()

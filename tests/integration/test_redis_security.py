@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from producer.client.client import Client
+from producer.command import layertap_argv
 from producer.dev.redis_server import RedisServer, find_redis_server, free_port
 from producer.settings import Settings, TlsSettings
 from tests.support.processes import WorkerProcess
@@ -35,7 +35,7 @@ def test_acl_user_and_password(tiny_models, tmp_path):
     with RedisServer(port, tmp_path / "redis", extra_args=ACL, url=url):
         run_one_job(url, tiny_models, tmp_path, {}, Settings(redis_url=url))
         wrong = {**os.environ, "LAYERTAP_REDIS_URL": f"redis://layertap:wrong@127.0.0.1:{port}/0"}
-        out = subprocess.run([sys.executable, "-m", "producer", "results", "--run", "secure"], env=wrong,
+        out = subprocess.run(layertap_argv("results", "--run", "secure"), env=wrong,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
 
@@ -66,6 +66,6 @@ def test_tls_with_a_private_ca(tiny_models, tmp_path):
         env = {"LAYERTAP_TLS__CA_CERTS": certs["ca"]}
         run_one_job(url, tiny_models, tmp_path, env, Settings(redis_url=url, tls=TlsSettings(ca_certs=certs["ca"])))
         untrusted = {**os.environ, "LAYERTAP_REDIS_URL": url}  # no CA given: the server is not trusted
-        out = subprocess.run([sys.executable, "-m", "producer", "results", "--run", "secure"], env=untrusted,
+        out = subprocess.run(layertap_argv("results", "--run", "secure"), env=untrusted,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from producer.client.client import Client
+from producer.command import layertap_argv
 from producer.files.reader import load_hidden_states
 from producer.protocol import keys
 from producer.protocol.fileformat import verify_file
@@ -124,13 +125,12 @@ def test_poison_job_is_dead_lettered_and_later_jobs_are_unaffected(make_worker, 
 
     env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
     import subprocess
-    import sys
 
-    listed = subprocess.run([sys.executable, "-m", "producer", "dlq", "list", "--json"], env=env,
+    listed = subprocess.run(layertap_argv("dlq", "list", "--json"), env=env,
                             capture_output=True, text=True, timeout=60)
     assert json.loads(listed.stdout.splitlines()[0])["job_id"] == poison.job_id
     path.rmdir()  # fix the cause, then requeue
-    requeued = subprocess.run([sys.executable, "-m", "producer", "dlq", "requeue", "--yes"], env=env,
+    requeued = subprocess.run(layertap_argv("dlq", "requeue", "--yes"), env=env,
                               capture_output=True, text=True, timeout=60)
     assert poison.job_id in requeued.stdout
     wait_for(lambda: private_client.latest("poison")[poison.job_id].ok, 30, "the requeued job")

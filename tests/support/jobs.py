@@ -3,14 +3,13 @@ raw messages, and the chat used by the chat tests with its hand-built token refe
 
 from __future__ import annotations
 
-import fcntl
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from producer.client.client import Client
 from producer.protocol import keys
+from producer.protocol.locking import exclusive_lock
 from producer.protocol.naming import job_path
 from producer.protocol.schema import Job
 
@@ -22,12 +21,8 @@ RELIABILITY_ENV = {"LAYERTAP_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT), "LAYERTAP_MAX
 def hold_lock(path: Path):
     """Hold the writer's exclusive lock on ``path`` (as a slow writer would)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
+    with exclusive_lock(path):
         yield
-    finally:
-        os.close(fd)
 
 
 @contextmanager

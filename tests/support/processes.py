@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from producer.client.client import Client
+from producer.command import layertap_argv
 from producer.settings import Settings
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "producer", *args]
+    return layertap_argv(*args)
 
 
 @dataclass

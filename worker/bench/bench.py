@@ -38,16 +38,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from producer.command import layertap_argv
 from producer.protocol.layers import resolve_layer_ids
 from producer.settings import Limits, WorkerSettings
-from worker.engine.attention import set_attention, use_packed_attention
 from worker.engine.capture import StopForward
 from worker.engine.inputs import build_inputs, pad_multiple
 from worker.engine.scheduler import plan_batches
+from worker.engine.self_check import relative_error_per_layer
 from worker.extractor import build_processor
+from worker.model.attention import set_attention, use_packed_attention
 from worker.model.batching import BatchingPath
 from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
-from worker.model.self_check import relative_error_per_layer
 
 PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
 PLAIN_BATCH = 8
@@ -317,9 +318,9 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
 
     def start_worker() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [sys.executable, "-m", "producer", "worker", "--model", cfg.model, "--name", name, *placement,
+            layertap_argv("worker", "--model", cfg.model, "--name", name, *placement,
              "--dtype", cfg.dtype, "--layers", ",".join(map(str, layer_ids)), "--token-budget",
-             str(cfg.token_budget), "--loglevel", "WARNING"], env=env, stdout=log, stderr=subprocess.STDOUT)
+             str(cfg.token_budget), "--loglevel", "WARNING"), env=env, stdout=log, stderr=subprocess.STDOUT)
 
     expected = len(cfg.gpus.split(",")) if cfg.gpus else 1
     run = f"bench-{int(time.time())}"

@@ -37,10 +37,10 @@ from producer.protocol.schema import ErrorType
 from worker.engine.capture import LayerCapture, StopForward
 from worker.engine.host_buffers import HostSlot, HostStaging, slot_capacity
 from worker.engine.inputs import build_inputs, pad_multiple
+from worker.engine.output_dtype import non_finite_rows, to_output
 from worker.engine.scheduler import MAX_PADDING, select_batch
+from worker.engine.teacher import TeacherHead
 from worker.job.errors import JobError
-from worker.job.output_dtype import non_finite_rows, to_output
-from worker.job.teacher import TeacherHead
 from worker.model.batching import BatchingPath
 from worker.model.loading import LoadedModel
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.attention import packed_sequences
 from worker.engine.scheduler import padded_length
+from worker.model.attention import packed_sequences
 from worker.model.batching import BatchingPath
 
 #: Padded batches on a GPU are rounded up to this many tokens per row, so kernels see few

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import MetaKey
 from producer.protocol.layers import CONVENTION
-from producer.protocol.naming import NAME_PATTERN, content_hash, job_path
+from producer.protocol.naming import content_hash, is_safe_name, job_path
 from producer.protocol.schema import (
     ErrorType,
     Job,
@@ -29,15 +29,16 @@ from producer.protocol.schema import (
     Status,
     Timings,
     describe_validation_error,
+    json_size,
 )
 from worker.engine.engine import Captured, Engine, EngineRequest
+from worker.engine.output_dtype import recorded_name, resolve_output_dtype
+from worker.engine.self_check import CheckReport
+from worker.engine.teacher import dense_topk
 from worker.job.errors import JobError
-from worker.job.output_dtype import DTYPE_NAMES, resolve_output_dtype
-from worker.job.teacher import dense_topk
 from worker.job.tokenize import PreparedInput, Preparer
 from worker.job.writer import existing_spec_hash, write_job_file
 from worker.model.loading import LoadedModel
-from worker.model.self_check import CheckReport
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
     """Best-effort ``(job_id, run)`` of data that failed validation, for its error result."""
     run = raw.get("run") if isinstance(raw, dict) else None
     job_id = raw.get("job_id") if isinstance(raw, dict) else None
-    run = run if isinstance(run, str) and NAME_PATTERN.match(run) and ".." not in run else "default"
-    if not (isinstance(job_id, str) and NAME_PATTERN.match(job_id) and ".." not in job_id):
+    run = run if is_safe_name(run) else "default"
+    if not is_safe_name(job_id):
         try:
             job_id = "invalid-" + content_hash(raw)[:24]
         except (TypeError, ValueError):
@@ -80,7 +81,7 @@ class JobProcessor:
         The size is checked first, so a huge message is refused before it is validated."""
         limit = self.preparer.limits.max_job_bytes
         try:
-            size = len(json.dumps(raw, separators=(",", ":")))
+            size = json_size(raw)
         except (TypeError, ValueError):
             size = 0  # not JSON-like data: validation below names the problem
         if size > limit:
@@ -141,7 +142,7 @@ class JobProcessor:
             captured = job_slice.wait()
             if captured.non_finite:
                 raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
-                                                     f"{DTYPE_NAMES[output_dtype]}'s range); no file written "
+                                                     f"{recorded_name(output_dtype)}'s range); no file written "
                                                      "(check the model weights and dtype)")
             tensors = self._tensors(job, prepared, request, captured)
             write_start = time.perf_counter()
@@ -153,7 +154,7 @@ class JobProcessor:
             write_s = time.perf_counter() - write_start
         finally:
             job_slice.release()
-        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, DTYPE_NAMES[output_dtype],
+        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(output_dtype),
                         Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
 
     @staticmethod
@@ -177,13 +178,12 @@ class JobProcessor:
     def _from_disk(self, job: Job, path: Path, queued: float | None, attempt: int | None) -> Result | None:
         """An ok result for a complete, valid file already written for this exact job."""
         try:
-            meta = ff.verify_file(path)
-            with open(path, "rb") as handle:
-                header, _ = ff.read_header(handle, path)
+            header = ff.verify_file(path)
         except (ff.FileFormatError, OSError):
             return None
+        meta = header.metadata
         layers = json.loads(meta[MetaKey.LAYERS])
-        result = self._ok(job, path, header[ff.TOKEN_IDS]["shape"][0], layers, meta.get(MetaKey.DTYPE, ""),
+        result = self._ok(job, path, header.tensors[ff.TOKEN_IDS]["shape"][0], layers, meta.get(MetaKey.DTYPE, ""),
                           Timings(queued=queued), attempt)
         return result.model_copy(update={"cached": True})
 
@@ -204,8 +204,8 @@ class JobProcessor:
             MetaKey.LAYERS: json.dumps(prepared.layer_ids),
             MetaKey.LAYER_CONVENTION: CONVENTION,
             MetaKey.NUM_LAYERS: str(loaded.num_layers),
-            MetaKey.DTYPE: DTYPE_NAMES[output_dtype],
-            MetaKey.COMPUTE_DTYPE: DTYPE_NAMES[loaded.dtype],
+            MetaKey.DTYPE: recorded_name(output_dtype),
+            MetaKey.COMPUTE_DTYPE: recorded_name(loaded.dtype),
             MetaKey.BATCHING: loaded.batching.path.value,
             MetaKey.ARCHITECTURE: loaded.architecture,
             MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,

@@ -21,9 +21,9 @@ from typing import Any
 from producer.protocol.layers import LayerIdError, resolve_layer_ids
 from producer.protocol.schema import ErrorType, Job
 from producer.settings import Limits
+from worker.engine.teacher import logit_transform
 from worker.job.chat import render_chat
 from worker.job.errors import JobError
-from worker.job.teacher import logit_transform
 from worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.

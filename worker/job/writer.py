@@ -1,6 +1,6 @@
 """Writing one job's file: exclusive lock, temp name, fsync, atomic rename, fsync folder.
 
-Protocol (readers: ``producer.files.reader``):
+Protocol (``producer.protocol.locking``; readers: ``producer.files.reader``):
 1. open ``<file>.lock`` (created if missing) and take an exclusive ``flock``;
 2. if a complete file with the same ``spec_hash`` is already at the final name (another
    worker won a race, or a redelivered job), keep it and write nothing;
@@ -14,15 +14,12 @@ file, which :func:`remove_stale_temp_files` deletes on the next start.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,7 +31,7 @@ from producer.protocol.fileformat import (
     crc32_hex,
     metadata_of,
 )
-from producer.protocol.naming import LOCK_SUFFIX
+from producer.protocol.locking import exclusive_lock
 
 TEMP_SUFFIX = ".tmp"
 #: Temp files of another host are removed only when older than this (its writer may be alive).
@@ -46,16 +43,6 @@ def tensor_checksums(tensors: dict[str, torch.Tensor]) -> str:
     """JSON {name: crc32 of the tensor's raw bytes}, as stored in the header."""
     sums = {name: crc32_hex(tensor.contiguous().view(torch.uint8).numpy()) for name, tensor in tensors.items()}
     return json.dumps(sums, sort_keys=True)
-
-
-@contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    fd = os.open(f"{path}{LOCK_SUFFIX}", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def existing_spec_hash(path: Path) -> str | None:

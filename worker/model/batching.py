@@ -12,7 +12,7 @@ Two exact paths:
   (which carry state along a row) are exact too, and so are sinks, softcapping and ALiBi.
 
 The plan is made once at load (:func:`plan_batching`) and backed by a self-check on the
-real device and dtype (``worker.model.self_check``); a model that fails it is refused with
+real device and dtype (``worker.engine.self_check``); a model that fails it is refused with
 :class:`ModelRefused`, never served.
 """
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.attention import use_packed_attention
+from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
+from worker.model.attention import use_packed_attention
 from worker.model.batching import (
     BatchingPath,
     BatchingPlan,
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 #: Any of these in a model folder means it has a tokenizer (fast, slow or its config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: The torch dtype of each protocol dtype name (``producer.protocol.dtypes``).
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "float8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -75,10 +77,11 @@ def resolve_device(spec: str) -> torch.device:
 
 def resolve_dtype(spec: str, device: torch.device, config: Any | None = None) -> torch.dtype:
     """``auto`` -> float32 on the CPU; on a GPU the checkpoint's half dtype, else bfloat16."""
-    if spec != "auto":
-        if spec not in DTYPES:
-            raise ValueError(f"dtype {spec!r} is not one of {sorted(DTYPES)} or auto")
-        return DTYPES[spec]
+    if spec != AUTO:
+        name = normalize_dtype(spec)
+        if name not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype {spec!r} is not one of {sorted(COMPUTE_DTYPES)} or auto")
+        return TORCH_DTYPES[name]
     if device.type == "cpu":
         return torch.float32
     stored = getattr(config, "dtype", None)

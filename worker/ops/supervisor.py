@@ -27,8 +27,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from producer.command import layertap_argv
+from producer.transport.backoff import Backoff
+
 log = logging.getLogger("layertap.supervisor")
-RESTART_BACKOFF_MAX_S = 30.0
+RESTART_BACKOFF = Backoff(first_s=1.0, max_s=30.0)  # a child that keeps dying quickly waits longer
 HEALTHY_AFTER_S = 60.0
 #: Time a child gets after its own shutdown deadline before the supervisor sends SIGKILL.
 SIGKILL_GRACE_S = 30.0
@@ -75,7 +78,7 @@ class Child:
     process: subprocess.Popen | None = None
     started: float = 0.0
     restarts: int = 0
-    backoff: float = 1.0
+    quick_deaths: int = 0  # deaths in a row, each within HEALTHY_AFTER_S of its start
     next_start: float = 0.0
     node: str = field(default="")
     stop_sent_at: float | None = None  # monotonic time of the SIGTERM passed on
@@ -99,7 +102,7 @@ class Supervisor:
         self.children = []
         for index, ids in enumerate(group(gpus, per_worker)):
             node = f"gpu{'-'.join(ids)}@{host}"
-            argv = [sys.executable, "-m", "producer", "worker", *worker_args, "--node-name", node]
+            argv = layertap_argv("worker", *worker_args, "--node-name", node)
             if metrics_port:
                 argv += ["--metrics-port", str(metrics_port + index)]
             # An empty LAYERTAP_WORKER__GPUS (it beats .env and layertap.toml) makes the child a plain worker.
@@ -146,9 +149,10 @@ class Supervisor:
                     code = process.returncode
                     child.process = None
                     quick = now - child.started < HEALTHY_AFTER_S
-                    child.backoff = min(RESTART_BACKOFF_MAX_S, child.backoff * 2) if quick else 1.0
-                    child.next_start = now + child.backoff
-                    log.warning("%s exited with code %s; restarting in %.0fs", child.node, code, child.backoff)
+                    child.quick_deaths = child.quick_deaths + 1 if quick else 0
+                    delay = RESTART_BACKOFF.delay(child.quick_deaths)
+                    child.next_start = now + delay
+                    log.warning("%s exited with code %s; restarting in %.0fs", child.node, code, delay)
                 if now >= child.next_start:
                     child.restarts += 1
                     child.start()

@@ -26,6 +26,7 @@ import redis
 from producer.client import runs
 from producer.protocol import keys
 from producer.protocol.schema import ErrorType, Job, Result, Status
+from producer.transport.backoff import Backoff
 from worker.job.errors import JobError
 from worker.job.pipeline import JobProcessor
 from worker.queue.publisher import ResultPublisher, wait_out_redis
@@ -33,8 +34,8 @@ from worker.queue.publisher import ResultPublisher, wait_out_redis
 log = logging.getLogger(__name__)
 TRANSIENT_ERRORS = {ErrorType.internal, ErrorType.write_failed}
 ATTEMPTS_TTL_S = 7 * 24 * 3600
-RETRY_BASE_S = 1.0
 RETRY_MAX_S = 60.0
+RETRY_BACKOFF = Backoff(first_s=1.0, max_s=RETRY_MAX_S)  # countdowns of transient failures' retries
 
 
 class RetryLater(Exception):
@@ -94,7 +95,7 @@ class WorkerService:
             result = self.processor.process(job, submitted_at=submitted_at, attempt=attempt)
             if result.status is Status.error and result.error_type in TRANSIENT_ERRORS:
                 if attempt < self.max_attempts:
-                    raise RetryLater(min(RETRY_MAX_S, RETRY_BASE_S * 2 ** (attempt - 1)))
+                    raise RetryLater(RETRY_BACKOFF.delay(attempt - 1))
                 result = self.dead_letter(job, attempt, result.error_type, result.error or "")  # type: ignore[arg-type]
         self.publisher.publish(result, also_delete=(attempts,))
         if not result.ok:  # Celery's own log line calls every returned task "succeeded"

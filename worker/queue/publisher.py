@@ -14,18 +14,18 @@ send it again).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import redis
 
-from producer.client.client import RESULT_FIELD
 from producer.protocol import keys
 from producer.protocol.schema import Result
+from producer.transport.backoff import Backoff, retry_while
 from producer.transport.redis_conn import UNREACHABLE, refuses_writes
 
 log = logging.getLogger(__name__)
+PUBLISH_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
 
 
 T = TypeVar("T")
@@ -41,19 +41,15 @@ return id
 def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
     """``action()``, tried again with backoff while Redis is away or refuses writes; raises
     the last error after ``give_up_s`` seconds, and any other error at once."""
-    deadline = time.monotonic() + give_up_s
-    delay = 0.1
-    while True:
-        try:
-            return action()
-        except redis.exceptions.RedisError as exc:
-            unwritable = refuses_writes(exc)
-            if not (unwritable or isinstance(exc, UNREACHABLE)) or time.monotonic() > deadline:
-                raise
-            log.log(logging.ERROR if unwritable else logging.WARNING, "%s failed (%s%s); retrying in %.1fs", what,
-                    exc, ": Redis refuses writes" if unwritable else "", delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+    def retryable(exc: Exception) -> bool:
+        return isinstance(exc, redis.exceptions.RedisError) and (refuses_writes(exc) or isinstance(exc, UNREACHABLE))
+
+    def report(exc: Exception, delay: float) -> None:
+        unwritable = refuses_writes(exc)
+        log.log(logging.ERROR if unwritable else logging.WARNING, "%s failed (%s%s); retrying in %.1fs", what,
+                exc, ": Redis refuses writes" if unwritable else "", delay)
+
+    return retry_while(action, retryable, give_up_s=give_up_s, backoff=PUBLISH_BACKOFF, on_retry=report)
 
 
 class ResultPublisher:
@@ -68,7 +64,7 @@ class ResultPublisher:
 
         def send() -> None:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.eval(XADD_AND_INDEX, 2, stream, keys.run_result_ids_hash(result.run), RESULT_FIELD, data,
+            pipe.eval(XADD_AND_INDEX, 2, stream, keys.run_result_ids_hash(result.run), keys.RESULT_FIELD, data,
                       result.job_id)
             pipe.publish(stream, data)
             pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)

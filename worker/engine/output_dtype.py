@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import torch
 
+from producer.protocol.dtypes import AUTO, RECORDED_NAMES
 from producer.protocol.fp8 import E4M3_MAX
+from worker.model.loading import TORCH_DTYPES
 
-FLOAT8 = torch.float8_e4m3fn
-_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float8": FLOAT8}
-#: Header/result names of output dtypes (``producer.protocol.fileformat.DTYPE_NAMES`` values).
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", FLOAT8: "float8_e4m3"}
+FLOAT8 = TORCH_DTYPES["float8"]
+
+
+def recorded_name(dtype: torch.dtype) -> str:
+    """The name a header and a result give ``dtype`` (``producer.protocol.dtypes.RECORDED_NAMES``)."""
+    name = next(name for name, value in TORCH_DTYPES.items() if value == dtype)
+    return RECORDED_NAMES[name]
 
 
 def resolve_output_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     """The torch dtype a job's ``dtype`` field names; ``auto`` is the model's compute dtype."""
-    return compute_dtype if name == "auto" else _BY_NAME[name]
+    return compute_dtype if name == AUTO else TORCH_DTYPES[name]
 
 
 def quantize_rows(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

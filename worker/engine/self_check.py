@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.attention import set_attention, use_packed_attention
 from worker.engine.engine import Engine, EngineRequest
 from worker.job.errors import JobError
+from worker.model.attention import set_attention, use_packed_attention
 from worker.model.batching import BatchingPath, ModelRefused
 
 log = logging.getLogger(__name__)

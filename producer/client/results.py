@@ -1,0 +1,42 @@
+"""Reading a run's results stream (``keys.results_stream``): the one parser of its entries and
+the one paged reader, shared by the Client, ``layertap watch``/``status`` and the streaming
+dataset. An entry holds one result as flat JSON under ``keys.RESULT_FIELD``; reads start
+after a stream id (``"0"``: from the start), so following a run costs O(new entries)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from producer.protocol import keys
+from producer.protocol.schema import Result
+
+if TYPE_CHECKING:
+    import redis
+
+#: Entries per read.
+PAGE = 1000
+START = "0"
+
+
+def entry_result(fields: Mapping[str, str]) -> Result:
+    """The result of one stream entry. Raises ``KeyError`` (no result field) or ``ValidationError``."""
+    return Result.model_validate_json(fields[keys.RESULT_FIELD])
+
+
+def read_after(client: redis.Redis, run: str, after: str = START, *, count: int = PAGE,
+               block_ms: int | None = None) -> list[tuple[str, Result]]:
+    """Up to ``count`` ``(entry id, result)`` after stream id ``after``; with ``block_ms``, wait
+    that long for one to come when there are none. ``client`` decodes responses."""
+    batches = client.xread({keys.results_stream(run): after}, count=count, block=block_ms)
+    return [(entry_id, entry_result(fields)) for entry_id, fields in (batches[0][1] if batches else [])]
+
+
+def stream_results(client: redis.Redis, run: str, after: str = START) -> Iterator[tuple[str, Result]]:
+    """Every ``(entry id, result)`` of the run's stream after ``after``, in order, a page at a time."""
+    while True:
+        page = read_after(client, run, after)
+        yield from page
+        if len(page) < PAGE:
+            return
+        after = page[-1][0]
