@@ -1,4 +1,5 @@
-"""The GPU engine: which jobs form a batch (pure), the batch's tensors, packed attention, hooks
-that capture layers, pinned host buffers, and the engine thread that owns the device. Imports no
-Redis, Celery or protocol keys.
+"""The GPU engine: which jobs form a batch (pure), the batch's tensors, hooks that capture
+layers, output casting and teacher top-k, pinned host buffers, the engine thread that owns the
+device, and the load-time self-check of batched against alone. Imports no Redis, Celery or
+queue keys.
 """

@@ -1,3 +1,3 @@
-"""One job end to end inside the worker: tokenize and render chats, run through the engine, build
-the training record, write the file; ``JobError`` maps every failure to an ``ErrorType``.
+"""One job inside the worker: tokenize and render chats, run it through the engine, write its
+file, build its result; every failure becomes an ``ErrorType`` here.
 """

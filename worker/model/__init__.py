@@ -1,3 +1,4 @@
-"""Loading a model: its batching plan from its structure, the load-time self-check, config-only
-shapes and tiny test models.
+"""Loading a model: the torch dtype table, its batching plan from its structure, packed
+attention, config-only shapes and tiny test models. Model changes (attention implementation,
+compile) happen here, at load, not in the engine.
 """
