@@ -30,7 +30,9 @@ from producer.protocol.schema import (
     Timings,
     describe_validation_error,
 )
-from worker.engine.engine import Captured, Engine, EngineRequest
+from worker.engine.engine import Engine
+from worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
+from worker.engine.records import Captured, EngineRequest
 from worker.job.errors import JobError
 from worker.job.output_dtype import DTYPE_NAMES, resolve_output_dtype
 from worker.job.teacher import dense_topk
@@ -40,6 +42,14 @@ from worker.model.loading import LoadedModel
 from worker.model.self_check import CheckReport
 
 log = logging.getLogger(__name__)
+
+#: The error type of each engine failure. All but out-of-memory are transient (the job is retried).
+ENGINE_ERROR_TYPES: dict[type[EngineError], ErrorType] = {
+    OutOfMemory: ErrorType.out_of_memory,
+    BatchFailed: ErrorType.internal,
+    DeviceFault: ErrorType.internal,
+    EngineStopped: ErrorType.internal,
+}
 
 
 def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
@@ -134,6 +144,8 @@ class JobProcessor:
             self._awaiting_engine += 1
         try:
             job_slice = self.engine.submit(request).result()
+        except EngineError as exc:
+            raise JobError(ENGINE_ERROR_TYPES[type(exc)], str(exc)) from None
         finally:
             with self._awaiting_lock:
                 self._awaiting_engine -= 1
