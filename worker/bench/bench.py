@@ -45,7 +45,6 @@ __all__ = ["BenchConfig", "format_table", "run_bench"]  # the CLI's imports
 COMPARE_PROMPTS = 8
 
 
-
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     storage = Path(cfg.storage)
     claim_storage(storage)

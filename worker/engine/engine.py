@@ -144,7 +144,8 @@ class Engine:
             except Exception as exc:  # fail these jobs (transient: they are retried), keep serving
                 log.exception("engine batch failed")
                 fatal = is_device_fatal(exc)
-                failure, prefix = (DeviceFault, "device fault; this worker is stopping: ") if fatal else (BatchFailed, "")
+                failure = DeviceFault if fatal else BatchFailed
+                prefix = "device fault; this worker is stopping: " if fatal else ""
                 for request in batch:
                     if not request.future.done():
                         request.future.set_exception(failure(f"{prefix}{type(exc).__name__}: {exc}"))

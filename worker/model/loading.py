@@ -137,7 +137,8 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
              revision: str | None = None, batching: str = "auto") -> LoadedModel:
     """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`, choose its
     batching path (``batching``: auto, packed or padded), for packed switch it to packed
-    attention, and register the capture hooks. Raises :class:`ModelRefused` (one line) for a model that cannot be served."""
+    attention, and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
+    model that cannot be served."""
     config = model.config.get_text_config()
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if not num_layers:
