@@ -46,7 +46,7 @@ from producer.command import layertap_argv
 from producer.dataset import StreamingHiddenStatesDataset, collate
 from producer.dev.redis_server import RedisServer
 from producer.settings import Settings
-from worker.bench.bench import random_prompts
+from worker.bench.prompts import random_prompts
 from worker.model.shapes import SHAPE_PREFIX, is_shape, shape_config
 
 NAME = "stream-bench"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.engine.scheduler import select_batch
+from worker.engine.scheduler import BatchPolicy, plan_batches, select_batch
 
 
 def choose(lengths, padded, budget=100, max_jobs=256, compatible=None, pad_to=1):
@@ -39,3 +39,26 @@ def test_the_head_always_goes_first_and_incompatible_jobs_wait():
     assert choose([50, 50, 50], padded=True, compatible=[True, False, True]) == [0, 2]
     assert choose([50, 50, 50], padded=False, compatible=[True, False, True]) == [0, 2]
     assert choose([5, 5, 5, 5], padded=True, max_jobs=2) == [0, 1]
+
+
+def test_plan_batches_takes_every_job_once_in_the_order_the_engine_would():
+    lengths = [40, 70, 30, 20, 10, 90]
+    batches = plan_batches(lengths, padded=False, token_budget=100, max_jobs=256)
+    assert batches == [[0, 2, 3, 4], [1], [5]]
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+
+
+def test_a_policy_selects_and_plans_as_the_functions_do_with_its_fields():
+    policy = BatchPolicy(padded=True, token_budget=48, max_jobs=3, pad_to=16, max_padding=0.5)
+    lengths = [10, 12, 9, 11, 30]
+    assert policy.select(lengths, [True] * 5) == select_batch(
+        lengths, [True] * 5, padded=True, token_budget=48, max_jobs=3, pad_to=16, max_padding=0.5)
+    assert policy.plan(lengths) == plan_batches(lengths, padded=True, token_budget=48, max_jobs=3, pad_to=16,
+                                                max_padding=0.5)
+
+
+def test_a_queue_is_full_at_the_token_budget_or_the_job_limit():
+    policy = BatchPolicy(padded=False, token_budget=100, max_jobs=4)
+    assert not policy.is_full(99, 3)
+    assert policy.is_full(100, 1)
+    assert policy.is_full(10, 4)

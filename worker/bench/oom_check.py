@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from producer.settings import Limits
-from worker.bench.bench import random_prompts
+from worker.bench.prompts import random_prompts
 from worker.extractor import build_processor
 from worker.model.loading import load_model
 

@@ -1,5 +1,7 @@
-"""The GPU engine: which jobs form a batch (pure), the batch's tensors, hooks that capture
-layers, output casting and teacher top-k, pinned host buffers, the engine thread that owns the
-device, and the load-time self-check of batched against alone. Imports no Redis, Celery or
-queue keys.
+"""The GPU engine: which jobs form a batch and where each sits in it (pure: ``scheduler``,
+``layout``), the batch's tensors (``inputs``), output casting (``output_dtype``) and teacher
+top-k (``teacher``), pinned host buffers, the device runner (``runner``), the batch records
+(``records``), the engine's exceptions (``errors``), the engine thread that owns the device
+(``engine``) and the load-time self-check of batched against alone (``self_check``). Imports
+no Redis, Celery, protocol keys or ``ErrorType``.
 """

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.scheduler import padded_length
+from worker.engine.scheduler import MAX_PADDING, BatchPolicy, padded_length
 from worker.model.attention import packed_sequences
 from worker.model.batching import BatchingPath
+from worker.model.loading import LoadedModel
 
 #: Padded batches on a GPU are rounded up to this many tokens per row, so kernels see few
 #: distinct shapes (Triton autotuning and cuDNN plans are per shape).
@@ -29,6 +30,13 @@ PAD_TO_CUDA = 16
 def pad_multiple(device: torch.device) -> int:
     """What padded rows are rounded up to on ``device`` (1 on the CPU: no shape caches there)."""
     return PAD_TO_CUDA if device.type == "cuda" else 1
+
+
+def batch_policy(loaded: LoadedModel, *, token_budget: int, max_jobs: int,
+                 max_padding: float = MAX_PADDING) -> BatchPolicy:
+    """The batching policy for ``loaded``: its batching path and its device's padded-row multiple."""
+    return BatchPolicy(padded=loaded.batching.path is BatchingPath.padded, token_budget=token_budget,
+                       max_jobs=max_jobs, pad_to=pad_multiple(loaded.device), max_padding=max_padding)
 
 
 @dataclass

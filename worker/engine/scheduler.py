@@ -13,6 +13,7 @@ its length. The rest fill the batch:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 #: Padded batches: the largest share of a batch's cost that may be padding.
 MAX_PADDING = 0.25
@@ -63,3 +64,28 @@ def plan_batches(lengths: Sequence[int], *, padded: bool, token_budget: int, max
         taken = set(chosen)
         pending = [job for i, job in enumerate(pending) if i not in taken]
     return batches
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How one engine forms batches; the bench's ceiling takes the same one, so both batch alike."""
+
+    padded: bool
+    token_budget: int
+    max_jobs: int
+    pad_to: int = 1
+    max_padding: float = MAX_PADDING
+
+    def select(self, lengths: Sequence[int], compatible: Sequence[bool]) -> list[int]:
+        """:func:`select_batch` under this policy."""
+        return select_batch(lengths, compatible, padded=self.padded, token_budget=self.token_budget,
+                            max_jobs=self.max_jobs, pad_to=self.pad_to, max_padding=self.max_padding)
+
+    def plan(self, lengths: Sequence[int]) -> list[list[int]]:
+        """:func:`plan_batches` under this policy."""
+        return plan_batches(lengths, padded=self.padded, token_budget=self.token_budget, max_jobs=self.max_jobs,
+                            pad_to=self.pad_to, max_padding=self.max_padding)
+
+    def is_full(self, pending_tokens: int, pending_jobs: int) -> bool:
+        """Whether what is queued already fills a batch, so the engine need not wait for more."""
+        return pending_tokens >= self.token_budget or pending_jobs >= self.max_jobs

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.engine import Engine, EngineRequest
-from worker.job.errors import JobError
-from worker.model.attention import set_attention, use_packed_attention
-from worker.model.batching import BatchingPath, ModelRefused
+from worker.engine.engine import Engine
+from worker.engine.errors import EngineError
+from worker.engine.records import EngineRequest
+from worker.model.batching import ModelRefused
+from worker.model.loading import transformers_attention
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +82,11 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     try:
         batched = _captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
                                                       together=True))
-        if loaded.batching.path is BatchingPath.packed:
-            set_attention(loaded.model, loaded.native_attention)
-        try:
+        with transformers_attention(loaded):
             alone = [_captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0] for ids in probes]
-        finally:
-            if loaded.batching.path is BatchingPath.packed:
-                use_packed_attention(loaded.model)
-    except JobError as exc:
+    except EngineError as exc:
         raise ModelRefused(loaded.architecture, f"its forward fails with {path} batching on the load-time self-check "
-                                                f"({exc.message})") from None
+                                                f"({exc})") from None
     if not all(bool(states.isfinite().all()) for states in alone):
         log.warning("%s gives NaN/Inf hidden states on random inputs; jobs that meet them get non_finite errors",
                     loaded.architecture)

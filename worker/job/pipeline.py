@@ -31,8 +31,10 @@ from producer.protocol.schema import (
     describe_validation_error,
     json_size,
 )
-from worker.engine.engine import Captured, Engine, EngineRequest
+from worker.engine.engine import Engine
+from worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
 from worker.engine.output_dtype import recorded_name, resolve_output_dtype
+from worker.engine.records import Captured, EngineRequest
 from worker.engine.self_check import CheckReport
 from worker.engine.teacher import dense_topk
 from worker.job.errors import JobError
@@ -41,6 +43,14 @@ from worker.job.writer import existing_spec_hash, write_job_file
 from worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
+
+#: The error type of each engine failure. All but out-of-memory are transient (the job is retried).
+ENGINE_ERROR_TYPES: dict[type[EngineError], ErrorType] = {
+    OutOfMemory: ErrorType.out_of_memory,
+    BatchFailed: ErrorType.internal,
+    DeviceFault: ErrorType.internal,
+    EngineStopped: ErrorType.internal,
+}
 
 
 def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
@@ -135,6 +145,8 @@ class JobProcessor:
             self._awaiting_engine += 1
         try:
             job_slice = self.engine.submit(request).result()
+        except EngineError as exc:
+            raise JobError(ENGINE_ERROR_TYPES[type(exc)], str(exc)) from None
         finally:
             with self._awaiting_lock:
                 self._awaiting_engine -= 1

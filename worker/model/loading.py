@@ -6,12 +6,19 @@ so Llama, Qwen, Mistral, Gemma, Phi, GPT-2/NeoX-style, hybrid and multimodal wra
 work without a table of attribute paths. The batching path is chosen here too
 (``worker.model.batching``), and the model switched to packed attention only when packing is
 exact for it; otherwise it keeps the attention implementation transformers gave it.
+
+Every change to the model happens here: packed attention, the capture hooks
+(``worker.model.capture``, registered once), the switch back to transformers' own
+attention for a reference run (:func:`transformers_attention`) and ``torch.compile``
+(:func:`compile_decoder_layers`). The engine only runs the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +27,14 @@ import torch
 from torch import nn
 
 from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
-from worker.model.attention import use_packed_attention
+from worker.model.attention import set_attention, use_packed_attention
 from worker.model.batching import (
     BatchingPath,
     BatchingPlan,
     ModelRefused,
     plan_batching,
 )
+from worker.model.capture import LayerCapture
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,7 @@ class LoadedModel:
     tokenizer_fingerprint: str
     batching: BatchingPlan
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
+    capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
 
     @property
     def architecture(self) -> str:
@@ -130,8 +139,9 @@ def tokenizer_fingerprint(tokenizer: Any | None) -> str:
 def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
              revision: str | None = None, batching: str = "auto") -> LoadedModel:
     """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`, choose its
-    batching path (``batching``: auto, packed or padded) and, for packed, switch it to packed
-    attention. Raises :class:`ModelRefused` (one line) for a model that cannot be served."""
+    batching path (``batching``: auto, packed or padded), for packed switch it to packed
+    attention, and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
+    model that cannot be served."""
     config = model.config.get_text_config()
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if not num_layers:
@@ -145,14 +155,33 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     model.eval().requires_grad_(False)
     parameter = next(model.parameters())
     vocab_size = model.get_input_embeddings().weight.shape[0]
+    final_norm = find_final_norm(decoder)
+    hidden_size = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    capture = LayerCapture(layers, final_norm, hidden_size=hidden_size, dtype=parameter.dtype,
+                           device=parameter.device)
     return LoadedModel(
-        model=model, decoder=decoder, layers=layers, final_norm=find_final_norm(decoder),
+        model=model, decoder=decoder, layers=layers, final_norm=final_norm,
         lm_head=model.get_output_embeddings(),
         tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
-        hidden_size=getattr(config, "hidden_size", None) or getattr(config, "n_embd"),
-        vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
+        hidden_size=hidden_size, vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
+        capture=capture,
     )
+
+
+@contextlib.contextmanager
+def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
+    """Within the block the model runs the attention implementation transformers chose for it
+    (the reference the self-check and the bench compare batching with); after it, packed
+    attention again where the model's plan packs (a padded model never leaves its own)."""
+    packed = loaded.batching.path is BatchingPath.packed
+    if packed:
+        set_attention(loaded.model, loaded.native_attention)
+    try:
+        yield
+    finally:
+        if packed:
+            use_packed_attention(loaded.model)
 
 
 def compile_decoder_layers(loaded: LoadedModel) -> None:

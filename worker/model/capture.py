@@ -2,7 +2,8 @@
 
 Layer id ``i < L`` is read in a pre-hook on decoder layer ``i`` (its input), id ``L``
 in a hook on the last layer's output (before the final norm), matching
-``producer.protocol.layers``. Hooks stay registered and do nothing unless a capture is active.
+``producer.protocol.layers``. The hooks are registered once, where the model is loaded
+(``worker.model.loading``), and do nothing unless a capture is active.
 A hook sees ``[B, T, H]``: one packed row (``B = 1``), or a padded batch whose real tokens
 ``rows`` picks out of the flattened ``[B * T]`` positions (``worker.engine.inputs``).
 Once the last wanted layer is copied, :class:`StopForward` ends the forward: layers
@@ -16,8 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-
-from worker.model.loading import LoadedModel
+from torch import nn
 
 
 class StopForward(Exception):
@@ -31,22 +31,22 @@ def _hidden_of(value: Any) -> torch.Tensor:
 class LayerCapture:
     """Owns the hooks on one model. Not thread-safe: one engine thread uses it."""
 
-    def __init__(self, loaded: LoadedModel):
-        self.num_layers = loaded.num_layers
-        self.hidden_size = loaded.hidden_size
-        self.dtype = loaded.dtype
-        self.device = loaded.device
+    def __init__(self, layers: nn.ModuleList, final_norm: nn.Module | None, *, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_layers = len(layers)
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
         self._slots: dict[int, int] = {}
         self._staging: torch.Tensor | None = None
         self._final: torch.Tensor | None = None
         self._stop_at: int | None = None
         self._rows: torch.Tensor | None = None
-        self._handles = []
-        for index, layer in enumerate(loaded.layers):
-            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
-        self._handles.append(loaded.layers[-1].register_forward_hook(self._last_layer_hook))
-        if loaded.final_norm is not None:
-            self._handles.append(loaded.final_norm.register_forward_hook(self._final_norm_hook))
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True)
+        layers[-1].register_forward_hook(self._last_layer_hook)
+        if final_norm is not None:
+            final_norm.register_forward_hook(self._final_norm_hook)
 
     def _pre_hook(self, index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -96,8 +96,3 @@ class LayerCapture:
             yield staging, final_out
         finally:
             self._staging, self._final, self._slots, self._stop_at, self._rows = None, None, {}, None, None
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

@@ -1,0 +1,68 @@
+"""The bench's settings, its per-part record, and the storage folder it owns."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from producer.settings import WorkerSettings
+
+PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
+
+
+@dataclass
+class BenchConfig:
+    model: str = "shape:qwen3-8b"
+    device: str = "auto"
+    dtype: str = "auto"
+    layers: list[int] = field(default_factory=lambda: [2, 18, 33, 36])
+    prompts: int = 128
+    min_len: int = 128
+    max_len: int = 2047
+    file: str | None = None
+    storage: str = "/dev/shm/layertap-bench"
+    token_budget: int = 16384
+    max_padding: float = WorkerSettings().max_padding  # padded batches (b, c, d)
+    parts: tuple[str, ...] = PARTS
+    redis_url: str | None = None
+    seed: int = 0
+    concurrency: int = 64
+    memory_check: bool = False
+    compile: bool = False
+    gpus: str | None = None  # for (d): start `layertap worker --gpus ...` (one worker per GPU)
+    backlog: bool = False  # for (d): enqueue every job before the worker starts, then time the drain
+
+
+@dataclass
+class PartResult:
+    name: str
+    seconds: float
+    tokens: int
+    jobs: int
+    bytes_written: int = 0
+    tokens_per_s: float = 0.0
+    gb_per_s: float = 0.0
+    mfu: float | None = None
+    device_idle_share: float | None = None
+    peak_memory_gb: float | None = None
+    errors: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+#: A file the bench leaves in its storage folder: the folder is the bench's to empty.
+BENCH_MARKER = ".layertap-bench"
+
+
+
+def claim_storage(storage: Path) -> None:
+    """Make ``storage`` the bench's folder: new, empty, or made by an earlier bench (it has
+    :data:`BENCH_MARKER`). A folder holding anything else is refused, never emptied."""
+    if storage.exists() and any(storage.iterdir()) and not (storage / BENCH_MARKER).exists():
+        raise ValueError(f"--storage {storage} is not empty and was not made by layertap bench; "
+                         "give a new or empty folder (the bench deletes what it writes there)")
+    storage.mkdir(parents=True, exist_ok=True)
+    (storage / BENCH_MARKER).touch()
+    for name in ("a", "c", "d"):  # an interrupted earlier bench's files
+        shutil.rmtree(storage / name, ignore_errors=True)

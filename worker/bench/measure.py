@@ -1,0 +1,60 @@
+"""What the bench measures with: device syncs, a timed loop, the matmul rate, useful FLOPs, bytes written."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.model.loading import LoadedModel
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_loop(step: Any, batches: list[list[int]], device: torch.device, warm_up: list[int] | None = None) -> float:
+    """Seconds for ``step(batch)`` over every batch, after one untimed ``step(warm_up)`` (default: the first)."""
+    step(warm_up or batches[0])
+    sync(device)
+    start = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def matmul_rate(device: torch.device) -> float:
+    """Measured dense matmul FLOP/s (bf16 8192^3 on a GPU, float32 1024^3 on the CPU), median of 10."""
+    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def useful_flops(loaded: LoadedModel, layer_ids: list[int], lengths: list[int]) -> float:
+    """FLOPs of the decoder layers up to the last wanted one: 2 x params per token + causal attention."""
+    run = max(layer_ids)  # id m < L needs layers 0..m-1; id L needs all L
+    params = sum(p.numel() for layer in list(loaded.layers)[:run] for p in layer.parameters())
+    config = loaded.model.config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    head_dim = getattr(config, "head_dim", None) or loaded.hidden_size // heads
+    attention = sum(2 * n * n * heads * head_dim for n in lengths) * run
+    return 2 * params * sum(lengths) + attention
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*.safetensors")) if path.exists() else 0

@@ -1,0 +1,97 @@
+"""Part (d) of ``layertap bench``: jobs through Redis to a ``layertap worker`` process and
+results back from the stream."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from producer.command import layertap_argv
+from worker.bench.config import BenchConfig, PartResult
+from worker.bench.measure import dir_bytes
+
+
+def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
+    """(d) Redis -> Celery worker process -> files -> results on the stream."""
+    from producer.client.client import Client, NoWorkerWarning
+    from producer.dev.redis_server import RedisServer
+    from producer.settings import Settings
+
+    server = None if cfg.redis_url else RedisServer().start()
+    url = cfg.redis_url or server.url  # type: ignore[union-attr]
+    node = f"bench-{os.getpid()}@{socket.gethostname()}"
+    name = "bench-model"
+    env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
+           "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower(),
+           "LAYERTAP_WORKER__MAX_PADDING": str(cfg.max_padding)}
+    log = open(out.parent / "bench-worker.log", "w")
+    placement = ["--node-name", node, "--device", cfg.device] if not cfg.gpus else (
+        ["--gpus", cfg.gpus] + (["--device", cfg.device] if cfg.device != "auto" else []))
+    worker: subprocess.Popen[bytes] | None = None
+
+    def start_worker() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            layertap_argv("worker", "--model", cfg.model, "--name", name, *placement,
+             "--dtype", cfg.dtype, "--layers", ",".join(map(str, layer_ids)), "--token-budget",
+             str(cfg.token_budget), "--loglevel", "WARNING"), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    expected = len(cfg.gpus.split(",")) if cfg.gpus else 1
+    run = f"bench-{int(time.time())}"
+    try:
+        with Client(Settings(redis_url=url)) as client:
+            deadline = time.monotonic() + 600
+
+            def submit_all() -> list[str]:
+                return [client.submit({"token_ids": ids, "job_id": f"p{i}"}, model=name, run=run,
+                                      layers=layer_ids).job_id for i, ids in enumerate(prompts)]
+
+            def serving() -> dict[str, Any]:
+                return {n: i for n, i in client.workers().items() if i["model"] == name}
+
+            with warnings.catch_warnings():  # a backlog is queued before its worker starts, on purpose
+                warnings.simplefilter("ignore", NoWorkerWarning)
+                job_ids = submit_all() if cfg.backlog else []
+            worker = start_worker()
+            while len(serving()) < expected:
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"bench worker did not start; see {log.name}")
+                time.sleep(0.05)
+            engines_before = [i["engine"] for i in serving().values()]
+            start = time.perf_counter()
+            if not cfg.backlog:
+                job_ids = submit_all()
+            results = client.wait(run, job_ids, timeout=3600)
+            seconds = time.perf_counter() - start
+            time.sleep(max(0.3, client.settings.orphan_timeout / 4 + 0.2))  # one more heartbeat with final stats
+            engines_after = [i["engine"] for i in serving().values()]
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(60)
+        log.close()
+        if server is not None:
+            server.close()
+
+    def engine_delta(key: str) -> float:
+        return sum(e[key] for e in engines_after) - sum(e[key] for e in engines_before)
+
+    busy = engine_delta("busy_s") / expected
+    errors = [r for r in results.values() if not r.ok]
+    label = f"d: queue end to end, {expected} workers (--gpus {cfg.gpus})" if cfg.gpus else "d: queue end to end"
+    if cfg.backlog:
+        label += ", draining a backlog"
+    part = PartResult(label, seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out),
+                      errors=len(errors), device_idle_share=max(0.0, 1 - busy / seconds))
+    if errors:
+        part.notes["first_error"] = errors[0].error
+    finished = sorted(r.finished_at for r in results.values())
+    if len(finished) > 1 and finished[-1] > finished[0]:  # the workers' own pace
+        part.notes["jobs_per_s_first_to_last_result"] = round((len(finished) - 1) / (finished[-1] - finished[0]), 1)
+    part.notes["jobs_per_s"] = round(len(prompts) / seconds, 1)
+    part.notes["batches"] = int(engine_delta("batches"))
+    return part

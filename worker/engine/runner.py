@@ -1,0 +1,182 @@
+"""One batch on the device: the forward with the capture hooks on, the cast to the batch's
+output dtype, the non-finite flags, the teacher's top-k, and the copy into a host buffer.
+
+On a GPU the copy is asynchronous, on a side stream: :meth:`BatchRunner.run` returns as soon
+as it is queued, and the batch's ``ready`` event says when it is done. The host buffer goes
+back to the free list when the batch's last job has released it, and never before its copy
+is done (a job that never waited must not race the copy). Used on the engine thread only,
+except :meth:`DeviceClock.busy_seconds`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+from worker.engine.host_buffers import HostSlot, HostStaging
+from worker.engine.inputs import build_inputs
+from worker.engine.layout import layer_union
+from worker.engine.output_dtype import non_finite_rows, to_output
+from worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
+from worker.engine.teacher import TeacherHead
+from worker.model.capture import StopForward
+from worker.model.loading import LoadedModel
+
+
+def is_device_fatal(exc: BaseException) -> bool:
+    """A device error after which this process's CUDA context cannot be trusted (illegal
+    address, device-side assert, ECC, launch failure). Out-of-memory is not one."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
+
+
+class DeviceClock:
+    """Device time spent in batches (forward + capture): device events on a GPU, wall time on
+    the CPU. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._lock = threading.Lock()
+        self._busy_s = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._busy_s += seconds
+
+    def add_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """A batch timed between two recorded events; counted once ``end`` is done."""
+        with self._lock:
+            self._pending.append((start, end))
+        self._collect(block=False)
+
+    def busy_seconds(self, wait: bool = True) -> float:
+        """Device time of finished batches (with ``wait``, first waits for queued device work)."""
+        self._collect(block=wait)
+        return self._busy_s
+
+    def _collect(self, block: bool) -> None:
+        with self._lock:
+            while self._pending:
+                start, end = self._pending[0]
+                if not block and not end.query():
+                    return
+                end.synchronize()
+                self._pending.popleft()
+                self._busy_s += start.elapsed_time(end) / 1000.0
+
+
+class BatchRunner:
+    """Runs batches of requests on ``loaded``'s device into host buffers from ``staging``."""
+
+    def __init__(self, loaded: LoadedModel, staging: HostStaging, pad_to: int):
+        self.loaded = loaded
+        self.clock = DeviceClock()
+        self._staging = staging
+        self._pad_to = pad_to
+        self._cuda = loaded.device.type == "cuda"
+        self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
+        self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
+
+    def run(self, batch: list[EngineRequest]) -> tuple[BatchOutput, Holders]:
+        """The batch's outputs (all requests share its ``output_dtype``) and who holds their
+        host buffer: one holder per request. Raises what the forward raises (out of memory
+        included); the host buffer is then free again."""
+        loaded, device = self.loaded, self.loaded.device
+        inputs = build_inputs([request.token_ids for request in batch], loaded.batching.path, device,
+                              pad_to=self._pad_to)
+        union = layer_union([request.layer_ids for request in batch])
+        want_final = any(request.want_final for request in batch)
+        topk_rows, topk = self._topk_rows(batch, inputs.bounds)
+        if topk_rows is not None and self._cuda:
+            topk_rows = topk_rows.pin_memory().to(device, non_blocking=True)
+        output_dtype = batch[0].output_dtype
+
+        slot = self._staging.acquire()
+        ready: torch.cuda.Event | None = None
+
+        def free_slot() -> None:
+            if ready is not None:
+                ready.synchronize()
+            self._staging.release(slot)
+
+        try:
+            started = time.perf_counter()
+            events = self._record_start()
+            with (torch.inference_mode(),
+                  loaded.capture.capture(union, inputs.total, want_final or topk_rows is not None,
+                                         rows=inputs.rows) as (staging, final)):
+                try:
+                    inputs.run(loaded.decoder)
+                except StopForward:
+                    pass
+                hidden, hidden_scale = to_output(staging, output_dtype)
+                flags = non_finite_rows(staging, hidden)
+                final_out = final_scale = final_flags = None
+                if want_final:
+                    final_out, final_scale = to_output(final, output_dtype)
+                    final_flags = non_finite_rows(final, final_out)
+                logprobs = topk_ids = None
+                if topk_rows is not None:
+                    logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
+                outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags, final_flags)
+                host = tuple(self._host_buffer(slot, tensor) for tensor in outputs)
+                ready = self._copy_out(events, *zip(outputs, host))
+        except BaseException:
+            self._staging.release(slot)
+            raise
+        output = BatchOutput(HostTensors(*host), ready=ready, started=started)  # type: ignore[arg-type]
+        return output, Holders(len(batch), free_slot)
+
+    @staticmethod
+    def _topk_rows(batch: list[EngineRequest], bounds: list[int]) -> tuple[torch.Tensor | None, int]:
+        """Packed-row positions of every top-k job's asked rows, in batch order, and the largest k."""
+        rows = [torch.arange(begin, begin + request.num_tokens) if request.topk_rows is None
+                else torch.tensor(request.topk_rows, dtype=torch.long) + begin
+                for request, begin in zip(batch, bounds) if request.topk]
+        if not rows:
+            return None, 0
+        return torch.cat(rows), max(request.topk for request in batch)
+
+    @staticmethod
+    def _host_buffer(slot: HostSlot, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """An empty host tensor like ``tensor`` from the batch's slot, or None."""
+        if tensor is None:
+            return None
+        return slot.take(tensor.shape, tensor.dtype)
+
+    def _record_start(self) -> tuple[object, object]:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start, end
+        return time.perf_counter(), None
+
+    def _copy_out(self, events: tuple[object, object], *pairs: tuple[torch.Tensor | None, torch.Tensor | None]):
+        """Copy device tensors into their host buffers; on a GPU asynchronously, on a side stream."""
+        start, end = events
+        if not self._cuda:
+            for source, target in pairs:
+                if source is not None:
+                    target.copy_(source)
+            self.clock.add(time.perf_counter() - start)  # type: ignore[operator]
+            return None
+        end.record()  # type: ignore[union-attr]
+        self.clock.add_events(start, end)  # type: ignore[arg-type]
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream())  # type: ignore[union-attr]
+        with torch.cuda.stream(stream):
+            for source, target in pairs:
+                if source is not None:
+                    target.copy_(source, non_blocking=True)
+                    source.record_stream(stream)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return ready
