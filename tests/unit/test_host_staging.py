@@ -91,7 +91,8 @@ def test_many_batches_through_one_host_buffer_match_transformers(layer_lists, ti
 def test_next_batch_waits_for_a_free_buffer_and_takes_everything_queued_meanwhile(tiny_models):
     """With the only host buffer held, jobs that arrive are not cut into a batch early: once
     the buffer is free they go into one batch together."""
-    from worker.engine.engine import Engine, EngineRequest
+    from worker.engine.engine import Engine
+    from worker.engine.records import EngineRequest
 
     loaded = load_model(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu")
     engine = Engine(loaded, token_budget=4096, host_buffers=1, staging_layers=1)
