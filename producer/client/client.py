@@ -194,7 +194,9 @@ class Client:
     def _published_results(self, run: str, wanted: set[str]) -> tuple[dict[str, Result], str]:
         """The latest results of ``wanted`` jobs published so far, and the stream id after which
         every later result lies (one snapshot: ``MULTI``). A job with a status but no indexed
-        entry (published before the index existed) sends the caller to the stream's start."""
+        entry was trimmed (``runs.trim``: its result comes from the ledger, ``runs.ledger_result``)
+        or, in a run never trimmed, published before the index existed: that sends the caller to
+        the stream's start."""
         stream, order = keys.results_stream(run), sorted(wanted)
         if not order:
             return {}, "0"
@@ -203,14 +205,21 @@ class Client:
         pipe.hmget(keys.run_result_ids_hash(run), order)
         pipe.hmget(keys.run_status_hash(run), order)
         last, entry_ids, statuses = pipe.execute()
-        if any(status is not None and entry_id is None for status, entry_id in zip(statuses, entry_ids)):
+        unindexed = {job_id: status for job_id, status, entry_id in zip(order, statuses, entry_ids)
+                     if status is not None and entry_id is None}
+        if unindexed and not runs.was_trimmed(self.redis, run):
             return {}, "0"
+        found = {job_id: runs.ledger_result(self.redis, run, job_id, status) for job_id, status in unindexed.items()}
         indexed = [(job_id, entry_id) for job_id, entry_id in zip(order, entry_ids) if entry_id is not None]
         pipe = self.redis.pipeline(transaction=False)
         for _, entry_id in indexed:
             pipe.xrange(stream, entry_id, entry_id)
-        found = {job_id: Result.model_validate_json(entries[0][1][RESULT_FIELD])
-                 for (job_id, _), entries in zip(indexed, pipe.execute()) if entries}
+        status_of = dict(zip(order, statuses))
+        for (job_id, _), entries in zip(indexed, pipe.execute()):
+            if entries:
+                found[job_id] = Result.model_validate_json(entries[0][1][RESULT_FIELD])
+            elif status_of[job_id] is not None:  # trimmed since the snapshot
+                found[job_id] = runs.ledger_result(self.redis, run, job_id, status_of[job_id])
         return found, last[0][0] if last else "0"
 
     def subscribe(self, run: str) -> Iterator[Result]:
