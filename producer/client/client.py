@@ -83,7 +83,7 @@ class Client:
         now = time.time()
         queue, task_id = keys.model_queue(job.model), keys.task_id(job.run, job.job_id)  # type: ignore[arg-type]
         args, kwargs = [payload], {"submitted_at": now}
-        retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
+        retrying(lambda: self._record_pending(job, queue, task_id, now))
         retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
         return job
 
@@ -104,15 +104,13 @@ class Client:
             warnings.warn(message, NoWorkerWarning, stacklevel=3)
         self._served.add(job.model)
 
-    def _record_pending(self, job: Job, queue: str, task_id: str, args: list[Any], kwargs: dict[str, Any],
-                        now: float) -> None:
-        """Before sending: the run's ledger, and what the reconciler needs to resend a lost message."""
+    def _record_pending(self, job: Job, queue: str, task_id: str, now: float) -> None:
+        """Before sending: the run's ledger, and what the reconciler needs to find a lost message."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
         pipe.hset(keys.PENDING_HASH, task_id, json.dumps({"queue": queue, "submitted_at": now}))
         pipe.zadd(keys.pending_sent_zset(queue), {task_id: now})
         pipe.sadd(keys.PENDING_QUEUES_SET, queue)
-        pipe.hset(keys.PENDING_PAYLOAD_HASH, task_id, json.dumps({"args": args, "kwargs": kwargs, "queue": queue}))
         pipe.execute()
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:

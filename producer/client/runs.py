@@ -160,6 +160,14 @@ def cancelled_result(run: str, job_id: str, *, worker: str | None, model: str | 
                   model=model, worker=worker, metadata=metadata)
 
 
+def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None = None) -> Result:
+    """The final result of a job whose message is gone before any worker held it (the reconciler's)."""
+    return Result(job_id=job_id, run=run, status=Status.error, error_type=ErrorType.lost,
+                  error=f"job {job_id}'s message was lost before a worker took it (the queue was purged, or the "
+                        "client died before sending it); this job was not run: `layertap enqueue` sends it again",
+                  model=model, worker=worker)
+
+
 def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
     """Remove the run's keys; returns the ok results' file paths (for the caller to remove).
 
@@ -178,7 +186,7 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
         for queue in sorted(queues):
             _remove_queued(client, queue, prefix)
     pipe = client.pipeline(transaction=False)
-    for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
+    for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
         task_ids = [_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]
         if task_ids:
             pipe.hdel(pending, *task_ids)

@@ -26,8 +26,6 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 
 #: Hash task id -> JSON {"queue", "submitted_at"}: jobs sent by the Client and not yet finished.
 PENDING_HASH = f"{PREFIX}:pending"
-#: Hash task id -> JSON {"args", "kwargs", "queue"}: what to send again if the message is lost.
-PENDING_PAYLOAD_HASH = f"{PREFIX}:pending:payload"
 #: Set of the queues the Client has sent jobs to (bounded by the models ever used).
 PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
 #: Hash task id -> time the reconciler first found the job neither queued, held nor finished.
@@ -53,6 +51,13 @@ DELIVERY_TAG_SEPARATOR = "|"
 def model_queue(model: str) -> str:
     """The Celery queue (a Redis list) that carries jobs for ``model``."""
     return f"{QUEUE_PREFIX}{model}"
+
+
+def inflight_list(queue: str) -> str:
+    """List of the messages of ``queue`` a worker has fetched (``BLMOVE``) and not yet recorded in
+    :data:`UNACKED_HASH` (``producer.transport.broker_transport``): empty but for a message in
+    transit, or one whose fetcher died; the reconciler puts those back in ``queue``."""
+    return f"{PREFIX}:inflight:{queue}"
 
 
 def pending_sent_zset(queue: str) -> str:

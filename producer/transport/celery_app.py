@@ -40,6 +40,7 @@ def transport_options(settings: Settings) -> dict[str, object]:
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": max(5, int(settings.orphan_timeout)),
         "health_check_interval": 10,
+        "priority_steps": [0],  # one list per queue (layertap sets no priorities): fetched by one BLMOVE
         "socket_keepalive": True,
     }
 
