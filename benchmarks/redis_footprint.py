@@ -14,6 +14,10 @@ job ids taken out. Phases:
 * **trimmed**: ``runs.trim`` (what ``layertap run trim`` and the retention sweep do): what is
   left is what manifest, resume and ``runs`` need;
 * **deleted**: ``runs.delete`` (``layertap run delete``).
+
+Before the run, ``--queued`` jobs of ``--queued-tokens`` token ids each are sent to a model no
+worker serves, and the bytes per queued job are printed by key family (the queue holds each
+job once; there is no second copy), then that queue and its records are removed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import redis
 from producer.client import runs
 from producer.client.client import Client
 from producer.dev.redis_server import RedisServer
+from producer.protocol import keys
 from producer.settings import Settings
 
 RUN = "footprint"
@@ -77,10 +82,31 @@ def report(phase: str, client: redis.Redis, baseline: dict[str, int], jobs: int)
     return sum(size for family, (_, size) in rows if "<run>" in family), now["dataset"]
 
 
+def queued_footprint(client: Client, raw: redis.Redis, jobs: int, tokens: int) -> None:
+    """Print the bytes per queued job by key family, then remove those jobs."""
+    import warnings
+
+    from producer.client.client import NoWorkerWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)
+        for index in range(jobs):
+            client.submit({"token_ids": list(range(index, index + tokens)), "model": "unserved", "run": "queued",
+                           "job_id": f"q-{index:05d}"})
+    print(f"{jobs} queued jobs of {tokens} token ids each (no worker serves their model):")
+    for family, (count, size) in sorted(breakdown(raw).items(), key=lambda item: -item[1][1]):
+        if "unserved" in family or "pending" in family or "queued" in family:
+            print(f"  {size:>12,} B  {size / jobs:>8,.1f} B/job  {count:>6} key(s)  {family}")
+    runs.delete(client.redis, "queued", force=True)
+    raw.delete(keys.pending_sent_zset(keys.model_queue("unserved")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--metadata-bytes", type=int, default=16, help="size of each job's metadata string")
+    parser.add_argument("--queued", type=int, default=100, help="jobs left queued for a model no worker serves")
+    parser.add_argument("--queued-tokens", type=int, default=2000, help="token ids in each queued job")
     args = parser.parse_args()
     from worker.model.tiny_model import make_tiny_model
 
@@ -97,6 +123,7 @@ def main() -> None:
                         raise SystemExit(f"the worker exited with code {worker.returncode}")
                     time.sleep(0.2)
                 raw = redis.Redis.from_url(server.url)
+                queued_footprint(client, raw, args.queued, args.queued_tokens)
                 baseline = memory(raw)
                 print("idle baseline (worker up, no jobs): " + ", ".join(f"{k} {v:,}" for k, v in baseline.items()))
                 start = time.perf_counter()
