@@ -105,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--metadata-bytes", type=int, default=16, help="size of each job's metadata string")
+    parser.add_argument("--id-chars", type=int, default=32, help="length of each job id (a content-hash id: 32)")
     parser.add_argument("--queued", type=int, default=100, help="jobs left queued for a model no worker serves")
     parser.add_argument("--queued-tokens", type=int, default=2000, help="token ids in each queued job")
     args = parser.parse_args()
@@ -128,7 +129,7 @@ def main() -> None:
                 print("idle baseline (worker up, no jobs): " + ", ".join(f"{k} {v:,}" for k, v in baseline.items()))
                 start = time.perf_counter()
                 ids = [client.submit({"prompt": f"short prompt number {index}", "model": MODEL, "run": RUN,
-                                      "job_id": f"fp-{index:07d}",
+                                      "job_id": f"fp-{index:0{args.id_chars - 3}d}",
                                       "metadata": f"{index:0{args.metadata_bytes}d}"}).job_id
                        for index in range(args.jobs)]
                 results = client.wait(RUN, ids, timeout=max(120.0, args.jobs / 5))
