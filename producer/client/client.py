@@ -1,9 +1,10 @@
 """The client: submit jobs, read results. Imports no torch.
 
 Results are read from the run's Redis Stream (durable, ordered; ``XREAD``), which holds
-every result a worker published, duplicates included when a job ran twice. The
-:meth:`Client.results` iterator yields each result in stream order; use
-:meth:`Client.latest` for one result per job.
+every result a worker published within the retention (``retention.results_s``), duplicates
+included when a job ran twice. The :meth:`Client.results` iterator yields each result in
+stream order; use :meth:`Client.latest` for one result per job, and :meth:`Client.wait` for
+given jobs: both also answer jobs whose entries were trimmed, from the run's ledger.
 """
 
 from __future__ import annotations
@@ -159,8 +160,15 @@ class Client:
                 return
 
     def latest(self, run: str) -> dict[str, Result]:
-        """One result per job id (the last published) from the run's stream so far."""
-        return {result.job_id: result for result in self.results(run)}
+        """One result per job id (the last published): from the run's stream so far, and for jobs
+        whose entries were trimmed (first), from the ledger (``runs.ledger_result``)."""
+        found = {result.job_id: result for result in self.results(run)}
+        if not runs.was_trimmed(self.redis, run):
+            return found
+        trimmed = {job_id: runs.ledger_result(self.redis, run, job_id, status)
+                   for job_id, status in self.redis.hscan_iter(keys.run_status_hash(run), count=1000)
+                   if job_id not in found}
+        return {**trimmed, **found}
 
     def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0, *,
              raise_on_error: bool = False) -> dict[str, Result]:

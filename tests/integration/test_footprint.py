@@ -91,6 +91,10 @@ def test_trim_while_a_worker_runs_keeps_manifest_resume_counts_and_wait_exact(ma
     assert client.redis.llen(keys.inflight_list(queue)) == 0  # every fetched message was recorded, none copied
     assert list(client.redis.scan_iter(match="layertap:pending:payload*")) == []
 
+    latest = client.latest(RUN)
+    assert {job_id: (result.path, result.metadata) for job_id, result in latest.items()} == {
+        job_id: (row["path"], row["metadata"]) for job_id, row in trimmed.items()}
+
     # resume: the same file again sends nothing, and the counts stay exact
     again = subprocess.run(cli("enqueue", "--model", "tiny-qwen3", "--run", RUN, "--file", str(rows)),
                            env={**os.environ, "LAYERTAP_REDIS_URL": url}, capture_output=True, text=True, timeout=120)
