@@ -270,12 +270,18 @@ def was_trimmed(client: redis.Redis, run: str) -> bool:
     return bool(client.exists(keys.run_trimmed_key(run)))
 
 
-def ledger_path(client: redis.Redis, run: str, job_id: str) -> str | None:
-    """Where a trimmed ok job's file is: under the first of the run's storage roots that holds it
-    (the first root if this machine sees none of them); None if the run has no roots."""
-    roots = sorted(_text(root) for root in client.smembers(keys.run_roots_set(run)))
+def storage_roots(client: redis.Redis, run: str) -> list[str]:
+    """The storage roots of the run's trimmed ok results (``keys.run_roots_set``), sorted."""
+    return sorted(_text(root) for root in client.smembers(keys.run_roots_set(run)))
+
+
+def ledger_path(roots: list[str], run: str, job_id: str) -> str | None:
+    """Where a trimmed ok job's file is: under the one storage root, or the first of several that
+    holds it here (the first if this machine sees none); None without roots."""
     paths = [job_path(root, run, job_id) for root in roots]
-    return str(next((path for path in paths if path.exists()), paths[0])) if paths else None
+    if len(paths) > 1:
+        paths.sort(key=lambda path: not path.exists())
+    return str(paths[0]) if paths else None
 
 
 def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]:
@@ -292,8 +298,9 @@ def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]
     if was_trimmed(client, run):
         done = sorted(_text(job_id) for job_id, status in client.hscan_iter(keys.run_status_hash(run), count=1000)
                       if _text(status) == Status.ok.value and _text(job_id) not in streamed)
+        roots = storage_roots(client, run)
         for job_id in done:
-            path = ledger_path(client, run, job_id)
+            path = ledger_path(roots, run, job_id)
             if path is not None:
                 trimmed[job_id] = (path, None)
     return {**trimmed, **streamed}
@@ -307,7 +314,7 @@ def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Re
         return Result(job_id=job_id, run=run, status=Status.error,
                       error=f"job {job_id} ended with an error; its result was trimmed from the run's stream "
                             "(retention): `layertap enqueue` sends it again")
-    path = ledger_path(client, run, job_id)
+    path = ledger_path(storage_roots(client, run), run, job_id)
     from producer.files.manifest import entry_from_file
     from producer.protocol.fileformat import FileFormatError
 
