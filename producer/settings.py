@@ -131,6 +131,13 @@ class EnqueueSettings(BaseModel):
     consumer_group: str = DEFAULT_CONSUMER_GROUP  # --consumer-group: whose consumption counts (inflight_until=consumed)
 
 
+class RetentionSettings(BaseModel):
+    """How long Redis keeps what a run no longer needs (applied by the workers, ``worker.queue.retention``)."""
+
+    results_s: float = Field(default=3600.0, ge=0)  # seconds a result stays on its run's stream; 0: forever
+    sweep_interval_s: float = Field(default=300.0, gt=0)  # seconds between retention sweeps
+
+
 class Settings(BaseSettings):
     """Everything layertap reads from its environment."""
 
@@ -146,11 +153,13 @@ class Settings(BaseSettings):
     storage_root: Path = Path("layertap-data")
     orphan_timeout: float = Field(default=60.0, gt=0)  # seconds until a dead worker's jobs are requeued
     max_attempts: int = Field(default=3, gt=0)  # starts of one job before it is dead-lettered
-    result_ttl: int = Field(default=7 * 24 * 3600, gt=0)  # seconds Celery's backend keeps a result
+    result_backend: bool = False  # also store each task's result in Celery's backend (AsyncResult), for result_ttl
+    result_ttl: int = Field(default=3600, gt=0)  # seconds Celery's backend keeps a result (with result_backend)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     limits: Limits = Field(default_factory=Limits)
     tls: TlsSettings = Field(default_factory=TlsSettings)
     enqueue: EnqueueSettings = Field(default_factory=EnqueueSettings)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -31,6 +31,7 @@ from worker.ops.watchdog import EngineWatchdog, start_deadline
 from worker.queue.handler import WorkerService
 from worker.queue.lease import LeaseKeeper, held_delivery_tags
 from worker.queue.reconciler import Reconciler
+from worker.queue.retention import RetentionSweep
 from worker.queue.task_events import batch_task_events
 from worker.queue.tasks import register_extract_task
 from worker.startup import check_layers, check_model_source, default_served_name
@@ -115,6 +116,7 @@ def run_worker(settings: Settings) -> int:
                                                 "tokens_per_s": round(metrics.tokens_per_second(), 1)},
                          settings.orphan_timeout)
     reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout)
+    retention = RetentionSweep(client, node, settings.retention.results_s, settings.retention.sweep_interval_s)
 
     hang_bound = ws.hang_bound_s(settings.limits.max_tokens)
 
@@ -133,6 +135,7 @@ def run_worker(settings: Settings) -> int:
         # Announce the worker (heartbeat) only once Celery consumes and handles SIGTERM.
         keeper.start()
         reconciler.start()
+        retention.start()
         watchdog.start()
 
     def on_shutting_down(**_: object) -> None:
@@ -152,6 +155,7 @@ def run_worker(settings: Settings) -> int:
     finally:
         watchdog.stop()
         reconciler.stop()
+        retention.stop()
         keeper.stop()
         metrics.close()
         processor.engine.stop()

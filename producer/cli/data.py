@@ -181,13 +181,13 @@ class RunListing:
     def __init__(self, run: str, redis_url: str | None, *, verify: bool = False):
         from producer.client import runs
         from producer.client.client import Client
-        from producer.files.manifest import ok_results
+        from producer.client.runs import ok_files
         from producer.settings import Settings
 
         with Client(Settings(), redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
                 raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
-            self.results = ok_results(client.redis, run)
+            self.results = ok_files(client.redis, run)
         self.verify = verify
         self.skipped = self.tokens = 0
 

@@ -1,4 +1,4 @@
-"""``layertap runs`` and ``layertap run cancel|delete``: a run's lifecycle (``producer.client.runs``)."""
+"""``layertap runs`` and ``layertap run cancel|delete|trim``: a run's lifecycle (``producer.client.runs``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from producer.files.reader import cleanup_hidden_states
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``runs`` and ``run cancel|delete`` to the ``layertap`` app."""
-    run_app = typer.Typer(help="One run: cancel its queued jobs, delete it.", no_args_is_help=True)
+    """Add ``runs`` and ``run cancel|delete|trim`` to the ``layertap`` app."""
+    run_app = typer.Typer(help="One run: cancel its queued jobs, trim or delete it.", no_args_is_help=True)
     app.add_typer(run_app, name="run")
 
     @app.command("runs")
@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """List runs: jobs submitted, jobs finished, state (running, complete, cancelled)."""
+        """List runs: jobs submitted, jobs finished, state (running, complete, cancelled), bytes in Redis."""
         from producer.client import runs
         from producer.client.client import Client
 
@@ -30,7 +30,8 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 print(json.dumps({**summary.__dict__, "state": summary.state}))
             else:
-                print(f"{summary.run}  {summary.finished}/{summary.submitted} finished  {summary.state}")
+                print(f"{summary.run}  {summary.finished}/{summary.submitted} finished  {summary.state}  "
+                      f"{summary.redis_bytes:,} B in Redis")
         if not as_json:
             print(f"{len(found)} run(s)")
 
@@ -75,3 +76,21 @@ def register(app: typer.Typer) -> None:
             for path in paths:
                 cleanup_hidden_states(path)
         print(f"deleted run {run}" + (f" and {len(paths)} file(s)" if files else ""))
+
+    @run_app.command("trim")
+    def trim_command(
+        run: str = typer.Argument(..., help="Run name."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Drop a run's results-stream entries now (what the retention sweep does to old ones), except
+        those a consumer group has not acknowledged. Manifest, resume, `runs` and waiting still work
+        (from the run's status hash and its files). Safe while workers run."""
+        from producer.client import runs
+        from producer.client.client import Client
+
+        with Client(redis_url=redis_url) as client:
+            if not runs.exists(client.redis, run):
+                raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
+            dropped = runs.trim(client.redis, run)
+            left = runs.redis_bytes(client.redis, run)
+        print(f"run {run}: dropped {dropped} result stream entries; {left:,} B left in Redis")

@@ -1,9 +1,10 @@
 """The client: submit jobs, read results. Imports no torch.
 
 Results are read from the run's Redis Stream (durable, ordered; ``XREAD``), which holds
-every result a worker published, duplicates included when a job ran twice. The
-:meth:`Client.results` iterator yields each result in stream order; use
-:meth:`Client.latest` for one result per job.
+every result a worker published within the retention (``retention.results_s``), duplicates
+included when a job ran twice. The :meth:`Client.results` iterator yields each result in
+stream order; use :meth:`Client.latest` for one result per job, and :meth:`Client.wait` for
+given jobs: both also answer jobs whose entries were trimmed, from the run's ledger.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Client:
         now = time.time()
         queue, task_id = keys.model_queue(job.model), keys.task_id(job.run, job.job_id)  # type: ignore[arg-type]
         args, kwargs = [payload], {"submitted_at": now}
-        retrying(lambda: self._record_pending(job, queue, task_id, args, kwargs, now))
+        retrying(lambda: self._record_pending(job, queue, task_id, now))
         retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
         return job
 
@@ -104,15 +105,13 @@ class Client:
             warnings.warn(message, NoWorkerWarning, stacklevel=3)
         self._served.add(job.model)
 
-    def _record_pending(self, job: Job, queue: str, task_id: str, args: list[Any], kwargs: dict[str, Any],
-                        now: float) -> None:
-        """Before sending: the run's ledger, and what the reconciler needs to resend a lost message."""
+    def _record_pending(self, job: Job, queue: str, task_id: str, now: float) -> None:
+        """Before sending: the run's ledger, and what the reconciler needs to find a lost message."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
         pipe.hset(keys.PENDING_HASH, task_id, json.dumps({"queue": queue, "submitted_at": now}))
         pipe.zadd(keys.pending_sent_zset(queue), {task_id: now})
         pipe.sadd(keys.PENDING_QUEUES_SET, queue)
-        pipe.hset(keys.PENDING_PAYLOAD_HASH, task_id, json.dumps({"args": args, "kwargs": kwargs, "queue": queue}))
         pipe.execute()
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
@@ -158,8 +157,15 @@ class Client:
                 return
 
     def latest(self, run: str) -> dict[str, Result]:
-        """One result per job id (the last published) from the run's stream so far."""
-        return {result.job_id: result for result in self.results(run)}
+        """One result per job id (the last published): from the run's stream so far, and for jobs
+        whose entries were trimmed (first), from the ledger (``runs.ledger_result``)."""
+        found = {result.job_id: result for result in self.results(run)}
+        if not runs.was_trimmed(self.redis, run):
+            return found
+        trimmed = {job_id: runs.ledger_result(self.redis, run, job_id, status)
+                   for job_id, status in self.redis.hscan_iter(keys.run_status_hash(run), count=1000)
+                   if job_id not in found}
+        return {**trimmed, **found}
 
     def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0, *,
              raise_on_error: bool = False) -> dict[str, Result]:
@@ -191,7 +197,9 @@ class Client:
     def _published_results(self, run: str, wanted: set[str]) -> tuple[dict[str, Result], str]:
         """The latest results of ``wanted`` jobs published so far, and the stream id after which
         every later result lies (one snapshot: ``MULTI``). A job with a status but no indexed
-        entry (published before the index existed) sends the caller to the stream's start."""
+        entry was trimmed (``runs.trim``: its result comes from the ledger, ``runs.ledger_result``)
+        or, in a run never trimmed, published before the index existed: that sends the caller to
+        the stream's start."""
         stream, order = keys.results_stream(run), sorted(wanted)
         if not order:
             return {}, "0"
@@ -200,14 +208,21 @@ class Client:
         pipe.hmget(keys.run_result_ids_hash(run), order)
         pipe.hmget(keys.run_status_hash(run), order)
         last, entry_ids, statuses = pipe.execute()
-        if any(status is not None and entry_id is None for status, entry_id in zip(statuses, entry_ids)):
+        unindexed = {job_id: status for job_id, status, entry_id in zip(order, statuses, entry_ids)
+                     if status is not None and entry_id is None}
+        if unindexed and not runs.was_trimmed(self.redis, run):
             return {}, "0"
+        found = {job_id: runs.ledger_result(self.redis, run, job_id, status) for job_id, status in unindexed.items()}
         indexed = [(job_id, entry_id) for job_id, entry_id in zip(order, entry_ids) if entry_id is not None]
         pipe = self.redis.pipeline(transaction=False)
         for _, entry_id in indexed:
             pipe.xrange(stream, entry_id, entry_id)
-        found = {job_id: entry_result(entries[0][1])
-                 for (job_id, _), entries in zip(indexed, pipe.execute()) if entries}
+        status_of = dict(zip(order, statuses))
+        for (job_id, _), entries in zip(indexed, pipe.execute()):
+            if entries:
+                found[job_id] = entry_result(entries[0][1])
+            elif status_of[job_id] is not None:  # trimmed since the snapshot
+                found[job_id] = runs.ledger_result(self.redis, run, job_id, status_of[job_id])
         return found, last[0][0] if last else "0"
 
     def subscribe(self, run: str) -> Iterator[Result]:

@@ -13,23 +13,46 @@ length of its status hash (one entry per job with a final result).
 * ``Client.submit`` refuses new jobs for the run (:class:`RunCancelled`).
 
 Jobs already running finish normally. **Delete** removes the run's keys (results stream,
-status and submitted hashes, attempt counters, pending records, the cancel flag) and, if
-asked, its files; it refuses while jobs have no result yet, unless ``force``, which also
-takes the run's messages out of the queues.
+status and submitted hashes, attempt counters, pending records, every ``layertap:run:<run>:*``
+key) and, if asked, its files; it refuses while jobs have no result yet, unless ``force``,
+which also takes the run's messages out of the queues.
+
+**Trim** drops the run's results-stream entries (all, or those older than a time: the
+``retention.results_s`` setting, applied by every worker's retention sweep) and their
+result-id fields. What stays is the compact ledger: the status and submitted hashes (resume,
+counts) and the storage roots of the dropped ok results (``keys.run_roots_set``), so a
+trimmed ok job is found on disk at ``naming.job_path`` and its file's header holds the rest
+(the job's ``metadata`` included). :func:`ok_files` and :func:`ledger_result` read it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import redis
 
-from producer.client.results import stream_results
+from producer.client.results import entry_result, stream_results
+from producer.protocol import fileformat as ff
 from producer.protocol import keys
+from producer.protocol.fileformat import MetaKey
+from producer.protocol.naming import job_path, storage_root_of
 from producer.protocol.schema import ErrorType, Result, Status
+
+#: For each (job id, stream id) pair in ARGV: delete the job's field in KEYS[1] if it still
+#: names that entry (a later duplicate's entry keeps its field). Returns how many went.
+UNINDEX_TRIMMED = """
+local dropped = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    dropped = dropped + 1
+  end
+end
+return dropped
+"""
+TRIM_PAGE = 1000
 
 
 class RunCancelled(RuntimeError):
@@ -38,12 +61,14 @@ class RunCancelled(RuntimeError):
 
 @dataclass
 class RunSummary:
-    """One run now: jobs submitted, jobs with a final result, and whether it was cancelled."""
+    """One run now: jobs submitted, jobs with a final result, whether it was cancelled, and
+    (from :func:`list_runs`) the bytes its keys take in Redis (``MEMORY USAGE``, sampled)."""
 
     run: str
     submitted: int
     finished: int
     cancelled_at: float | None
+    redis_bytes: int | None = None
 
     @property
     def state(self) -> str:
@@ -75,11 +100,36 @@ def is_complete(client: redis.Redis, run: str) -> bool:
     return found.submitted > 0 and found.finished >= found.submitted
 
 
-def list_runs(client: redis.Redis) -> list[RunSummary]:
+def run_names(client: redis.Redis) -> list[str]:
     """Every run the Client has submitted to, by name."""
-    names = {keys.run_of_submitted_hash(_text(key))
-             for key in client.scan_iter(match=keys.RUN_SUBMITTED_PATTERN, count=1000)}
-    return [summary(client, run) for run in sorted(names)]
+    return sorted({keys.run_of_submitted_hash(_text(key))
+                   for key in client.scan_iter(match=keys.RUN_SUBMITTED_PATTERN, count=1000)})
+
+
+def list_runs(client: redis.Redis) -> list[RunSummary]:
+    """Every run the Client has submitted to, by name, with its bytes in Redis."""
+    found = []
+    for run in run_names(client):
+        listed = summary(client, run)
+        listed.redis_bytes = redis_bytes(client, run)
+        found.append(listed)
+    return found
+
+
+def run_keys(client: redis.Redis, run: str) -> list[str]:
+    """Every key of ``run``: its results stream, its ``layertap:run:<run>:*`` keys, its attempt counters."""
+    found = [keys.results_stream(run)] if client.exists(keys.results_stream(run)) else []
+    for pattern in (keys.run_keys_pattern(run), keys.attempts_pattern(run)):
+        found.extend(_text(key) for key in client.scan_iter(match=pattern, count=1000))
+    return found
+
+
+def redis_bytes(client: redis.Redis, run: str) -> int:
+    """Bytes the run's keys take in Redis (``MEMORY USAGE``: large hashes and streams are sampled)."""
+    pipe = client.pipeline(transaction=False)
+    for key in run_keys(client, run):
+        pipe.memory_usage(key)
+    return sum(size or 0 for size in pipe.execute())
 
 
 def waiting_models(client: redis.Redis, run: str, sample: int = 100) -> set[str]:
@@ -113,6 +163,14 @@ def cancelled_result(run: str, job_id: str, *, worker: str | None, model: str | 
                   model=model, worker=worker, metadata=metadata)
 
 
+def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None = None) -> Result:
+    """The final result of a job whose message is gone before any worker held it (the reconciler's)."""
+    return Result(job_id=job_id, run=run, status=Status.error, error_type=ErrorType.lost,
+                  error=f"job {job_id}'s message was lost before a worker took it (the queue was purged, or the "
+                        "client died before sending it); this job was not run: `layertap enqueue` sends it again",
+                  model=model, worker=worker)
+
+
 def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
     """Remove the run's keys; returns the ok results' file paths (for the caller to remove).
 
@@ -124,14 +182,14 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
                            f"`layertap run cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
-    paths = list(dict.fromkeys(result.path for result in _results(client, run) if result.ok and result.path))
+    paths = [path for path, _ in ok_files(client, run).values()]
     prefix = keys.task_id(run, "")
     if force:
         queues = {json.loads(record)["queue"] for _, record in client.hscan_iter(keys.PENDING_HASH, match=f"{prefix}*")}
         for queue in sorted(queues):
             _remove_queued(client, queue, prefix)
     pipe = client.pipeline(transaction=False)
-    for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
+    for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
         task_ids = [_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]
         if task_ids:
             pipe.hdel(pending, *task_ids)
@@ -140,17 +198,133 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
         task_ids = [_text(task_id) for task_id, _ in client.zscan_iter(sent, match=f"{prefix}*")]
         if task_ids:
             pipe.zrem(sent, *task_ids)
-    for key in client.scan_iter(match=keys.attempts_pattern(run), count=1000):
+    for key in run_keys(client, run):
         pipe.delete(key)
-    pipe.delete(keys.results_stream(run), keys.run_status_hash(run), keys.run_result_ids_hash(run),
-                keys.run_submitted_hash(run), keys.run_cancelled_key(run))
     pipe.execute()
     return paths
 
 
-def _results(client: redis.Redis, run: str) -> Iterator[Result]:
+def _entry_id(value: str) -> tuple[int, int]:
+    milliseconds, _, sequence = value.partition("-")
+    return int(milliseconds), int(sequence or 0)
+
+
+def _after(entry_id: str) -> str:
+    """The smallest stream id after ``entry_id``."""
+    milliseconds, sequence = _entry_id(entry_id)
+    return f"{milliseconds}-{sequence + 1}"
+
+
+def unconsumed_from(client: redis.Redis, stream: str) -> str | None:
+    """The first stream id some consumer group of ``stream`` has not acknowledged (an entry
+    pending in it, or the first it has not read); None when no group holds any back."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.exceptions.ResponseError:  # no such stream
+        return None
+    bounds = []
+    for group in groups:
+        bounds.append(_after(_text(group["last-delivered-id"])))
+        pending = client.xpending(stream, group["name"])
+        if pending["pending"]:
+            bounds.append(_text(pending["min"]))
+    return min(bounds, key=_entry_id) if bounds else None
+
+
+def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
+    """Drop the run's stream entries published before ``before`` (Unix time; None: every one so
+    far) that no consumer group still needs; returns how many were dropped.
+
+    Safe while workers publish: entries are read, then dropped up to the last one read
+    (``XTRIM MINID``, exact), and a job's result-id field goes only while it still names a
+    dropped entry. The storage roots of dropped ok results go to ``keys.run_roots_set`` first,
+    in the same transaction. The status and submitted hashes are not touched."""
+    stream = keys.results_stream(run)
+    bounds = [value for value in (unconsumed_from(client, stream),
+                                  None if before is None else f"{int(before * 1000)}-0") if value]
+    end = f"({min(bounds, key=_entry_id)}" if bounds else "+"
+    dropped = 0
+    while True:
+        entries = client.xrange(stream, min="-", max=end, count=TRIM_PAGE)
+        if not entries:
+            return dropped
+        pairs: list[str] = []
+        roots: set[str] = set()
+        for entry_id, fields in entries:
+            result = entry_result({_text(name): value for name, value in fields.items()})
+            pairs += [result.job_id, _text(entry_id)]
+            root = storage_root_of(result.path, run, result.job_id) if result.ok and result.path else None
+            if root is not None:
+                roots.add(str(root))
+        last = _text(entries[-1][0])
+        pipe = client.pipeline(transaction=True)
+        if roots:
+            pipe.sadd(keys.run_roots_set(run), *sorted(roots))
+        pipe.eval(UNINDEX_TRIMMED, 1, keys.run_result_ids_hash(run), *pairs)
+        pipe.xtrim(stream, minid=_after(last), approximate=False)
+        pipe.set(keys.run_trimmed_key(run), last)
+        pipe.execute()
+        dropped += len(entries)
+
+
+def was_trimmed(client: redis.Redis, run: str) -> bool:
+    return bool(client.exists(keys.run_trimmed_key(run)))
+
+
+def storage_roots(client: redis.Redis, run: str) -> list[str]:
+    """The storage roots of the run's trimmed ok results (``keys.run_roots_set``), sorted."""
+    return sorted(_text(root) for root in client.smembers(keys.run_roots_set(run)))
+
+
+def ledger_path(roots: list[str], run: str, job_id: str) -> str | None:
+    """Where a trimmed ok job's file is: under the one storage root, or the first of several that
+    holds it here (the first if this machine sees none); None without roots."""
+    paths = [job_path(root, run, job_id) for root in roots]
+    if len(paths) > 1:
+        paths.sort(key=lambda path: not path.exists())
+    return str(paths[0]) if paths else None
+
+
+def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]:
+    """job id -> (path, metadata) of every job of ``run`` whose final result is ok: the trimmed ones
+    first, by job id (from the ledger; metadata None: it is in the file's header), then the stream's
+    in the order jobs first finished ok (each job's last ok result)."""
+    streamed: dict[str, tuple[str, str | None]] = {}
     for _, result in stream_results(client, run):
-        yield result
+        if result.ok and result.path:
+            streamed[result.job_id] = (result.path, result.metadata)
+    trimmed: dict[str, tuple[str, str | None]] = {}
+    if was_trimmed(client, run):
+        done = sorted(_text(job_id) for job_id, status in client.hscan_iter(keys.run_status_hash(run), count=1000)
+                      if _text(status) == Status.ok.value and _text(job_id) not in streamed)
+        roots = storage_roots(client, run)
+        for job_id in done:
+            path = ledger_path(roots, run, job_id)
+            if path is not None:
+                trimmed[job_id] = (path, None)
+    return {**trimmed, **streamed}
+
+
+def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Result:
+    """The final result of a job whose stream entry was trimmed, from the ledger: ok with its
+    file's path (and, when this machine can read the file, its model, layers, tokens, dtype and
+    metadata from the header); an error result without its error type and message."""
+    if status != Status.ok.value:
+        return Result(job_id=job_id, run=run, status=Status.error,
+                      error=f"job {job_id} ended with an error; its result was trimmed from the run's stream "
+                            "(retention): `layertap enqueue` sends it again")
+    path = ledger_path(storage_roots(client, run), run, job_id)
+    try:
+        header = ff.read_file_header(path) if path else None
+        meta = header.metadata if header is not None else {}
+        if header is None or meta.get(MetaKey.JOB_ID) != job_id:
+            return Result(job_id=job_id, run=run, status=Status.ok, path=path)
+        return Result(job_id=job_id, run=run, status=Status.ok, path=path,
+                      num_tokens=header.tensors[ff.TOKEN_IDS]["shape"][0], layers=json.loads(meta[MetaKey.LAYERS]),
+                      dtype=meta.get(MetaKey.DTYPE), model=meta.get(MetaKey.MODEL),
+                      metadata=meta.get(MetaKey.JOB_METADATA))
+    except (ff.FileFormatError, OSError, KeyError, ValueError):
+        return Result(job_id=job_id, run=run, status=Status.ok, path=path)
 
 
 def _remove_queued(client: redis.Redis, queue: str, task_prefix: str) -> None:

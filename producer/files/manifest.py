@@ -1,8 +1,10 @@
 """A run's manifest: one row per job with an ok result and a valid file, for training and export.
 
-Built from the run's results stream: each job id once (its last ok result; later
-duplicates of a job that ran twice are the same file), in the order jobs first finished
-ok. Each file's header is read (``verify=True`` also checks every tensor's checksum), and
+Built from the run's ledger (``producer.client.runs.ok_files``, which ``layertap manifest`` calls): the jobs whose stream
+entries were trimmed first (by job id, found on disk under the run's storage roots), then
+the stream's: each job id once (its last ok result; later duplicates of a job that ran
+twice are the same file), in the order jobs first finished ok. A job's ``metadata`` comes
+from its result, else from its file's header. Each file's header is read (``verify=True`` also checks every tensor's checksum), and
 the file must name the same job; a job whose file is missing or damaged is reported as
 :class:`Skipped`, never listed. Parquet needs ``pyarrow`` (the ``[data]`` extra); JSONL
 needs nothing. Memory: one (path, metadata) pair per ok job while the stream is read.
@@ -15,14 +17,10 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from producer.client.results import stream_results
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import FileFormatError, MetaKey
-
-if TYPE_CHECKING:
-    import redis
 
 WRITE_BATCH = 10_000
 
@@ -58,16 +56,6 @@ class Skipped:
     reason: str
 
 
-def ok_results(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]:
-    """job id -> (path, metadata) of its last ok result, in the order jobs first finished ok
-    (``client`` decodes responses, as ``Client.redis`` does)."""
-    found: dict[str, tuple[str, str | None]] = {}
-    for _, result in stream_results(client, run):
-        if result.ok and result.path:
-            found[result.job_id] = (result.path, result.metadata)
-    return found
-
-
 def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, verify: bool = False) -> ManifestEntry:
     """The manifest entry of one file, from its header. Raises ``FileFormatError`` or ``OSError``."""
     parsed = ff.read_file_header(path)
@@ -83,7 +71,7 @@ def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, veri
         job_id=job_id, path=str(path), num_tokens=num_tokens, layers=json.loads(meta[MetaKey.LAYERS]),
         num_hidden_layers=int(meta[MetaKey.NUM_LAYERS]), hidden_size=hidden_size, dtype=meta[MetaKey.DTYPE],
         model=meta[MetaKey.MODEL], tensors=sorted(header), spec_hash=meta[MetaKey.SPEC_HASH],
-        checksums=meta[MetaKey.CHECKSUMS], metadata=metadata,
+        checksums=meta[MetaKey.CHECKSUMS], metadata=metadata if metadata is not None else meta.get(MetaKey.JOB_METADATA),
     )
 
 

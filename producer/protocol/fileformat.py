@@ -81,6 +81,7 @@ class MetaKey:
     TOPK_ON = "topk_on"  # "mask" | "all"
     TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
     JOB_ID = "job_id"
+    JOB_METADATA = "job_metadata"  # the job's ``metadata`` string, when it has one
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
     CHECKSUMS = "checksums"  # JSON {tensor name: crc32 hex}

@@ -29,14 +29,14 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 
 #: Hash task id -> JSON {"queue", "submitted_at"}: jobs sent by the Client and not yet finished.
 PENDING_HASH = f"{PREFIX}:pending"
-#: Hash task id -> JSON {"args", "kwargs", "queue"}: what to send again if the message is lost.
-PENDING_PAYLOAD_HASH = f"{PREFIX}:pending:payload"
 #: Set of the queues the Client has sent jobs to (bounded by the models ever used).
 PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
 #: Hash task id -> time the reconciler first found the job neither queued, held nor finished.
 SUSPECT_HASH = f"{PREFIX}:pending:suspect"
 #: Lock (SET NX EX) so that one worker at a time reconciles.
 RECONCILE_LOCK = f"{PREFIX}:reconcile:lock"
+#: Lock (SET NX EX) so that one worker at a time applies the results retention (``worker.queue.retention``).
+RETENTION_LOCK = f"{PREFIX}:retention:lock"
 #: Counter of jobs the reconciler sent again.
 RECOVERED_COUNTER = f"{PREFIX}:stats:recovered"
 
@@ -54,6 +54,13 @@ DELIVERY_TAG_SEPARATOR = "|"
 def model_queue(model: str) -> str:
     """The Celery queue (a Redis list) that carries jobs for ``model``."""
     return f"{QUEUE_PREFIX}{model}"
+
+
+def inflight_list(queue: str) -> str:
+    """List of the messages of ``queue`` a worker has fetched (``BLMOVE``) and not yet recorded in
+    :data:`UNACKED_HASH` (``producer.transport.broker_transport``): empty but for a message in
+    transit, or one whose fetcher died; the reconciler puts those back in ``queue``."""
+    return f"{PREFIX}:inflight:{queue}"
 
 
 def pending_sent_zset(queue: str) -> str:
@@ -86,6 +93,24 @@ def run_result_ids_hash(run: str) -> str:
     entry, in the same transaction): ``Client.wait`` reads a finished job's result without reading
     the stream from its start. No TTL; one field per job of the run, deleted with the run."""
     return f"{PREFIX}:run:{run}:result_ids"
+
+
+def run_roots_set(run: str) -> str:
+    """Set of the storage roots under which the run's trimmed ok results have their files
+    (``naming.job_path``): written by ``runs.trim`` from the paths it drops, so a job whose
+    stream entry is gone is found on disk. One member per storage root, not per job."""
+    return f"{PREFIX}:run:{run}:roots"
+
+
+def run_trimmed_key(run: str) -> str:
+    """String: the stream id up to which ``runs.trim`` dropped the run's results stream; present
+    once it dropped any (a job with a status and no indexed entry was trimmed, not unindexed)."""
+    return f"{PREFIX}:run:{run}:trimmed"
+
+
+def run_keys_pattern(run: str) -> str:
+    """``SCAN MATCH`` pattern of the run's ``layertap:run:<run>:*`` keys (ledger, markers, consumed hashes)."""
+    return f"{PREFIX}:run:{run}:*"
 
 
 def run_submitted_hash(run: str) -> str:
@@ -142,7 +167,8 @@ def worker_heartbeat_key(node: str) -> str:
 
 
 def task_id(run: str, job_id: str) -> str:
-    """Celery task id of a job: ``AsyncResult(task_id(run, job_id)).get()`` gives its result."""
+    """Celery task id of a job (with the ``result_backend`` setting on, ``AsyncResult(task_id(run, job_id))``
+    gives its result for ``result_ttl`` seconds)."""
     return f"{run}:{job_id}"
 
 

@@ -65,3 +65,12 @@ def job_path(storage_root: str | Path, run: str, job_id: str) -> Path:
     check_name(run, "run")
     check_name(job_id, "job_id")
     return Path(storage_root) / run / fanout(job_id) / f"{job_id}{FILE_SUFFIX}"
+
+
+def storage_root_of(path: str | Path, run: str, job_id: str) -> Path | None:
+    """The storage root under which ``path`` is the :func:`job_path` of ``run``/``job_id``; None if it is none."""
+    path = Path(path)
+    if len(path.parents) < 3:
+        return None
+    root = path.parents[2]
+    return root if job_path(root, run, job_id) == path else None

@@ -32,16 +32,32 @@ messages of tasks this worker is still running (and kombu drops a message it too
 A task message's delivery tag carries its task id (``keys.delivery_tag``): kombu's
 ``unacked`` hash is keyed by delivery tag, so the reconciler (``worker.queue.reconciler``) learns
 which jobs workers hold from the hash's keys, without reading a message body.
+
+**Fetching loses nothing.** kombu pops a message with ``BRPOP`` and only then records it in
+``unacked``: a worker killed (or a connection lost) between the two lost the message. Here a
+channel consuming one queue fetches with ``BLMOVE <queue> <in-flight list> RIGHT LEFT``
+(``keys.inflight_list``), and the ``unacked`` record of the message and its ``LREM`` from the
+in-flight list go in one ``MULTI`` (:meth:`QoS.append`). So a message is always in its queue,
+in the in-flight list, or in ``unacked``; the reconciler puts a message left in the in-flight
+list by a dead fetcher back at the head of its queue. A message kombu cannot decode is taken
+out of the in-flight list (dropped, as kombu drops it). Several queues on one channel, or a
+``global_keyprefix``, keep kombu's ``BRPOP``; so does ``basic_get`` (no worker uses it).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from queue import Empty
+from typing import Any
 
 import redis
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
 
 from producer.protocol import keys
 
@@ -60,7 +76,23 @@ def set_held_messages(provider: Callable[[], set[str]]) -> None:
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's Redis ack emulation; closing restores only messages no task of this process holds."""
+    """kombu's Redis ack emulation; a fetched message leaves the in-flight list as it is recorded
+    in ``unacked``; closing restores only messages no task of this process holds."""
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        fetched = self.channel.take_fetched()
+        if fetched is None:
+            super().append(message, delivery_tag)
+            return
+        inflight, raw = fetched
+        delivery = message.delivery_info
+        with self.pipe_or_acquire() as pipe:  # MULTI: recorded and out of the in-flight list at once
+            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()}) \
+                .hset(self.unacked_key, delivery_tag, dumps([message._raw, delivery["exchange"],
+                                                              delivery["routing_key"]])) \
+                .lrem(inflight, 1, raw) \
+                .execute()
+        virtual.QoS.append(self, message, delivery_tag)
 
     def restore_unacked(self, client: redis.Redis | None = None) -> None:
         delivered = set(self._delivered)
@@ -80,6 +112,63 @@ class Channel(kombu_redis.Channel):
 
     QoS = QoS
     _shared_client: redis.Redis | None = None
+    _fetching: str | None = None  # the queue a BLMOVE was sent for
+    _fetched: tuple[str, bytes] | None = None  # (in-flight list, raw message) delivered, not yet recorded
+
+    def take_fetched(self) -> tuple[str, bytes] | None:
+        """The in-flight entry of the message being delivered, once (for its ``unacked`` record)."""
+        fetched, self._fetched = self._fetched, None
+        return fetched
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        """kombu's blocking fetch, as ``BLMOVE`` into the queue's in-flight list when this channel
+        consumes one queue (see the module doc)."""
+        queues = list(self.active_queues)
+        keys_ = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        if len(set(keys_)) != 1 or self.global_keyprefix:
+            self._fetching = None
+            super()._brpop_start(timeout)
+            return
+        queue = self._fetching = queues[0]
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()
+        self.client.connection.send_command("BLMOVE", queue, keys.inflight_list(queue), "RIGHT", "LEFT",
+                                            self.brpop_timeout if timeout is None else timeout)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        queue = self._fetching
+        if queue is None:
+            return super()._brpop_read(**options)
+        try:
+            try:
+                raw = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if raw is None:
+                raise Empty()
+            self._queue_cycle.rotate(queue)
+            inflight = keys.inflight_list(queue)
+            try:
+                message = loads(bytes_to_str(raw))
+            except Exception:
+                self._drop_fetched(inflight, raw)
+                raise
+            self._fetched = (inflight, raw)
+            try:
+                self.connection._deliver(message, queue)
+            finally:
+                if self._fetched is not None:  # delivered without a record here (no_ack, rejected)
+                    self._drop_fetched(*self._fetched)
+                    self._fetched = None
+            return True
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+
+    def _drop_fetched(self, inflight: str, raw: bytes) -> None:
+        with self.conn_or_acquire() as client:
+            client.lrem(inflight, 1, raw)
 
     def _inplace_augment_message(self, message: dict, exchange: str, routing_key: str) -> None:
         """kombu's encoding and delivery tag; a task message's tag then gets its task id in front."""

@@ -6,6 +6,8 @@ Invariants:
 * a job is acknowledged only after its task returned, which happens after its file is
   durable and its result published (``task_acks_late``); a worker that dies requeues
   what it held (``task_reject_on_worker_lost``);
+* task return values are not stored (``task_ignore_result``, no backend) unless the
+  ``result_backend`` setting asks: a result's home is the run's stream and status hash;
 * the broker's ``visibility_timeout`` is ``orphan_timeout``: a live worker renews the
   lease of every message it holds (``worker.queue.lease``), so only a dead worker's messages
   ever reach it and are restored to the queue; kombu checks every few seconds.
@@ -38,13 +40,17 @@ def transport_options(settings: Settings) -> dict[str, object]:
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": max(5, int(settings.orphan_timeout)),
         "health_check_interval": 10,
+        "priority_steps": [0],  # one list per queue (layertap sets no priorities): fetched by one BLMOVE
         "socket_keepalive": True,
     }
 
 
 def make_celery(settings: Settings) -> Celery:
-    """A Celery app bound to ``settings.broker_url`` for both broker and result backend."""
-    app = Celery("layertap", broker=settings.broker_url, backend=settings.broker_url, set_as_current=False)
+    """A Celery app on ``settings.broker_url``. Task return values are not stored (results travel
+    on the run's stream) unless ``settings.result_backend``: then Celery's Redis backend keeps
+    each for ``settings.result_ttl`` seconds, for ``AsyncResult(task_id).get()``."""
+    backend = settings.broker_url if settings.result_backend else None
+    app = Celery("layertap", broker=settings.broker_url, backend=backend, set_as_current=False)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -66,7 +72,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_send_task_events=True,
         task_send_sent_event=False,  # one Redis write less per submitted job; workers still send events
         worker_hijack_root_logger=False,
-        task_ignore_result=False,
+        task_ignore_result=not settings.result_backend,
         timezone="UTC",
     )
     tls = ssl_options(settings)

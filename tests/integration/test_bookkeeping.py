@@ -16,7 +16,7 @@ import redis
 from producer.client.client import Client, NoWorkerWarning
 from producer.dev.redis_server import RedisServer
 from producer.protocol import keys
-from producer.protocol.schema import Result, Status
+from producer.protocol.schema import ErrorType, Result, Status
 from producer.settings import Settings
 from worker.queue.publisher import ResultPublisher
 from worker.queue.reconciler import Reconciler
@@ -68,8 +68,8 @@ def test_sweep_reads_no_message_body_and_resends_only_the_lost_job(own_client, o
         channel = connection.default_channel
         held = [channel.basic_get(queue, no_ack=False) for _ in range(3)]  # as a worker holds them
         assert all(message is not None for message in held)
-        lost = raw.rpop(queue)  # popped, never recorded: the window kombu leaves
-        assert lost is not None
+        # fetched as a worker's transport fetches, and never recorded: its fetcher died
+        assert raw.lmove(queue, keys.inflight_list(queue), "RIGHT", "LEFT") is not None
         assert raw.hlen(keys.UNACKED_HASH) == 3 and raw.llen(queue) == 1
         reconciler = Reconciler(raw, own_client.celery, "sweeper@host", interval=1.0, grace=0.0)
         resent, read = read_by(raw, reconciler.sweep)
@@ -78,9 +78,10 @@ def test_sweep_reads_no_message_body_and_resends_only_the_lost_job(own_client, o
         assert read < 4_000, f"a sweep read {read} bytes; one message is {message_bytes}"
         raw.delete(keys.RECONCILE_LOCK)
         assert reconciler.sweep() == 1
-        # the lost job is back in the queue, behind the one still queued; the held ones were not sent
+        # the lost job is back at the head of the queue, where it was; the held ones were not sent
         queued = [json.loads(message)["headers"]["id"] for message in raw.lrange(queue, 0, -1)]
-        assert queued == [keys.task_id("sweep", jobs[3].job_id), keys.task_id("sweep", jobs[4].job_id)]
+        assert queued == [keys.task_id("sweep", jobs[4].job_id), keys.task_id("sweep", jobs[3].job_id)]
+        assert raw.llen(keys.inflight_list(queue)) == 0
         held_ids = {keys.task_id_of_delivery_tag(tag.decode()) for tag in raw.hkeys(keys.UNACKED_HASH)}
         assert held_ids == {keys.task_id("sweep", job.job_id) for job in jobs[:3]}
         assert raw.hlen(keys.SUSPECT_HASH) == 0
@@ -96,7 +97,7 @@ def test_sweep_resends_a_lost_job_recorded_by_an_older_client(own_client, own_re
         job = own_client.submit({"model": MODEL, "run": "older", "job_id": "j0", "token_ids": [1, 2, 3]})
     queue, task_id = keys.model_queue(MODEL), keys.task_id("older", "j0")
     own_client.redis.delete(keys.pending_sent_zset(queue), keys.PENDING_QUEUES_SET)
-    assert own_client.redis.rpop(queue) is not None  # lost
+    assert own_client.redis.lmove(queue, keys.inflight_list(queue), "RIGHT", "LEFT") is not None  # its fetcher died
     raw = redis.Redis.from_url(own_redis.url)
     reconciler = Reconciler(raw, own_client.celery, "sweeper@host", interval=1.0, grace=0.0)
     assert reconciler.sweep() == 0
@@ -104,6 +105,26 @@ def test_sweep_resends_a_lost_job_recorded_by_an_older_client(own_client, own_re
     raw.delete(keys.RECONCILE_LOCK)
     assert reconciler.sweep() == 1
     assert json.loads(raw.lindex(queue, -1))["headers"]["id"] == keys.task_id(job.run, job.job_id)
+    raw.close()
+
+
+def test_a_job_whose_message_is_gone_gets_a_lost_result(own_client, own_redis):
+    """No copy of a queued job is kept: a message gone from every place (purged by hand) cannot be
+    sent again, and its job ends with a ``lost`` error result instead of waiting forever."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)
+        job = own_client.submit({"model": MODEL, "run": "gone", "job_id": "j0", "token_ids": [1, 2, 3]})
+    queue = keys.model_queue(MODEL)
+    assert own_client.redis.delete(queue) == 1
+    raw = redis.Redis.from_url(own_redis.url)
+    reconciler = Reconciler(raw, own_client.celery, "sweeper@host", interval=1.0, grace=0.0)
+    assert reconciler.sweep() == 0
+    raw.delete(keys.RECONCILE_LOCK)
+    assert reconciler.sweep() == 0
+    result = own_client.wait("gone", [job.job_id], timeout=5)[job.job_id]
+    assert result.error_type is ErrorType.lost and result.model == MODEL
+    assert raw.hlen(keys.PENDING_HASH) == 0 and raw.zcard(keys.pending_sent_zset(queue)) == 0
+    assert raw.get(keys.RECOVERED_COUNTER) is None
     raw.close()
 
 

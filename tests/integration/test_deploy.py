@@ -183,6 +183,7 @@ def test_kubernetes_manifests(monkeypatch):
     (redis,) = redis_pod["containers"]
     assert value_after(redis["args"], "--appendonly") == "yes"
     assert value_after(redis["args"], "--appendfsync") == "always"
+    assert value_after(redis["args"], "--maxmemory-policy") == "noeviction"  # refuses writes at the limit, never evicts
     claim = redis_pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
     assert ("PersistentVolumeClaim", claim) in resources
     assert redis["volumeMounts"][0]["mountPath"] == value_after(redis["args"], "--dir")

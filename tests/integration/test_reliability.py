@@ -137,17 +137,50 @@ def test_poison_job_is_dead_lettered_and_later_jobs_are_unaffected(make_worker, 
     assert private_client.redis.xlen(keys.DEAD_LETTER_STREAM) == 0
 
 
-def test_lost_message_is_sent_again(make_worker, private_client):
-    """The window kombu leaves (message popped, worker dies before recording it): simulated by
-    taking the message off the queue while no worker runs."""
-    job = make_job("lost", "a message that vanished")
+#: A consumer on layertap's transport that is SIGKILLed at the one moment kombu's own transport
+#: would lose a message: fetched from the queue, not yet recorded in ``unacked``.
+FETCH_THEN_DIE = """
+import os, signal, sys
+from producer.settings import Settings
+from producer.transport import broker_transport
+from producer.transport.celery_app import make_celery
+
+def die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+broker_transport.QoS.append = die  # the message is fetched; record it and ... the process is killed
+app = make_celery(Settings())
+with app.connection_for_read() as connection:
+    channel = connection.default_channel
+    channel.basic_consume(sys.argv[1], no_ack=False, callback=lambda message: None, consumer_tag="doomed")
+    connection.drain_events(timeout=30)
+"""
+
+
+def test_message_of_a_consumer_killed_between_fetch_and_record_is_put_back(make_worker, private_client,
+                                                                           private_redis):
+    """The window kombu's ``BRPOP`` leaves (message popped, its consumer killed before recording
+    it): a real process on layertap's transport is SIGKILLed right there. The message waits in the
+    queue's in-flight list (no other copy exists), and the reconciler puts it back."""
+    import subprocess
+    import sys
+
+    job = make_job("lost", "a message whose consumer died")
     private_client.submit(job)
-    assert private_client.redis.delete(keys.model_queue("tiny-qwen3")) == 1
+    queue = keys.model_queue("tiny-qwen3")
+    env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
+    killed = subprocess.run([sys.executable, "-c", FETCH_THEN_DIE, queue], env=env, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    redis_client = private_client.redis
+    assert redis_client.llen(queue) == 0 and redis_client.hlen(keys.UNACKED_HASH) == 0
+    assert redis_client.llen(keys.inflight_list(queue)) == 1
+    assert int(redis_client.info("commandstats")["cmdstat_blmove"]["calls"]) >= 1
     make_worker("recoverer@localhost")
     result = private_client.wait(job.run, [job.job_id], timeout=60)[job.job_id]
     assert result.ok
-    assert int(private_client.redis.get(keys.RECOVERED_COUNTER)) == 1
-    assert private_client.redis.hlen(keys.PENDING_HASH) == 0  # the final result closed the record
+    assert int(redis_client.get(keys.RECOVERED_COUNTER)) == 1
+    assert redis_client.llen(keys.inflight_list(queue)) == 0
+    assert redis_client.hlen(keys.PENDING_HASH) == 0  # the final result closed the record
 
 
 def test_chaos_kills_restarts_and_a_hang_lose_nothing(make_worker, private_client, private_redis, tiny_models,

@@ -39,7 +39,7 @@ def test_cancel_wins_against_queue_and_reconciler(private_redis, tiny_models, tm
         warned = layertap(private_redis.url, "enqueue", "--model", "tiny-qwen3", "--run", "early", "--prompt", "x")
         assert warned.returncode == 0 and ("warning: no live worker serves model 'tiny-qwen3'; its jobs wait in the "
                                            "queue until one does") in warned.stderr
-        client.redis.delete(keys.model_queue("tiny-qwen3"), keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH,
+        client.redis.delete(keys.model_queue("tiny-qwen3"), keys.PENDING_HASH,
                             keys.run_submitted_hash("early"))  # (not part of this test's run)
         with pytest.warns(NoWorkerWarning, match="no live worker serves model 'tiny-qwen3'"):
             jobs = [client.submit({"prompt": f"doomed {i}"}, model="tiny-qwen3", run="doomed") for i in range(3)]

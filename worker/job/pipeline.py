@@ -207,6 +207,8 @@ class JobProcessor:
             options[MetaKey.LOSS_ON] = job.loss_on
         if job.topk:
             options.update({MetaKey.TOPK: str(job.topk), MetaKey.TOPK_ON: job.topk_on})
+        if job.metadata is not None:
+            options[MetaKey.JOB_METADATA] = job.metadata
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,

@@ -69,7 +69,7 @@ class ResultPublisher:
             pipe.publish(stream, data)
             pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
             task_id = keys.task_id(result.run, result.job_id)
-            for pending in (keys.PENDING_HASH, keys.PENDING_PAYLOAD_HASH, keys.SUSPECT_HASH):
+            for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
                 pipe.hdel(pending, task_id)
             if result.model:
                 pipe.zrem(keys.pending_sent_zset(keys.model_queue(result.model)), task_id)

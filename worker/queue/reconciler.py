@@ -1,18 +1,22 @@
-"""Resending jobs whose message was lost between the queue and a worker.
+"""Putting back jobs whose message was left between the queue and a worker.
 
-kombu's Redis transport pops a message with ``BRPOP`` and only then records it in its
-``unacked`` hash: a worker killed between the two loses that message. To keep the
-promise that nothing is lost, the Client records every job it sends as *pending*
-(``layertap:pending``: queue and send time; ``layertap:pending:payload``: what to send
-again) and the worker that publishes the job's final result removes the record in the
-same transaction. Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the
-pending records: a job is *missing* when it is older than the oldest message still in
-its queue (queues are FIFO: it cannot be behind it), is not held by any worker (no
-``unacked`` entry carries its task id) and is not finished. A job found missing on two
-sweeps at least ``grace`` seconds apart (covering a delivery in progress) is sent again
-with the same task id and payload. A false alarm only costs a duplicate delivery, which
-the worker answers from disk (jobs are idempotent). A missing job of a cancelled run
-(``producer.client.runs``) is not sent again: its ``cancelled`` result is published instead.
+A worker fetches a message atomically into its queue's in-flight list and moves it from
+there into kombu's ``unacked`` record in one transaction (``producer.transport.broker_transport``),
+so a message is always queued, in flight, or held. A fetcher that dies (or loses its
+connection) between the two leaves the message in the in-flight list. To find it, the Client
+records every job it sends as *pending* (``layertap:pending``: queue and send time) and the
+worker that publishes the job's final result removes the record in the same transaction.
+Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the pending records: a job is
+*missing* when it is older than the oldest message still in its queue (queues are FIFO: it
+cannot be behind it), is not held by any worker (no ``unacked`` entry carries its task id)
+and is not finished. A job found missing on two sweeps at least ``grace`` seconds apart
+(covering a delivery in progress) has its in-flight message put back at the head of its
+queue (a server-side script: the body never leaves Redis). A false alarm only costs a
+duplicate delivery, which the worker answers from disk (jobs are idempotent). A missing job
+whose message is nowhere (the client died between recording and sending, the queue was
+purged by hand, Redis lost writes) gets an error result of type ``lost`` (``layertap
+enqueue`` sends it again), or ``cancelled`` if its run is cancelled (``producer.client.runs``):
+every job still ends with exactly one result.
 
 A sweep reads ids and times, never a message body, and never the backlog: the held task
 ids are the keys of ``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``),
@@ -20,11 +24,11 @@ a queue's head is known by its delivery tag (a server-side script returns only t
 and its send time by the queue's sorted set of pending send times
 (``keys.pending_sent_zset``), from which only the jobs sent before the head are read (the
 held, the lost and the just finished: O(in-flight)); the suspects' first-seen times come
-in one ``HGETALL`` and go back in one pipeline. A body is read only for a job it resends
-(its pending payload), for a held message whose tag carries no task id, and for a queue
-head whose job has no pending send time (sent by an older client, or a finished job's
-duplicate). Pending records without a sorted-set member (written by a client older than
-the sorted sets: the records outnumber the members) are given one, in one full pass.
+in one ``HGETALL`` and go back in one pipeline. A body is read only for a held message
+whose tag carries no task id, and for a queue head whose job has no pending send time
+(sent by an older client, or a finished job's duplicate). Pending records without a
+sorted-set member (written by a client older than the sorted sets: the records outnumber
+the members) are given one, in one full pass.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from celery import Celery
 
 from producer.client import runs
 from producer.protocol import keys
-from producer.transport.celery_app import send_extract
 from worker.queue.periodic import Periodic
 from worker.queue.publisher import ResultPublisher
 
@@ -54,6 +57,24 @@ HEAD_DELIVERY_TAG = """
 local message = redis.call('LINDEX', KEYS[1], -1)
 if not message then return false end
 return string.match(message, '"delivery_tag": *"([^"]*)"') or ''
+"""
+
+
+#: Move the message of task ARGV[1] (delivery tag ``<task id>ARGV[2]<uuid>``) from the in-flight
+#: list KEYS[1] back to the head of its queue KEYS[2]; 1 if it was there, else 0. Only the
+#: answer leaves Redis.
+RESTORE_INFLIGHT = """
+local prefix = ARGV[1] .. ARGV[2]
+for _, message in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  local tag = string.match(message, '"delivery_tag": *"([^"]*)"')
+  if tag and string.sub(tag, 1, #prefix) == prefix and not string.find(tag, ARGV[2], #prefix + 1, true) then
+    if redis.call('LREM', KEYS[1], 1, message) == 1 then
+      redis.call('RPUSH', KEYS[2], message)
+      return 1
+    end
+  end
+end
+return 0
 """
 
 
@@ -94,6 +115,7 @@ class Reconciler:
         self.grace = grace
         self.publisher = ResultPublisher(client)
         self._head_tag = client.register_script(HEAD_DELIVERY_TAG)
+        self._restore_inflight = client.register_script(RESTORE_INFLIGHT)
         self._ticker = Periodic("reconcile sweep", interval, self.sweep)
 
     def start(self) -> Reconciler:
@@ -104,7 +126,7 @@ class Reconciler:
         self._ticker.stop()
 
     def sweep(self) -> int:
-        """One pass; returns how many jobs were sent again."""
+        """One pass; returns how many jobs were put back in their queue."""
         if not self.redis.set(keys.RECONCILE_LOCK, self.node, nx=True, ex=max(1, int(self.interval))):
             return 0
         now = time.time()
@@ -188,18 +210,27 @@ class Reconciler:
         return float("inf") if head is None else _submitted_at_of(head)
 
     def _resend(self, task_id: str) -> bool:
-        payload: Any = self.redis.hget(keys.PENDING_PAYLOAD_HASH, task_id)
-        if payload is None:
+        """Put a missing job's in-flight message back in its queue; else give it its final result."""
+        record: Any = self.redis.hget(keys.PENDING_HASH, task_id)
+        if record is None:  # finished meanwhile
             return False
+        queue = json.loads(record)["queue"]
+        if self._restore_inflight(keys=[keys.inflight_list(queue), queue], args=[task_id, keys.DELIVERY_TAG_SEPARATOR]):
+            self.redis.hdel(keys.SUSPECT_HASH, task_id)
+            self.redis.incr(keys.RECOVERED_COUNTER)
+            log.warning("job %s was fetched by a worker that died before holding it; put it back in its queue",
+                        task_id)
+            return True
         parsed = keys.parse_task_id(task_id)
-        if parsed is not None and runs.is_cancelled(self.redis, parsed[0]):
-            run, job_id = parsed
-            self.publisher.publish(runs.cancelled_result(run, job_id, worker=self.node))
+        if parsed is None:
+            return False
+        run, job_id = parsed
+        model = keys.queue_model(queue)
+        if runs.is_cancelled(self.redis, run):
+            self.publisher.publish(runs.cancelled_result(run, job_id, worker=self.node, model=model))
             log.info("job %s was lost and its run is cancelled: published its cancelled result", task_id)
             return False
-        data = json.loads(payload)
-        send_extract(self.app, data["args"], data["kwargs"], data["queue"], task_id)
-        self.redis.hdel(keys.SUSPECT_HASH, task_id)
-        self.redis.incr(keys.RECOVERED_COUNTER)
-        log.warning("job %s was lost between the queue and a worker; sent it again", task_id)
-        return True
+        self.publisher.publish(runs.lost_result(run, job_id, worker=self.node, model=model))
+        log.error("job %s has no message left (not queued, in flight or held): published a `lost` error result",
+                  task_id)
+        return False

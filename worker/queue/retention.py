@@ -1,0 +1,46 @@
+"""The retention sweep: a background thread in every worker; at most one sweeps at a time
+(``SET NX`` lock). Each sweep trims every run's results stream to the last
+``retention.results_s`` seconds (``producer.client.runs.trim``: entries a consumer group has
+not acknowledged stay, and so does the run's compact ledger that manifest, resume, ``runs``
+and ``Client.wait`` read once an entry is gone). ``results_s = 0`` keeps streams whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+from producer.client import runs
+from producer.protocol import keys
+from worker.queue.periodic import Periodic
+
+log = logging.getLogger(__name__)
+
+
+class RetentionSweep:
+    def __init__(self, client: redis.Redis, node: str, retention_s: float, interval: float):
+        self.redis = client
+        self.node = node
+        self.retention_s = retention_s
+        self.interval = interval
+        self._ticker = Periodic("retention sweep", interval, self.sweep)
+
+    def start(self) -> RetentionSweep:
+        if self.retention_s > 0:
+            self._ticker.start()
+        return self
+
+    def stop(self) -> None:
+        self._ticker.stop()
+
+    def sweep(self) -> int:
+        """One pass over every run; returns how many stream entries were dropped."""
+        if not self.redis.set(keys.RETENTION_LOCK, self.node, nx=True, ex=max(1, int(self.interval))):
+            return 0
+        before = time.time() - self.retention_s
+        dropped = sum(runs.trim(self.redis, run, before=before) for run in runs.run_names(self.redis))
+        if dropped:
+            log.info("retention: dropped %d result stream entries older than %.0fs", dropped, self.retention_s)
+        return dropped
