@@ -46,6 +46,8 @@ from producer.protocol.naming import check_name, content_hash
 _ALLOWED_CONTROL = {"\t", "\n", "\r"}
 #: Deepest nesting of free-form JSON (``tools``, ``tool_calls``); real tool schemas use a handful.
 MAX_JSON_DEPTH = 32
+#: Characters of text per token, for sizing a job before it is tokenized (bundles).
+CHARS_PER_TOKEN = 4
 
 
 def check_text(value: str, what: str) -> str:
@@ -176,6 +178,18 @@ class Job(BaseModel):
     def spec_hash(self) -> str:
         """Hex sha256 of :meth:`spec`; recorded in the file header, it identifies the content."""
         return content_hash(self.spec())
+
+    def estimated_tokens(self) -> int:
+        """The job's size in tokens, known before tokenizing: the token ids given, or the
+        text's characters over :data:`CHARS_PER_TOKEN` (at least 1); capped by ``max_length``."""
+        if self.token_ids is not None:
+            tokens = len(self.token_ids)
+        else:
+            chars = len(self.prompt or "") + sum(len(m.content or "") + len(m.reasoning_content or "")
+                                                 for m in self.messages or [])
+            tokens = chars // CHARS_PER_TOKEN
+        tokens = max(1, tokens)
+        return min(tokens, self.max_length) if self.max_length and self.truncate else tokens
 
     def with_id(self) -> Job:
         """This job with ``job_id`` set (the content hash, shortened, if none was given)."""

@@ -191,15 +191,19 @@ class Reconciler:
         payload: Any = self.redis.hget(keys.PENDING_PAYLOAD_HASH, task_id)
         if payload is None:
             return False
-        parsed = keys.parse_task_id(task_id)
-        if parsed is not None and runs.is_cancelled(self.redis, parsed[0]):
-            run, job_id = parsed
-            self.publisher.publish(runs.cancelled_result(run, job_id, worker=self.node))
-            log.info("job %s was lost and its run is cancelled: published its cancelled result", task_id)
-            return False
         data = json.loads(payload)
-        send_extract(self.app, data["args"], data["kwargs"], data["queue"], task_id)
+        task = data.get("task", keys.EXTRACT_TASK)
+        jobs = data["args"][0] if task == keys.EXTRACT_BUNDLE_TASK else data["args"][:1]
+        run = jobs[0].get("run", "default") if jobs and isinstance(jobs[0], dict) else None
+        if run is not None and runs.is_cancelled(self.redis, run):
+            cancelled = [runs.cancelled_result(run, job["job_id"], worker=self.node) for job in jobs
+                         if isinstance(job, dict) and isinstance(job.get("job_id"), str)]
+            self.publisher.publish_many(cancelled, task_id, data["queue"])
+            log.info("message %s (%d job(s)) was lost and its run is cancelled: published the cancelled results",
+                     task_id, len(cancelled))
+            return False
+        send_extract(self.app, data["args"], data["kwargs"], data["queue"], task_id, task)
         self.redis.hdel(keys.SUSPECT_HASH, task_id)
         self.redis.incr(keys.RECOVERED_COUNTER)
-        log.warning("job %s was lost between the queue and a worker; sent it again", task_id)
+        log.warning("message %s was lost between the queue and a worker; sent it again", task_id)
         return True
