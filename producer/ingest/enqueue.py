@@ -175,14 +175,19 @@ class Enqueuer:
         for run in sorted({item.job.run for item in batch} - self.fed):
             self.client.seal(run, sealed=False)
             self.fed.add(run)
-        pipe = self.client.redis.pipeline(transaction=False)
+        by_run: dict[str, list[str]] = {}
         for item in batch:
-            pipe.hget(keys.run_status_hash(item.job.run), item.job.job_id)  # type: ignore[arg-type]
-            pipe.hget(keys.run_submitted_hash(item.job.run), item.job.job_id)  # type: ignore[arg-type]
-        found = pipe.execute()
+            by_run.setdefault(item.job.run, []).append(item.job.job_id)  # type: ignore[arg-type]
+        pipe = self.client.redis.pipeline(transaction=False)
+        for run, job_ids in by_run.items():
+            pipe.hmget(keys.run_status_hash(run), job_ids)
+            pipe.hmget(keys.run_submitted_hash(run), job_ids)
+        replies = iter(pipe.execute())
+        found = {run: (iter(next(replies)), iter(next(replies))) for run in by_run}  # in the batch's order
         sent: set[tuple[str, str]] = set()
-        for index, item in enumerate(batch):
-            job, status, submitted_at = item.job, found[2 * index], found[2 * index + 1]
+        for item in batch:
+            statuses, submitted = found[item.job.run]
+            job, status, submitted_at = item.job, next(statuses), next(submitted)
             key = (job.run, job.job_id or "")
             if status == Status.ok.value:
                 yield Outcome.already_ok, item

@@ -16,6 +16,8 @@ The training-record options (``loss_on``, ``final_hidden_states``, ``topk``, ``t
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from enum import Enum
 from typing import Any, Literal
@@ -43,18 +45,26 @@ def normalize_dtype(value: Any) -> Any:
 
 from producer.protocol.naming import check_name, content_hash
 
-_ALLOWED_CONTROL = {"\t", "\n", "\r"}
+#: Control characters refused in text: all below U+0020 but tab, newline and carriage return.
+_CONTROL_CHARACTER = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
 #: Deepest nesting of free-form JSON (``tools``, ``tool_calls``); real tool schemas use a handful.
 MAX_JSON_DEPTH = 32
 #: Characters of text per token, for sizing a job before it is tokenized (bundles).
 CHARS_PER_TOKEN = 4
 
 
+def json_size(data: Any) -> int:
+    """A job's size against ``limits.max_job_bytes``: the length of its compact JSON (ASCII-escaped),
+    measured the same way by the client and the worker. Raises ``TypeError``/``ValueError`` for
+    data that is not JSON."""
+    return len(json.dumps(data, separators=(",", ":")))
+
+
 def check_text(value: str, what: str) -> str:
     """Refuse control characters and unencodable text (lone surrogates)."""
-    bad = next((ch for ch in value if ord(ch) < 32 and ch not in _ALLOWED_CONTROL), None)
+    bad = _CONTROL_CHARACTER.search(value)
     if bad is not None:
-        raise ValueError(f"{what} contains the control character {bad!r}")
+        raise ValueError(f"{what} contains the control character {bad.group()!r}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -32,6 +32,7 @@ from producer.protocol.schema import (
     Status,
     Timings,
     describe_validation_error,
+    json_size,
 )
 from worker.engine.engine import Captured, Engine, EngineRequest
 from worker.job.errors import JobError
@@ -100,7 +101,7 @@ class JobProcessor:
         The size is checked first, so a huge message is refused before it is validated."""
         limit = self.preparer.limits.max_job_bytes
         try:
-            size = len(json.dumps(raw, separators=(",", ":")))
+            size = json_size(raw)
         except (TypeError, ValueError):
             size = 0  # not JSON-like data: validation below names the problem
         if size > limit:
