@@ -28,9 +28,10 @@ QUEUE_PATTERN = f"{QUEUE_PREFIX}*"
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 
 
-#: Hash task id -> JSON {"queue", "submitted_at"}: jobs sent by the Client and not yet finished.
+#: Hash task id -> JSON {"queue", "submitted_at"}: messages (jobs, bundles) sent and not yet finished.
 PENDING_HASH = f"{PREFIX}:pending"
-#: Hash task id -> JSON {"args", "kwargs", "queue"}: what to send again if the message is lost.
+#: Hash task id -> JSON {"args", "kwargs", "queue"} (and "task" for a bundle): what to send again
+#: if the message is lost.
 PENDING_PAYLOAD_HASH = f"{PREFIX}:pending:payload"
 #: Set of the queues the Client has sent jobs to (bounded by the models ever used).
 PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"

@@ -1,9 +1,11 @@
-"""One job from raw message data to a :class:`Result`: the core both the Celery task and
-the in-process :class:`~worker.extractor.Extractor` run.
+"""Jobs from raw message data to :class:`Result`\ s: the core both the Celery tasks and the
+in-process :class:`~worker.extractor.Extractor` run.
 
-Steps: validate -> check the model -> tokenize (caller's thread) -> answer from disk if a
-complete file with the same ``spec_hash`` exists -> engine -> non-finite check -> write
--> result. Every failure becomes an error result with a typed reason; nothing raises.
+Steps per job: validate -> check the model -> tokenize (caller's thread) -> answer from disk
+if a complete file with the same ``spec_hash`` exists -> engine -> non-finite check -> write
+-> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) go to the
+engine at once and are written in the order their batches come back. Every failure becomes
+that job's error result with a typed reason; nothing raises.
 """
 
 from __future__ import annotations

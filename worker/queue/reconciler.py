@@ -2,10 +2,11 @@
 
 kombu's Redis transport pops a message with ``BRPOP`` and only then records it in its
 ``unacked`` hash: a worker killed between the two loses that message. To keep the
-promise that nothing is lost, the Client records every job it sends as *pending*
-(``layertap:pending``: queue and send time; ``layertap:pending:payload``: what to send
-again) and the worker that publishes the job's final result removes the record in the
-same transaction. Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the
+promise that nothing is lost, the Client records every message it sends (one job, or a
+bundle of jobs) as *pending* (``producer.transport.pending``: ``layertap:pending``: queue and
+send time; ``layertap:pending:payload``: what to send again) and the worker that publishes
+the message's last final result removes the record in the same transaction. Below, a "job"
+is a message: a bundle's task id stands for all its jobs. Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the
 pending records: a job is *missing* when it is older than the oldest message still in
 its queue (queues are FIFO: it cannot be behind it), is not held by any worker (no
 ``unacked`` entry carries its task id) and is not finished. A job found missing on two
