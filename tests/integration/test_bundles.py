@@ -9,6 +9,8 @@ stream alone while every other job ends with exactly one ok result and a file.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 import time
 
@@ -23,6 +25,7 @@ from producer.transport.celery_app import send_extract
 from producer.transport.pending import record_pending
 from tests.support.blocking import POISON_TOKEN, crash_env
 from tests.support.jobs import hold_lock, wait_for
+from tests.support.processes import cli
 
 MODEL = "tiny-qwen3"
 
@@ -185,3 +188,27 @@ def test_poison_job_in_a_bundle_ends_alone_in_the_dead_letter_stream(make_worker
     assert len(workers) > 3  # it did kill its worker: once in the bundle, more in halves, then alone
     time.sleep(2.0)
     _one_result_each(private_client, run_name, [job.job_id for job in jobs])
+
+
+def test_enqueue_sends_bundles_and_back_pressure_stays_exact(make_worker, private_client, private_redis, run_name,
+                                                             tmp_path):
+    rows, limit = 30, 10
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"row-{i:02d}", "text": f"prompt {i} in a bundle"}) + "\n"
+                            for i in range(rows)))
+    env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
+    enqueue = subprocess.Popen(cli("enqueue", "--model", MODEL, "--run", run_name, "--file", str(path),
+                                   "--max-inflight", str(limit)), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    submitted = keys.run_submitted_hash(run_name)
+    wait_for(lambda: private_client.redis.hlen(submitted) == limit, 30, "the first jobs")
+    time.sleep(1.0)  # no worker: the enqueue waits at the limit, with its bundle sent
+    assert private_client.redis.hlen(submitted) == limit and enqueue.poll() is None
+    (message,) = _queued_messages(private_client, MODEL)
+    assert message["headers"]["task"] == keys.EXTRACT_BUNDLE_TASK
+    make_worker("back-pressure@localhost")
+    out, err = enqueue.communicate(timeout=120)
+    assert enqueue.returncode == 0, err
+    assert len(out.split()) == rows
+    results = private_client.wait(run_name, [f"row-{i:02d}" for i in range(rows)], timeout=60)
+    assert all(result.ok for result in results.values())
