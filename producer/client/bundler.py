@@ -18,6 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import redis
+from kombu.exceptions import OperationalError
+
 from producer.protocol.schema import Job
 from producer.settings import BundleSettings
 
@@ -105,7 +108,7 @@ class Bundler:
         try:
             self.client.send([group.jobs for _, group in taken])
             self._failure = None
-        except Exception as exc:  # kept for the next try; said to the caller
+        except (redis.exceptions.RedisError, OperationalError, OSError) as exc:  # kept for the next try; raised later
             for key, group in taken:
                 self._groups.setdefault(key, group)
             self._failure = exc

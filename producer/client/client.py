@@ -13,6 +13,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import redis
@@ -119,7 +120,7 @@ class Client:
 
         retrying(record)
         for task, args, kwargs, queue, task_id in sends:
-            retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id, task))
+            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task))
 
     def bundler(self, *, check: bool = False, **overrides: Any) -> Bundler:
         """A :class:`~producer.client.bundler.Bundler` sending this client's jobs in bundles

@@ -55,9 +55,9 @@ def _one_result_each(client, run: str, job_ids: list[str]) -> dict:
 def test_bundler_groups_by_size_tokens_and_latency(private_client):
     model, run = "tiny-nobody-bundles", "grouping"
     jobs = [{"token_ids": [1] * 100, "job_id": f"j{i}"} for i in range(10)]
-    with private_client.bundler(max_jobs=4, max_tokens=10_000, max_wait_s=60) as bundler, \
-            pytest.warns(NoWorkerWarning):
-        sent = [bundler.add(job, model=model, run=run) for job in jobs]
+    with private_client.bundler(max_jobs=4, max_tokens=10_000, max_wait_s=60) as bundler:
+        with pytest.warns(NoWorkerWarning):
+            sent = [bundler.add(job, model=model, run=run) for job in jobs]
         assert len(_queued_messages(private_client, model)) == 2  # two full bundles; two jobs held
         assert bundler.holds(run, "j9") and not bundler.holds(run, "j0")
     messages = _queued_messages(private_client, model)

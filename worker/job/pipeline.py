@@ -1,4 +1,4 @@
-"""Jobs from raw message data to :class:`Result`\ s: the core both the Celery tasks and the
+"""Jobs from raw message data to results (:class:`Result`): the core both the Celery tasks and the
 in-process :class:`~worker.extractor.Extractor` run.
 
 Steps per job: validate -> check the model -> tokenize (caller's thread) -> answer from disk
@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ class JobProcessor:
         results: list[Result | None] = [None] * len(jobs)
         started: list[tuple[int, _Started]] = []
         for index, job in enumerate(jobs):
-            outcome = self._guarded(job, queued, attempts[index], lambda: self._start(job, queued, attempts[index]))
+            outcome = self._guarded(job, queued, attempts[index], partial(self._start, job, queued, attempts[index]))
             if isinstance(outcome, _Started):
                 started.append((index, outcome))
             else:
@@ -168,7 +169,7 @@ class JobProcessor:
                     self._awaiting_engine -= 1
                 waiting -= 1
                 results[index] = self._guarded(jobs[index], queued, attempts[index],
-                                               lambda: self._finish(job, future, queued, attempts[index]))
+                                               partial(self._finish, job, future, queued, attempts[index]))
         finally:
             with self._awaiting_lock:
                 self._awaiting_engine -= waiting

@@ -49,9 +49,9 @@ from celery import Celery
 from producer.client import runs
 from producer.protocol import keys
 from producer.protocol.schema import ErrorType, Job, Result, Status
-from worker.job.errors import JobError
 from producer.transport.celery_app import send_extract
 from producer.transport.pending import clear_pending, record_pending
+from worker.job.errors import JobError
 from worker.job.pipeline import JobProcessor
 from worker.queue.publisher import ResultPublisher, wait_out_redis
 
@@ -120,7 +120,7 @@ class WorkerService:
         queue = keys.model_queue(job.model)
         results = self._settle([job], [raw], [], kwargs, keys.task_id(job.run, job.job_id), queue,  # type: ignore[arg-type]
                                bundle=False)
-        return results[0]
+        return results[0].model_dump(mode="json")
 
     def _count_attempts(self, jobs: list[Job]) -> tuple[list[int], set[str]]:
         """Count one start of each job (one round trip); their counts, and which of their runs are cancelled."""
@@ -142,21 +142,22 @@ class WorkerService:
         return wait_out_redis(count, what, self.publisher.give_up_s)
 
     def handle_bundle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, queue: str | None,
-                      refusal: str | None = None) -> list[dict[str, Any]]:
-        """Run one bundle message (see the module doc); returns the results it published as JSON
-        data. May raise :class:`RetryLater` (for the jobs that failed transiently)."""
+                      refusal: str | None = None) -> dict[str, int]:
+        """Run one bundle message (see the module doc); returns how many results it published and
+        how many of them are ok (the results themselves are on the runs' streams). May raise
+        :class:`RetryLater` (for the jobs that failed transiently)."""
         if not wait_out_redis(lambda: self.redis.hexists(keys.PENDING_HASH, task_id), f"reading bundle {task_id}",
                               self.publisher.give_up_s):
             log.info("bundle %s is handled already (its results are published, or it was split); not run again",
                      task_id)
-            return []
+            return _summary([])
         submitted_at = _time(kwargs.get("submitted_at"))
         raws = args[0] if len(args) == 1 and isinstance(args[0], list) and args[0] else None
         if raws is None:  # not a list of jobs: one error result says so
             result = self.processor.process(list(args), submitted_at=submitted_at, fallback_id=task_id)
             result = result.model_copy(update={"error": f"not a bundle (a list of jobs): {result.error}"})
             self.publisher.publish_many([result], task_id, queue)
-            return [result.model_dump(mode="json")]
+            return _summary([result])
         finished: list[Result] = []
         jobs: list[Job] = []
         payloads: list[Any] = []
@@ -169,11 +170,11 @@ class WorkerService:
         if refusal is not None or not jobs:
             finished += [self.processor.refused(job, JobError(ErrorType.invalid_job, refusal or "")) for job in jobs]
             self.publisher.publish_many(finished, task_id, queue)
-            return [result.model_dump(mode="json") for result in finished]
-        return self._settle(jobs, payloads, finished, kwargs, task_id, queue, bundle=True)
+            return _summary(finished)
+        return _summary(self._settle(jobs, payloads, finished, kwargs, task_id, queue, bundle=True))
 
     def _settle(self, jobs: list[Job], payloads: list[Any], finished: list[Result], kwargs: dict[str, Any],
-                message: str, queue: str | None, *, bundle: bool) -> list[dict[str, Any]]:
+                message: str, queue: str | None, *, bundle: bool) -> list[Result]:
         """Count, run and publish valid ``jobs`` (with the ``finished`` results of the message's
         others) and end message ``message``; or split it, or raise :class:`RetryLater` (module doc)."""
         counts, cancelled_runs = self._count_attempts(jobs)
@@ -184,7 +185,7 @@ class WorkerService:
                                             for job_id, count in zip(ids, counts)):
             self.publisher.publish_many(finished, None, None)
             self._split(jobs, payloads, [count - 1 for count in counts], kwargs, message, queue)
-            return [result.model_dump(mode="json") for result in finished]
+            return finished
         own = [count - excused.get(job_id, 0) for job_id, count in zip(ids, counts)]  # starts held against each
         to_run: list[int] = []
         for index, job in enumerate(jobs):
@@ -219,7 +220,7 @@ class WorkerService:
             raise RetryLater(delay, args=[[payloads[i] for i in retry]],
                              kwargs={**kwargs, "counted": {ids[i]: counts[i] for i in retry},
                                      "excused": {ids[i]: excused[ids[i]] for i in retry if ids[i] in excused}})
-        return [result.model_dump(mode="json") for result in finished]
+        return finished
 
     def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
                task_id: str, queue: str | None) -> None:
@@ -258,6 +259,11 @@ class WorkerService:
         return Result(job_id=job.job_id, run=job.run, status=Status.error, error_type=ErrorType.dead_letter,
                       error=f"failed {attempts} time(s); last error ({last_type.value}): {last_error}",
                       model=job.model, worker=self.processor.worker_name, metadata=job.metadata, attempt=attempts)
+
+
+def _summary(results: list[Result]) -> dict[str, int]:
+    """A bundle task's return value: small, whatever its jobs' results hold."""
+    return {"published": len(results), "ok": sum(result.ok for result in results)}
 
 
 def _log_error(result: Result) -> None:

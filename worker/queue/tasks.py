@@ -70,7 +70,7 @@ def register_bundle_task(app: Celery, service: WorkerService) -> Task:
 
     @app.task(name=keys.EXTRACT_BUNDLE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None,
               Request=JobRequest)
-    def extract_bundle(self: Task, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    def extract_bundle(self: Task, *args: Any, **kwargs: Any) -> dict[str, int]:
         queue = (self.request.delivery_info or {}).get("routing_key")
         try:
             return service.handle_bundle(args, kwargs, self.request.id, queue, refusal=self.request.get(REFUSAL_KEY))
