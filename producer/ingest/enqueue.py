@@ -154,18 +154,21 @@ class Enqueuer:
 
     def run(self, items: Iterable[Planned | BadRow]) -> Iterator[tuple[Outcome, Planned | BadRow]]:
         """Yield what happened to each item, in order of decision (bad rows as soon as they are read);
-        seal the runs fed once the last item is done."""
+        seal the runs fed once the last item is done. Every job yielded as submitted is sent
+        before this returns or raises."""
         batch: list[Planned] = []
-        for item in items:
-            if isinstance(item, BadRow):
-                yield Outcome.bad, item
-                continue
-            batch.append(item)
-            if len(batch) >= self.batch_size:
-                yield from self._send(batch)
-                batch = []
-        yield from self._send(batch)
-        self.bundler.close()
+        try:
+            for item in items:
+                if isinstance(item, BadRow):
+                    yield Outcome.bad, item
+                    continue
+                batch.append(item)
+                if len(batch) >= self.batch_size:
+                    yield from self._send(batch)
+                    batch = []
+            yield from self._send(batch)
+        finally:
+            self.bundler.close()
         for run in sorted(self.fed):
             self.client.seal(run)
 
