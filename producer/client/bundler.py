@@ -63,6 +63,8 @@ class Bundler:
         tokens = job.estimated_tokens()
         key = (job.model, job.run)
         with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("this bundler is closed; take a new one from Client.bundler()")
             self._raise_failure()
             group = self._groups.get(key)
             if group is not None and group.tokens + tokens > self.settings.max_tokens:
