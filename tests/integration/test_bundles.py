@@ -212,3 +212,18 @@ def test_enqueue_sends_bundles_and_back_pressure_stays_exact(make_worker, privat
     assert len(out.split()) == rows
     results = private_client.wait(run_name, [f"row-{i:02d}" for i in range(rows)], timeout=60)
     assert all(result.ok for result in results.values())
+
+
+def test_lost_bundle_is_sent_again_as_one_message(make_worker, private_client, run_name):
+    """The window kombu leaves (message popped, worker dies before recording it), for a bundle:
+    simulated by taking it off the queue while no worker runs. The ledger has one record for it."""
+    with pytest.warns(NoWorkerWarning):
+        jobs = private_client.submit_many(({"prompt": f"lost bundle job {i}"} for i in range(5)), model=MODEL,
+                                          run=run_name)
+    assert private_client.redis.hlen(keys.PENDING_HASH) == 1
+    assert private_client.redis.delete(keys.model_queue(MODEL)) == 1
+    make_worker("bundle-recoverer@localhost")
+    results = private_client.wait(run_name, [job.job_id for job in jobs], timeout=60)
+    assert all(result.ok for result in results.values())
+    assert int(private_client.redis.get(keys.RECOVERED_COUNTER)) == 1  # one message sent again
+    wait_for(lambda: private_client.redis.hlen(keys.PENDING_HASH) == 0, 10, "the record to end")
