@@ -21,7 +21,7 @@ import redis
 from producer.client import runs
 from producer.client.bundler import Bundler
 from producer.protocol import keys
-from producer.protocol.schema import Job, Result, json_size
+from producer.protocol.schema import Job, Result, oversize
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
 from producer.transport.pending import record_pending
@@ -89,8 +89,8 @@ class Client:
         job = job.with_id()
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
-        size = json_size(payload)
-        if size > self.settings.limits.max_job_bytes:
+        size = oversize(job, payload, self.settings.limits.max_job_bytes)
+        if size is not None:
             raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
                               f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
         return job, payload

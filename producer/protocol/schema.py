@@ -60,6 +60,21 @@ def json_size(data: Any) -> int:
     return len(json.dumps(data, separators=(",", ":")))
 
 
+#: Most characters :func:`json_size` counts for one character of pydantic's JSON: an astral
+#: character, left as is by pydantic, is a 12-character surrogate-pair escape there.
+JSON_ESCAPE_MAX = 12
+
+
+def oversize(job: Job, payload: dict[str, Any], limit: int) -> int | None:
+    """``json_size(payload)`` of ``job``'s payload if it is over ``limit``, else None. The exact
+    measure is taken only when pydantic's (fast) JSON of the job, times :data:`JSON_ESCAPE_MAX`,
+    could be over: below that bound it cannot be."""
+    if JSON_ESCAPE_MAX * len(job.model_dump_json(exclude_none=True)) <= limit:
+        return None
+    size = json_size(payload)
+    return size if size > limit else None
+
+
 def check_text(value: str, what: str) -> str:
     """Refuse control characters and unencodable text (lone surrogates)."""
     bad = _CONTROL_CHARACTER.search(value)

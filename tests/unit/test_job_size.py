@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producer.protocol.schema import CHARS_PER_TOKEN, Job, json_size
+from producer.protocol.schema import CHARS_PER_TOKEN, Job, json_size, oversize
 
 
 def test_estimated_tokens_come_from_the_input():
@@ -19,3 +19,12 @@ def test_estimated_tokens_come_from_the_input():
 def test_json_size_is_compact_ascii_escaped_json():
     data = {"model": "m", "prompt": "é ü"}
     assert json_size(data) == len('{"model":"m","prompt":"\\u00e9 \\u00fc"}')  # what the worker measures too
+
+
+def test_oversize_is_exact_at_the_limit():
+    job = Job(model="m", prompt="\U0001f600" * 100)  # each one a 12-character escape in json_size
+    payload = job.model_dump(mode="json", exclude_none=True)
+    size = json_size(payload)
+    assert oversize(job, payload, size) is None
+    assert oversize(job, payload, size - 1) == size
+    assert oversize(job, payload, 10**9) is None
