@@ -16,11 +16,12 @@ import time
 
 import pytest
 
-from producer.client.client import NoWorkerWarning
+from producer.client.client import Client, JobTooLarge, NoWorkerWarning
 from producer.protocol import keys
 from producer.protocol.fileformat import verify_file
 from producer.protocol.naming import job_path
 from producer.protocol.schema import ErrorType, Job
+from producer.settings import Limits, Settings
 from producer.transport.celery_app import send_extract
 from producer.transport.pending import record_pending
 from tests.support.blocking import POISON_TOKEN, crash_env
@@ -227,3 +228,20 @@ def test_lost_bundle_is_sent_again_as_one_message(make_worker, private_client, r
     assert all(result.ok for result in results.values())
     assert int(private_client.redis.get(keys.RECOVERED_COUNTER)) == 1  # one message sent again
     wait_for(lambda: private_client.redis.hlen(keys.PENDING_HASH) == 0, 10, "the record to end")
+
+
+@pytest.mark.filterwarnings("ignore::producer.client.client.NoWorkerWarning")
+def test_a_job_over_the_byte_limit_is_refused_by_the_client(private_redis, run_name):
+    limits = Limits(max_job_bytes=500)
+    with Client(Settings(redis_url=private_redis.url, limits=limits)) as client:
+        small = {"model": "tiny-nobody-limits", "run": run_name, "prompt": "word " * 10}
+        big = {**small, "prompt": "word " * 200}
+        astral = {**small, "prompt": "\U0001f600" * 40}  # 40 characters, 480 bytes of escaped JSON, and more
+        with client.bundler(max_wait_s=60) as bundler:
+            bundler.add(small)
+            for job in (big, astral):
+                with pytest.raises(JobTooLarge, match="the limit is 500"):
+                    bundler.add(job)
+        with pytest.raises(JobTooLarge):
+            client.submit(astral)
+        assert client.redis.hlen(keys.run_submitted_hash(run_name)) == 1
