@@ -138,6 +138,15 @@ class RetentionSettings(BaseModel):
     sweep_interval_s: float = Field(default=300.0, gt=0)  # seconds between retention sweeps
 
 
+class BundleSettings(BaseModel):
+    """How the Client (``Client.bundler``, ``submit_many``, ``layertap enqueue``) groups jobs of one
+    model and run into one message; ``Client.submit`` sends its one job at once."""
+
+    max_jobs: int = Field(default=64, gt=0)  # jobs per bundle message; 1 sends every job in its own message
+    max_tokens: int = Field(default=32768, gt=0)  # estimated tokens per bundle (``Job.estimated_tokens``)
+    max_wait_s: float = Field(default=0.05, gt=0)  # the longest a job waits in a bundle that is not full
+
+
 class Settings(BaseSettings):
     """Everything layertap reads from its environment."""
 
@@ -160,6 +169,7 @@ class Settings(BaseSettings):
     tls: TlsSettings = Field(default_factory=TlsSettings)
     enqueue: EnqueueSettings = Field(default_factory=EnqueueSettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    bundle: BundleSettings = Field(default_factory=BundleSettings)
 
     @classmethod
     def settings_customise_sources(

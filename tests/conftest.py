@@ -111,13 +111,25 @@ def private_client(private_redis):
         yield value
 
 
+def _model_with_code(tiny_model: Path, folder: Path, code: str, class_name: str) -> Path:
+    """A copy of ``tiny_model`` in ``folder`` whose config loads ``class_name`` from ``code``."""
+    shutil.copytree(tiny_model, folder)
+    (folder / "modeling_custom.py").write_text(code)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": f"modeling_custom.{class_name}"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def blocking_model(tiny_models, tmp_path_factory) -> Path:
     """The tiny Qwen3 model, saved with modeling code of its own that can block."""
-    folder = tmp_path_factory.mktemp("blocking") / "model"
-    shutil.copytree(tiny_models["qwen3"], folder)
-    (folder / "modeling_blocking.py").write_text(blocking.BLOCKING_MODEL_CODE)
-    config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_blocking.BlockingQwen3ForCausalLM"}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return _model_with_code(tiny_models["qwen3"], tmp_path_factory.mktemp("blocking") / "model",
+                            blocking.BLOCKING_MODEL_CODE, "BlockingQwen3ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def crashing_model(tiny_models, tmp_path_factory) -> Path:
+    """The tiny Qwen3 model, saved with modeling code of its own that kills its process on a marker."""
+    return _model_with_code(tiny_models["qwen3"], tmp_path_factory.mktemp("crashing") / "model",
+                            blocking.CRASHING_MODEL_CODE, "CrashingQwen3ForCausalLM")

@@ -33,7 +33,7 @@ from worker.queue.lease import LeaseKeeper, held_delivery_tags
 from worker.queue.reconciler import Reconciler
 from worker.queue.retention import RetentionSweep
 from worker.queue.task_events import batch_task_events
-from worker.queue.tasks import register_extract_task
+from worker.queue.tasks import register_bundle_task, register_extract_task
 from worker.startup import check_layers, check_model_source, default_served_name
 
 log = logging.getLogger("layertap.worker")
@@ -101,6 +101,7 @@ def run_worker(settings: Settings) -> int:
     app = make_celery(settings)
     set_held_messages(held_delivery_tags)  # a broker channel closing after an error leaves these held
     register_extract_task(app, service)
+    register_bundle_task(app, service)
     batch_task_events(app)
     processor.engine.warm_up()
     processor.engine.on_batch = metrics.observe_batch

@@ -9,21 +9,24 @@ given jobs: both also answer jobs whose entries were trimmed, from the run's led
 
 from __future__ import annotations
 
-import json
 import time
+import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import redis
 
 from producer.client import runs
+from producer.client.bundler import Bundler
 from producer.client.fleet import live_workers
 from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
-from producer.protocol.schema import Job, Result, json_size
+from producer.protocol.schema import Job, Result, oversize
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
+from producer.transport.pending import record_pending
 from producer.transport.redis_conn import connect, retrying
 
 
@@ -65,11 +68,20 @@ class Client:
 
     # -- submitting -------------------------------------------------------------------
     def submit(self, job: Job | Mapping[str, Any], *, check: bool = False, **fields: Any) -> Job:
-        """Validate, give an id, and enqueue one job; returns the job as sent (with ``job_id``).
+        """Validate, give an id, and enqueue one job in a message of its own, at once; returns
+        the job as sent (with ``job_id``). Its result comes on the run's results stream
+        (:meth:`wait`, :meth:`results`); there is no per-job ``AsyncResult``.
 
         The first job of a model that no live worker serves warns (:class:`NoWorkerWarning`),
         or with ``check=True`` raises :class:`NoWorker`; a job for a cancelled run raises
         :class:`~producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
+        job, payload = self.prepare(job, check=check, **fields)
+        self.send([[(job, payload)]])
+        return job
+
+    def prepare(self, job: Job | Mapping[str, Any], *, check: bool = False,
+                **fields: Any) -> tuple[Job, dict[str, Any]]:
+        """The job validated, with its id, and its JSON payload; raises as :meth:`submit` does."""
         if not isinstance(job, Job):
             job = Job.model_validate({**job, **fields})
         elif fields:
@@ -77,16 +89,46 @@ class Client:
         job = job.with_id()
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
-        size = json_size(payload)
-        if size > self.settings.limits.max_job_bytes:
+        size = oversize(job, payload, self.settings.limits.max_job_bytes)
+        if size is not None:
             raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
                               f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+        return job, payload
+
+    def send(self, messages: list[list[tuple[Job, dict[str, Any]]]]) -> None:
+        """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
+        plain job message, a longer one a bundle (all of one model and run). The run's ledger
+        and every message's pending record are written first, in one round trip."""
         now = time.time()
-        queue, task_id = keys.model_queue(job.model), keys.task_id(job.run, job.job_id)  # type: ignore[arg-type]
-        args, kwargs = [payload], {"submitted_at": now}
-        retrying(lambda: self._record_pending(job, queue, task_id, now))
-        retrying(lambda: send_extract(self.celery, args, kwargs, queue, task_id))
-        return job
+        sends = []
+        for jobs in messages:
+            first = jobs[0][0]
+            if len(jobs) == 1:
+                task, task_id, args = keys.EXTRACT_TASK, keys.task_id(first.run, first.job_id), [jobs[0][1]]  # type: ignore[arg-type]
+            else:
+                task, task_id = keys.EXTRACT_BUNDLE_TASK, keys.bundle_task_id(first.run, uuid.uuid4().hex)
+                args = [[payload for _, payload in jobs]]
+            sends.append((task, args, {"submitted_at": now}, keys.model_queue(first.model), task_id))
+
+        def record() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            for jobs, (task, args, kwargs, queue, task_id) in zip(messages, sends):
+                for job, _ in jobs:
+                    pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
+                record_pending(pipe, queue, task_id, now, None if task == keys.EXTRACT_TASK  # type: ignore[misc]
+                               else [job.job_id for job, _ in jobs])
+            pipe.execute()
+
+        retrying(record)
+        for task, args, kwargs, queue, task_id in sends:
+            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task))
+
+    def bundler(self, *, check: bool = False, **overrides: Any) -> Bundler:
+        """A :class:`~producer.client.bundler.Bundler` sending this client's jobs in bundles
+        (``settings.bundle``, with ``overrides`` such as ``max_jobs=16``); close it, or use it
+        with ``with``, to send what it still holds."""
+        settings = self.settings.bundle.model_copy(update=overrides)
+        return Bundler(self, settings, check=check)
 
     def _check_destination(self, job: Job, check: bool) -> None:
         if job.run not in self._open_runs:
@@ -102,21 +144,13 @@ class Client:
                        f"its jobs wait in queue {keys.model_queue(job.model)} until one does")
             if check:
                 raise NoWorker(message)
-            warnings.warn(message, NoWorkerWarning, stacklevel=3)
+            warnings.warn(message, NoWorkerWarning, stacklevel=4)
         self._served.add(job.model)
 
-    def _record_pending(self, job: Job, queue: str, task_id: str, now: float) -> None:
-        """Before sending: the run's ledger, and what the reconciler needs to find a lost message."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
-        pipe.hset(keys.PENDING_HASH, task_id, json.dumps({"queue": queue, "submitted_at": now}))
-        pipe.zadd(keys.pending_sent_zset(queue), {task_id: now})
-        pipe.sadd(keys.PENDING_QUEUES_SET, queue)
-        pipe.execute()
-
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
-        """Submit each job; returns them with ids."""
-        return [self.submit(job, **fields) for job in jobs]
+        """Submit each job, in bundles (``settings.bundle``); returns them with ids once all are sent."""
+        with self.bundler() as bundler:
+            return [bundler.add(job, **fields) for job in jobs]
 
     def seal(self, run: str, sealed: bool = True) -> None:
         """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer

@@ -9,6 +9,9 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
 * **repeats**: a job this enqueue already sent (same run and id: a repeated row) is
   skipped; "already sent" is read from the run's submitted hash (its time is at or after
   this enqueue's start), so it costs no memory per row;
+* **bundles**: jobs go out in bundles (``producer.client.bundler``, ``settings.bundle``): a job
+  counts as sent once it is in one, and every bundle is sent before the limiter reads
+  Redis and before the runs are sealed;
 * **back-pressure**: before each submit the loop waits until the run has fewer than
   ``max_inflight`` jobs submitted but not finished (submitted hash minus status hash), or,
   with ``until="consumed"``, submitted but not yet taken by the streaming consumer group
@@ -24,7 +27,7 @@ sent again; the worker answers a repeat of a finished job from its file on disk.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -98,11 +101,14 @@ class InflightLimiter:
     The count is read from Redis only when the running estimate reaches the limit; between
     reads each submit adds one, so the estimate is an upper bound and the limit holds at
     every moment (counting jobs left in flight by an earlier enqueue of the same run).
+    ``before_read`` runs before each read (the enqueue sends its bundles, so that every job
+    counted is in Redis).
     """
 
     def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05, until: InflightUntil = "finished",
-                 group: str = keys.DEFAULT_CONSUMER_GROUP):
+                 group: str = keys.DEFAULT_CONSUMER_GROUP, before_read: Callable[[], None] = lambda: None):
         self.redis = client
+        self.before_read = before_read
         self.limit = limit
         self.poll_s = poll_s
         check_name(group, "consumer group")
@@ -112,6 +118,7 @@ class InflightLimiter:
 
     def refresh(self) -> None:
         """Read the count of jobs in flight from Redis."""
+        self.before_read()
         pipe = self.redis.pipeline(transaction=False)
         for run in sorted(self.runs):
             pipe.hlen(keys.run_submitted_hash(run))
@@ -138,24 +145,30 @@ class Enqueuer:
                  until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP):
         self.client = client
         self.group = group
-        self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group)
+        self.bundler = client.bundler()
+        self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
+                                       before_read=self.bundler.flush)
         self.batch_size = batch_size
         self.started_at = time.time()
         self.fed: set[str] = set()  # runs this enqueue unsealed
 
     def run(self, items: Iterable[Planned | BadRow]) -> Iterator[tuple[Outcome, Planned | BadRow]]:
         """Yield what happened to each item, in order of decision (bad rows as soon as they are read);
-        seal the runs fed once the last item is done."""
+        seal the runs fed once the last item is done. Every job yielded as submitted is sent
+        before this returns or raises."""
         batch: list[Planned] = []
-        for item in items:
-            if isinstance(item, BadRow):
-                yield Outcome.bad, item
-                continue
-            batch.append(item)
-            if len(batch) >= self.batch_size:
-                yield from self._send(batch)
-                batch = []
-        yield from self._send(batch)
+        try:
+            for item in items:
+                if isinstance(item, BadRow):
+                    yield Outcome.bad, item
+                    continue
+                batch.append(item)
+                if len(batch) >= self.batch_size:
+                    yield from self._send(batch)
+                    batch = []
+            yield from self._send(batch)
+        finally:
+            self.bundler.close()
         for run in sorted(self.fed):
             self.client.seal(run)
 
@@ -165,18 +178,24 @@ class Enqueuer:
         for run in sorted({item.job.run for item in batch} - self.fed):
             self.client.seal(run, sealed=False)
             self.fed.add(run)
-        pipe = self.client.redis.pipeline(transaction=False)
+        by_run: dict[str, list[str]] = {}
         for item in batch:
-            pipe.hget(keys.run_status_hash(item.job.run), item.job.job_id)  # type: ignore[arg-type]
-            pipe.hget(keys.run_submitted_hash(item.job.run), item.job.job_id)  # type: ignore[arg-type]
-        found = pipe.execute()
+            by_run.setdefault(item.job.run, []).append(item.job.job_id)  # type: ignore[arg-type]
+        pipe = self.client.redis.pipeline(transaction=False)
+        for run, job_ids in by_run.items():
+            pipe.hmget(keys.run_status_hash(run), job_ids)
+            pipe.hmget(keys.run_submitted_hash(run), job_ids)
+        replies = iter(pipe.execute())
+        found = {run: (iter(next(replies)), iter(next(replies))) for run in by_run}  # in the batch's order
         sent: set[tuple[str, str]] = set()
-        for index, item in enumerate(batch):
-            job, status, submitted_at = item.job, found[2 * index], found[2 * index + 1]
+        for item in batch:
+            statuses, submitted = found[item.job.run]
+            job, status, submitted_at = item.job, next(statuses), next(submitted)
             key = (job.run, job.job_id or "")
             if status == Status.ok.value:
                 yield Outcome.already_ok, item
-            elif key in sent or (submitted_at is not None and float(submitted_at) >= self.started_at):
+            elif (key in sent or self.bundler.holds(*key)
+                  or (submitted_at is not None and float(submitted_at) >= self.started_at)):
                 yield Outcome.repeated, item
             else:
                 sent.add(key)
@@ -192,7 +211,7 @@ class Enqueuer:
             pipe.hset(keys.run_submitted_hash(job.run), job.job_id, time.time())  # type: ignore[arg-type]
             pipe.execute()
         try:
-            self.client.submit(job)
+            self.bundler.add(job)
         except JobTooLarge as exc:
             return Outcome.bad, BadRow(item.where, str(exc))
         return Outcome.submitted, item

@@ -10,6 +10,10 @@ PREFIX = "layertap"
 
 #: Celery task name of one extraction job (args: ``[job_dict]``; JSON only).
 EXTRACT_TASK = "layertap.extract"
+#: Celery task name of a bundle: several jobs of one model and run in one message (args:
+#: ``[[job_dict, ...]]``, kwargs ``submitted_at`` and, on a re-sent bundle, ``started``:
+#: job id -> starts counted before it was sent; JSON only).
+EXTRACT_BUNDLE_TASK = "layertap.extract_bundle"
 
 #: The one field of a results stream entry: the result as flat JSON (``schema.Result``).
 RESULT_FIELD = "result"
@@ -27,7 +31,7 @@ QUEUE_PATTERN = f"{QUEUE_PREFIX}*"
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 
 
-#: Hash task id -> JSON {"queue", "submitted_at"}: jobs sent by the Client and not yet finished.
+#: Hash task id -> JSON {"queue", "submitted_at"}: messages (jobs, bundles) sent and not yet finished.
 PENDING_HASH = f"{PREFIX}:pending"
 #: Set of the queues the Client has sent jobs to (bounded by the models ever used).
 PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
@@ -167,9 +171,24 @@ def worker_heartbeat_key(node: str) -> str:
 
 
 def task_id(run: str, job_id: str) -> str:
-    """Celery task id of a job (with the ``result_backend`` setting on, ``AsyncResult(task_id(run, job_id))``
-    gives its result for ``result_ttl`` seconds)."""
+    """Celery task id of a job sent alone (``Client.submit``); a bundle's is :func:`bundle_task_id`.
+    With the ``result_backend`` setting on, ``AsyncResult(task_id(run, job_id))`` gives a lone job's
+    result for ``result_ttl`` seconds."""
     return f"{run}:{job_id}"
+
+
+#: Marks a bundle's task id ``<run>:<BUNDLE_MARK><uuid>``; job ids never hold it.
+BUNDLE_MARK = "bundle+"
+
+
+def bundle_task_id(run: str, unique: str) -> str:
+    """Celery task id of one bundle message of ``run`` (``unique``: a fresh uuid per message)."""
+    return f"{run}:{BUNDLE_MARK}{unique}"
+
+
+def is_bundle_task_id(value: str) -> bool:
+    """Whether ``value`` is a :func:`bundle_task_id` (not one job's :func:`task_id`)."""
+    return f":{BUNDLE_MARK}" in value
 
 
 def delivery_tag(task_id: str, unique: str) -> str:
@@ -184,6 +203,9 @@ def task_id_of_delivery_tag(tag: str) -> str | None:
 
 
 def parse_task_id(value: str) -> tuple[str, str] | None:
-    """``(run, job_id)`` of a task id built by :func:`task_id` (names hold no ``:``); else None."""
+    """``(run, job_id)`` of a task id built by :func:`task_id` (names hold no ``:``); else None
+    (a bundle's task id included)."""
+    if is_bundle_task_id(value):
+        return None
     run, sep, job_id = value.partition(":")
     return (run, job_id) if sep and run and job_id and ":" not in job_id else None

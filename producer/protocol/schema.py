@@ -17,6 +17,7 @@ The training-record options (``loss_on``, ``final_hidden_states``, ``topk``, ``t
 from __future__ import annotations
 
 import json
+import re
 import time
 from enum import Enum
 from typing import Any, Literal
@@ -33,16 +34,41 @@ from pydantic import (
 from producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
 from producer.protocol.naming import check_name, content_hash
 
-_ALLOWED_CONTROL = {"\t", "\n", "\r"}
+#: Control characters refused in text: all below U+0020 but tab, newline and carriage return.
+_CONTROL_CHARACTER = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
 #: Deepest nesting of free-form JSON (``tools``, ``tool_calls``); real tool schemas use a handful.
 MAX_JSON_DEPTH = 32
+#: Characters of text per token, for sizing a job before it is tokenized (bundles).
+CHARS_PER_TOKEN = 4
+
+
+def json_size(data: Any) -> int:
+    """A job's size against ``limits.max_job_bytes``: the length of its compact JSON (ASCII-escaped),
+    measured the same way by the client and the worker. Raises ``TypeError``/``ValueError`` for
+    data that is not JSON."""
+    return len(json.dumps(data, separators=(",", ":")))
+
+
+#: Most characters :func:`json_size` counts for one character of pydantic's JSON: an astral
+#: character, left as is by pydantic, is a 12-character surrogate-pair escape there.
+JSON_ESCAPE_MAX = 12
+
+
+def oversize(job: Job, payload: dict[str, Any], limit: int) -> int | None:
+    """``json_size(payload)`` of ``job``'s payload if it is over ``limit``, else None. The exact
+    measure is taken only when pydantic's (fast) JSON of the job, times :data:`JSON_ESCAPE_MAX`,
+    could be over: below that bound it cannot be."""
+    if JSON_ESCAPE_MAX * len(job.model_dump_json(exclude_none=True)) <= limit:
+        return None
+    size = json_size(payload)
+    return size if size > limit else None
 
 
 def check_text(value: str, what: str) -> str:
     """Refuse control characters and unencodable text (lone surrogates)."""
-    bad = next((ch for ch in value if ord(ch) < 32 and ch not in _ALLOWED_CONTROL), None)
+    bad = _CONTROL_CHARACTER.search(value)
     if bad is not None:
-        raise ValueError(f"{what} contains the control character {bad!r}")
+        raise ValueError(f"{what} contains the control character {bad.group()!r}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -77,11 +103,6 @@ def describe_validation_error(exc: ValidationError, most: int = 5) -> str:
 
 
 
-def json_size(data: Any) -> int:
-    """Bytes of ``data`` as compact JSON: the one measure of a job against ``limits.max_job_bytes``,
-    on the client before sending and on the worker before validating. Raises ``TypeError`` or
-    ``ValueError`` for data that is not JSON."""
-    return len(json.dumps(data, separators=(",", ":")))
 
 class ChatMessage(BaseModel):
     """One chat turn, as a chat template takes it."""
@@ -173,6 +194,18 @@ class Job(BaseModel):
     def spec_hash(self) -> str:
         """Hex sha256 of :meth:`spec`; recorded in the file header, it identifies the content."""
         return content_hash(self.spec())
+
+    def estimated_tokens(self) -> int:
+        """The job's size in tokens, known before tokenizing: the token ids given, or the
+        text's characters over :data:`CHARS_PER_TOKEN` (at least 1); capped by ``max_length``."""
+        if self.token_ids is not None:
+            tokens = len(self.token_ids)
+        else:
+            chars = len(self.prompt or "") + sum(len(m.content or "") + len(m.reasoning_content or "")
+                                                 for m in self.messages or [])
+            tokens = chars // CHARS_PER_TOKEN
+        tokens = max(1, tokens)
+        return min(tokens, self.max_length) if self.max_length and self.truncate else tokens
 
     def with_id(self) -> Job:
         """This job with ``job_id`` set (the content hash, shortened, if none was given)."""

@@ -81,13 +81,19 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: str, task_id: str) -> AsyncResult:
-    """Send one ``layertap.extract`` message (``args == [job payload]``).
+def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: str, task_id: str,
+                 task: str = keys.EXTRACT_TASK) -> AsyncResult:
+    """Send one ``layertap.extract`` message (``args == [job payload]``), or with ``task``
+    ``layertap.extract_bundle`` one bundle (``args == [[job payload, ...]]``).
 
-    Monitors (Flower, task events) show the job by model, run and id rather than by its
-    input: Celery's default repr of the arguments would put up to 1 KiB of prompt or
-    token ids into every event.
+    Monitors (Flower, task events) show the job by model, run and id (a bundle by model,
+    run and its number of jobs) rather than by its input: Celery's default repr of the
+    arguments would put up to 1 KiB of prompt or token ids into every event.
     """
-    summary = {name: args[0][name] for name in ("model", "run", "job_id")}
-    return app.send_task(keys.EXTRACT_TASK, args=args, kwargs=kwargs, queue=queue, task_id=task_id,
-                         argsrepr=repr([summary]))
+    jobs = args[0] if task == keys.EXTRACT_BUNDLE_TASK else [args[0]]
+    summary: dict[str, Any] = {name: jobs[0][name] for name in ("model", "run")}
+    if task == keys.EXTRACT_BUNDLE_TASK:
+        summary["jobs"] = len(jobs)
+    else:
+        summary["job_id"] = jobs[0]["job_id"]
+    return app.send_task(task, args=args, kwargs=kwargs, queue=queue, task_id=task_id, argsrepr=repr([summary]))

@@ -1,6 +1,7 @@
-"""A tiny model whose forward really blocks: its folder carries its own modeling code (loaded
-with ``trust_remote_code``), whose decoder waits while a gate file exists, as a CUDA kernel
-that never returns would. Used to hang a worker's engine without patching the worker."""
+"""Tiny models that really misbehave: their folders carry their own modeling code (loaded with
+``trust_remote_code``). One's decoder waits while a gate file exists, as a CUDA kernel that
+never returns would (to hang a worker's engine); the other's kills its own process on a marker
+in the input (a poison job that takes its worker down), without patching the worker."""
 
 from __future__ import annotations
 
@@ -31,3 +32,34 @@ def hang_env(gate: Path, hang_timeout: float) -> dict[str, str]:
     """A worker's environment for the blocking model: it hangs while ``gate`` exists."""
     return {"LAYERTAP_WORKER__TRUST_REMOTE_CODE": "true", "LAYERTAP_TEST_HANG_GATE": str(gate),
             "LAYERTAP_WORKER__HANG_TIMEOUT": str(hang_timeout)}
+
+
+CRASHING_MODEL_CODE = '''
+"""A Qwen3 model whose decoder SIGKILLs its own process when the input holds the token id
+LAYERTAP_TEST_POISON_TOKEN four times in a row."""
+import os
+import signal
+
+from transformers import Qwen3ForCausalLM
+
+
+def _die_on_poison(module, args, kwargs):
+    token = os.environ.get("LAYERTAP_TEST_POISON_TOKEN")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if token and ids is not None and f" {token} {token} {token} {token} " in " " + " ".join(map(str, ids.flatten().tolist())) + " ":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CrashingQwen3ForCausalLM(Qwen3ForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.register_forward_pre_hook(_die_on_poison, with_kwargs=True)
+'''
+
+#: The poison pattern's token id (the crashing model dies on four in a row).
+POISON_TOKEN = 7
+
+
+def crash_env() -> dict[str, str]:
+    """A worker's environment for the crashing model: it dies on :data:`POISON_TOKEN` x4."""
+    return {"LAYERTAP_WORKER__TRUST_REMOTE_CODE": "true", "LAYERTAP_TEST_POISON_TOKEN": str(POISON_TOKEN)}

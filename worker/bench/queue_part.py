@@ -46,9 +46,9 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
         with Client(Settings(redis_url=url)) as client:
             deadline = time.monotonic() + 600
 
-            def submit_all() -> list[str]:
-                return [client.submit({"token_ids": ids, "job_id": f"p{i}"}, model=name, run=run,
-                                      layers=layer_ids).job_id for i, ids in enumerate(prompts)]
+            def submit_all() -> list[str]:  # in bundles unless LAYERTAP_BUNDLE__MAX_JOBS=1
+                jobs = ({"token_ids": ids, "job_id": f"p{i}"} for i, ids in enumerate(prompts))
+                return [job.job_id for job in client.submit_many(jobs, model=name, run=run, layers=layer_ids)]
 
             def serving() -> dict[str, Any]:
                 return {n: i for n, i in client.workers().items() if i["model"] == name}
@@ -94,4 +94,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
         part.notes["jobs_per_s_first_to_last_result"] = round((len(finished) - 1) / (finished[-1] - finished[0]), 1)
     part.notes["jobs_per_s"] = round(len(prompts) / seconds, 1)
     part.notes["batches"] = int(engine_delta("batches"))
+    bundle = Settings().bundle
+    part.notes["bundle"] = f"max_jobs={bundle.max_jobs} max_tokens={bundle.max_tokens}" if bundle.max_jobs > 1 \
+        else "off"
     return part

@@ -1,9 +1,11 @@
-"""One job from raw message data to a :class:`Result`: the core both the Celery task and
-the in-process :class:`~worker.extractor.Extractor` run.
+"""Jobs from raw message data to results (:class:`Result`): the core both the Celery tasks and the
+in-process :class:`~worker.extractor.Extractor` run.
 
-Steps: validate -> check the model -> tokenize (caller's thread) -> answer from disk if a
-complete file with the same ``spec_hash`` exists -> engine -> non-finite check -> write
--> result. Every failure becomes an error result with a typed reason; nothing raises.
+Steps per job: validate -> check the model -> tokenize (caller's thread) -> answer from disk
+if a complete file with the same ``spec_hash`` exists -> engine -> non-finite check -> write
+-> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) go to the
+engine at once and are written in the order their batches come back. Every failure becomes
+that job's error result with a typed reason; nothing raises.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, as_completed
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,23 @@ def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
     return job_id, run
 
 
+def _queued(submitted_at: float | None) -> float | None:
+    """Seconds since ``submitted_at`` (the job's time in the queue), if known."""
+    return max(0.0, time.time() - submitted_at) if submitted_at else None
+
+
+@dataclass
+class _Started:
+    """A job past its checks and tokenizer, for the engine to run."""
+
+    job: Job
+    path: Path
+    spec_hash: str
+    prepared: PreparedInput
+    request: EngineRequest
+    output_dtype: torch.dtype
+
+
 class JobProcessor:
     """Thread-safe; one per worker (or Extractor), sharing one engine."""
 
@@ -106,27 +129,80 @@ class JobProcessor:
                 fallback_id: str | None = None) -> Result:
         """Run one job (raw message data, or an already validated :class:`Job`) and return its
         result (never raises)."""
-        started = time.time()
-        queued = max(0.0, started - submitted_at) if submitted_at else None
+        if not isinstance(raw, Job):
+            try:
+                raw = self.parse(raw, fallback_id)
+            except JobError as exc:
+                job_id, run = identify(raw, fallback_id)
+                return self._error(job_id, run, exc, Timings(queued=_queued(submitted_at)), attempt=attempt)
+        return self.process_many([raw], submitted_at=submitted_at, attempts=[attempt])[0]
+
+    def process_many(self, jobs: list[Job], *, submitted_at: float | None = None,
+                     attempts: list[int | None] | None = None) -> list[Result]:
+        """Run validated jobs together (all go to the engine at once, so its next batch sees
+        them all) and return one result each, in order (never raises). Each job is answered
+        from disk, computed and written on its own; one job's failure is its result alone."""
+        queued = _queued(submitted_at)
+        attempts = attempts or [None] * len(jobs)
+        jobs = [job.with_id() for job in jobs]
+        results: list[Result | None] = [None] * len(jobs)
+        started: list[tuple[int, _Started]] = []
+        for index, job in enumerate(jobs):
+            outcome = self._guarded(job, queued, attempts[index], partial(self._start, job, queued, attempts[index]))
+            if isinstance(outcome, _Started):
+                started.append((index, outcome))
+            else:
+                results[index] = outcome
+        if started:
+            self._compute(jobs, started, results, queued, attempts)
+        return results  # type: ignore[return-value]
+
+    def _compute(self, jobs: list[Job], started: list[tuple[int, _Started]], results: list[Result | None],
+                 queued: float | None, attempts: list[int | None]) -> None:
+        """Put every started job into the engine at once; finish each in the order its batch comes back
+        (a slice's host buffer is held until its job is written, so none waits behind a later batch)."""
         try:
-            job = raw.with_id() if isinstance(raw, Job) else self.parse(raw, fallback_id)
-        except JobError as exc:
-            job_id, run = identify(raw, fallback_id)
-            return self._error(job_id, run, exc, Timings(queued=queued), attempt=attempt)
+            futures = self.engine.submit_many([job.request for _, job in started])
+        except EngineError as engine_error:
+            exc = JobError(ENGINE_ERROR_TYPES[type(engine_error)], str(engine_error))
+            for index, _ in started:
+                results[index] = self._error(jobs[index].job_id, jobs[index].run, exc, Timings(queued=queued),  # type: ignore[arg-type]
+                                             job=jobs[index], attempt=attempts[index])
+            return
+        by_future = dict(zip(futures, started))
+        waiting = len(futures)
+        with self._awaiting_lock:
+            self._awaiting_engine += waiting
         try:
-            return self._run(job, queued, attempt)
+            for future in as_completed(futures):
+                index, job = by_future[future]
+                with self._awaiting_lock:
+                    self._awaiting_engine -= 1
+                waiting -= 1
+                results[index] = self._guarded(jobs[index], queued, attempts[index],
+                                               partial(self._finish, job, future, queued, attempts[index]))
+        finally:
+            with self._awaiting_lock:
+                self._awaiting_engine -= waiting
+
+    def _guarded(self, job: Job, queued: float | None, attempt: int | None,
+                 step: Callable[[], Result | _Started]) -> Result | _Started:
+        """``step()``, or the error result of ``job`` it raised."""
+        try:
+            return step()
         except JobError as exc:
-            return self._error(job.job_id, job.run, exc, Timings(queued=queued), job=job, attempt=attempt)
+            return self._error(job.job_id, job.run, exc, Timings(queued=queued), job=job, attempt=attempt)  # type: ignore[arg-type]
         except Exception as exc:
             log.exception("job %s failed", job.job_id)
-            return self._error(job.job_id, job.run, JobError(ErrorType.internal, f"{type(exc).__name__}: {exc}"),
+            return self._error(job.job_id, job.run, JobError(ErrorType.internal, f"{type(exc).__name__}: {exc}"),  # type: ignore[arg-type]
                                Timings(queued=queued), job=job, attempt=attempt)
 
     def refused(self, job: Job, exc: JobError) -> Result:
         """The error result of a valid job refused before it runs."""
         return self._error(job.job_id, job.run, exc, Timings(), job=job)  # type: ignore[arg-type]
 
-    def _run(self, job: Job, queued: float | None, attempt: int | None) -> Result:
+    def _start(self, job: Job, queued: float | None, attempt: int | None) -> Result | _Started:
+        """A job up to the engine: its answer from disk, or what the engine is to run."""
         if job.model != self.loaded.name:
             raise JobError(ErrorType.unknown_model,
                            f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
@@ -141,32 +217,33 @@ class JobProcessor:
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
                                 topk=job.topk or 0, topk_rows=prepared.topk_rows)
-        with self._awaiting_lock:
-            self._awaiting_engine += 1
+        return _Started(job, path, spec_hash, prepared, request, output_dtype)
+
+    def _finish(self, started: _Started, future: Future, queued: float | None, attempt: int | None) -> Result:
+        """A job whose batch came back: checked, written, its ok result."""
+        job, prepared, request, path = started.job, started.prepared, started.request, started.path
         try:
-            job_slice = self.engine.submit(request).result()
+            job_slice = future.result()
         except EngineError as exc:
             raise JobError(ENGINE_ERROR_TYPES[type(exc)], str(exc)) from None
-        finally:
-            with self._awaiting_lock:
-                self._awaiting_engine -= 1
         try:  # the slice's host buffer is given back on every path, or the engine stalls for good
             captured = job_slice.wait()
             if captured.non_finite:
                 raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
-                                                     f"{recorded_name(output_dtype)}'s range); no file written "
-                                                     "(check the model weights and dtype)")
+                                                     f"{recorded_name(started.output_dtype)}'s range); no file "
+                                                     "written (check the model weights and dtype)")
             tensors = self._tensors(job, prepared, request, captured)
             write_start = time.perf_counter()
             with self._write_slots:
                 try:
-                    write_job_file(path, tensors, self._metadata(job, prepared, spec_hash, output_dtype))
+                    write_job_file(path, tensors, self._metadata(job, prepared, started.spec_hash,
+                                                                 started.output_dtype))
                 except OSError as exc:
                     raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:
             job_slice.release()
-        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(output_dtype),
+        return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(started.output_dtype),
                         Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
 
     @staticmethod

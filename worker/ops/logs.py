@@ -2,7 +2,8 @@
 
 Every line logged while a job is being handled carries that job's ``job_id`` and
 ``run``, with no plumbing through the service: inside a task, the job comes from
-Celery's current task id (``keys.task_id(run, job_id)``); Celery's own per-task lines
+Celery's current task id (``keys.task_id(run, job_id)``; a bundle's lines carry its run, a
+null ``job_id`` and, in text, the bundle's task id); Celery's own per-task lines
 (received, succeeded, retry) carry the task id in their ``data`` record field. Lines
 about no single job (startup, the engine's batches) have ``job_id`` and ``run`` null.
 """
@@ -38,6 +39,9 @@ class JobContextFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         task_id = current_task_id(record)
+        if task_id and keys.is_bundle_task_id(task_id):  # several jobs: the run, and the bundle by its task id
+            record.run, record.job_id, record.job = task_id.partition(":")[0], None, f" [{task_id}]"
+            return True
         parsed = keys.parse_task_id(task_id) if task_id else None
         record.run, record.job_id = parsed if parsed else (None, task_id)
         record.job = f" [{record.run or '?'}/{record.job_id}]" if record.job_id else ""

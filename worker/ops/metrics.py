@@ -154,7 +154,8 @@ class WorkerMetrics:
 
 
 class MeteredPublisher(ResultPublisher):
-    """A :class:`ResultPublisher` that counts each result just before publishing it.
+    """A :class:`ResultPublisher` that counts each result just before publishing it (every
+    publish goes through ``publish_many``).
 
     Invariant: a consumer that has seen a result also sees it in the metrics (counting
     after publishing raced with a scrape made on the result's arrival). A publish that
@@ -165,6 +166,8 @@ class MeteredPublisher(ResultPublisher):
         super().__init__(client)
         self.metrics = metrics
 
-    def publish(self, result: Result, also_delete: tuple[str, ...] | list[str] = ()) -> None:
-        self.metrics.observe_result(result)
-        super().publish(result, also_delete)
+    def publish_many(self, results: list[Result], message: str | None, queue: str | None,
+                     also_delete: tuple[str, ...] | list[str] = ()) -> None:
+        for result in results:
+            self.metrics.observe_result(result)
+        super().publish_many(results, message, queue, also_delete)

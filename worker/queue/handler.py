@@ -12,6 +12,26 @@ Invariants:
   and the counter is cleared then;
 * the task returns only after publishing, so the message is acknowledged only after
   its file is durable and its result is on Redis.
+
+A bundle (``keys.EXTRACT_BUNDLE_TASK``, ``producer.client.bundler``) holds several jobs of one
+run; each is validated, counted, answered and published on its own (a bad job gets its own
+error result, the others run), all valid ones go to the engine at once, and all final
+results are published in one transaction that ends the message's pending record, before
+the one ack. Its kwargs may say, per job, the attempt count when the message was sent
+(``counted``) and the starts excused because a bigger bundle holding the job died
+(``excused``). So:
+
+* a bundle of two or more jobs one of which has started more often than ``counted`` says
+  (the message killed its worker, or is a duplicate) is not run but split: its counts are
+  undone and its halves are sent as two new bundles (each with its own pending record, in
+  the transaction that ends this one's), with ``counted = excused =`` the counts;
+* a job alone in a bundle is dead-lettered, as a job sent alone is, once it has started
+  more than ``max_attempts`` times beyond its ``excused`` starts: a poison job ends in the
+  dead-letter stream alone, after at most ``log2(bundle size)`` extra deaths;
+* jobs with a transient error retry, as a bundle of those jobs (same task id), with their
+  ``counted`` updated and their ``excused`` kept;
+* a bundle without a pending record is not run: it was handled already (its results
+  published or its halves sent, and the worker died before its ack reached Redis).
 """
 
 from __future__ import annotations
@@ -19,14 +39,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
+from collections import Counter
 from typing import Any
 
 import redis
+from celery import Celery
 
 from producer.client import runs
 from producer.protocol import keys
 from producer.protocol.schema import ErrorType, Job, Result, Status
 from producer.transport.backoff import Backoff
+from producer.transport.celery_app import send_extract
+from producer.transport.pending import clear_pending, record_pending
 from worker.job.errors import JobError
 from worker.job.pipeline import JobProcessor
 from worker.queue.publisher import ResultPublisher, wait_out_redis
@@ -39,21 +64,42 @@ RETRY_BACKOFF = Backoff(first_s=1.0, max_s=RETRY_MAX_S)  # countdowns of transie
 
 
 class RetryLater(Exception):
-    """Raised to ask the task shell to retry the job after ``countdown`` seconds."""
+    """Raised to ask the task shell to retry the message after ``countdown`` seconds, with
+    ``args``/``kwargs`` instead of its own if given (a bundle retries only some jobs)."""
 
-    def __init__(self, countdown: float):
+    def __init__(self, countdown: float, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None):
         super().__init__(f"retry in {countdown:.1f}s")
         self.countdown = countdown
+        self.args_, self.kwargs_ = args, kwargs
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds before retrying a job whose ``attempt``-th start failed transiently."""
+    return RETRY_BACKOFF.delay(attempt - 1)
+
+
+def _time(value: Any) -> float | None:
+    """A kwarg that is a time (``submitted_at``), or None."""
+    return value if isinstance(value, (int, float)) else None
+
+
+def _counts(value: Any) -> dict[str, int]:
+    """A kwarg of per-job counts (``counted``, ``excused``), or {} if it is not one."""
+    if not isinstance(value, dict):
+        return {}
+    return {key: count for key, count in value.items() if isinstance(key, str) and isinstance(count, int)}
 
 
 class WorkerService:
     """Thread-safe; shared by all task threads of one worker."""
 
-    def __init__(self, processor: JobProcessor, client: redis.Redis, publisher: ResultPublisher, max_attempts: int):
+    def __init__(self, processor: JobProcessor, client: redis.Redis, publisher: ResultPublisher, max_attempts: int,
+                 app: Celery | None = None):
         self.processor = processor
         self.redis = client
         self.publisher = publisher
         self.max_attempts = max_attempts
+        self.app = app  # sends the halves of a split bundle
 
     def handle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str | None,
                refusal: str | None = None) -> dict[str, Any]:
@@ -61,8 +107,7 @@ class WorkerService:
 
         ``refusal``: why the message is refused without running (its scheduling fields)."""
         raw: Any = args[0] if len(args) == 1 else list(args)
-        submitted_at = kwargs.get("submitted_at")
-        submitted_at = submitted_at if isinstance(submitted_at, (int, float)) else None
+        submitted_at = _time(kwargs.get("submitted_at"))
         try:
             job = self.processor.parse(raw, task_id)
         except JobError:
@@ -73,35 +118,137 @@ class WorkerService:
             result = self.processor.refused(job, JobError(ErrorType.invalid_job, refusal))
             self.publisher.publish(result)
             return result.model_dump(mode="json")
-        attempts = keys.attempts_key(job.run, job.job_id)  # type: ignore[arg-type]
+        queue = keys.model_queue(job.model)
+        results = self._settle([job], [raw], [], kwargs, keys.task_id(job.run, job.job_id), queue,  # type: ignore[arg-type]
+                               bundle=False)
+        return results[0].model_dump(mode="json")
 
-        def count_attempt() -> tuple[int, bool]:
+    def _count_attempts(self, jobs: list[Job]) -> tuple[list[int], set[str]]:
+        """Count one start of each job (one round trip); their counts, and which of their runs are cancelled."""
+        run_names = sorted({job.run for job in jobs})
+
+        def count() -> tuple[list[int], set[str]]:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.incr(attempts)
-            pipe.expire(attempts, ATTEMPTS_TTL_S)
-            pipe.exists(keys.run_cancelled_key(job.run))
-            count, _, cancelled = pipe.execute()
-            return int(count), bool(cancelled)
+            for job in jobs:
+                attempts = keys.attempts_key(job.run, job.job_id)  # type: ignore[arg-type]
+                pipe.incr(attempts)
+                pipe.expire(attempts, ATTEMPTS_TTL_S)
+            for run in run_names:
+                pipe.exists(keys.run_cancelled_key(run))
+            replies = pipe.execute()
+            counts = [int(value) for value in replies[0:2 * len(jobs):2]]
+            return counts, {run for run, cancelled in zip(run_names, replies[2 * len(jobs):]) if cancelled}
 
-        attempt, cancelled = wait_out_redis(count_attempt, f"counting an attempt of {job.job_id}",
-                                            self.publisher.give_up_s)
-        if cancelled:
-            result = runs.cancelled_result(job.run, job.job_id or "", worker=self.processor.worker_name,
-                                           model=job.model, metadata=job.metadata)
-        elif attempt > self.max_attempts:
-            result = self.dead_letter(job, attempt - 1, ErrorType.internal,
-                                      f"the worker died {attempt - 1} time(s) while running this job")
-        else:
-            result = self.processor.process(job, submitted_at=submitted_at, attempt=attempt)
+        what = f"counting an attempt of {jobs[0].job_id}" if len(jobs) == 1 else f"counting {len(jobs)} attempts"
+        return wait_out_redis(count, what, self.publisher.give_up_s)
+
+    def handle_bundle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, queue: str | None,
+                      refusal: str | None = None) -> dict[str, int]:
+        """Run one bundle message (see the module doc); returns how many results it published and
+        how many of them are ok (the results themselves are on the runs' streams). May raise
+        :class:`RetryLater` (for the jobs that failed transiently)."""
+        if not wait_out_redis(lambda: self.redis.hexists(keys.PENDING_HASH, task_id), f"reading bundle {task_id}",
+                              self.publisher.give_up_s):
+            log.info("bundle %s is handled already (its results are published, or it was split); not run again",
+                     task_id)
+            return _summary([])
+        submitted_at = _time(kwargs.get("submitted_at"))
+        raws = args[0] if len(args) == 1 and isinstance(args[0], list) and args[0] else None
+        if raws is None:  # not a list of jobs: one error result says so
+            result = self.processor.process(list(args), submitted_at=submitted_at, fallback_id=task_id)
+            result = result.model_copy(update={"error": f"not a bundle (a list of jobs): {result.error}"})
+            self.publisher.publish_many([result], task_id, queue)
+            return _summary([result])
+        finished: list[Result] = []
+        jobs: list[Job] = []
+        payloads: list[Any] = []
+        for raw in raws:
+            try:
+                jobs.append(self.processor.parse(raw))
+                payloads.append(raw)
+            except JobError:
+                finished.append(self.processor.process(raw, submitted_at=submitted_at))
+        if refusal is not None or not jobs:
+            finished += [self.processor.refused(job, JobError(ErrorType.invalid_job, refusal or "")) for job in jobs]
+            self.publisher.publish_many(finished, task_id, queue)
+            return _summary(finished)
+        return _summary(self._settle(jobs, payloads, finished, kwargs, task_id, queue, bundle=True))
+
+    def _settle(self, jobs: list[Job], payloads: list[Any], finished: list[Result], kwargs: dict[str, Any],
+                message: str, queue: str | None, *, bundle: bool) -> list[Result]:
+        """Count, run and publish valid ``jobs`` (with the ``finished`` results of the message's
+        others) and end message ``message``; or split it, or raise :class:`RetryLater` (module doc)."""
+        counts, cancelled_runs = self._count_attempts(jobs)
+        counted, excused = _counts(kwargs.get("counted")), _counts(kwargs.get("excused"))
+        ids = [job.job_id or "" for job in jobs]
+        copies = Counter(ids)  # a job twice in one bundle counts two starts per delivery
+        if bundle and len(jobs) > 1 and any(count > counted.get(job_id, 0) + copies[job_id]
+                                            for job_id, count in zip(ids, counts)):
+            self.publisher.publish_many(finished, None, None)
+            self._split(jobs, payloads, [count - 1 for count in counts], kwargs, message, queue)
+            return finished
+        own = [count - excused.get(job_id, 0) for job_id, count in zip(ids, counts)]  # starts held against each
+        to_run: list[int] = []
+        for index, job in enumerate(jobs):
+            if job.run in cancelled_runs:
+                finished.append(runs.cancelled_result(job.run, ids[index], worker=self.processor.worker_name,
+                                                      model=job.model, metadata=job.metadata))
+            elif len(jobs) == 1 and own[index] > self.max_attempts:
+                finished.append(self.dead_letter(job, counts[index] - 1, ErrorType.internal,
+                                                 f"the worker died {counts[index] - 1} time(s) while running this job"))
+            else:
+                to_run.append(index)
+        ran = self.processor.process_many([jobs[i] for i in to_run], submitted_at=_time(kwargs.get("submitted_at")),
+                                          attempts=[counts[i] for i in to_run])
+        retry: list[int] = []
+        for index, result in zip(to_run, ran):
             if result.status is Status.error and result.error_type in TRANSIENT_ERRORS:
-                if attempt < self.max_attempts:
-                    raise RetryLater(RETRY_BACKOFF.delay(attempt - 1))
-                result = self.dead_letter(job, attempt, result.error_type, result.error or "")  # type: ignore[arg-type]
-        self.publisher.publish(result, also_delete=(attempts,))
-        if not result.ok:  # Celery's own log line calls every returned task "succeeded"
-            log.warning("job %s (run %s) ended with an error result, %s: %s", result.job_id, result.run,
-                        result.error_type.value if result.error_type else "error", result.error)
-        return result.model_dump(mode="json")
+                if own[index] < self.max_attempts:
+                    retry.append(index)
+                    continue
+                result = self.dead_letter(jobs[index], counts[index], result.error_type,  # type: ignore[arg-type]
+                                          result.error or "")
+            finished.append(result)
+        retried = {ids[i] for i in retry}
+        done = [keys.attempts_key(job.run, job_id) for job, job_id in zip(jobs, ids) if job_id not in retried]
+        self.publisher.publish_many(finished, None if retry else message, queue, also_delete=done)
+        for result in finished:
+            _log_error(result)
+        if retry:
+            delay = retry_delay(min(own[i] for i in retry))
+            if not bundle:
+                raise RetryLater(delay)
+            raise RetryLater(delay, args=[[payloads[i] for i in retry]],
+                             kwargs={**kwargs, "counted": {ids[i]: counts[i] for i in retry},
+                                     "excused": {ids[i]: excused[ids[i]] for i in retry if ids[i] in excused}})
+        return finished
+
+    def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
+               task_id: str, queue: str | None) -> None:
+        """Send ``jobs`` as two bundles instead of this message, whose starts are undone (``counts``: after)."""
+        assert self.app is not None, "a worker that takes bundles sends their halves"
+        queue = queue or keys.model_queue(jobs[0].model)
+        middle, now = len(jobs) // 2, time.time()
+        halves = []
+        for part in (slice(0, middle), slice(middle, None)):
+            counted = {job.job_id or "": count for job, count in zip(jobs[part], counts[part])}
+            halves.append((keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex), [payloads[part]],
+                           {**kwargs, "counted": counted, "excused": counted}))
+
+        def record() -> None:
+            pipe = self.redis.pipeline(transaction=True)
+            for job in jobs:
+                pipe.decr(keys.attempts_key(job.run, job.job_id))  # type: ignore[arg-type]
+            for half_id, args, half_kwargs in halves:
+                record_pending(pipe, queue, half_id, now, list(half_kwargs["counted"]))  # type: ignore[arg-type]
+            clear_pending(pipe, queue, task_id)
+            pipe.execute()
+
+        wait_out_redis(record, f"splitting bundle {task_id}", self.publisher.give_up_s)
+        for half_id, args, half_kwargs in halves:
+            send_extract(self.app, args, half_kwargs, queue, half_id, keys.EXTRACT_BUNDLE_TASK)
+        log.warning("bundle %s of %d jobs started before and did not finish (its worker died?): sent it again "
+                    "as two bundles of %d and %d", task_id, len(jobs), middle, len(jobs) - middle)
 
     def dead_letter(self, job: Job, attempts: int, last_type: ErrorType, last_error: str) -> Result:
         """Record the job in the dead-letter stream and return its final error result."""
@@ -113,3 +260,14 @@ class WorkerService:
         return Result(job_id=job.job_id, run=job.run, status=Status.error, error_type=ErrorType.dead_letter,
                       error=f"failed {attempts} time(s); last error ({last_type.value}): {last_error}",
                       model=job.model, worker=self.processor.worker_name, metadata=job.metadata, attempt=attempts)
+
+
+def _summary(results: list[Result]) -> dict[str, int]:
+    """A bundle task's return value: small, whatever its jobs' results hold."""
+    return {"published": len(results), "ok": sum(result.ok for result in results)}
+
+
+def _log_error(result: Result) -> None:
+    if not result.ok:  # Celery's own log line calls every returned task "succeeded"
+        log.warning("job %s (run %s) ended with an error result, %s: %s", result.job_id, result.run,
+                    result.error_type.value if result.error_type else "error", result.error)

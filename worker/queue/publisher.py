@@ -22,6 +22,7 @@ import redis
 from producer.protocol import keys
 from producer.protocol.schema import Result
 from producer.transport.backoff import Backoff, retry_while
+from producer.transport.pending import clear_pending
 from producer.transport.redis_conn import UNREACHABLE, refuses_writes
 
 log = logging.getLogger(__name__)
@@ -58,23 +59,33 @@ class ResultPublisher:
         self.give_up_s = give_up_s
 
     def publish(self, result: Result, also_delete: tuple[str, ...] | list[str] = ()) -> None:
-        """Publish ``result`` (and delete ``also_delete`` keys in the same transaction)."""
-        data = result.model_dump_json()
-        stream = keys.results_stream(result.run)
+        """Publish the final result of a job sent alone (and delete ``also_delete`` keys in the
+        same transaction), ending its message's pending record."""
+        queue = keys.model_queue(result.model) if result.model else None
+        self.publish_many([result], keys.task_id(result.run, result.job_id), queue, also_delete)
+
+    def publish_many(self, results: list[Result], message: str | None, queue: str | None,
+                     also_delete: tuple[str, ...] | list[str] = ()) -> None:
+        """Publish ``results`` (and delete ``also_delete`` keys) in one transaction; with
+        ``message``, the task id whose last results these are, end its pending record (its
+        member of ``queue``'s sorted set too)."""
+        if not results and message is None and not also_delete:
+            return
 
         def send() -> None:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.eval(XADD_AND_INDEX, 2, stream, keys.run_result_ids_hash(result.run), keys.RESULT_FIELD, data,
-                      result.job_id)
-            pipe.publish(stream, data)
-            pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
-            task_id = keys.task_id(result.run, result.job_id)
-            for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
-                pipe.hdel(pending, task_id)
-            if result.model:
-                pipe.zrem(keys.pending_sent_zset(keys.model_queue(result.model)), task_id)
+            for result in results:
+                data, stream = result.model_dump_json(), keys.results_stream(result.run)
+                pipe.eval(XADD_AND_INDEX, 2, stream, keys.run_result_ids_hash(result.run), keys.RESULT_FIELD, data,
+                          result.job_id)
+                pipe.publish(stream, data)
+                pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
+            if message is not None:
+                clear_pending(pipe, queue, message)
             if also_delete:
                 pipe.delete(*also_delete)
             pipe.execute()
 
-        wait_out_redis(send, f"publishing the result of {result.job_id}", self.give_up_s)
+        what = f"publishing the result of {results[0].job_id}" if len(results) == 1 else \
+            f"publishing {len(results)} results of {message}"
+        wait_out_redis(send, what, self.give_up_s)

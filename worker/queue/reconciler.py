@@ -4,8 +4,9 @@ A worker fetches a message atomically into its queue's in-flight list and moves 
 there into kombu's ``unacked`` record in one transaction (``producer.transport.broker_transport``),
 so a message is always queued, in flight, or held. A fetcher that dies (or loses its
 connection) between the two leaves the message in the in-flight list. To find it, the Client
-records every job it sends as *pending* (``layertap:pending``: queue and send time) and the
-worker that publishes the job's final result removes the record in the same transaction.
+records every message it sends (one job, or a bundle: ``producer.transport.pending``) as
+*pending* and the worker that publishes the message's last final result removes the record
+in the same transaction. Below, a "job" is a message: a bundle's task id stands for all its jobs.
 Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the pending records: a job is
 *missing* when it is older than the oldest message still in its queue (queues are FIFO: it
 cannot be behind it), is not held by any worker (no ``unacked`` entry carries its task id)
@@ -44,6 +45,7 @@ from celery import Celery
 
 from producer.client import runs
 from producer.protocol import keys
+from producer.transport.pending import message_jobs
 from worker.queue.periodic import Periodic
 from worker.queue.publisher import ResultPublisher
 
@@ -214,23 +216,27 @@ class Reconciler:
         record: Any = self.redis.hget(keys.PENDING_HASH, task_id)
         if record is None:  # finished meanwhile
             return False
-        queue = json.loads(record)["queue"]
+        pending = json.loads(record)
+        queue = pending["queue"]
         if self._restore_inflight(keys=[keys.inflight_list(queue), queue], args=[task_id, keys.DELIVERY_TAG_SEPARATOR]):
             self.redis.hdel(keys.SUSPECT_HASH, task_id)
             self.redis.incr(keys.RECOVERED_COUNTER)
-            log.warning("job %s was fetched by a worker that died before holding it; put it back in its queue",
+            log.warning("message %s was fetched by a worker that died before holding it; put it back in its queue",
                         task_id)
             return True
-        parsed = keys.parse_task_id(task_id)
-        if parsed is None:
+        found = message_jobs(task_id, pending)
+        if found is None:
             return False
-        run, job_id = parsed
+        run, job_ids = found
         model = keys.queue_model(queue)
         if runs.is_cancelled(self.redis, run):
-            self.publisher.publish(runs.cancelled_result(run, job_id, worker=self.node, model=model))
-            log.info("job %s was lost and its run is cancelled: published its cancelled result", task_id)
+            self.publisher.publish_many([runs.cancelled_result(run, job_id, worker=self.node, model=model)
+                                         for job_id in job_ids], task_id, queue)
+            log.info("message %s (%d job(s)) was lost and its run is cancelled: published the cancelled results",
+                     task_id, len(job_ids))
             return False
-        self.publisher.publish(runs.lost_result(run, job_id, worker=self.node, model=model))
-        log.error("job %s has no message left (not queued, in flight or held): published a `lost` error result",
-                  task_id)
+        self.publisher.publish_many([runs.lost_result(run, job_id, worker=self.node, model=model)
+                                     for job_id in job_ids], task_id, queue)
+        log.error("message %s (%d job(s)) is nowhere (not queued, in flight or held): published `lost` error "
+                  "results", task_id, len(job_ids))
         return False

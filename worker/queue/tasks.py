@@ -61,3 +61,20 @@ def register_extract_task(app: Celery, service: WorkerService) -> Task:
             raise self.retry(countdown=later.countdown) from None
 
     return extract
+
+
+def register_bundle_task(app: Celery, service: WorkerService) -> Task:
+    """Register ``layertap.extract_bundle`` on ``app`` (several jobs in one message; see
+    ``worker.queue.handler``); the service sends a split bundle's halves through ``app``."""
+    service.app = app
+
+    @app.task(name=keys.EXTRACT_BUNDLE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None,
+              Request=JobRequest)
+    def extract_bundle(self: Task, *args: Any, **kwargs: Any) -> dict[str, int]:
+        queue = (self.request.delivery_info or {}).get("routing_key")
+        try:
+            return service.handle_bundle(args, kwargs, self.request.id, queue, refusal=self.request.get(REFUSAL_KEY))
+        except RetryLater as later:
+            raise self.retry(args=later.args_, kwargs=later.kwargs_, countdown=later.countdown) from None
+
+    return extract_bundle

@@ -1,0 +1,137 @@
+"""Grouping jobs into bundles: several jobs of one model and run in one message.
+
+A bundle is sent when it holds ``max_jobs`` jobs, when one more job would take its
+estimated tokens (``Job.estimated_tokens``) past ``max_tokens``, when its oldest job has
+waited ``max_wait_s`` (a background thread), on :meth:`Bundler.flush` and on
+:meth:`Bundler.close`. A bundle of one job is sent as a plain job message. Each job keeps
+its own id, file, result and attempt count; the worker runs a bundle's jobs together and
+acknowledges the message once all have a final result (``worker.queue.handler``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import redis
+from kombu.exceptions import OperationalError
+
+from producer.protocol.schema import Job
+from producer.settings import BundleSettings
+
+if TYPE_CHECKING:
+    from producer.client.client import Client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    """Jobs of one model and run waiting to be sent together."""
+
+    started: float
+    jobs: list[tuple[Job, dict[str, Any]]] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
+    tokens: int = 0
+
+
+class Bundler:
+    """Thread-safe; sends through its :class:`~producer.client.client.Client` (``Client.bundler()``).
+
+    Invariant: every job :meth:`add` returned is sent by the time :meth:`flush` or
+    :meth:`close` returns (a send that failed is kept and tried again, and its error raised
+    there or by the next :meth:`add`)."""
+
+    def __init__(self, client: Client, settings: BundleSettings, *, check: bool = False):
+        self.client = client
+        self.settings = settings
+        self.check = check
+        self._groups: dict[tuple[str, str], _Group] = {}
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def add(self, job: Job | Mapping[str, Any], **fields: Any) -> Job:
+        """Validate ``job`` (as ``Client.submit`` does) and put it in its bundle; returns it with its id."""
+        job, payload = self.client.prepare(job, check=self.check, **fields)
+        tokens = job.estimated_tokens()
+        key = (job.model, job.run)
+        with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("this bundler is closed; take a new one from Client.bundler()")
+            self._raise_failure()
+            group = self._groups.get(key)
+            if group is not None and group.tokens + tokens > self.settings.max_tokens:
+                self._send([key])
+                self._raise_failure()  # this job is not taken; the bundle before it is kept
+                group = None
+            if group is None:
+                group = self._groups[key] = _Group(time.monotonic())
+            group.jobs.append((job, payload))
+            group.ids.add(job.job_id or "")
+            group.tokens += tokens
+            if len(group.jobs) >= self.settings.max_jobs or group.tokens >= self.settings.max_tokens:
+                self._send([key])
+            elif self._thread is None:
+                self._thread = threading.Thread(target=self._send_late, name="layertap-bundler", daemon=True)
+                self._thread.start()
+                atexit.register(self.close)
+        return job
+
+    def holds(self, run: str, job_id: str) -> bool:
+        """Whether a job of ``run`` with ``job_id`` waits here, not sent yet."""
+        with self._lock:
+            return any(key[1] == run and job_id in group.ids for key, group in self._groups.items())
+
+    def flush(self) -> None:
+        """Send every bundle now, full or not."""
+        with self._lock:
+            self._send(list(self._groups))
+            self._raise_failure()
+
+    def close(self) -> None:
+        """Send what is left and stop the background thread."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+            atexit.unregister(self.close)
+        self.flush()
+
+    def _send(self, group_keys: list[tuple[str, str]]) -> None:
+        taken = [(key, self._groups.pop(key)) for key in group_keys if key in self._groups]
+        if not taken:
+            return
+        try:
+            self.client.send([group.jobs for _, group in taken])
+            self._failure = None
+        except (redis.exceptions.RedisError, OperationalError, OSError) as exc:  # kept for the next try; raised later
+            for key, group in taken:
+                self._groups.setdefault(key, group)
+            self._failure = exc
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+    def _send_late(self) -> None:
+        """The latency cap: send bundles whose oldest job has waited ``max_wait_s``."""
+        wait = self.settings.max_wait_s
+        while not self._closed.wait(wait / 2):
+            with self._lock:
+                now = time.monotonic()
+                self._send([key for key, group in self._groups.items() if now - group.started >= wait])
+                if self._failure is not None:
+                    log.warning("sending a bundle failed (%s); trying again", self._failure)
+
+    def __enter__(self) -> Bundler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
