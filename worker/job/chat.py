@@ -33,16 +33,28 @@ import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from transformers.utils.chat_template_utils import (
-    _alias_reasoning_fields,
-    _compile_jinja_template,
-    _plain_template_data,
-)
+from transformers.utils import chat_template_utils
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from producer.protocol.schema import ErrorType
 from worker.job.errors import JobError
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _plain(data: Any) -> Any:
+    """``data`` as plain template data, as the installed transformers makes it (its helper is
+    private and newer than transformers 5.0: used only where present)."""
+    helper = getattr(chat_template_utils, "_plain_template_data", None)
+    return data if helper is None else helper(data)
+
+
+def _as_transformers_renders(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the installed transformers' ``apply_chat_template`` hands them to the
+    template: plain data, with reasoning fields aliased where that version aliases them."""
+    alias = getattr(chat_template_utils, "_alias_reasoning_fields", None)
+    chat = _plain(messages)
+    return chat if alias is None else alias(chat)
 
 
 class TemplateRewritesTurns(Exception):
@@ -120,13 +132,13 @@ class ChatRenderer:
             if index in yielded and index not in first_read:
                 first_read[index] = emitted
 
-        chat = _alias_reasoning_fields(_plain_template_data(self.messages))
+        chat = _as_transformers_renders(self.messages)
         watched = _WatchedMessages([_WatchedMessage(m, i, on_read) for i, m in enumerate(chat)], yielded.add)
         pieces = []
         try:
             for piece in _compile_jinja_template(self.template).generate(
-                    messages=watched, tools=_plain_template_data(self.tools), documents=None,
-                    add_generation_prompt=False, **_plain_template_data(self.tokenizer.special_tokens_map)):
+                    messages=watched, tools=_plain(self.tools), documents=None,
+                    add_generation_prompt=False, **_plain(self.tokenizer.special_tokens_map)):
                 pieces.append(piece)
                 emitted += len(piece)
         except Exception:  # the real rendering already succeeded: this template is one the stream cannot follow
