@@ -62,11 +62,12 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
                     raise RuntimeError(f"bench worker did not start; see {log.name}")
                 time.sleep(0.05)
             engines_before = [i["engine"] for i in serving().values()]
-            start = time.perf_counter()
+            start, start_wall = time.perf_counter(), time.time()
             if not cfg.backlog:
                 job_ids = submit_all()
+            submitted_s = time.perf_counter() - start
             results = client.wait(run, job_ids, timeout=3600)
-            seconds = time.perf_counter() - start
+            seconds, end_wall = time.perf_counter() - start, time.time()
             time.sleep(max(0.3, client.settings.orphan_timeout / 4 + 0.2))  # one more heartbeat with final stats
             engines_after = [i["engine"] for i in serving().values()]
     finally:
@@ -93,6 +94,11 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     if len(finished) > 1 and finished[-1] > finished[0]:  # the workers' own pace
         part.notes["jobs_per_s_first_to_last_result"] = round((len(finished) - 1) / (finished[-1] - finished[0]), 1)
     part.notes["jobs_per_s"] = round(len(prompts) / seconds, 1)
+    # where the part's time goes outside the workers' pace: sending, the first result, the wait's return
+    part.notes["submit_s"] = round(submitted_s, 3)
+    if finished:
+        part.notes["first_result_after_s"] = round(finished[0] - start_wall, 3)
+        part.notes["returned_after_last_result_s"] = round(end_wall - finished[-1], 3)
     part.notes["batches"] = int(engine_delta("batches"))
     bundle = Settings().bundle
     part.notes["bundle"] = f"max_jobs={bundle.max_jobs} max_tokens={bundle.max_tokens}" if bundle.max_jobs > 1 \
