@@ -47,3 +47,17 @@ def test_a_stopped_engine_refuses_and_the_job_gets_an_internal_error(loaded, tmp
         processor.engine.submit(EngineRequest(torch.arange(1, 9), [1]))
     result = processor.process({"model": "tiny-qwen3", "run": "errors", "job_id": "j0", "token_ids": [1, 2, 3]})
     assert result.error_type is ErrorType.internal and result.error == "the engine is shutting down"
+
+
+def test_warm_up_runs_one_small_and_one_full_batch(loaded):
+    """The worker's warm-up (``full_batch=True``): a 512-token request, then one batch filled to
+    the budget with 128-token requests, both before any job; the engine serves jobs after."""
+    engine = Engine(loaded, token_budget=1024, host_buffers=1, staging_layers=1)
+    try:
+        engine.warm_up(full_batch=True)
+        assert (engine.stats.batches, engine.stats.jobs, engine.stats.tokens) == (2, 1 + 1024 // 128, 512 + 1024)
+        captured = engine.submit(EngineRequest(torch.arange(1, 9), [2])).result(timeout=30).wait()
+        assert captured.hidden_states.shape == (8, 1, loaded.hidden_size)
+        captured.release()
+    finally:
+        engine.stop()

@@ -46,6 +46,10 @@ from worker.model.loading import LoadedModel
 log = logging.getLogger(__name__)
 
 
+#: Length of the requests of the full warm-up batch.
+WARM_UP_LENGTH = 128
+
+
 class Engine:
     """Owns the model on one thread. ``submit`` is thread-safe."""
 
@@ -101,10 +105,20 @@ class Engine:
             self._cond.notify()
         return [request.future for request in requests]
 
-    def warm_up(self, num_tokens: int = 512) -> None:
-        """Run one throwaway batch (kernel selection, allocator, lazy init) before real jobs."""
-        tokens = torch.randint(0, self.loaded.vocab_size, (min(num_tokens, self.token_budget),))
-        self.submit(EngineRequest(tokens, [self.loaded.num_layers])).result().wait().release()
+    def warm_up(self, full_batch: bool = False) -> None:
+        """Run throwaway work before real jobs: one 512-token request (kernel selection, lazy
+        init), and with ``full_batch`` also one batch as full as the budget allows, of 128-token
+        requests, so allocator growth and the compiled graphs' first big shapes are paid here and
+        not by the first jobs."""
+        vocab = self.loaded.vocab_size
+        self.submit(EngineRequest(torch.randint(0, vocab, (min(512, self.token_budget),)),
+                                  [self.loaded.num_layers])).result().wait().release()
+        if full_batch:
+            count = max(1, min(self.policy.max_jobs, self.token_budget // WARM_UP_LENGTH))
+            requests = [EngineRequest(torch.randint(0, vocab, (WARM_UP_LENGTH,)), [self.loaded.num_layers])
+                        for _ in range(count)]
+            for future in self.submit_many(requests, together=True):
+                future.result().wait().release()
 
     def pending(self) -> int:
         with self._cond:
