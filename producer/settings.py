@@ -57,7 +57,7 @@ class WorkerSettings(BaseModel):
     max_batch_jobs: int = Field(default=256, gt=0)
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
     max_padding: float = Field(default=0.25, ge=0, lt=1)  # padded batches: the largest share of a batch that is padding
-    concurrency: int = Field(default=64, gt=0)  # jobs in flight per worker (Celery threads)
+    concurrency: int = Field(default=64, gt=0)  # messages in flight per worker (Celery threads; a bundle counts once)
     writer_threads: int = Field(default=8, gt=0)
     host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)

@@ -39,7 +39,7 @@ def worker(
                                                f"({worker_default('token_budget')})."),
     batching: Optional[str] = typer.Option(None, help="auto | packed | padded: how jobs share a forward (auto: "
                                            "from the model's structure; either way checked at start)."),
-    concurrency: Optional[int] = typer.Option(None, help=f"Jobs in flight in this worker "
+    concurrency: Optional[int] = typer.Option(None, help=f"Messages in flight in this worker (a bundle counts once) "
                                               f"({worker_default('concurrency')})."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers "
                                            f"({worker_default('compile')})."),
