@@ -52,7 +52,7 @@ def sharegpt_rows(count: int) -> str:
 
 def test_readme_examples_run_as_written(hub_cache, redis_server, tmp_path):
     blocks = readme_blocks()
-    assert [language for language, _ in blocks] == ["python", "python", "bash", "python"], blocks
+    assert [language for language, _ in blocks] == ["python", "python", "python", "bash", "python"], blocks
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("LAYERTAP_")},
            "LAYERTAP_REDIS_URL": redis_server.url, "HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -71,8 +71,9 @@ def test_readme_examples_run_as_written(hub_cache, redis_server, tmp_path):
             outputs.append(out.stdout)
     finally:
         worker.stop()
-    client_out, extractor_out, _, loader_out = outputs
+    client_out, bundles_out, extractor_out, _, loader_out = outputs
     assert re.fullmatch(r"torch\.Size\(\[\d+, 3, 64\]\)\n", client_out), client_out
+    assert bundles_out == "200 jobs done\n", bundles_out
     paths = ast.literal_eval(extractor_out)  # a printed list of str
     assert len(paths) == 2 and all(Path(p).is_absolute() and Path(p).is_relative_to(workdir / "out") for p in paths)
     assert (workdir / "sharegpt.parquet").exists() and (workdir / "ds").is_dir()
