@@ -103,7 +103,8 @@ def run_worker(settings: Settings) -> int:
     register_extract_task(app, service)
     register_bundle_task(app, service)
     batch_task_events(app)
-    processor.engine.warm_up(full_batch=True)  # the first jobs run at the worker's pace
+    # on a GPU also a full batch: the first jobs run at the worker's pace (allocator growth, compiled shapes)
+    processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
     processor.engine.on_batch = metrics.observe_batch
     if ws.metrics_port:
         metrics.serve(ws.metrics_port)
