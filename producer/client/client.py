@@ -115,8 +115,8 @@ class Client:
             for jobs, (task, args, kwargs, queue, task_id) in zip(messages, sends):
                 for job, _ in jobs:
                     pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
-                record_pending(pipe, queue, task_id, now, None if task == keys.EXTRACT_TASK  # type: ignore[misc]
-                               else [job.job_id for job, _ in jobs])
+                bundle_jobs = [job.job_id for job, _ in jobs] if task == keys.EXTRACT_BUNDLE_TASK else None
+                record_pending(pipe, queue, task_id, now, bundle_jobs)  # type: ignore[arg-type]
             pipe.execute()
 
         retrying(record)

@@ -102,7 +102,7 @@ def is_complete(client: redis.Redis, run: str) -> bool:
 
 def run_names(client: redis.Redis) -> list[str]:
     """Every run the Client has submitted to, by name."""
-    return sorted({keys.run_of_submitted_hash(_text(key))
+    return sorted({keys.run_of_submitted_hash(keys.as_text(key))
                    for key in client.scan_iter(match=keys.RUN_SUBMITTED_PATTERN, count=1000)})
 
 
@@ -120,7 +120,7 @@ def run_keys(client: redis.Redis, run: str) -> list[str]:
     """Every key of ``run``: its results stream, its ``layertap:run:<run>:*`` keys, its attempt counters."""
     found = [keys.results_stream(run)] if client.exists(keys.results_stream(run)) else []
     for pattern in (keys.run_keys_pattern(run), keys.attempts_pattern(run)):
-        found.extend(_text(key) for key in client.scan_iter(match=pattern, count=1000))
+        found.extend(keys.as_text(key) for key in client.scan_iter(match=pattern, count=1000))
     return found
 
 
@@ -190,12 +190,12 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
             _remove_queued(client, queue, prefix)
     pipe = client.pipeline(transaction=False)
     for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
-        task_ids = [_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]
+        task_ids = [keys.as_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]
         if task_ids:
             pipe.hdel(pending, *task_ids)
-    for queue in map(_text, client.smembers(keys.PENDING_QUEUES_SET)):
+    for queue in map(keys.as_text, client.smembers(keys.PENDING_QUEUES_SET)):
         sent = keys.pending_sent_zset(queue)
-        task_ids = [_text(task_id) for task_id, _ in client.zscan_iter(sent, match=f"{prefix}*")]
+        task_ids = [keys.as_text(task_id) for task_id, _ in client.zscan_iter(sent, match=f"{prefix}*")]
         if task_ids:
             pipe.zrem(sent, *task_ids)
     for key in run_keys(client, run):
@@ -224,10 +224,10 @@ def unconsumed_from(client: redis.Redis, stream: str) -> str | None:
         return None
     bounds = []
     for group in groups:
-        bounds.append(_after(_text(group["last-delivered-id"])))
+        bounds.append(_after(keys.as_text(group["last-delivered-id"])))
         pending = client.xpending(stream, group["name"])
         if pending["pending"]:
-            bounds.append(_text(pending["min"]))
+            bounds.append(keys.as_text(pending["min"]))
     return min(bounds, key=_entry_id) if bounds else None
 
 
@@ -251,12 +251,12 @@ def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
         pairs: list[str] = []
         roots: set[str] = set()
         for entry_id, fields in entries:
-            result = entry_result({_text(name): value for name, value in fields.items()})
-            pairs += [result.job_id, _text(entry_id)]
+            result = entry_result({keys.as_text(name): value for name, value in fields.items()})
+            pairs += [result.job_id, keys.as_text(entry_id)]
             root = storage_root_of(result.path, run, result.job_id) if result.ok and result.path else None
             if root is not None:
                 roots.add(str(root))
-        last = _text(entries[-1][0])
+        last = keys.as_text(entries[-1][0])
         pipe = client.pipeline(transaction=True)
         if roots:
             pipe.sadd(keys.run_roots_set(run), *sorted(roots))
@@ -273,7 +273,7 @@ def was_trimmed(client: redis.Redis, run: str) -> bool:
 
 def storage_roots(client: redis.Redis, run: str) -> list[str]:
     """The storage roots of the run's trimmed ok results (``keys.run_roots_set``), sorted."""
-    return sorted(_text(root) for root in client.smembers(keys.run_roots_set(run)))
+    return sorted(keys.as_text(root) for root in client.smembers(keys.run_roots_set(run)))
 
 
 def ledger_path(roots: list[str], run: str, job_id: str) -> str | None:
@@ -295,8 +295,9 @@ def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]
             streamed[result.job_id] = (result.path, result.metadata)
     trimmed: dict[str, tuple[str, str | None]] = {}
     if was_trimmed(client, run):
-        done = sorted(_text(job_id) for job_id, status in client.hscan_iter(keys.run_status_hash(run), count=1000)
-                      if _text(status) == Status.ok.value and _text(job_id) not in streamed)
+        statuses = client.hscan_iter(keys.run_status_hash(run), count=1000)
+        done = sorted(keys.as_text(job_id) for job_id, status in statuses
+                      if keys.as_text(status) == Status.ok.value and keys.as_text(job_id) not in streamed)
         roots = storage_roots(client, run)
         for job_id in done:
             path = ledger_path(roots, run, job_id)
@@ -338,5 +339,3 @@ def _remove_queued(client: redis.Redis, queue: str, task_prefix: str) -> None:
             client.lrem(queue, 1, raw)
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -209,3 +209,8 @@ def parse_task_id(value: str) -> tuple[str, str] | None:
         return None
     run, sep, job_id = value.partition(":")
     return (run, job_id) if sep and run and job_id and ":" not in job_id else None
+
+
+def as_text(value: bytes | str) -> str:
+    """A key, field or id as text, from a client that decodes replies or one that does not."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,4 +1,5 @@
-"""A daemon thread that calls one action every ``interval`` seconds until stopped.
+"""A daemon thread that calls one action every ``interval`` seconds until stopped, and the
+turn-taking lock of the sweeps one worker of the fleet runs at a time.
 
 Redis errors in the action are logged and the next tick tries again (Redis may be
 restarting); anything else is a bug and ends the thread with a traceback in the log.
@@ -38,3 +39,9 @@ class Periodic:
                 self.action()
             except redis.exceptions.RedisError as exc:
                 log.warning("%s failed (%s); trying again in %.1fs", self.name, exc, self.interval)
+
+
+def take_turn(client: redis.Redis, lock_key: str, node: str, interval: float) -> bool:
+    """Whether this worker runs the fleet-wide sweep under ``lock_key`` this time: at most one
+    worker per ``interval`` (``SET NX EX``; the lock expires, so a dead holder does not block)."""
+    return bool(client.set(lock_key, node, nx=True, ex=max(1, int(interval))))

@@ -46,7 +46,7 @@ from celery import Celery
 from producer.client import runs
 from producer.protocol import keys
 from producer.transport.pending import message_jobs
-from worker.queue.periodic import Periodic
+from worker.queue.periodic import Periodic, take_turn
 from worker.queue.publisher import ResultPublisher
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,6 @@ def _submitted_at_of(raw_message: bytes | str) -> float | None:
         return None
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class Reconciler:
@@ -129,11 +127,12 @@ class Reconciler:
 
     def sweep(self) -> int:
         """One pass; returns how many jobs were put back in their queue."""
-        if not self.redis.set(keys.RECONCILE_LOCK, self.node, nx=True, ex=max(1, int(self.interval))):
+        if not take_turn(self.redis, keys.RECONCILE_LOCK, self.node, self.interval):
             return 0
         now = time.time()
         held = self._held_task_ids()
-        suspects = {_text(task_id): float(seen) for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
+        suspects = {keys.as_text(task_id): float(seen)
+                    for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
         queues = self._adopt_unsorted_records()
         missing: set[str] = set()
         for queue in sorted(queues):
@@ -152,7 +151,7 @@ class Reconciler:
     def _adopt_unsorted_records(self) -> set[str]:
         """The queues with pending jobs; first, if some pending record has no send-time member
         (the client writes both in one transaction, so only an older client's), add the members."""
-        queues = set(map(_text, self.redis.smembers(keys.PENDING_QUEUES_SET)))
+        queues = set(map(keys.as_text, self.redis.smembers(keys.PENDING_QUEUES_SET)))
         pipe = self.redis.pipeline(transaction=False)
         pipe.hlen(keys.PENDING_HASH)
         for queue in queues:
@@ -162,7 +161,8 @@ class Reconciler:
             return queues
         for task_id, info in self.redis.hscan_iter(keys.PENDING_HASH, count=1000):
             record = json.loads(info)
-            pipe.zadd(keys.pending_sent_zset(record["queue"]), {_text(task_id): float(record["submitted_at"])}, nx=True)
+            pipe.zadd(keys.pending_sent_zset(record["queue"]), {keys.as_text(task_id): float(record["submitted_at"])},
+                      nx=True)
             pipe.sadd(keys.PENDING_QUEUES_SET, record["queue"])
             queues.add(record["queue"])
         pipe.execute()
@@ -173,7 +173,7 @@ class Reconciler:
         """Task ids of every message a worker holds, from the ``unacked`` hash's keys (delivery tags)."""
         held: set[str | None] = set()
         untagged = []
-        for tag in map(_text, self.redis.hkeys(keys.UNACKED_HASH)):
+        for tag in map(keys.as_text, self.redis.hkeys(keys.UNACKED_HASH)):
             task_id = keys.task_id_of_delivery_tag(tag)
             if task_id is None:
                 untagged.append(tag)
@@ -189,7 +189,7 @@ class Reconciler:
             return []
         sent = keys.pending_sent_zset(queue)
         before = self.redis.zrangebyscore(sent, "-inf", f"({min(cutoff, now - self.grace)!r}")
-        candidates = [task_id for task_id in map(_text, before) if task_id not in held]
+        candidates = [task_id for task_id in map(keys.as_text, before) if task_id not in held]
         pipe = self.redis.pipeline(transaction=False)
         for task_id in candidates:
             pipe.hexists(keys.PENDING_HASH, task_id)
@@ -204,7 +204,7 @@ class Reconciler:
         tag = self._head_tag(keys=[queue])
         if tag is None:
             return float("inf")
-        task_id = keys.task_id_of_delivery_tag(_text(tag))
+        task_id = keys.task_id_of_delivery_tag(keys.as_text(tag))
         sent_at = self.redis.zscore(keys.pending_sent_zset(queue), task_id) if task_id else None
         if sent_at is not None:
             return sent_at

@@ -14,7 +14,7 @@ import redis
 
 from producer.client import runs
 from producer.protocol import keys
-from worker.queue.periodic import Periodic
+from worker.queue.periodic import Periodic, take_turn
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class RetentionSweep:
 
     def sweep(self) -> int:
         """One pass over every run; returns how many stream entries were dropped."""
-        if not self.redis.set(keys.RETENTION_LOCK, self.node, nx=True, ex=max(1, int(self.interval))):
+        if not take_turn(self.redis, keys.RETENTION_LOCK, self.node, self.interval):
             return 0
         before = time.time() - self.retention_s
         dropped = sum(runs.trim(self.redis, run, before=before) for run in runs.run_names(self.redis))
