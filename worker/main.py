@@ -25,6 +25,7 @@ from producer.transport.redis_conn import connect
 from worker.extractor import build_processor
 from worker.job.writer import remove_stale_temp_files
 from worker.model.loading import load_model
+from worker.ops.gc_freeze import freeze_long_lived_objects
 from worker.ops.logs import configure_logging
 from worker.ops.metrics import MeteredPublisher, WorkerMetrics
 from worker.ops.watchdog import EngineWatchdog, start_deadline
@@ -92,6 +93,7 @@ def run_worker(settings: Settings) -> int:
                                 max_batch_jobs=ws.max_batch_jobs, batch_wait_s=ws.batch_wait_ms / 1000,
                                 max_padding=ws.max_padding,
                                 host_buffers=ws.host_buffers, write_slots=ws.writer_threads,
+                                prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, on_fatal=on_fatal)
     gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
@@ -105,6 +107,7 @@ def run_worker(settings: Settings) -> int:
     batch_task_events(app)
     # on a GPU also a full batch: the first jobs run at the worker's pace (allocator growth, compiled shapes)
     processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
+    freeze_long_lived_objects()
     processor.engine.on_batch = metrics.observe_batch
     if ws.metrics_port:
         metrics.serve(ws.metrics_port)
