@@ -59,6 +59,7 @@ class WorkerSettings(BaseModel):
     max_padding: float = Field(default=0.25, ge=0, lt=1)  # padded batches: the largest share of a batch that is padding
     concurrency: int = Field(default=64, gt=0)  # messages in flight per worker (Celery threads; a bundle counts once)
     writer_threads: int = Field(default=8, gt=0)
+    prepare_ahead_batches: int = Field(default=2, ge=0)  # task threads prepare jobs while fewer batches are queued
     host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>

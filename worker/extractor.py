@@ -28,7 +28,8 @@ from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
 def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
                     limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
                     max_padding: float = MAX_PADDING,
-                    host_buffers: int = 3, write_slots: int = 8, compile_layers: bool = False,
+                    host_buffers: int = 3, write_slots: int = 8, prepare_ahead: int = 2,
+                    compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
     The engine passes the batching self-check first (``worker.engine.self_check``), or this raises
@@ -36,7 +37,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
     engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
                     batch_wait_s=batch_wait_s, max_padding=max_padding, host_buffers=host_buffers,
-                    staging_layers=len(preparer.default_layers), on_fatal=on_fatal)
+                    staging_layers=len(preparer.default_layers), prepare_ahead=prepare_ahead,
+                    on_fatal=on_fatal)
     try:
         report = check_batching(engine)
     except BaseException:

@@ -100,6 +100,9 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
         part.notes["first_result_after_s"] = round(finished[0] - start_wall, 3)
         part.notes["returned_after_last_result_s"] = round(end_wall - finished[-1], 3)
     part.notes["batches"] = int(engine_delta("batches"))
+    # the engine thread's time in its batches' runs: wall well above CPU means it waited for the GIL
+    part.notes["engine_run_s"] = round(engine_delta("run_s") / expected, 3)
+    part.notes["engine_run_cpu_s"] = round(engine_delta("run_cpu_s") / expected, 3)
     bundle = Settings().bundle
     part.notes["bundle"] = f"max_jobs={bundle.max_jobs} max_tokens={bundle.max_tokens}" if bundle.max_jobs > 1 \
         else "off"

@@ -150,3 +150,7 @@ class EngineStats:
     tokens: int = 0
     jobs: int = 0
     oom_splits: int = 0
+    #: The engine thread's wall and CPU seconds in its batches' runs (forward launched, copy-out
+    #: queued). Wall well above CPU on a GPU: the thread waited for the GIL (or the device).
+    run_s: float = 0.0
+    run_cpu_s: float = 0.0

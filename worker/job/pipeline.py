@@ -1,15 +1,17 @@
 """Jobs from raw message data to results (:class:`Result`): the core both the Celery tasks and the
 in-process :class:`~worker.extractor.Extractor` run.
 
-Steps per job: validate -> check the model -> tokenize (caller's thread) -> answer from disk
-if a complete file with the same ``spec_hash`` exists -> engine -> non-finite check -> write
--> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) go to the
-engine at once and are written in the order their batches come back. Every failure becomes
-that job's error result with a typed reason; nothing raises.
+Steps per job: validate -> check the model -> answer from disk if a complete file with the
+same ``spec_hash`` exists -> tokenize (caller's thread) -> engine -> non-finite check -> write
+-> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) are prepared and
+submitted inside the engine's ``preparing`` block (just ahead of the engine, a few callers at
+once), go to the engine at once and are written in the order their batches come back. Every
+failure becomes that job's error result with a typed reason; nothing raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -108,6 +110,11 @@ class JobProcessor:
         """Jobs submitted to the engine whose batch has not come back yet (the watchdog reads it)."""
         return self._awaiting_engine
 
+    def preparing(self) -> contextlib.AbstractContextManager[None]:
+        """The engine's :meth:`~worker.engine.engine.Engine.preparing` block: validate a message's
+        jobs inside it, so that they are prepared just ahead of the engine."""
+        return self.engine.preparing()
+
     def parse(self, raw: Any, fallback_id: str | None = None) -> Job:
         """Validate raw message data into a job with an id; raises :class:`JobError`.
 
@@ -141,34 +148,44 @@ class JobProcessor:
                      attempts: list[int | None] | None = None) -> list[Result]:
         """Run validated jobs together (all go to the engine at once, so its next batch sees
         them all) and return one result each, in order (never raises). Each job is answered
-        from disk, computed and written on its own; one job's failure is its result alone."""
-        queued = _queued(submitted_at)
+        from disk, computed and written on its own; one job's failure is its result alone.
+        They are prepared and submitted inside the engine's ``preparing`` block, and waited
+        for and written after it."""
         attempts = attempts or [None] * len(jobs)
         jobs = [job.with_id() for job in jobs]
         results: list[Result | None] = [None] * len(jobs)
         started: list[tuple[int, _Started]] = []
-        for index, job in enumerate(jobs):
-            outcome = self._guarded(job, queued, attempts[index], partial(self._start, job, queued, attempts[index]))
-            if isinstance(outcome, _Started):
-                started.append((index, outcome))
-            else:
-                results[index] = outcome
-        if started:
-            self._compute(jobs, started, results, queued, attempts)
+        with self.engine.preparing():
+            queued = _queued(submitted_at)  # waiting to prepare counts as time in the queue
+            for index, job in enumerate(jobs):
+                outcome = self._guarded(job, queued, attempts[index],
+                                        partial(self._start, job, queued, attempts[index]))
+                if isinstance(outcome, _Started):
+                    started.append((index, outcome))
+                else:
+                    results[index] = outcome
+            futures = self._submit(jobs, started, results, queued, attempts) if started else []
+        if futures:
+            self._finish_all(jobs, started, futures, results, queued, attempts)
         return results  # type: ignore[return-value]
 
-    def _compute(self, jobs: list[Job], started: list[tuple[int, _Started]], results: list[Result | None],
-                 queued: float | None, attempts: list[int | None]) -> None:
-        """Put every started job into the engine at once; finish each in the order its batch comes back
-        (a slice's host buffer is held until its job is written, so none waits behind a later batch)."""
+    def _submit(self, jobs: list[Job], started: list[tuple[int, _Started]], results: list[Result | None],
+                queued: float | None, attempts: list[int | None]) -> list[Future]:
+        """Put every started job into the engine at once; their futures, or none (and their error
+        results) if the engine refuses them."""
         try:
-            futures = self.engine.submit_many([job.request for _, job in started])
+            return self.engine.submit_many([job.request for _, job in started])
         except EngineError as engine_error:
             exc = JobError(ENGINE_ERROR_TYPES[type(engine_error)], str(engine_error))
             for index, _ in started:
                 results[index] = self._error(jobs[index].job_id, jobs[index].run, exc, Timings(queued=queued),  # type: ignore[arg-type]
                                              job=jobs[index], attempt=attempts[index])
-            return
+            return []
+
+    def _finish_all(self, jobs: list[Job], started: list[tuple[int, _Started]], futures: list[Future],
+                    results: list[Result | None], queued: float | None, attempts: list[int | None]) -> None:
+        """Finish each submitted job in the order its batch comes back (a slice's host buffer is
+        held until its job is written, so none waits behind a later batch)."""
         by_future = dict(zip(futures, started))
         waiting = len(futures)
         with self._awaiting_lock:
