@@ -155,7 +155,7 @@ class JobProcessor:
         jobs = [job.with_id() for job in jobs]
         results: list[Result | None] = [None] * len(jobs)
         started: list[tuple[int, _Started]] = []
-        with self.engine.preparing():
+        with self.preparing():
             queued = _queued(submitted_at)  # waiting to prepare counts as time in the queue
             for index, job in enumerate(jobs):
                 outcome = self._guarded(job, queued, attempts[index],
