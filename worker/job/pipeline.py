@@ -140,9 +140,14 @@ class JobProcessor:
             try:
                 raw = self.parse(raw, fallback_id)
             except JobError as exc:
-                job_id, run = identify(raw, fallback_id)
-                return self._error(job_id, run, exc, Timings(queued=_queued(submitted_at)), attempt=attempt)
+                return self.invalid(raw, exc, submitted_at=submitted_at, attempt=attempt, fallback_id=fallback_id)
         return self.process_many([raw], submitted_at=submitted_at, attempts=[attempt])[0]
+
+    def invalid(self, raw: Any, exc: JobError, *, submitted_at: float | None = None, attempt: int | None = None,
+                fallback_id: str | None = None) -> Result:
+        """The error result of raw message data that :meth:`parse` refused with ``exc``."""
+        job_id, run = identify(raw, fallback_id)
+        return self._error(job_id, run, exc, Timings(queued=_queued(submitted_at)), attempt=attempt)
 
     def process_many(self, jobs: list[Job], *, submitted_at: float | None = None,
                      attempts: list[int | None] | None = None) -> list[Result]:

@@ -110,8 +110,8 @@ class WorkerService:
         submitted_at = _time(kwargs.get("submitted_at"))
         try:
             job = self.processor.parse(raw, task_id)
-        except JobError:
-            result = self.processor.process(raw, submitted_at=submitted_at, fallback_id=task_id)
+        except JobError as exc:
+            result = self.processor.invalid(raw, exc, submitted_at=submitted_at, fallback_id=task_id)
             self.publisher.publish(result)
             return result.model_dump(mode="json")
         if refusal is not None:
@@ -162,15 +162,13 @@ class WorkerService:
         finished: list[Result] = []
         jobs: list[Job] = []
         payloads: list[Any] = []
-        invalid: list[Any] = []
         with self.processor.preparing():  # validated just ahead of the engine (worker.engine.engine)
             for raw in raws:
                 try:
                     jobs.append(self.processor.parse(raw))
                     payloads.append(raw)
-                except JobError:
-                    invalid.append(raw)
-        finished += [self.processor.process(raw, submitted_at=submitted_at) for raw in invalid]
+                except JobError as exc:
+                    finished.append(self.processor.invalid(raw, exc, submitted_at=submitted_at))
         if refusal is not None or not jobs:
             finished += [self.processor.refused(job, JobError(ErrorType.invalid_job, refusal or "")) for job in jobs]
             self.publisher.publish_many(finished, task_id, queue)
