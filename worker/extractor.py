@@ -28,7 +28,7 @@ from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
 def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
                     limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
                     max_padding: float = MAX_PADDING,
-                    host_buffers: int = 3, write_slots: int = 8, prepare_ahead: int = 2,
+                    host_buffers: int = 3, writer_threads: int = 8, prepare_ahead: int = 2,
                     compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
@@ -46,7 +46,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
         raise
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
-    return JobProcessor(loaded, engine, preparer, storage_root, worker_name, write_slots, self_check=report)
+    return JobProcessor(loaded, engine, preparer, storage_root, worker_name, writer_threads, self_check=report)
 
 
 class Extractor:

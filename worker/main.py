@@ -92,7 +92,7 @@ def run_worker(settings: Settings) -> int:
                                 limits=settings.limits, token_budget=ws.token_budget,
                                 max_batch_jobs=ws.max_batch_jobs, batch_wait_s=ws.batch_wait_ms / 1000,
                                 max_padding=ws.max_padding,
-                                host_buffers=ws.host_buffers, write_slots=ws.writer_threads,
+                                host_buffers=ws.host_buffers, writer_threads=ws.writer_threads,
                                 prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, on_fatal=on_fatal)
     gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")

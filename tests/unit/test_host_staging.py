@@ -68,7 +68,7 @@ def test_many_batches_through_one_host_buffer_match_transformers(layer_lists, ti
     loaded = load_model(model_dir, name="tiny-qwen3", device="cpu")
     processor = build_processor(loaded, storage_root=tmp_path, worker_name="staging-test", layers=[1, 4],
                                 limits=Limits(), token_budget=96, host_buffers=1,
-                                write_slots=1)  # slow writers: a buffer reused too early would show
+                                writer_threads=1)  # slow writers: a buffer reused too early would show
     rng = random.Random(7)
     jobs = [{"model": "tiny-qwen3", "run": "staging", "job_id": f"j{i}",
              "token_ids": [rng.randrange(1, 200) for _ in range(rng.randint(3, 60))],

@@ -5,8 +5,10 @@ Steps per job: validate -> check the model -> answer from disk if a complete fil
 same ``spec_hash`` exists -> tokenize (caller's thread) -> engine -> non-finite check -> write
 -> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) are prepared and
 submitted inside the engine's ``preparing`` block (just ahead of the engine, a few callers at
-once), go to the engine at once and are written in the order their batches come back. Every
-failure becomes that job's error result with a typed reason; nothing raises.
+once), go to the engine at once and are handed to the processor's writer threads as their
+batches come back, so the files of one call are written side by side (a batch's host buffer is
+free only once all its files are written). Every failure becomes that job's error result with a
+typed reason; nothing raises.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -95,14 +97,16 @@ class JobProcessor:
     """Thread-safe; one per worker (or Extractor), sharing one engine."""
 
     def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage_root: Path,
-                 worker_name: str, write_slots: int = 8, self_check: CheckReport | None = None):
+                 worker_name: str, writer_threads: int = 8, self_check: CheckReport | None = None):
+        """``writer_threads``: files written at once, over all calls (each job's check, write and
+        result run on one of them)."""
         self.loaded = loaded
         self.self_check = self_check  # the engine's batching self-check, passed before any job
         self.engine = engine
         self.preparer = preparer
         self.storage_root = Path(storage_root)
         self.worker_name = worker_name
-        self._write_slots = threading.BoundedSemaphore(write_slots)
+        self._writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="layertap-write")
         self._awaiting_engine = 0
         self._awaiting_lock = threading.Lock()
 
@@ -189,10 +193,12 @@ class JobProcessor:
 
     def _finish_all(self, jobs: list[Job], started: list[tuple[int, _Started]], futures: list[Future],
                     results: list[Result | None], queued: float | None, attempts: list[int | None]) -> None:
-        """Finish each submitted job in the order its batch comes back (a slice's host buffer is
-        held until its job is written, so none waits behind a later batch)."""
+        """Hand each submitted job to a writer thread as soon as its batch comes back (a slice's
+        host buffer is held until its job is written, so none waits behind a later batch or
+        behind the other files of this call), then wait for all of them."""
         by_future = dict(zip(futures, started))
         waiting = len(futures)
+        writing: list[tuple[int, Future]] = []
         with self._awaiting_lock:
             self._awaiting_engine += waiting
         try:
@@ -201,11 +207,14 @@ class JobProcessor:
                 with self._awaiting_lock:
                     self._awaiting_engine -= 1
                 waiting -= 1
-                results[index] = self._guarded(jobs[index], queued, attempts[index],
-                                               partial(self._finish, job, future, queued, attempts[index]))
+                writing.append((index, self._writers.submit(
+                    self._guarded, jobs[index], queued, attempts[index],
+                    partial(self._finish, job, future, queued, attempts[index]))))
         finally:
             with self._awaiting_lock:
                 self._awaiting_engine -= waiting
+        for index, written in writing:
+            results[index] = written.result()  # _guarded never raises
 
     def _guarded(self, job: Job, queued: float | None, attempt: int | None,
                  step: Callable[[], Result | _Started]) -> Result | _Started:
@@ -256,12 +265,10 @@ class JobProcessor:
                                                      "written (check the model weights and dtype)")
             tensors = self._tensors(job, prepared, request, captured)
             write_start = time.perf_counter()
-            with self._write_slots:
-                try:
-                    write_job_file(path, tensors, self._metadata(job, prepared, started.spec_hash,
-                                                                 started.output_dtype))
-                except OSError as exc:
-                    raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
+            try:
+                write_job_file(path, tensors, self._metadata(job, prepared, started.spec_hash, started.output_dtype))
+            except OSError as exc:
+                raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:
             job_slice.release()
