@@ -91,14 +91,13 @@ class Extractor:
         processor = self.processor
         out_root = None if out_dir is None else Path(out_dir).expanduser().resolve()
         if out_root is not None and out_root != processor.storage_root:
-            processor = JobProcessor(self.loaded, processor.engine, processor.preparer, out_root,
-                                     processor.worker_name, self_check=processor.self_check)
+            processor = processor.writing_to(out_root)
         jobs = [self.job(item, run, **fields) for item in inputs]
         return list(self._pool.map(processor.process, jobs))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.processor.engine.stop()
+        self.processor.close()
 
     def __enter__(self) -> Extractor:
         return self

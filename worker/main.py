@@ -163,5 +163,5 @@ def run_worker(settings: Settings) -> int:
         retention.stop()
         keeper.stop()
         metrics.close()
-        processor.engine.stop()
+        processor.close()
     return EXIT_DEVICE_FAULT if faults else (celery_worker.exitcode or 0)

@@ -51,7 +51,7 @@ def main(shape: str = "shape:qwen3-8b", headroom_gb: float = 6.0) -> dict:
         after = processor.process(jobs[0] | {"job_id": "after"})
         report["job_after_that"] = after.status.value
     finally:
-        processor.engine.stop()
+        processor.close()
         shutil.rmtree(out, ignore_errors=True)
     return report
 

@@ -191,7 +191,7 @@ def memory_check(loaded: LoadedModel, layer_ids: list[int], budget: int) -> dict
                              "peak_gb": torch.cuda.max_memory_allocated(loaded.device) / 1e9,
                              "errors": sorted({r.error_type.value for r in results if not r.ok})}
     finally:
-        processor.engine.stop()
+        processor.close()
         shutil.rmtree("/dev/shm/layertap-memcheck", ignore_errors=True)
     report["weights_gb"] = weights
     return report

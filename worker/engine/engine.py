@@ -140,7 +140,7 @@ class Engine:
 
     @contextlib.contextmanager
     def preparing(self) -> Iterator[None]:
-        """Prepare work (validate, tokenize) and submit it inside this block; it is entered once
+        """Prepare work (tokenize, build its tensors) and submit it inside this block; it is entered once
         fewer than ``prepare_ahead`` token budgets are queued and fewer than
         :data:`MAX_PREPARING` callers are inside (at once if the engine is stopping, or
         ``prepare_ahead`` is 0). Nothing inside may wait on the engine, and blocks are never

@@ -13,7 +13,7 @@ typed reason; nothing raises.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import json
 import logging
 import threading
@@ -110,14 +110,20 @@ class JobProcessor:
         self._awaiting_engine = 0
         self._awaiting_lock = threading.Lock()
 
+    def writing_to(self, storage_root: Path) -> JobProcessor:
+        """This processor writing under another root (same engine, tokenizer and writer threads)."""
+        other = copy.copy(self)
+        other.storage_root = Path(storage_root)
+        return other
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the engine and the writer threads."""
+        self.engine.stop()
+        self._writers.shutdown(wait=True)
+
     def awaiting_engine(self) -> int:
         """Jobs submitted to the engine whose batch has not come back yet (the watchdog reads it)."""
         return self._awaiting_engine
-
-    def preparing(self) -> contextlib.AbstractContextManager[None]:
-        """The engine's :meth:`~worker.engine.engine.Engine.preparing` block: validate a message's
-        jobs inside it, so that they are prepared just ahead of the engine."""
-        return self.engine.preparing()
 
     def parse(self, raw: Any, fallback_id: str | None = None) -> Job:
         """Validate raw message data into a job with an id; raises :class:`JobError`.
@@ -164,7 +170,7 @@ class JobProcessor:
         jobs = [job.with_id() for job in jobs]
         results: list[Result | None] = [None] * len(jobs)
         started: list[tuple[int, _Started]] = []
-        with self.preparing():
+        with self.engine.preparing():
             queued = _queued(submitted_at)  # waiting to prepare counts as time in the queue
             for index, job in enumerate(jobs):
                 outcome = self._guarded(job, queued, attempts[index],

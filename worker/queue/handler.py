@@ -162,13 +162,12 @@ class WorkerService:
         finished: list[Result] = []
         jobs: list[Job] = []
         payloads: list[Any] = []
-        with self.processor.preparing():  # validated just ahead of the engine (worker.engine.engine)
-            for raw in raws:
-                try:
-                    jobs.append(self.processor.parse(raw))
-                    payloads.append(raw)
-                except JobError as exc:
-                    finished.append(self.processor.invalid(raw, exc, submitted_at=submitted_at))
+        for raw in raws:
+            try:
+                jobs.append(self.processor.parse(raw))
+                payloads.append(raw)
+            except JobError as exc:
+                finished.append(self.processor.invalid(raw, exc, submitted_at=submitted_at))
         if refusal is not None or not jobs:
             finished += [self.processor.refused(job, JobError(ErrorType.invalid_job, refusal or "")) for job in jobs]
             self.publisher.publish_many(finished, task_id, queue)
