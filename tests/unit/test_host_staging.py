@@ -99,6 +99,7 @@ def test_next_batch_waits_for_a_free_buffer_and_takes_everything_queued_meanwhil
     try:
         first = engine.submit(EngineRequest(torch.arange(1, 9), [2])).result(timeout=30)
         held = first.wait()  # the batch's views are in use: its buffer is not free
+        assert engine.stats.buffer_wait_s < 0.2
         later = []
         for i in range(3):  # each arrives well after the engine's 2 ms batch wait
             later.append(engine.submit(EngineRequest(torch.arange(1, 5 + i), [2])))
@@ -112,5 +113,6 @@ def test_next_batch_waits_for_a_free_buffer_and_takes_everything_queued_meanwhil
             piece.wait().release()
         assert len({id(batch) for batch in batches}) == 1  # one batch for all three
         assert engine.stats.batches == 2
+        assert engine.stats.buffer_wait_s >= 0.25  # counted: it waited out the three 0.1 s arrivals
     finally:
         engine.stop()

@@ -103,6 +103,8 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     # the engine thread's time in its batches' runs: wall well above CPU means it waited for the GIL
     part.notes["engine_run_s"] = round(engine_delta("run_s") / expected, 3)
     part.notes["engine_run_cpu_s"] = round(engine_delta("run_cpu_s") / expected, 3)
+    # the engine thread's wait for a host buffer the writers had not given back yet
+    part.notes["engine_buffer_wait_s"] = round(engine_delta("buffer_wait_s") / expected, 3)
     bundle = Settings().bundle
     part.notes["bundle"] = f"max_jobs={bundle.max_jobs} max_tokens={bundle.max_tokens}" if bundle.max_jobs > 1 \
         else "off"

@@ -185,6 +185,7 @@ class Engine:
         return {"batches": self.stats.batches, "jobs": self.stats.jobs, "tokens": self.stats.tokens,
                 "busy_s": round(self.busy_seconds(wait=False), 6), "oom_splits": self.stats.oom_splits,
                 "run_s": round(self.stats.run_s, 6), "run_cpu_s": round(self.stats.run_cpu_s, 6),
+                "buffer_wait_s": round(self.stats.buffer_wait_s, 6),
                 "pending": self.pending()}
 
     # -- engine thread ----------------------------------------------------------------
@@ -228,7 +229,9 @@ class Engine:
                 self._cond.wait()
             if not self._pending and not self._together:
                 return None
+        waited = time.perf_counter()
         self._staging.wait_free()
+        self.stats.buffer_wait_s += time.perf_counter() - waited
         with self._cond:
             if self._together:
                 return self._together.popleft()

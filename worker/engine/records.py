@@ -154,3 +154,5 @@ class EngineStats:
     #: queued). Wall well above CPU on a GPU: the thread waited for the GIL (or the device).
     run_s: float = 0.0
     run_cpu_s: float = 0.0
+    #: Seconds the engine thread waited for a free host buffer with work queued (writers behind).
+    buffer_wait_s: float = 0.0

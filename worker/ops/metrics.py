@@ -60,6 +60,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("layertap_batches", "Packed batches run.", value=stats.batches)
         yield CounterMetricFamily("layertap_busy_seconds", "Device seconds spent in batches.",
                                   value=self.engine.busy_seconds(wait=False))
+        yield CounterMetricFamily("layertap_host_buffer_wait_seconds",
+                                  "Seconds the engine waited for a free host buffer with work queued (writers behind).",
+                                  value=stats.buffer_wait_s)
         yield CounterMetricFamily("layertap_oom_splits", "Batches split in two after running out of memory.",
                                   value=stats.oom_splits)
         yield GaugeMetricFamily("layertap_tokens_per_second",
