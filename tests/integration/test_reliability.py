@@ -259,9 +259,12 @@ def test_chaos_kills_restarts_and_a_hang_lose_nothing(make_worker, private_clien
             gate.touch()
         wait_back(held, killed_at, f"the jobs of killed worker {round_no} to start again")
         worker = successor
-    make_worker("chaos-last@localhost", extra_args=slow, env=patient)  # healthy, for what the hung one holds
-    hung_held = in_flight()
+    # The killed worker may have written every file it held before it died: the hung one then answers
+    # those from disk without its engine. The last share is fresh work, so its engine surely runs and hangs.
     submit_steadily(jobs[rounds * share:])
+    wait_for(lambda: bool(in_flight()), 30, "the hung worker to hold jobs")
+    hung_held = in_flight()
+    make_worker("chaos-last@localhost", extra_args=slow, env=patient)  # healthy, for what the hung one holds
     assert hung.process.poll() is None, "the hung worker gave up before it could be timed"
     assert hung.process.wait(timeout=CHAOS_HANG_TIMEOUT + 30) == EXIT_STALLED
     wait_back(hung_held, time.monotonic(), "the hung worker's jobs to start again")
