@@ -48,6 +48,12 @@ def default_node_name() -> str:
     return f"layertap-{os.getpid()}@{socket.gethostname()}"
 
 
+def _process_cpu() -> dict[str, float]:
+    """This process's user and system CPU seconds so far (every thread)."""
+    times = os.times()
+    return {"user_s": round(times.user, 3), "system_s": round(times.system, 3)}
+
+
 def read_chat_template(path: str | None) -> str | None:
     """The text of the worker's chat template file (read once, at start), or None."""
     if path is None:
@@ -118,7 +124,8 @@ def run_worker(settings: Settings) -> int:
                    "batching": loaded.batching.path.value, "batching_reason": loaded.batching.reason,
                    "self_check": processor.self_check.describe() if processor.self_check else None}
     keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot(),
-                                                "tokens_per_s": round(metrics.tokens_per_second(), 1)},
+                                                "tokens_per_s": round(metrics.tokens_per_second(), 1),
+                                                "cpu": _process_cpu()},
                          settings.orphan_timeout)
     reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout)
     retention = RetentionSweep(client, node, settings.retention.results_s, settings.retention.sweep_interval_s)

@@ -61,7 +61,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
                 if worker.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"bench worker did not start; see {log.name}")
                 time.sleep(0.05)
-            engines_before = [i["engine"] for i in serving().values()]
+            before = list(serving().values())
             start, start_wall = time.perf_counter(), time.time()
             if not cfg.backlog:
                 job_ids = submit_all()
@@ -69,7 +69,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
             results = client.wait(run, job_ids, timeout=3600)
             seconds, end_wall = time.perf_counter() - start, time.time()
             time.sleep(max(0.3, client.settings.orphan_timeout / 4 + 0.2))  # one more heartbeat with final stats
-            engines_after = [i["engine"] for i in serving().values()]
+            after = list(serving().values())
     finally:
         if worker is not None:
             worker.terminate()
@@ -78,8 +78,11 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
         if server is not None:
             server.close()
 
+    def delta(section: str, key: str) -> float:
+        return sum(info[section][key] for info in after) - sum(info[section][key] for info in before)
+
     def engine_delta(key: str) -> float:
-        return sum(e[key] for e in engines_after) - sum(e[key] for e in engines_before)
+        return delta("engine", key)
 
     busy = engine_delta("busy_s") / expected
     errors = [r for r in results.values() if not r.ok]
@@ -105,6 +108,9 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     part.notes["engine_run_cpu_s"] = round(engine_delta("run_cpu_s") / expected, 3)
     # the engine thread's wait for a host buffer the writers had not given back yet
     part.notes["engine_buffer_wait_s"] = round(engine_delta("buffer_wait_s") / expected, 3)
+    # the worker processes' CPU per job, every thread: user (Python, torch's host side) and system (writes)
+    part.notes["worker_cpu_ms_per_job"] = {kind: round(delta("cpu", f"{kind}_s") / len(prompts) * 1e3, 3)
+                                           for kind in ("user", "system")}
     bundle = Settings().bundle
     part.notes["bundle"] = f"max_jobs={bundle.max_jobs} max_tokens={bundle.max_tokens}" if bundle.max_jobs > 1 \
         else "off"
