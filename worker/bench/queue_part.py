@@ -81,10 +81,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     def delta(section: str, key: str) -> float:
         return sum(info[section][key] for info in after) - sum(info[section][key] for info in before)
 
-    def engine_delta(key: str) -> float:
-        return delta("engine", key)
-
-    busy = engine_delta("busy_s") / expected
+    busy = delta("engine", "busy_s") / expected
     errors = [r for r in results.values() if not r.ok]
     label = f"d: queue end to end, {expected} workers (--gpus {cfg.gpus})" if cfg.gpus else "d: queue end to end"
     if cfg.backlog:
@@ -102,12 +99,12 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     if finished:
         part.notes["first_result_after_s"] = round(finished[0] - start_wall, 3)
         part.notes["returned_after_last_result_s"] = round(end_wall - finished[-1], 3)
-    part.notes["batches"] = int(engine_delta("batches"))
+    part.notes["batches"] = int(delta("engine", "batches"))
     # the engine thread's time in its batches' runs: wall well above CPU means it waited for the GIL
-    part.notes["engine_run_s"] = round(engine_delta("run_s") / expected, 3)
-    part.notes["engine_run_cpu_s"] = round(engine_delta("run_cpu_s") / expected, 3)
+    part.notes["engine_run_s"] = round(delta("engine", "run_s") / expected, 3)
+    part.notes["engine_run_cpu_s"] = round(delta("engine", "run_cpu_s") / expected, 3)
     # the engine thread's wait for a host buffer the writers had not given back yet
-    part.notes["engine_buffer_wait_s"] = round(engine_delta("buffer_wait_s") / expected, 3)
+    part.notes["engine_buffer_wait_s"] = round(delta("engine", "buffer_wait_s") / expected, 3)
     # the worker processes' CPU per job, every thread: user (Python, torch's host side) and system (writes)
     part.notes["worker_cpu_ms_per_job"] = {kind: round(delta("cpu", f"{kind}_s") / len(prompts) * 1e3, 3)
                                            for kind in ("user", "system")}

@@ -143,8 +143,8 @@ class Engine:
         """Prepare work (tokenize, build its tensors) and submit it inside this block; it is entered once
         fewer than ``prepare_ahead`` token budgets are queued and fewer than
         :data:`MAX_PREPARING` callers are inside (at once if the engine is stopping, or
-        ``prepare_ahead`` is 0). Nothing inside may wait on the engine, and blocks are never
-        nested (module doc)."""
+        ``prepare_ahead`` is 0). Nothing inside may wait on the engine (its place would stay taken
+        meanwhile), and blocks are never nested (the inner one could wait forever)."""
         if not self.prepare_ahead:
             yield
             return
