@@ -82,13 +82,26 @@ class Holders:
         return release
 
 
-@dataclass(frozen=True)
+@dataclass
 class BatchOutput:
     """One batch's outputs on the host; readable once ``ready`` (a device event) is done."""
 
     tensors: HostTensors
     ready: torch.cuda.Event | None  # None on the CPU: the copy is done already
     started: float  # perf_counter when the batch started
+    _all_finite: bool | None = field(default=None, init=False, repr=False)
+
+    def all_finite(self) -> bool:
+        """No NaN/Inf in any job's states of this batch (the usual case: then no job checks its
+        own). Read only once ``ready`` is done; computed by the first job to ask (jobs racing to
+        it compute the same answer)."""
+        if self._all_finite is None:
+            host = self.tensors
+            broken = bool(host.non_finite.any())
+            if host.final_non_finite is not None:
+                broken = broken or bool(host.final_non_finite.any())
+            self._all_finite = not broken
+        return self._all_finite
 
 
 @dataclass
@@ -135,10 +148,12 @@ class JobSlice:
         if self.topk_rows is not None:
             logprobs = host.topk_logprobs[self.topk_rows, :self.topk]  # type: ignore[index]
             ids = host.topk_ids[self.topk_rows, :self.topk]  # type: ignore[index]
-        # Only the job's own layers count: another job's layer in the same batch may be broken.
-        non_finite = bool(host.non_finite[tokens][:, self.slots].any())
-        if self.want_final and host.final_non_finite is not None:
-            non_finite |= bool(host.final_non_finite[tokens].any())
+        non_finite = False
+        if not self.batch.all_finite():
+            # Only the job's own layers count: another job's layer in the same batch may be broken.
+            non_finite = bool(host.non_finite[tokens][:, self.slots].any())
+            if self.want_final and host.final_non_finite is not None:
+                non_finite |= bool(host.final_non_finite[tokens].any())
         return Captured(hidden, hidden_scale, final, final_scale, logprobs, ids, non_finite, compute_s, self.release)
 
 

@@ -177,6 +177,6 @@ class BatchRunner:
                 if source is not None:
                     target.copy_(source, non_blocking=True)
                     source.record_stream(stream)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # its waiters sleep, not spin a core each
             ready.record(stream)
         return ready
