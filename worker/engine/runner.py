@@ -2,7 +2,8 @@
 output dtype, the non-finite flags, the teacher's top-k, and the copy into a host buffer.
 
 On a GPU the copy is asynchronous, on a side stream: :meth:`BatchRunner.run` returns as soon
-as it is queued, and the batch's ``ready`` event says when it is done. The host buffer goes
+as it is queued, and the batch's ``ready`` event says when it is done (a blocking event: a job
+thread waiting on it sleeps rather than spinning a core). The host buffer goes
 back to the free list when the batch's last job has released it, and never before its copy
 is done (a job that never waited must not race the copy). Used on the engine thread only,
 except :meth:`DeviceClock.busy_seconds`.
