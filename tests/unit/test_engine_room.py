@@ -1,6 +1,7 @@
 """Callers prepare work just ahead of the engine, inside ``Engine.preparing``: it lets a caller
 in while fewer than two token budgets are queued and fewer than two callers are inside, and
-lets waiting callers in once the engine takes a batch, a caller leaves, or the engine stops."""
+lets waiting callers in once the engine takes a batch, a caller leaves, or the engine stops.
+Jobs answered from disk never wait for a place."""
 
 from __future__ import annotations
 
@@ -106,3 +107,33 @@ def test_prepare_ahead_zero_never_holds_a_caller_back(tiny_models):
     finally:
         held.release()
         engine.stop()
+
+
+def test_jobs_answered_from_disk_take_no_preparing_place(tiny_models, tmp_path):
+    """A redelivered bundle whose files are written is answered while every place is taken."""
+    from producer.protocol.schema import Job
+    from producer.settings import Limits
+    from worker.extractor import build_processor
+
+    loaded = load_model(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu")
+    processor = build_processor(loaded, storage_root=tmp_path, worker_name="room-test", layers=[1, 4],
+                                limits=Limits(), token_budget=BUDGET)
+    jobs = [Job.model_validate({"model": "tiny-qwen3", "run": "room", "job_id": f"j{i}",
+                                "token_ids": list(range(1, 6 + i))}) for i in range(3)]
+    try:
+        assert all(result.ok and not result.cached for result in processor.process_many(jobs))
+        inside = [_Caller(processor.engine) for _ in range(MAX_PREPARING)]
+        assert all(caller.inside.wait(10) for caller in inside)
+        answered: list = []
+        thread = threading.Thread(target=lambda: answered.extend(processor.process_many(jobs)), daemon=True)
+        thread.start()
+        thread.join(10)
+        finished = not thread.is_alive()
+        for caller in inside:
+            caller.done()
+        thread.join(30)
+        assert finished, "jobs answered from disk waited for a preparing place"
+        assert [result.job_id for result in answered] == [job.job_id for job in jobs]
+        assert all(result.ok and result.cached for result in answered)
+    finally:
+        processor.close()

@@ -3,9 +3,10 @@ in-process :class:`~worker.extractor.Extractor` run.
 
 Steps per job: validate -> check the model -> answer from disk if a complete file with the
 same ``spec_hash`` exists -> tokenize (caller's thread) -> engine -> non-finite check -> write
--> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) are prepared and
-submitted inside the engine's ``preparing`` block (just ahead of the engine, a few callers at
-once), go to the engine at once and are handed to the processor's writer threads as their
+-> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) that are not
+answered from disk are prepared and submitted inside the engine's ``preparing`` block (just
+ahead of the engine, a few callers at once; disk answers come before it and take no place
+there), go to the engine at once and are handed to the processor's writer threads as their
 batches come back, so the files of one call are written side by side (a batch's host buffer is
 free only once all its files are written). Every failure becomes that job's error result with a
 typed reason; nothing raises.
@@ -23,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -79,6 +80,17 @@ def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
 def _queued(submitted_at: float | None) -> float | None:
     """Seconds since ``submitted_at`` (the job's time in the queue), if known."""
     return max(0.0, time.time() - submitted_at) if submitted_at else None
+
+
+_Step = TypeVar("_Step")
+
+
+@dataclass
+class _Target:
+    """A job for this worker's model with no complete file of its own yet: where it goes."""
+
+    path: Path
+    spec_hash: str
 
 
 @dataclass
@@ -164,17 +176,26 @@ class JobProcessor:
         """Run validated jobs together (all go to the engine at once, so its next batch sees
         them all) and return one result each, in order (never raises). Each job is answered
         from disk, computed and written on its own; one job's failure is its result alone.
-        They are prepared and submitted inside the engine's ``preparing`` block, and waited
-        for and written after it."""
+        Those answered from disk (a redelivery) are answered first; the rest are prepared and
+        submitted inside the engine's ``preparing`` block, and waited for and written after it."""
         attempts = attempts or [None] * len(jobs)
         jobs = [job.with_id() for job in jobs]
         results: list[Result | None] = [None] * len(jobs)
+        targets: list[tuple[int, _Target]] = []
+        queued = _queued(submitted_at)
+        for index, job in enumerate(jobs):
+            checked = self._guarded(job, queued, attempts[index], partial(self._check, job, queued, attempts[index]))
+            if isinstance(checked, _Target):
+                targets.append((index, checked))
+            else:
+                results[index] = checked
+        if not targets:
+            return results  # type: ignore[return-value]
         started: list[tuple[int, _Started]] = []
         with self.engine.preparing():
             queued = _queued(submitted_at)  # waiting to prepare counts as time in the queue
-            for index, job in enumerate(jobs):
-                outcome = self._guarded(job, queued, attempts[index],
-                                        partial(self._start, job, queued, attempts[index]))
+            for index, target in targets:
+                outcome = self._guarded(jobs[index], queued, attempts[index], partial(self._start, jobs[index], target))
                 if isinstance(outcome, _Started):
                     started.append((index, outcome))
                 else:
@@ -223,7 +244,7 @@ class JobProcessor:
             results[index] = written.result()  # _guarded never raises
 
     def _guarded(self, job: Job, queued: float | None, attempt: int | None,
-                 step: Callable[[], Result | _Started]) -> Result | _Started:
+                 step: Callable[[], _Step]) -> _Step | Result:
         """``step()``, or the error result of ``job`` it raised."""
         try:
             return step()
@@ -238,23 +259,27 @@ class JobProcessor:
         """The error result of a valid job refused before it runs."""
         return self._error(job.job_id, job.run, exc, Timings(), job=job)  # type: ignore[arg-type]
 
-    def _start(self, job: Job, queued: float | None, attempt: int | None) -> Result | _Started:
-        """A job up to the engine: its answer from disk, or what the engine is to run."""
+    def _check(self, job: Job, queued: float | None, attempt: int | None) -> Result | _Target:
+        """A job's answer from disk (a redelivery), or where its file is to go."""
         if job.model != self.loaded.name:
             raise JobError(ErrorType.unknown_model,
                            f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
         path = job_path(self.storage_root, job.run, job.job_id)  # type: ignore[arg-type]
         spec_hash = job.spec_hash()
-        if existing_spec_hash(path) == spec_hash:  # a redelivery: answer from disk, before tokenizing
+        if existing_spec_hash(path) == spec_hash:
             cached = self._from_disk(job, path, queued, attempt)
             if cached is not None:
                 return cached
+        return _Target(path, spec_hash)
+
+    def _start(self, job: Job, target: _Target) -> _Started:
+        """What the engine is to run for a checked job (tokenized here, on the caller's thread)."""
         prepared = self.preparer.prepare(job)
         output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
                                 topk=job.topk or 0, topk_rows=prepared.topk_rows)
-        return _Started(job, path, spec_hash, prepared, request, output_dtype)
+        return _Started(job, target.path, target.spec_hash, prepared, request, output_dtype)
 
     def _finish(self, started: _Started, future: Future, queued: float | None, attempt: int | None) -> Result:
         """A job whose batch came back: checked, written, its ok result."""
