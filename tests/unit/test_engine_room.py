@@ -10,8 +10,11 @@ import threading
 import pytest
 import torch
 
+from producer.protocol.schema import Job
+from producer.settings import Limits
 from worker.engine.engine import MAX_PREPARING, Engine
 from worker.engine.records import EngineRequest
+from worker.extractor import build_processor
 from worker.model.loading import load_model
 
 BUDGET = 64
@@ -111,10 +114,6 @@ def test_prepare_ahead_zero_never_holds_a_caller_back(tiny_models):
 
 def test_jobs_answered_from_disk_take_no_preparing_place(tiny_models, tmp_path):
     """A redelivered bundle whose files are written is answered while every place is taken."""
-    from producer.protocol.schema import Job
-    from producer.settings import Limits
-    from worker.extractor import build_processor
-
     loaded = load_model(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu")
     processor = build_processor(loaded, storage_root=tmp_path, worker_name="room-test", layers=[1, 4],
                                 limits=Limits(), token_budget=BUDGET)
