@@ -9,7 +9,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4'
 STAMP := $(VENV)/.layertap-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test test-unit install clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit loop: no Redis, no processes, under a minute.
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) layertap-data .pytest_cache
