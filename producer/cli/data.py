@@ -54,7 +54,10 @@ def enqueue(
     layers: Optional[str] = typer.Option(None, help="Layer ids for every job, e.g. 2,18,-1."),
     max_length: Optional[int] = typer.Option(None, help="Token limit per job."),
     truncate: bool = typer.Option(False, help="Cut jobs longer than --max-length instead of failing them."),
-    loss_on: Optional[str] = typer.Option(None, help="Chats: all | last assistant turn(s) in the loss mask."),
+    loss_on: Optional[str] = typer.Option(None, help="Chats: all | last assistant turn(s) in the loss mask, or "
+                                          "none (analysis: no assistant turn needed, mask all 0)."),
+    generation_prompt: bool = typer.Option(False, help="Chats: end each with the template's generation prompt "
+                                           "(the states where an answer starts; never trained on)."),
     final_hidden_states: bool = typer.Option(False, help="Also store the last layer's output after the final norm."),
     topk: Optional[int] = typer.Option(None, help="Also store the teacher's top-k next-token log-probs."),
     topk_on: Optional[str] = typer.Option(None, help="mask (positions predicting a loss-mask token) | all."),
@@ -89,7 +92,8 @@ def enqueue(
     defaults: dict[str, Any] = {"model": model, "run": run, "max_length": max_length, "truncate": truncate,
                                 "layers": parse_layer_list(layers) if layers is not None else None,
                                 "loss_on": loss_on, "topk": topk, "topk_on": topk_on, "dtype": dtype,
-                                "final_hidden_states": final_hidden_states or None}
+                                "final_hidden_states": final_hidden_states or None,
+                                "generation_prompt": generation_prompt or None}
     defaults = {key: value for key, value in defaults.items() if value is not None}
     settings = Settings()
     prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults))

@@ -142,7 +142,8 @@ class Job(BaseModel):
     layers: list[int] | None = None
     max_length: int | None = Field(default=None, gt=0)
     truncate: bool = False
-    loss_on: Literal["all", "last"] = "all"  # chats: mark every assistant turn, or only the last
+    loss_on: Literal["all", "last", "none"] = "all"  # chats: every assistant turn, the last, or none (analysis)
+    generation_prompt: bool | None = None  # chats: end with the template's generation prompt (where an answer starts)
     final_hidden_states: bool = False  # also store the last layer's output after the final norm
     topk: int | None = Field(default=None, ge=1)  # store the teacher's top-k next-token log-probs
     topk_on: Literal["mask", "all"] = "mask"  # positions predicting a loss-mask token, or every position
@@ -185,6 +186,10 @@ class Job(BaseModel):
         if self.tools is not None and self.messages is None:
             raise ValueError("tools are rendered by a chat template: give them with messages, "
                              "not with a prompt or token_ids")
+        if self.generation_prompt and self.messages is None:
+            raise ValueError("generation_prompt is added by a chat template: give it with messages")
+        if self.generation_prompt and self.messages and self.messages[-1].role == "assistant":
+            raise ValueError("generation_prompt starts a new assistant turn: the chat must not end with one")
         return self
 
     def spec(self) -> dict[str, Any]:

@@ -156,10 +156,11 @@ class ChatRenderer:
                                         "chat (it rewrites earlier turns)")
         return len(before), len(through)
 
-    def generation_block_mask(self) -> tuple[list[int], list[int]]:
+    def generation_block_mask(self, generation_prompt: bool = False) -> tuple[list[int], list[int]]:
         """Token ids and the mask of the template's ``{% generation %}`` blocks."""
         try:
             encoded = self.tokenizer.apply_chat_template(self.messages, tools=self.tools, tokenize=True,
+                                                         add_generation_prompt=generation_prompt,
                                                          return_dict=True, return_assistant_tokens_mask=True)
         except Exception as exc:
             raise JobError(ErrorType.chat_template, f"the chat template could not render this chat: {exc}") from None
@@ -167,25 +168,36 @@ class ChatRenderer:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                loss_on: Literal["all", "last"] = "all") -> tuple[list[int], list[int]]:
-    """Token ids of the rendered chat and a 0/1 loss mask over them (1 = trained assistant tokens)."""
+                loss_on: Literal["all", "last", "none"] = "all",
+                generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered chat and a 0/1 loss mask over them (1 = trained assistant tokens;
+    all 0 with ``loss_on="none"``). With ``generation_prompt`` the text ends with the template's
+    generation prompt, which is never trained on."""
     renderer = ChatRenderer(tokenizer, messages, tools)
     text = renderer.render(len(messages), generation_prompt=False)
     if tools and text == renderer.render(len(messages), generation_prompt=False, tools=False):
         raise JobError(ErrorType.chat_template, "the chat template ignores tools: this model's template does not "
                                                 "render them (give the worker a template that does)")
     _check_reasoning_rendered(messages, text)
+    whole = text
+    if generation_prompt:
+        whole = renderer.render(len(messages), generation_prompt=True)
+        if not whole.startswith(text):
+            raise JobError(ErrorType.chat_template, "the chat template's generation prompt rewrites the chat "
+                                                    "before it, so the chat's tokens cannot be kept")
     turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
-    if loss_on == "last":
+    if loss_on == "none":
+        turns = []
+    elif loss_on == "last":
         turns = turns[-1:]
     try:
         spans = _streamed_spans(renderer, text, turns) or [renderer.turn_span(index, text) for index in turns]
     except TemplateRewritesTurns as exc:
         if loss_on == "all" and GENERATION_BLOCK.search(renderer.template):
-            return renderer.generation_block_mask()
+            return renderer.generation_block_mask(generation_prompt)
         hint = ("; use loss_on='last', or a template with {% generation %} blocks" if loss_on == "all" else "")
         raise JobError(ErrorType.chat_template, f"{exc}, so its assistant tokens cannot be located{hint}") from None
-    return _mask_spans(tokenizer, text, spans)
+    return _mask_spans(tokenizer, whole, spans)
 
 
 def _streamed_spans(renderer: ChatRenderer, text: str, turns: list[int]) -> list[tuple[int, int]] | None:

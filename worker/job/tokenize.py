@@ -65,7 +65,7 @@ class Preparer:
         else:
             token_ids, loss_mask = self._tokenize_chat(job)
         token_ids, loss_mask, truncated_from = self._fit_length(job, token_ids, loss_mask)
-        if loss_mask is not None and not any(loss_mask):
+        if loss_mask is not None and not any(loss_mask) and job.loss_on != "none":
             raise JobError(ErrorType.no_trainable_tokens,
                            "the chat has no assistant tokens" + (" left after truncation" if truncated_from else "")
                            + ": its loss mask would be all zeros")
@@ -146,11 +146,13 @@ class Preparer:
         chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages)
         if chars > self.limits.max_chars:
             raise JobError(ErrorType.invalid_job, f"the chat has {chars} characters; the limit is {self.limits.max_chars}")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on")
+        if job.loss_on != "none" and not any(m["role"] == "assistant" for m in messages):
+            raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on "
+                                                          "(loss_on='none' extracts it for analysis)")
         self._refuse_unfittable(job, chars)
         with self._tokenizer() as tokenizer:
-            return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on)
+            return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on,
+                               generation_prompt=bool(job.generation_prompt))
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
         limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
