@@ -284,3 +284,18 @@ def test_task_events_reach_a_monitor(ops_worker, client, run_name, redis_server)
     for job in jobs:  # monitors show the job by model, run and id, not its input
         shown = received[keys.task_id(run_name, job.job_id)]["args"]
         assert shown == repr([{"model": MODEL, "run": run_name, "job_id": job.job_id}])
+
+
+def test_celery_own_tools_reach_the_workers(workers, redis_server):
+    """``celery -A layertap.celery_app inspect ping|stats`` (documented for Celery users) answers
+    from the live workers, through the same settings and transport as layertap itself."""
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LAYERTAP_")},
+           "LAYERTAP_REDIS_URL": redis_server.url}
+    for command in ("ping", "stats"):
+        out = subprocess.run([sys.executable, "-m", "celery", "-A", "layertap.celery_app", "inspect", command,
+                              "--json", "--timeout", "10"], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        replies = {node for line in out.stdout.splitlines() if line.startswith("{") for node in json.loads(line)}
+        assert {worker.node for worker in workers.values()} <= replies, (command, out.stdout)
