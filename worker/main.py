@@ -26,8 +26,10 @@ from worker.extractor import build_processor
 from worker.job.writer import remove_stale_temp_files
 from worker.model.loading import load_model
 from worker.ops.gc_freeze import freeze_long_lived_objects
+from worker.ops.lifecycle import ServiceGroup
 from worker.ops.logs import configure_logging
 from worker.ops.metrics import MeteredPublisher, WorkerMetrics
+from worker.ops.progress import ProgressLine
 from worker.ops.watchdog import EngineWatchdog, start_deadline
 from worker.queue.handler import WorkerService
 from worker.queue.lease import LeaseKeeper, held_delivery_tags
@@ -142,13 +144,14 @@ def run_worker(settings: Settings) -> int:
         os._exit(EXIT_STALLED)
 
     watchdog = EngineWatchdog(processor.engine, processor.awaiting_engine, hang_bound, on_stall)
+    progress = ProgressLine(processor.engine, client, loaded.name, ws.progress_interval_s)
+    # Started in this order once Celery consumes, stopped in reverse: the watchdog before the
+    # engine stops, the heartbeat (deregistering) last.
+    background = ServiceGroup([keeper, reconciler, retention, watchdog, progress])
 
     def on_ready(**_: object) -> None:
         # Announce the worker (heartbeat) only once Celery consumes and handles SIGTERM.
-        keeper.start()
-        reconciler.start()
-        retention.start()
-        watchdog.start()
+        background.start()
 
     def on_shutting_down(**_: object) -> None:
         seconds = ws.shutdown_deadline_s(settings.limits.max_tokens)
@@ -165,10 +168,7 @@ def run_worker(settings: Settings) -> int:
     try:
         celery_worker.start()
     finally:
-        watchdog.stop()
-        reconciler.stop()
-        retention.stop()
-        keeper.stop()
+        background.stop()
         metrics.close()
         processor.close()
     return EXIT_DEVICE_FAULT if faults else (celery_worker.exitcode or 0)

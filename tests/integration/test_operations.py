@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import threading
 import time
@@ -41,6 +42,7 @@ from worker.ops.logs import JobContextFilter
 MODEL = "tiny-ops"
 NODE = "ops@localhost"
 UNSERVED = "tiny-unserved"
+PROGRESS_INTERVAL_S = 0.5
 Samples = dict[tuple[str, frozenset], float]
 
 
@@ -49,7 +51,8 @@ def ops_worker(tiny_models, redis_server, storage_root, tmp_path_factory) -> Ite
     port = free_port()
     log_path = tmp_path_factory.mktemp("ops-logs") / "worker.log"
     worker = WorkerProcess(tiny_models["qwen3"], MODEL, redis_server.url, storage_root, node=NODE,
-                           extra_args=["--metrics-port", str(port), "--log-format", "json"], log_path=log_path)
+                           extra_args=["--metrics-port", str(port), "--log-format", "json"], log_path=log_path,
+                           env={"LAYERTAP_WORKER__PROGRESS_INTERVAL_S": str(PROGRESS_INTERVAL_S)})
     worker.start()
     try:
         yield worker, port
@@ -137,6 +140,29 @@ def test_json_log_lines_name_their_job(ops_worker, client, run_name):
             assert {"time", "level", "logger", "message"} <= record.keys()
     ready = [json.loads(line) for line in lines if f"{NODE} ready." in line]
     assert ready and ready[0]["job_id"] is None and ready[0]["run"] is None
+
+
+def test_progress_line_while_jobs_run_and_silence_when_idle(ops_worker, client, run_name):
+    """vLLM-style progress lines: tokens/s, jobs/s, queue depth, jobs in the engine and memory,
+    only while something runs or waits."""
+    worker, _ = ops_worker
+
+    def progress_lines() -> list[str]:
+        return [json.loads(line)["message"] for line in worker.log_text().splitlines() if '"progress: ' in line]
+
+    before = len(progress_lines())
+    jobs = [client.submit({"prompt": f"progress line job {i} " * 20}, model=MODEL, run=run_name) for i in range(6)]
+    client.wait(run_name, [job.job_id for job in jobs], timeout=60)
+    deadline = time.monotonic() + 60  # the next tick reports the finished jobs
+    while not any(" 0 tokens/s" not in line for line in progress_lines()[before:]):
+        assert time.monotonic() < deadline, worker.log_text()[-3000:]
+        time.sleep(0.2)
+    line = next(line for line in progress_lines()[before:] if " 0 tokens/s" not in line)
+    assert re.fullmatch(r"progress: [\d,]+ tokens/s, [\d,.]+ jobs/s; queue \d+ waiting, \d+ in the engine; "
+                        r"host [\d.]+ GiB; \d+ jobs, [\d,]+ tokens so far", line), line
+    idle_from = len(progress_lines())
+    time.sleep(6 * PROGRESS_INTERVAL_S)  # idle: no job runs or waits for this worker
+    assert len(progress_lines()) <= idle_from + 1  # at most the tick that saw the last jobs finish
 
 
 def test_log_lines_inside_a_task_carry_its_job(redis_server):
