@@ -37,7 +37,7 @@ from worker.queue.reconciler import Reconciler
 from worker.queue.retention import RetentionSweep
 from worker.queue.task_events import batch_task_events
 from worker.queue.tasks import register_bundle_task, register_extract_task
-from worker.startup import check_layers, check_model_source, default_served_name
+from worker.startup import check_layers, check_model_source, default_served_name, settings_line
 
 log = logging.getLogger("layertap.worker")
 #: Exit code after a device fault: the supervisor (or systemd, Kubernetes) restarts the process.
@@ -89,6 +89,8 @@ def run_worker(settings: Settings) -> int:
              loaded.architecture, loaded.num_layers, loaded.hidden_size, loaded.device,
              str(loaded.dtype).removeprefix("torch."), keys.model_queue(loaded.name), loaded.name)
     log.info("batching: %s", loaded.batching.describe())
+    log.info("model source %s, revision %s; settings in force: %s", loaded.source, ws.revision or "(default)",
+             settings_line(settings))
     faults: list[BaseException] = []
 
     def on_fatal(exc: BaseException) -> None:

@@ -5,14 +5,19 @@ start with one line, instead of failing every job later.
   anything else is "no such folder, and not a hub id", before Hugging Face is asked.
 * the served name: ``--name`` if given, else a stable one (:func:`default_served_name`).
 * ``--layers``: every id must exist in the loaded model.
+
+And the one line a worker logs of the settings in force (:func:`settings_line`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from producer.protocol.layers import resolve_layer_ids
 from producer.protocol.naming import is_hub_id
+from producer.settings import Settings
+from producer.transport.redis_conn import redacted_url
 
 SHAPE_PREFIX = "shape:"  # as worker.model.shapes (not imported: it imports torch)
 
@@ -47,3 +52,11 @@ def check_layers(layers: list[int] | None, num_layers: int) -> None:
             resolve_layer_ids(layers, num_layers)
         except ValueError as exc:
             raise type(exc)(f"--layers {','.join(map(str, layers))}: {exc}") from None
+
+
+def settings_line(settings: Settings) -> str:
+    """The worker's effective settings as one JSON object (the Redis URL's password redacted;
+    the client-only groups ``enqueue`` and ``bundle`` left out), for its start-up log."""
+    data = settings.model_dump(mode="json", exclude={"enqueue", "bundle"})
+    data["redis_url"] = redacted_url(settings.broker_url)
+    return json.dumps(data, sort_keys=True)

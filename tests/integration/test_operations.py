@@ -160,6 +160,10 @@ def test_progress_line_while_jobs_run_and_silence_when_idle(ops_worker, client, 
     line = next(line for line in progress_lines()[before:] if " 0 tokens/s" not in line)
     assert re.fullmatch(r"progress: [\d,]+ tokens/s, [\d,.]+ jobs/s; queue \d+ waiting, \d+ in the engine; "
                         r"host [\d.]+ GiB; \d+ jobs, [\d,]+ tokens so far", line), line
+    start_line = next(json.loads(line)["message"] for line in worker.log_text().splitlines()
+                      if "settings in force: " in line)  # and the start-up line gives the settings in force
+    in_force = json.loads(start_line.split("settings in force: ", 1)[1])
+    assert in_force["worker"]["progress_interval_s"] == PROGRESS_INTERVAL_S and in_force["redis_url"]
     idle_from = len(progress_lines())
     time.sleep(6 * PROGRESS_INTERVAL_S)  # idle: no job runs or waits for this worker
     assert len(progress_lines()) <= idle_from + 1  # at most the tick that saw the last jobs finish
