@@ -24,10 +24,11 @@ BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def readme_blocks() -> list[tuple[str, str]]:
-    """``(language, code)`` of the blocks that run here: every python block, and the bash blocks
-    that make the training data (they hold ``layertap manifest``)."""
+    """``(language, code)`` of the blocks that run here: every python block, the five-minute
+    walkthrough (it holds ``make-tiny-model``), and the bash blocks that make the training data
+    (they hold ``layertap manifest``)."""
     return [(language, code) for language, code in BLOCK.findall(README.read_text())
-            if language == "python" or "layertap manifest" in code]
+            if language == "python" or "layertap manifest" in code or "make-tiny-model" in code]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def sharegpt_rows(count: int) -> str:
 
 def test_readme_examples_run_as_written(hub_cache, redis_server, tmp_path):
     blocks = readme_blocks()
-    assert [language for language, _ in blocks] == ["python", "python", "python", "bash", "python"], blocks
+    assert [language for language, _ in blocks] == ["bash", "python", "python", "python", "python", "bash",
+                                                    "python"], blocks
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("LAYERTAP_")},
            "LAYERTAP_REDIS_URL": redis_server.url, "HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -71,7 +73,9 @@ def test_readme_examples_run_as_written(hub_cache, redis_server, tmp_path):
             outputs.append(out.stdout)
     finally:
         worker.stop()
-    client_out, bundles_out, extractor_out, _, loader_out = outputs
+    walkthrough_out, walkthrough_read_out, client_out, bundles_out, extractor_out, _, loader_out = outputs
+    assert "run walkthrough complete: 2 ok, 0 failed" in walkthrough_out, walkthrough_out
+    assert re.fullmatch(r"(ok torch\.Size\(\[\d+, 3, 64\]\)\n){2}", walkthrough_read_out), walkthrough_read_out
     assert re.fullmatch(r"torch\.Size\(\[\d+, 3, 64\]\)\n", client_out), client_out
     assert bundles_out == "200 jobs done\n", bundles_out
     paths = ast.literal_eval(extractor_out)  # a printed list of str
