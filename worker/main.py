@@ -88,6 +88,8 @@ def run_worker(settings: Settings) -> int:
     log.info("serving %s (%s, %d layers, hidden %d) on %s as %s; queue %s; jobs use --model %s", loaded.name,
              loaded.architecture, loaded.num_layers, loaded.hidden_size, loaded.device,
              str(loaded.dtype).removeprefix("torch."), keys.model_queue(loaded.name), loaded.name)
+    log.info("weights fingerprint %s (%s%s), tokenizer fingerprint %s", loaded.weights_fingerprint, loaded.source,
+             f" @ {loaded.revision}" if loaded.revision else "", loaded.tokenizer_fingerprint or "-")
     log.info("batching: %s", loaded.batching.describe())
     log.info("model source %s, revision %s; settings in force: %s", loaded.source, ws.revision or "(default)",
              settings_line(settings))
@@ -126,6 +128,8 @@ def run_worker(settings: Settings) -> int:
                    "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root),
                    "gpus": gpus, "metrics_port": ws.metrics_port, "architecture": loaded.architecture,
                    "batching": loaded.batching.path.value, "batching_reason": loaded.batching.reason,
+                   "weights_fingerprint": loaded.weights_fingerprint, "revision": loaded.revision,
+                   "tokenizer_fingerprint": loaded.tokenizer_fingerprint,
                    "self_check": processor.self_check.describe() if processor.self_check else None}
     keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot(),
                                                 "tokens_per_s": round(metrics.tokens_per_second(), 1),

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from producer.protocol import fp8
 from producer.protocol.fileformat import (
+    FileFormatError,
     check_checksums,
     read_file_header,
     verify_file,
@@ -33,7 +34,8 @@ def load_hidden_states(
 
     With ``verify`` (default) shapes, dtypes and checksums are checked and a damaged file
     raises ``FileFormatError`` saying what is wrong (structure first; into the CPU with torch,
-    the checksums on the loaded bytes, so that the file is read once). ``framework="np"``
+    the checksums on the loaded bytes, so that the file is read once). Without it the header
+    is still checked: a damaged header raises ``FileFormatError`` either way. ``framework="np"``
     avoids torch (bfloat16 is widened to float32). Float8 states are returned as float32
     values (their ``_scale`` tensors consumed) unless ``dequantize=False``, which gives the
     stored tensors as they are (with numpy: raw uint8 codes).
@@ -44,18 +46,21 @@ def load_hidden_states(
         framework = "pt" if importlib.util.find_spec("torch") is not None else "np"
     with shared_lock(path):
         in_place = verify and framework == "pt" and device == "cpu"  # checksums on the loaded bytes
-        if verify:
-            meta = verify_file(path, checksums=not in_place).metadata
+        header = verify_file(path, checksums=not in_place) if verify else read_file_header(path)
+        meta = header.metadata
         if framework == "pt":
             import torch
+            from safetensors import SafetensorError
             from safetensors.torch import load_file as load_torch
 
-            tensors = load_torch(str(path), device=device)
+            try:
+                tensors = load_torch(str(path), device=device)
+            except SafetensorError as exc:
+                raise FileFormatError(f"{path}: {exc}") from None
             if in_place:
                 check_checksums(path, meta, {name: tensor.reshape(-1).view(torch.uint8).numpy()
                                              for name, tensor in tensors.items()})
         else:
-            header = read_file_header(path)
             tensors = {name: header.array(name) for name in header.tensors}
     return fp8.dequantize(tensors) if dequantize else tensors
 

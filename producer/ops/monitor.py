@@ -45,6 +45,7 @@ class WorkerState:
     pending: int
     beat_age_s: float | None
     batching: str = ""  # the worker's batching path ("packed" | "padded"), chosen and self-checked at its start
+    weights: str = ""  # the fingerprint of the checkpoint it loaded (header ``weights_fingerprint``)
 
 
 @dataclass
@@ -93,7 +94,8 @@ def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerS
             node=node, alive=alive, model=str(info.get("model", "")), device=str(info.get("device", "")),
             gpus=str(info.get("gpus", "")), tokens_per_s=float(info.get("tokens_per_s") or 0.0),
             jobs=int(engine.get("jobs", 0)), tokens=int(engine.get("tokens", 0)), pending=int(engine.get("pending", 0)),
-            beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", ""))))
+            beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", "")),
+            weights=str(info.get("weights_fingerprint", ""))))
     return states
 
 

@@ -13,6 +13,20 @@ One safetensors file per job. Tensors (vLLM's first two, same names and shapes):
 Header metadata (all strings): see :class:`MetaKey`. ``checksums`` is a JSON object
 mapping each tensor name to the CRC-32 of its raw bytes, which are exactly the bytes of
 that tensor's range in the file, so a reader verifies them without decoding dtypes.
+
+Format version 2 adds ``weights_fingerprint``, ``content_id`` and ``header_checksum``:
+
+* ``content_id`` is :func:`content_id` of the header's :data:`IDENTITY_KEYS`: everything that
+  decides the file's bytes (the job's own fields through ``spec_hash``, the resolved layers,
+  stored and compute dtype, the model's source, revision and weights fingerprint, the tokenizer
+  and chat template, the format version). A worker answers a job from an existing file only
+  when the file's ``content_id`` is the one it would write now.
+* ``header_checksum`` is the CRC-32 of the canonical JSON of the other metadata and the tensor
+  shapes (:func:`header_checksum`): one changed character anywhere in them is found.
+
+Every problem with a header (not JSON, missing or mistyped entries, a checksum that does not
+match) raises :class:`FileFormatError`; version 1 files (no identity, no header checksum) are
+still read.
 """
 
 from __future__ import annotations
@@ -26,8 +40,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from producer.protocol.naming import canonical_json, content_hash
+
 FORMAT_NAME = "layertap"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 
 HIDDEN_STATES = "hidden_states"
 TOKEN_IDS = "token_ids"
@@ -57,6 +73,11 @@ REQUIRED_TENSORS = (HIDDEN_STATES, TOKEN_IDS)
 #: numpy views of safetensors dtypes: bfloat16 is read as uint16 and widened, float8 stays raw codes.
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
                  "BF16": np.uint16, FLOAT8: np.uint8}
+#: Bytes per element of each safetensors dtype name (a header naming another is refused).
+_ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+               "U16": 2, "U8": 1, "BOOL": 1, FLOAT8: 1, "F8_E5M2": 1}
+#: The safetensors dtype of the state tensors for each recorded ``dtype`` (``dtypes.RECORDED_NAMES`` values).
+_STORED_AS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3": FLOAT8}
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -84,7 +105,22 @@ class MetaKey:
     JOB_METADATA = "job_metadata"  # the job's ``metadata`` string, when it has one
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
+    WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (worker.model.loading.weights_fingerprint)
+    CONTENT_ID = "content_id"  # content_id() of the IDENTITY_KEYS below
     CHECKSUMS = "checksums"  # JSON {tensor name: crc32 hex}
+    HEADER_CHECKSUM = "header_checksum"  # header_checksum() of the rest of the metadata and the tensor shapes
+
+
+#: The metadata that, with the job's own fields (``spec_hash``), decides a file's bytes. The job's
+#: ``final_hidden_states``, ``topk``, ``topk_on``, ``loss_on`` and input are in ``spec_hash``.
+IDENTITY_KEYS = (MetaKey.FORMAT_VERSION, MetaKey.SPEC_HASH, MetaKey.MODEL_SOURCE, MetaKey.MODEL_REVISION,
+                 MetaKey.WEIGHTS_FINGERPRINT, MetaKey.TOKENIZER_FINGERPRINT, MetaKey.LAYERS,
+                 MetaKey.LAYER_CONVENTION, MetaKey.DTYPE, MetaKey.COMPUTE_DTYPE)
+#: Metadata every layertap file has (what readers and the manifest rely on).
+REQUIRED_METADATA = (MetaKey.FORMAT, MetaKey.FORMAT_VERSION, MetaKey.MODEL, MetaKey.LAYERS, MetaKey.NUM_LAYERS,
+                     MetaKey.DTYPE, MetaKey.JOB_ID, MetaKey.RUN, MetaKey.SPEC_HASH, MetaKey.CHECKSUMS)
+#: Metadata a version 2 file has besides.
+REQUIRED_METADATA_V2 = (MetaKey.WEIGHTS_FINGERPRINT, MetaKey.CONTENT_ID, MetaKey.HEADER_CHECKSUM)
 
 
 class FileFormatError(ValueError):
@@ -94,6 +130,19 @@ class FileFormatError(ValueError):
 def crc32_hex(data: Any) -> str:
     """CRC-32 of a bytes-like object, as 8 hex digits (zlib releases the GIL on large buffers)."""
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def content_id(metadata: dict[str, str]) -> str:
+    """The content identity of a file with this header metadata (or of one a worker would write):
+    a hash of its :data:`IDENTITY_KEYS` values (a missing key counts as empty)."""
+    return content_hash({key: metadata.get(key, "") for key in IDENTITY_KEYS})[:32]
+
+
+def header_checksum(metadata: dict[str, str], shapes: dict[str, list[int]]) -> str:
+    """CRC-32 of the canonical JSON of ``metadata`` (without ``header_checksum``) and each
+    tensor's shape: what the writer records and every header reader checks (version 2)."""
+    rest = {key: value for key, value in metadata.items() if key != MetaKey.HEADER_CHECKSUM}
+    return crc32_hex(canonical_json({"metadata": rest, "shapes": shapes}).encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -143,7 +192,79 @@ def parse_header(handle: BinaryIO, path: str | Path = "") -> FileHeader:
     if not isinstance(header, dict):
         raise FileFormatError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FileFormatError(f"{path}: header metadata is not an object of strings")
+    _check_entries(path, header)
+    _check_metadata(path, metadata, header)
     return FileHeader(Path(path), header, dict(metadata), 8 + header_len)
+
+
+def _check_entries(path: str | Path, header: dict[str, Any]) -> None:
+    """Each tensor entry has a known dtype, a shape of sizes and offsets that hold exactly its
+    bytes, and the tensors' ranges do not overlap."""
+    ranges = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise FileFormatError(f"{path}: header entry {name!r} is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _ITEM_SIZES:
+            raise FileFormatError(f"{path}: tensor {name!r} has no known dtype ({dtype!r})")
+        if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
+            raise FileFormatError(f"{path}: tensor {name!r} has no valid shape ({shape!r})")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise FileFormatError(f"{path}: tensor {name!r} has no valid data_offsets ({offsets!r})")
+        if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * _ITEM_SIZES[dtype]:
+            raise FileFormatError(f"{path}: tensor {name!r} holds {offsets[1] - offsets[0]} bytes, not the "
+                                  f"{shape} x {dtype} its header gives")
+        ranges.append((offsets[0], offsets[1], name))
+    ranges.sort()
+    for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:]):
+        if begin < end:
+            raise FileFormatError(f"{path}: tensors {first!r} and {second!r} overlap in the file")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_decimal(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _check_metadata(path: str | Path, meta: dict[str, str], header: dict[str, Any]) -> None:
+    """The typed metadata entries parse (where present), and the header checksum matches (where recorded)."""
+    recorded = meta.get(MetaKey.HEADER_CHECKSUM)
+    if recorded is not None:
+        found = header_checksum(meta, {name: info["shape"] for name, info in header.items()})
+        if found != recorded:
+            raise FileFormatError(f"{path}: header checksum mismatch (expected {recorded}, found {found}): "
+                                  "its metadata or shapes were changed")
+    if MetaKey.LAYERS in meta:
+        layers = _json_field(path, meta, MetaKey.LAYERS)
+        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise FileFormatError(f"{path}: header metadata 'layers' is not a JSON list of layer ids")
+    for key in (MetaKey.NUM_LAYERS, MetaKey.TOPK):
+        if key in meta and not _is_decimal(meta[key]):
+            raise FileFormatError(f"{path}: header metadata {key!r} is not a number ({meta[key][:40]!r})")
+    if MetaKey.CHECKSUMS in meta:
+        sums = _json_field(path, meta, MetaKey.CHECKSUMS)
+        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+            raise FileFormatError(f"{path}: header metadata 'checksums' is not a JSON object of checksums")
+
+
+def _json_field(path: str | Path, meta: dict[str, str], key: str) -> Any:
+    try:
+        return json.loads(meta[key])
+    except json.JSONDecodeError:
+        raise FileFormatError(f"{path}: header metadata {key!r} is not valid JSON") from None
+
+
+def layers_of(header: FileHeader) -> list[int]:
+    """The layer ids a file's header lists, in file order (checked by :func:`parse_header`)."""
+    if MetaKey.LAYERS not in header.metadata:
+        raise FileFormatError(f"{header.path}: header metadata has no 'layers'")
+    return json.loads(header.metadata[MetaKey.LAYERS])
 
 
 def metadata_of(path: str | Path) -> dict[str, str]:
@@ -164,6 +285,7 @@ def verify_file(path: str | Path, *, checksums: bool = True) -> FileHeader:
         header, meta, data_start = parsed.tensors, parsed.metadata, parsed.data_start
         if meta.get(MetaKey.FORMAT) != FORMAT_NAME:
             raise FileFormatError(f"{path}: not a layertap file (header metadata has no format={FORMAT_NAME!r})")
+        _check_required(path, meta)
         _check_shapes(path, header, meta)
         file_size = path.stat().st_size
         recorded = _recorded_checksums(path, meta)
@@ -200,10 +322,23 @@ def check_checksums(path: str | Path, meta: dict[str, str], tensor_bytes: dict[s
 
 
 def _recorded_checksums(path: Path, meta: dict[str, str]) -> dict[str, str]:
-    try:
-        return json.loads(meta.get(MetaKey.CHECKSUMS, ""))
-    except json.JSONDecodeError:
-        raise FileFormatError(f"{path}: header metadata 'checksums' is not valid JSON") from None
+    if MetaKey.CHECKSUMS not in meta:
+        raise FileFormatError(f"{path}: header metadata has no 'checksums'")
+    return _json_field(path, meta, MetaKey.CHECKSUMS)  # its type is checked by parse_header
+
+
+def _check_required(path: Path, meta: dict[str, str]) -> None:
+    """The metadata of the file's format version is all there, and its identity is its own."""
+    version = meta.get(MetaKey.FORMAT_VERSION, "")
+    if not _is_decimal(version) or int(version) > int(FORMAT_VERSION):
+        raise FileFormatError(f"{path}: format version {version[:20]!r} is not one this reader knows "
+                              f"(1..{FORMAT_VERSION})")
+    required = REQUIRED_METADATA + (REQUIRED_METADATA_V2 if int(version) >= 2 else ())
+    missing = [key for key in required if key not in meta]
+    if missing:
+        raise FileFormatError(f"{path}: header metadata lacks {', '.join(missing)}")
+    if int(version) >= 2 and meta[MetaKey.CONTENT_ID] != content_id(meta):
+        raise FileFormatError(f"{path}: header metadata 'content_id' does not match its identity fields")
 
 
 def _check_crc(path: Path, name: str, expected: str, crc: int) -> None:
@@ -229,8 +364,8 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
         raise FileFormatError(f"{path}: hidden_states has shape {hidden}, expected [tokens, layers, hidden]")
     if len(tokens) != 1 or tokens[0] != hidden[0]:
         raise FileFormatError(f"{path}: token_ids has shape {tokens} but hidden_states has {hidden[0]} tokens")
-    layers = json.loads(meta.get(MetaKey.LAYERS, "null") or "null")
-    if isinstance(layers, list) and len(layers) != hidden[1]:
+    layers = json.loads(meta[MetaKey.LAYERS])  # present and typed (checked before)
+    if len(layers) != hidden[1]:
         raise FileFormatError(
             f"{path}: header lists {len(layers)} layers {layers} but hidden_states has {hidden[1]}"
         )
@@ -240,6 +375,11 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
         shape = info["shape"]
         if not shape or shape[0] != hidden[0]:
             raise FileFormatError(f"{path}: tensor {name!r} has shape {shape}, expected {hidden[0]} tokens first")
+    stored_as = _STORED_AS.get(meta[MetaKey.DTYPE])
+    for name in STATE_TENSORS:
+        if name in header and stored_as is not None and header[name]["dtype"] != stored_as:
+            raise FileFormatError(f"{path}: tensor {name!r} is {header[name]['dtype']} but the header's dtype "
+                                  f"is {meta[MetaKey.DTYPE]}")
     expected = {LOSS_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[2]]}
     for name, shape in expected.items():
         if name in header and header[name]["shape"] != shape:

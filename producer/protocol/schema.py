@@ -238,6 +238,7 @@ class ErrorType(str, Enum):
     non_finite = "non_finite"  # NaN or Inf in the captured states; no file written
     out_of_memory = "out_of_memory"  # does not fit on the device even alone
     write_failed = "write_failed"  # the file could not be written
+    job_id_conflict = "job_id_conflict"  # its job_id already names a file of other content in its run
     dead_letter = "dead_letter"  # failed max_attempts times; moved to the dead-letter stream
     cancelled = "cancelled"  # its run was cancelled (``layertap run cancel``) before it ran
     lost = "lost"  # its message was gone before any worker held it (purged, never sent); send it again

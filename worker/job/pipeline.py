@@ -1,8 +1,10 @@
 """Jobs from raw message data to results (:class:`Result`): the core both the Celery tasks and the
 in-process :class:`~worker.extractor.Extractor` run.
 
-Steps per job: validate -> check the model -> answer from disk if a complete file with the
-same ``spec_hash`` exists -> tokenize (caller's thread) -> engine -> non-finite check -> write
+Steps per job: validate -> check the model -> answer from disk if the file at the job's name
+verifies and has the ``content_id`` this worker would write (``fileformat.IDENTITY_KEYS``: the
+job's fields, resolved layers and dtypes, model weights, tokenizer, format version); refuse the
+job if that name holds a valid file of other job content (``job_id_conflict``) -> tokenize (caller's thread) -> engine -> non-finite check -> write
 -> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) that are not
 answered from disk are prepared and submitted inside the engine's ``preparing`` block (just
 ahead of the engine, a few callers at once; disk answers come before it and take no place
@@ -50,7 +52,7 @@ from worker.engine.self_check import CheckReport
 from worker.engine.teacher import dense_topk
 from worker.job.errors import JobError
 from worker.job.tokenize import PreparedInput, Preparer
-from worker.job.writer import existing_spec_hash, write_job_file
+from worker.job.writer import FileTaken, OnDisk, examine, write_job_file
 from worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,13 @@ def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
     return job_id, run
 
 
+def _conflict(job: Job, path: Path) -> JobError:
+    """The error of a job whose explicit id already names a valid file of other content in its run."""
+    return JobError(ErrorType.job_id_conflict,
+                    f"job_id {job.job_id!r} already names a file of other content in run {job.run!r} ({path}); "
+                    "give this job its own job_id (or remove that file to replace it)")
+
+
 def _queued(submitted_at: float | None) -> float | None:
     """Seconds since ``submitted_at`` (the job's time in the queue), if known."""
     return max(0.0, time.time() - submitted_at) if submitted_at else None
@@ -87,10 +96,11 @@ _Step = TypeVar("_Step")
 
 @dataclass
 class _Target:
-    """A job for this worker's model with no complete file of its own yet: where it goes."""
+    """A job for this worker's model with no valid file of its own yet: where it goes, and the
+    identity metadata (``fileformat.IDENTITY_KEYS`` and ``content_id``) its file will have."""
 
     path: Path
-    spec_hash: str
+    identity: dict[str, str]
 
 
 @dataclass
@@ -99,7 +109,7 @@ class _Started:
 
     job: Job
     path: Path
-    spec_hash: str
+    identity: dict[str, str]
     prepared: PreparedInput
     request: EngineRequest
     output_dtype: torch.dtype
@@ -265,12 +275,31 @@ class JobProcessor:
             raise JobError(ErrorType.unknown_model,
                            f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
         path = job_path(self.storage_root, job.run, job.job_id)  # type: ignore[arg-type]
-        spec_hash = job.spec_hash()
-        if existing_spec_hash(path) == spec_hash:
-            cached = self._from_disk(job, path, queued, attempt)
-            if cached is not None:
-                return cached
-        return _Target(path, spec_hash)
+        identity = self._identity(job)
+        existing = examine(path, identity[MetaKey.SPEC_HASH], identity[MetaKey.CONTENT_ID])
+        if existing.state is OnDisk.taken:
+            raise _conflict(job, path)
+        if existing.state is OnDisk.matches:
+            return self._from_disk(job, path, existing.header, queued, attempt)  # type: ignore[arg-type]
+        return _Target(path, identity)
+
+    def _identity(self, job: Job) -> dict[str, str]:
+        """What decides the bytes of ``job``'s file on this worker (``fileformat.IDENTITY_KEYS``),
+        with its ``content_id``. Raises :class:`JobError` for layers the model lacks."""
+        loaded = self.loaded
+        identity = {
+            MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,
+            MetaKey.SPEC_HASH: job.spec_hash(),
+            MetaKey.MODEL_SOURCE: loaded.source,
+            MetaKey.MODEL_REVISION: loaded.revision or "",
+            MetaKey.WEIGHTS_FINGERPRINT: loaded.weights_fingerprint,
+            MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,
+            MetaKey.LAYERS: json.dumps(self.preparer.layers_of(job)),
+            MetaKey.LAYER_CONVENTION: CONVENTION,
+            MetaKey.DTYPE: recorded_name(resolve_output_dtype(job.dtype, loaded.dtype)),
+            MetaKey.COMPUTE_DTYPE: recorded_name(loaded.dtype),
+        }
+        return {**identity, MetaKey.CONTENT_ID: ff.content_id(identity)}
 
     def _start(self, job: Job, target: _Target) -> _Started:
         """What the engine is to run for a checked job (tokenized here, on the caller's thread)."""
@@ -279,7 +308,7 @@ class JobProcessor:
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
                                 topk=job.topk or 0, topk_rows=prepared.topk_rows)
-        return _Started(job, target.path, target.spec_hash, prepared, request, output_dtype)
+        return _Started(job, target.path, target.identity, prepared, request, output_dtype)
 
     def _finish(self, started: _Started, future: Future, queued: float | None, attempt: int | None) -> Result:
         """A job whose batch came back: checked, written, its ok result."""
@@ -297,7 +326,9 @@ class JobProcessor:
             tensors = self._tensors(job, prepared, request, captured)
             write_start = time.perf_counter()
             try:
-                write_job_file(path, tensors, self._metadata(job, prepared, started.spec_hash, started.output_dtype))
+                write_job_file(path, tensors, self._metadata(job, prepared, started.identity))
+            except FileTaken:
+                raise _conflict(job, path) from None
             except OSError as exc:
                 raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
@@ -324,20 +355,14 @@ class JobProcessor:
                 request.num_tokens, prepared.topk_rows, captured.topk_logprobs, captured.topk_ids)
         return tensors
 
-    def _from_disk(self, job: Job, path: Path, queued: float | None, attempt: int | None) -> Result | None:
-        """An ok result for a complete, valid file already written for this exact job."""
-        try:
-            header = ff.verify_file(path)
-        except (ff.FileFormatError, OSError):
-            return None
-        meta = header.metadata
-        layers = json.loads(meta[MetaKey.LAYERS])
-        result = self._ok(job, path, header.tensors[ff.TOKEN_IDS]["shape"][0], layers, meta.get(MetaKey.DTYPE, ""),
-                          Timings(queued=queued), attempt)
+    def _from_disk(self, job: Job, path: Path, header: ff.FileHeader, queued: float | None,
+                   attempt: int | None) -> Result:
+        """The ok result of a verified file whose content identity is this job's on this worker."""
+        result = self._ok(job, path, header.tensors[ff.TOKEN_IDS]["shape"][0], ff.layers_of(header),
+                          header.metadata[MetaKey.DTYPE], Timings(queued=queued), attempt)
         return result.model_copy(update={"cached": True})
 
-    def _metadata(self, job: Job, prepared: PreparedInput, spec_hash: str,
-                  output_dtype: torch.dtype) -> dict[str, str]:
+    def _metadata(self, job: Job, prepared: PreparedInput, identity: dict[str, str]) -> dict[str, str]:
         loaded = self.loaded
         options = {}
         if prepared.loss_mask is not None:
@@ -348,21 +373,13 @@ class JobProcessor:
             options[MetaKey.JOB_METADATA] = job.metadata
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
-            MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,
             MetaKey.MODEL: loaded.name,
-            MetaKey.MODEL_SOURCE: loaded.source,
-            MetaKey.MODEL_REVISION: loaded.revision or "",
-            MetaKey.LAYERS: json.dumps(prepared.layer_ids),
-            MetaKey.LAYER_CONVENTION: CONVENTION,
             MetaKey.NUM_LAYERS: str(loaded.num_layers),
-            MetaKey.DTYPE: recorded_name(output_dtype),
-            MetaKey.COMPUTE_DTYPE: recorded_name(loaded.dtype),
             MetaKey.BATCHING: loaded.batching.path.value,
             MetaKey.ARCHITECTURE: loaded.architecture,
-            MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,
             MetaKey.JOB_ID: job.job_id or "",
             MetaKey.RUN: job.run,
-            MetaKey.SPEC_HASH: spec_hash,
+            **identity,
             **options,
         }
 

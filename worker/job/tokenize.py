@@ -55,7 +55,7 @@ class Preparer:
         self._longest_token_chars = longest_token_chars(loaded.tokenizer)
 
     def prepare(self, job: Job) -> PreparedInput:
-        layer_ids = self._layers(job)
+        layer_ids = self.layers_of(job)
         self._check_extras(job)
         loss_mask: list[int] | None = None
         if job.token_ids is not None:
@@ -88,7 +88,8 @@ class Preparer:
             raise JobError(ErrorType.invalid_job, "this model's final norm was not found, so final_hidden_states "
                                                   "and topk cannot be computed")
 
-    def _layers(self, job: Job) -> list[int]:
+    def layers_of(self, job: Job) -> list[int]:
+        """The job's layer ids (or this worker's defaults), resolved; raises :class:`JobError`."""
         try:
             return resolve_layer_ids(job.layers if job.layers is not None else self.default_layers,
                                      self.loaded.num_layers)

@@ -2,8 +2,12 @@
 
 Protocol (``producer.protocol.locking``; readers: ``producer.files.reader``):
 1. open ``<file>.lock`` (created if missing) and take an exclusive ``flock``;
-2. if a complete file with the same ``spec_hash`` is already at the final name (another
-   worker won a race, or a redelivered job), keep it and write nothing;
+2. :func:`examine` the file at the final name, if any: one that verifies (structure, header
+   and tensor checksums) and has the same ``content_id`` (another worker won a race, or a
+   redelivered job) is kept and nothing is written; one that verifies but holds another job's
+   content under this job id (another ``spec_hash``) is never overwritten (:class:`FileTaken`);
+   a damaged one, or one computed with something else (layers, dtype, model weights,
+   tokenizer, format version), is replaced;
 3. else write ``.<name>.<pid>.<random>.tmp`` in the same folder, fsync it, ``rename`` it
    over the final name, fsync the folder;
 4. release the lock (the lock file stays, as vLLM's readers expect).
@@ -16,10 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -27,11 +34,15 @@ from safetensors.torch import save_file
 
 from producer.protocol.fileformat import (
     FileFormatError,
+    FileHeader,
     MetaKey,
     crc32_hex,
-    metadata_of,
+    header_checksum,
+    verify_file,
 )
 from producer.protocol.locking import exclusive_lock
+
+log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"
 #: Temp files of another host are removed only when older than this (its writer may be alive).
@@ -45,12 +56,43 @@ def tensor_checksums(tensors: dict[str, torch.Tensor]) -> str:
     return json.dumps(sums, sort_keys=True)
 
 
-def existing_spec_hash(path: Path) -> str | None:
-    """The ``spec_hash`` of a complete file at ``path``, or None if there is none (or it is unreadable)."""
+class OnDisk(str, Enum):
+    """What is at a job's final name, against what the job would write there."""
+
+    missing = "missing"  # no file: write it
+    damaged = "damaged"  # a file that fails verification (header, truncation, checksums): replace it
+    stale = "stale"  # a valid file of this job computed with something else (another content_id): replace it
+    taken = "taken"  # a valid file of other job content (another spec_hash) under this job id: never touch it
+    matches = "matches"  # the file this job would write: keep it, answer from it
+
+
+@dataclass(frozen=True)
+class Existing:
+    """:func:`examine`'s verdict; ``header`` is set when the file verified, ``reason`` when it did not."""
+
+    state: OnDisk
+    header: FileHeader | None = None
+    reason: str = ""
+
+
+class FileTaken(Exception):
+    """The job's final name holds a valid file of another job content (same run and job id)."""
+
+
+def examine(path: Path, spec_hash: str, content_id: str) -> Existing:
+    """Verify the file at ``path`` (checksums included) and compare it with what a job of this
+    ``spec_hash`` and ``content_id`` would write there."""
     try:
-        return metadata_of(path).get(MetaKey.SPEC_HASH)
-    except (FileNotFoundError, FileFormatError, OSError):
-        return None
+        header = verify_file(path)
+    except FileNotFoundError:
+        return Existing(OnDisk.missing)
+    except (FileFormatError, OSError) as exc:
+        return Existing(OnDisk.damaged, reason=str(exc))
+    if header.metadata[MetaKey.SPEC_HASH] != spec_hash:
+        return Existing(OnDisk.taken, header)
+    if header.metadata.get(MetaKey.CONTENT_ID) != content_id:
+        return Existing(OnDisk.stale, header)
+    return Existing(OnDisk.matches, header)
 
 
 def _fsync_path(path: Path | str, flags: int = os.O_RDONLY) -> None:
@@ -62,13 +104,22 @@ def _fsync_path(path: Path | str, flags: int = os.O_RDONLY) -> None:
 
 
 def write_job_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
-    """Write ``tensors`` to ``path`` by the protocol above. Returns False if an equal file was kept."""
+    """Write ``tensors`` to ``path`` by the protocol above (``metadata`` has the job's ``spec_hash``
+    and ``content_id``). Returns False if an equal file was kept; raises :class:`FileTaken`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {**metadata, MetaKey.CHECKSUMS: tensor_checksums(tensors)}
+    metadata[MetaKey.HEADER_CHECKSUM] = header_checksum(metadata, {name: list(t.shape) for name, t in tensors.items()})
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     with exclusive_lock(path):
-        if existing_spec_hash(path) == metadata[MetaKey.SPEC_HASH]:
+        existing = examine(path, metadata[MetaKey.SPEC_HASH], metadata[MetaKey.CONTENT_ID])
+        if existing.state is OnDisk.matches:
             return False
+        if existing.state is OnDisk.taken:
+            raise FileTaken(f"{path} already holds job {metadata[MetaKey.JOB_ID]!r} of other content "
+                            f"(spec_hash {existing.header.metadata[MetaKey.SPEC_HASH][:12]}..., this job's "  # type: ignore[union-attr]
+                            f"{metadata[MetaKey.SPEC_HASH][:12]}...)")
+        if existing.state is OnDisk.damaged:
+            log.warning("replacing a damaged file: %s", existing.reason)
         temp = path.with_name(f".{path.name}.{_HOST_TAG}-{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
         try:
             save_file(tensors, str(temp), metadata=metadata)

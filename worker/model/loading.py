@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +67,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     tokenizer_fingerprint: str
+    weights_fingerprint: str  # changes when the checkpoint's files change (:func:`weights_fingerprint`)
     batching: BatchingPlan
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
@@ -136,12 +139,72 @@ def tokenizer_fingerprint(tokenizer: Any | None) -> str:
     return digest.hexdigest()[:16]
 
 
+#: Bytes read from each of a weight file's sample points (start, middle and end of its data).
+FINGERPRINT_SAMPLE = 64 * 1024
+#: Largest safetensors header hashed whole (a real checkpoint's is well under 1 MiB).
+FINGERPRINT_MAX_HEADER = 16 * 1024 * 1024
+#: Values sampled from each parameter of a model built in memory (no checkpoint folder).
+FINGERPRINT_VALUES = 256
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """A short hash that changes when the checkpoint in ``folder`` is rewritten, read in
+    milliseconds whatever its size: for each regular file at its top level (weights, config,
+    remote code; links followed, hidden files left out), its name, size and ``mtime_ns``, its
+    safetensors header (tensor names, dtypes, shapes, offsets) when it has one, and
+    :data:`FINGERPRINT_SAMPLE` bytes at the start, middle and end of its data. A rewrite
+    that keeps every size, mtime and sampled byte is not seen; touching the files is enough."""
+    digest = hashlib.sha256()
+    for file in sorted(folder.iterdir()):
+        if file.name.startswith(".") or not file.is_file():
+            continue
+        stat = file.stat()
+        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        with open(file, "rb") as handle:
+            data_start = 0
+            if file.suffix == ".safetensors" and stat.st_size >= 8:
+                (header_len,) = struct.unpack("<Q", handle.read(8))
+                if header_len <= min(FINGERPRINT_MAX_HEADER, stat.st_size - 8):
+                    digest.update(handle.read(header_len))
+                    data_start = 8 + header_len
+            data_size = stat.st_size - data_start
+            for offset in {data_start, data_start + max(0, data_size // 2 - FINGERPRINT_SAMPLE // 2),
+                           max(data_start, stat.st_size - FINGERPRINT_SAMPLE)}:
+                handle.seek(offset)
+                digest.update(handle.read(FINGERPRINT_SAMPLE))
+    return digest.hexdigest()[:16]
+
+
+def parameters_fingerprint(model: nn.Module) -> str:
+    """A short hash of a model built in memory: each parameter's and buffer's name, dtype and
+    shape, and :data:`FINGERPRINT_VALUES` of its values spread over it (no full read)."""
+    digest = hashlib.sha256()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // FINGERPRINT_VALUES)
+        sample = flat[::step][:FINGERPRINT_VALUES].to("cpu", torch.float32)
+        digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def checkpoint_folder(source: str, revision: str | None) -> Path | None:
+    """The local folder ``from_pretrained`` read ``source`` from: itself, or its hub cache snapshot."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(source, "config.json", revision=revision)
+    return Path(config).parent if isinstance(config, (str, os.PathLike)) else None
+
+
 def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
-             revision: str | None = None, batching: str = "auto") -> LoadedModel:
+             revision: str | None = None, batching: str = "auto", fingerprint: str | None = None) -> LoadedModel:
     """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`, choose its
     batching path (``batching``: auto, packed or padded), for packed switch it to packed
     attention, and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
-    model that cannot be served."""
+    model that cannot be served. ``fingerprint``: the checkpoint's :func:`weights_fingerprint`;
+    without it, that of the folder ``source`` when it is one, else :func:`parameters_fingerprint`."""
     config = model.config.get_text_config()
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
     if not num_layers:
@@ -165,6 +228,8 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
         hidden_size=hidden_size, vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
+        weights_fingerprint=fingerprint or (weights_fingerprint(Path(source)) if Path(source).is_dir()
+                                            else parameters_fingerprint(model)),
         capture=capture,
     )
 
@@ -237,6 +302,8 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         tokenizer.chat_template = chat_template
     split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
+    folder = checkpoint_folder(source, revision)  # fingerprinted before the weights are read: a rewrite
+    fingerprint = weights_fingerprint(folder) if folder is not None else None  # during the load costs a recompute
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
@@ -249,4 +316,5 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         raise
     if not split:  # several visible GPUs (--gpus-per-worker): device_map spread the layers
         model = model.to(torch_device)
-    return describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching)
+    return describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching,
+                    fingerprint=fingerprint)

@@ -1,0 +1,348 @@
+"""A file answers a job only when it is what the job would compute now (issue 22, items 1-4).
+
+Disk answers (a redelivery, a re-run, the Extractor) are checked against the file's content
+identity (layers, dtypes, the checkpoint's weights, tokenizer, format version) and its
+checksums; a stale or damaged file is computed again and replaced; a job id that already names
+a file of other content is refused; a damaged header is a ``FileFormatError`` everywhere.
+Real processes, real models rewritten in place, real damaged bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from producer.protocol import fileformat as ff
+from producer.protocol import keys
+from producer.protocol.naming import job_path
+from producer.protocol.schema import ErrorType, Job
+from tests.support import reference
+from tests.support.jobs import wait_for
+from tests.support.processes import cli
+
+MODEL = "tiny-qwen3"
+PROMPT = "the checkpoint was rewritten in place"
+
+
+def rewrite_checkpoint(folder: Path, seed: int) -> None:
+    """Save new random weights over the checkpoint in ``folder`` (same files, same sizes)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    model.save_pretrained(folder)
+    reference.load.cache_clear()  # the reference reads the new weights
+
+
+def expected_states(folder: Path, prompt: str, layers: list[int]) -> torch.Tensor:
+    _, tokenizer = reference.load(str(folder))
+    return reference.reference_states(str(folder), tokenizer(prompt)["input_ids"], layers)
+
+
+def damage_byte(path: Path, offset_from_end: int = 3) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def rewrite_metadata(path: Path, key: str, value: str) -> None:
+    """Change one header metadata value in place, keeping the file a parseable safetensors file."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    header["__metadata__"][key] = value
+    raw = json.dumps(header).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_models, tmp_path_factory) -> Path:
+    """A private copy of the tiny model: tests here rewrite its weights."""
+    folder = tmp_path_factory.mktemp("rewritten") / "qwen3"
+    shutil.copytree(tiny_models["qwen3"], folder)
+    return folder
+
+
+def test_extractor_answers_from_disk_only_what_it_would_compute(checkpoint, tmp_path):
+    from worker import Extractor
+
+    out = tmp_path / "out"
+    with Extractor(str(checkpoint), name=MODEL, layers=[1, 2, 3], device="cpu") as extractor:
+        first = extractor.extract([PROMPT], out)[0]
+        again = extractor.extract([PROMPT], out)[0]
+    assert first.ok and first.layers == [1, 2, 3] and not first.cached
+    assert again.cached and again.path == first.path  # the same identity: answered from disk
+
+    with Extractor(str(checkpoint), name=MODEL, layers=[0, 2], device="cpu") as extractor:
+        fewer = extractor.extract([PROMPT], out)[0]
+    assert fewer.ok and not fewer.cached and fewer.path == first.path
+    assert fewer.layers == [0, 2] and ff.layers_of(ff.verify_file(fewer.path)) == [0, 2]
+    old = expected_states(checkpoint, PROMPT, [0, 2])
+    torch.testing.assert_close(reference_of(fewer.path), old, atol=1e-5, rtol=1e-5)
+
+    rewrite_checkpoint(checkpoint, seed=1)
+    with Extractor(str(checkpoint), name=MODEL, layers=[0, 2], device="cpu") as extractor:
+        rewritten = extractor.extract([PROMPT], out)[0]
+    assert rewritten.ok and not rewritten.cached
+    new = expected_states(checkpoint, PROMPT, [0, 2])
+    assert not torch.allclose(new[:, 1], old[:, 1])
+    torch.testing.assert_close(reference_of(rewritten.path), new, atol=1e-5, rtol=1e-5)
+
+
+def reference_of(path: str) -> torch.Tensor:
+    return tensors_of(path)["hidden_states"]
+
+
+def tensors_of(path: str | Path) -> dict[str, torch.Tensor]:
+    from producer.files.reader import load_hidden_states
+
+    return {name: tensor.clone() for name, tensor in load_hidden_states(path).items()}  # not a view of the file
+
+
+def assert_same_tensors(path: str | Path, expected: dict[str, torch.Tensor]) -> None:
+    got = tensors_of(path)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("damage", ["byte", "truncated"])
+def test_extractor_replaces_a_damaged_file(tiny_models, tmp_path, damage):
+    from worker import Extractor
+
+    with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
+        first = extractor.extract([PROMPT], tmp_path)[0]
+        good, expected = Path(first.path).read_bytes(), tensors_of(first.path)
+        if damage == "byte":
+            damage_byte(Path(first.path))
+        else:
+            Path(first.path).write_bytes(good[:-100])
+        with pytest.raises(ff.FileFormatError):
+            ff.verify_file(first.path)
+        again = extractor.extract([PROMPT], tmp_path)[0]
+    assert again.ok and not again.cached and again.path == first.path
+    assert_same_tensors(again.path, expected)
+
+
+def test_writer_replaces_a_damaged_file_with_its_own_identity(tiny_models, tmp_path):
+    """The writer's keep check (a race, or a redelivery computed again) verifies the file it keeps."""
+    from worker import Extractor
+    from worker.job.writer import write_job_file
+
+    with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
+        result = extractor.extract([PROMPT], tmp_path)[0]
+    path = Path(result.path)
+    header = ff.verify_file(path)
+    tensors = {name: torch.from_numpy(header.array(name).copy()) for name in header.tensors}
+    metadata = {k: v for k, v in header.metadata.items() if k not in ("checksums", "header_checksum")}  # the writer's
+    assert not write_job_file(path, tensors, metadata)  # the same, valid: kept
+    damage_byte(path)
+    assert write_job_file(path, tensors, metadata)  # damaged: replaced
+    assert_same_tensors(path, tensors)
+
+
+def test_weights_fingerprint_reads_little_and_sees_a_rewrite(tmp_path):
+    from worker.model.loading import weights_fingerprint
+
+    shard = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 28], "data_offsets": [0, 1 << 30]}}).encode()
+    with open(shard, "wb") as handle:  # a sparse 1 GiB shard
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.truncate(8 + len(header) + (1 << 30))
+    (tmp_path / "config.json").write_text("{}")
+
+    def read_bytes_of(call):
+        with open("/proc/self/io") as io:
+            before = int(next(line for line in io if line.startswith("rchar")).split()[1])
+        value = call()
+        with open("/proc/self/io") as io:
+            after = int(next(line for line in io if line.startswith("rchar")).split()[1])
+        return value, after - before
+
+    first, read = read_bytes_of(lambda: weights_fingerprint(tmp_path))
+    assert read < 1 << 20  # well under a MiB of a 1 GiB checkpoint
+    stat = shard.stat()
+    with open(shard, "r+b") as handle:  # new bytes in the middle, same size, mtime put back
+        handle.seek(8 + len(header) + (1 << 29))
+        handle.write(b"\x01" * 16)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = weights_fingerprint(tmp_path)
+    assert second != first
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # rewritten: only the time tells
+    assert weights_fingerprint(tmp_path) not in (first, second)
+
+
+def corrupt_headers(path: Path) -> dict[str, bytes]:
+    """Ways to damage a written file's header: bad JSON, a missing key, a wrong type, one character
+    of ``layers`` changed (still JSON, and not)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+
+    def with_header(changed: dict) -> bytes:
+        raw = json.dumps(changed).encode()
+        raw += b" " * ((8 - len(raw) % 8) % 8)
+        return struct.pack("<Q", len(raw)) + raw + data[8 + length:]
+
+    layers = header["__metadata__"]["layers"]
+    missing = json.loads(json.dumps(header))
+    del missing["hidden_states"]["dtype"]
+    mistyped = json.loads(json.dumps(header))
+    mistyped["hidden_states"]["shape"] = "5"
+    no_layers = json.loads(json.dumps(header))
+    del no_layers["__metadata__"]["layers"]
+    layer_char, layer_json = json.loads(json.dumps(header)), json.loads(json.dumps(header))
+    layer_char["__metadata__"]["layers"] = layers[:-1] + "}"
+    layer_json["__metadata__"]["layers"] = layers.replace("2", "1", 1)
+    return {"bad_json": data[:9] + b"{" + data[10:], "missing_key": with_header(missing),
+            "wrong_type": with_header(mistyped), "no_layers": with_header(no_layers),
+            "layers_char": with_header(layer_char), "layers_value": with_header(layer_json)}
+
+
+def test_every_header_problem_is_a_file_format_error(tiny_models, tmp_path):
+    from producer.files.dataset import load_item
+    from producer.files.manifest import Skipped, collect
+    from producer.files.reader import load_hidden_states
+    from worker import Extractor
+
+    with Extractor(str(tiny_models["qwen3"]), name=MODEL, layers=[0, 2], device="cpu") as extractor:
+        result = extractor.extract([PROMPT], tmp_path / "good")[0]
+    good = Path(result.path)
+    for name, data in corrupt_headers(good).items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(data)
+        for read in (lambda: ff.verify_file(path), lambda: load_hidden_states(path),
+                     lambda: load_hidden_states(path, verify=False), lambda: load_hidden_states(path, framework="np"),
+                     lambda: load_item(result.job_id, path, [0, 2])):
+            with pytest.raises(ff.FileFormatError):
+                read()
+        skipped = list(collect({result.job_id: (str(path), None)}, verify=True))
+        assert isinstance(skipped[0], Skipped), name
+
+
+def submit_again(client, job: Job, entries_before: int) -> None:
+    client.submit(job)
+    stream = keys.results_stream(job.run)
+    wait_for(lambda: client.redis.xlen(stream) > entries_before, 90, f"a result of {job.job_id}")
+
+
+def test_worker_checks_the_content_identity_before_a_disk_answer(make_worker, private_client, private_redis,
+                                                                 checkpoint, run_name, tmp_path):
+    """Layers from the worker's defaults, then weights rewritten in place: each is computed
+    again, not answered from the old file; the start log and ``layertap status`` give the
+    fingerprint."""
+    job = Job(model=MODEL, run=run_name, prompt=PROMPT).with_id()
+    path = job_path(make_worker.storage, run_name, job.job_id)
+    worker = make_worker("layers123@localhost", model_dir=checkpoint, extra_args=["--layers", "1,2,3"])
+    private_client.submit(job)
+    first = private_client.wait(run_name, [job.job_id], timeout=90)
+    assert first[job.job_id].ok and first[job.job_id].layers == [1, 2, 3]
+    worker.stop()
+
+    worker = make_worker("layers02@localhost", model_dir=checkpoint, extra_args=["--layers", "0,2"])
+    submit_again(private_client, job, 1)
+    fewer = private_client.latest(run_name)[job.job_id]
+    assert fewer.ok and not fewer.cached and fewer.layers == [0, 2]
+    assert ff.layers_of(ff.verify_file(path)) == [0, 2]
+    old_fingerprint = ff.verify_file(path).metadata[ff.MetaKey.WEIGHTS_FINGERPRINT]
+    assert f"weights fingerprint {old_fingerprint}" in worker.log_text()
+    worker.stop()
+
+    rewrite_checkpoint(checkpoint, seed=2)
+    worker = make_worker("rewritten@localhost", model_dir=checkpoint, extra_args=["--layers", "0,2"])
+    submit_again(private_client, job, 2)
+    rewritten = private_client.latest(run_name)[job.job_id]
+    assert rewritten.ok and not rewritten.cached
+    new_fingerprint = ff.verify_file(path).metadata[ff.MetaKey.WEIGHTS_FINGERPRINT]
+    assert new_fingerprint != old_fingerprint
+    torch.testing.assert_close(reference_of(str(path)), expected_states(checkpoint, PROMPT, [0, 2]),
+                               atol=1e-5, rtol=1e-5)
+    status = subprocess.run(cli("status"), env={**os.environ, "LAYERTAP_REDIS_URL": private_redis.url,
+                                                "COLUMNS": "250"}, capture_output=True, text=True, timeout=120,
+                            check=True)
+    assert new_fingerprint in status.stdout
+
+    submit_again(private_client, job, 3)  # the same identity now: answered from disk
+    assert private_client.latest(run_name)[job.job_id].cached
+    worker.stop()
+
+
+def test_worker_repairs_damaged_files_and_refuses_a_taken_job_id(make_worker, private_client, run_name):
+    """A damaged byte, a truncation, a changed ``layers`` character: the job is computed again and
+    its file rewritten (not a dead letter). The same explicit job id with other content is refused
+    with ``job_id_conflict`` and the file keeps the first job's states."""
+    make_worker("repair@localhost")
+    job = Job(model=MODEL, run=run_name, job_id="shared-id", prompt="five tokens or so").with_id()
+    path = job_path(make_worker.storage, run_name, job.job_id)
+    private_client.submit(job)
+    assert private_client.wait(run_name, [job.job_id], timeout=90)[job.job_id].ok
+    good, expected = path.read_bytes(), tensors_of(path)
+    damages = {"byte": lambda: damage_byte(path), "truncated": lambda: path.write_bytes(good[:-64]),
+               "layers_char": lambda: rewrite_metadata(path, ff.MetaKey.LAYERS,
+                                                       ff.metadata_of(path)[ff.MetaKey.LAYERS][:-1] + "}")}
+    for entries, (name, damage) in enumerate(damages.items(), start=1):
+        damage()
+        submit_again(private_client, job, entries)
+        again = private_client.latest(run_name)[job.job_id]
+        assert again.ok and not again.cached, (name, again)
+        assert_same_tensors(path, expected)
+
+    other = Job(model=MODEL, run=run_name, job_id="shared-id",
+                prompt="a much longer prompt with other content under the very same job id " * 4)
+    submit_again(private_client, other, len(damages) + 1)
+    refused = private_client.latest(run_name)[job.job_id]
+    assert not refused.ok and refused.error_type is ErrorType.job_id_conflict
+    assert_same_tensors(path, expected)  # still the first job's states
+
+
+def test_two_jobs_racing_for_one_job_id_get_one_file(make_worker, private_client, run_name):
+    """Sent at once, both pass the disk check; the writer keeps the first file and refuses the second."""
+    make_worker("race@localhost")
+    short = Job(model=MODEL, run=run_name, job_id="raced-id", prompt="short")
+    long = Job(model=MODEL, run=run_name, job_id="raced-id", prompt="a long prompt of seventy tokens or so " * 8)
+    private_client.submit(short)
+    private_client.submit(long)
+    stream = keys.results_stream(run_name)
+    wait_for(lambda: private_client.redis.xlen(stream) == 2, 90, "both results")
+    results = list(private_client.results(run_name))
+    ok = [result for result in results if result.ok]
+    assert len(ok) == 1 and [r.error_type for r in results if not r.ok] == [ErrorType.job_id_conflict]
+    header = ff.verify_file(ok[0].path)
+    assert header.tensors[ff.TOKEN_IDS]["shape"] == [ok[0].num_tokens]
+    winner = short if ok[0].num_tokens < 20 else long
+    assert header.metadata[ff.MetaKey.SPEC_HASH] == winner.spec_hash()
+
+
+def test_a_streaming_trainer_restarts_past_a_damaged_header(workers, redis_server, client, run_name):
+    """One changed character in a file's ``layers`` metadata: the trainer counts it damaged,
+    skips it and trains on every other sample, on the restart too."""
+    from producer.dataset import StreamingHiddenStatesDataset
+
+    jobs = [client.submit({"job_id": f"s{i:02d}", "prompt": f"streamed sample number {i}"}, model=MODEL, run=run_name)
+            for i in range(12)]
+    client.seal(run_name)
+    results = client.wait(run_name, [job.job_id for job in jobs], timeout=120)
+
+    def trainer(**options) -> tuple[list[str], StreamingHiddenStatesDataset]:
+        dataset = StreamingHiddenStatesDataset(run_name, redis_url=redis_server.url, time_limit_s=60, group="g",
+                                               read_count=4, **options)
+        return [item["job_id"] for item in dataset], dataset
+
+    first, _ = trainer(max_items=4)
+    damaged = next(job.job_id for job in jobs if job.job_id not in first)
+    path = Path(results[damaged].path)
+    rewrite_metadata(path, ff.MetaKey.LAYERS, ff.metadata_of(path)[ff.MetaKey.LAYERS][:-1] + "}")
+    rest, dataset = trainer()
+    assert sorted(first + rest) == sorted(job.job_id for job in jobs if job.job_id != damaged)
+    assert dataset.counts.damaged == 1
