@@ -71,11 +71,11 @@ def test_a_late_trainer_unblocks_an_enqueue_waiting_for_it(workers, redis_server
 
 
 def test_dataloader_workers_end_together_every_time(workers, redis_server, client, run_name):
-    job_ids = submit(client, run_name, token_jobs(10, seed=13))
+    job_ids = submit(client, run_name, token_jobs(24, seed=13))
     client.wait(run_name, job_ids, timeout=120)
-    for attempt in range(12):  # one new group per pass over the same finished run
+    for attempt in range(10):  # one new group per pass over the same finished run; a worker reads 8 at a time
         dataset = StreamingHiddenStatesDataset(run_name, group=f"pass{attempt}", redis_url=redis_server.url,
-                                               read_count=2, shuffle_buffer=attempt % 3)
+                                               read_count=8, shuffle_buffer=4 * (attempt % 4 >= 2))
         loader = (dataset.loader(batch_size=2, num_workers=2) if attempt % 2 else
                   DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=collate))
         seen: list[str] = []
