@@ -12,8 +12,9 @@ A job is *missed* by group G when it has a final status, its latest results entr
 field in ``keys.run_result_ids_hash``: trimmed) and G has not consumed it
 (``keys.run_consumed_hash``). A group that existed when an entry was trimmed had acknowledged
 it, and acknowledging records the job as consumed, so only a late group misses jobs. One
-consumer fills at a time (``keys.run_recovery_lock``), and a job already on the recovery stream
-is not queued again (its entries stay: the stream is the record of what was queued).
+consumer fills at a time (``keys.run_recovery_lock``), once per trim of the stream
+(``keys.run_recovered_key``), and a job already on the recovery stream is not queued again (its
+entries stay: the stream is the record of what was queued).
 """
 
 from __future__ import annotations
@@ -65,13 +66,15 @@ def fill(client: redis.Redis, run: str, group: str) -> Recovery | None:
     """Queue every job ``group`` missed (module doc) on its recovery stream; None while another
     consumer fills (look again later). Logs, as an error, the ok jobs whose file is not on this
     machine: no consumer of the group can train them. ``client`` decodes responses."""
-    if not runs.was_trimmed(client, run):
-        return Recovery()
+    marker = client.get(keys.run_trimmed_key(run))
+    if marker is None or client.get(keys.run_recovered_key(run, group)) == marker:
+        return Recovery()  # never trimmed, or filled since the last trim
     lock, token = keys.run_recovery_lock(run, group), uuid.uuid4().hex
     if not client.set(lock, token, nx=True, px=LOCK_MS):
         return None
     try:
         found = _fill(client, run, group)
+        client.set(keys.run_recovered_key(run, group), marker)
     finally:
         client.eval(_RELEASE, 1, lock, token)
     if found.queued:

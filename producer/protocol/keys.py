@@ -161,6 +161,12 @@ def run_recovery_stream(run: str, group: str) -> str:
     return f"{PREFIX}:run:{run}:recovery:{group}"
 
 
+def run_recovered_key(run: str, group: str) -> str:
+    """String: the :func:`run_trimmed_key` value through which :func:`run_recovery_stream` was
+    filled (a consumer that finds it equal to the current one has nothing to look for)."""
+    return f"{PREFIX}:run:{run}:recovered:{group}"
+
+
 def run_recovery_lock(run: str, group: str) -> str:
     """Lock (SET NX PX) so that one consumer of ``group`` at a time fills :func:`run_recovery_stream`."""
     return f"{PREFIX}:run:{run}:recovery-lock:{group}"
