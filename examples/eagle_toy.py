@@ -216,7 +216,7 @@ def main_online(workdir: Path, steps: int, max_inflight: int = ONLINE_MAX_INFLIG
 
             def batches() -> Iterator[dict]:
                 nonlocal tokens
-                for batch in DataLoader(stream, batch_size=BATCH, collate_fn=collate):
+                for batch in stream.loader(batch_size=BATCH):  # each batch finished once trained on
                     tokens += int(batch["lengths"].sum())
                     yield batch
 

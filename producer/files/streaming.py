@@ -3,10 +3,13 @@
 :class:`StreamingHiddenStatesDataset` yields the items of ``HiddenStatesDataset`` (same keys,
 same :func:`~producer.files.dataset.collate`) as the worker publishes them, so a trainer can run
 beside the extraction and, with ``delete_after``, each file lives only until it is trained on.
+With DataLoader workers, iterate :meth:`StreamingHiddenStatesDataset.loader` (a DataLoader whose
+main process finishes each batch once it is trained on).
 
 Protocol, per consumer (one per DataLoader worker of each torch.distributed rank, named
-``<consumer>.r<rank>.w<worker>``), over one Redis consumer group ``group`` on
-``keys.results_stream(run)`` (created at the stream's start if missing):
+``<consumer>.r<rank>.w<worker>``), over one Redis consumer group ``group`` on two streams: the
+run's results stream ``keys.results_stream(run)`` and the group's recovery stream
+``keys.run_recovery_stream(run, group)`` (each created at its start if missing):
 
 1. it first re-reads the entries the group still holds for its own name (a trainer restarted
    with the same group and consumer names continues where it stopped), then takes new ones
@@ -14,42 +17,53 @@ Protocol, per consumer (one per DataLoader worker of each torch.distributed rank
    entries another consumer has held for ``claim_idle_s`` (``XAUTOCLAIM``): that consumer is
    dead, as a live one resets the idle time of every entry it holds from a heartbeat thread
    (``XCLAIM ... JUSTID``) every ``claim_idle_s / 4``;
-2. an ok result's file is loaded (shared lock; checksums with ``verify``) into a shuffle buffer
+2. the retention protects only groups that exist: when the results stream was trimmed
+   (``keys.run_trimmed_key``) it queues the jobs its group missed on the recovery stream from
+   the run's ledger (``producer.client.recovery.fill``: at its start, when the run is complete,
+   and when every submitted job is final and the group has consumed fewer; an enqueue waiting
+   with ``--inflight-until consumed`` for jobs whose entries were trimmed is stalled so), and
+   logs at once, as an error, the count of ok jobs whose file is gone;
+3. an ok result's file is loaded (shared lock; checksums with ``verify``) into a shuffle buffer
    of ``shuffle_buffer`` items (a random one is yielded when it is full, or when no new result
    came within ``block_ms``, so a buffer larger than the in-flight limit cannot stall);
-3. when the next item is asked for, the yielded item is finished: its file and lock are
-   removed (``delete_after``), then in one step (a Lua script) the entry is acknowledged
-   (``XACK``) and the job is recorded in the group's ``keys.run_consumed_hash`` (what the
-   enqueue's back-pressure with ``--inflight-until consumed --consumer-group G`` counts);
-4. an error result is acknowledged, recorded as consumed (unless the job was sent again
+4. a yielded item is finished once trained on: its file and lock are removed
+   (``delete_after``), then in one step the entry is acknowledged and the job recorded in the
+   group's ``keys.run_consumed_hash`` (``stream_group.FINISH``; what the enqueue's back-pressure
+   with ``--inflight-until consumed --consumer-group G`` counts). "Trained on" means: asked for
+   the next item, in the process that trains; under :meth:`~StreamingHiddenStatesDataset.loader`
+   the main process finishes a batch when the next batch is asked for (the DataLoader worker
+   keeps the entries alive until then); a plain DataLoader's worker finishes an item when it
+   fetches the next one for a batch, which is before the main process trains it;
+5. an error result is acknowledged, recorded as consumed (unless the job was sent again
    since: its status is no longer ``error``) and counted; a result of a job the group already
    consumed ok, or held in this consumer's buffer, is acknowledged and counted as a duplicate (with
    ``delete_after`` the file a re-run wrote again is removed); an ok result whose file is gone
    or damaged is acknowledged and counted (a damaged file is left for ``layertap inspect``);
-5. it stops when the run is complete: sealed (the enqueue that feeds it has sent its last row,
+6. it stops when the run is complete: sealed (the enqueue that feeds it has sent its last row,
    ``keys.run_sealed_key``; ``wait_for_seal=False`` skips this for runs submitted whole),
-   every submitted job has a final result, nothing new is in the stream and no entry of the
-   group is held by anyone; or after ``max_items`` items or ``time_limit_s`` seconds (what it
-   held then stays with the group for a resume or for the others).
+   every submitted job has a final result, nothing new is in either stream and no consumer of
+   the group outside this trainer (its peers: :func:`~producer.files.stream_group.peer_names`)
+   holds an entry (a peer finishes its own); or after ``max_items`` items or ``time_limit_s``
+   seconds (what it held then stays with the group for a resume or for the others).
 
-Semantics: **at least once**. Every ok job is yielded by some consumer; a job is yielded twice
-only when a consumer died (or the loop was left) after yielding an item and before finishing
-it, or when two result entries of one job (a redelivered job) are taken at the same time by
-two consumers. A DataLoader worker finishes an item once it has passed it to the main process
-and asks for the next, so a crashed trainer loses at most its prefetched batches. One pass
+Semantics: **at least once** (under ``loader()``, or without DataLoader workers). Every ok job
+whose file exists is yielded by some consumer; a job is yielded twice only when a trainer died
+(or its loop was left) after an item was yielded and before it was finished, or when two result
+entries of one job (a redelivered job) are taken at the same time by two consumers. One pass
 only: ``epochs`` must be 1 (a stream is not replayed; iterating again continues the group).
-With ``delete_after`` the files are gone once trained on: a consumer killed after removing a
+With ``delete_after`` the files are gone once trained on: a trainer killed after removing a
 file and before acknowledging it leaves an entry whose file is missing (counted, skipped).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import os
 import random
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,30 +72,22 @@ import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
+from producer.client import recovery
 from producer.client.results import entry_result
 from producer.files.dataset import collate, load_item
 from producer.files.reader import cleanup_hidden_states
+from producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Heartbeat, Taken, peer_names
 from producer.protocol import keys
 from producer.protocol.fileformat import FileFormatError
 from producer.protocol.naming import check_name
-from producer.protocol.schema import Status
+from producer.protocol.schema import Result, Status
 from producer.settings import Settings
 from producer.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
 
-#: Seconds a consumer waits out an unreachable Redis (a restart) before it raises.
-REDIS_GIVE_UP_S = 300.0
-
-#: KEYS: stream, consumed hash, status hash. ARGV: group, entry id, job id, "error"|"ok".
-#: Acknowledge the entry and record the job as consumed with its status; an error only while
-#: it is still the job's status (an enqueue that sent the job again cleared it).
-_FINISH = """
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if ARGV[4] == 'ok' or redis.call('HGET', KEYS[3], ARGV[3]) == 'error' then
-  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
-end
-"""
+#: The item key that carries a yielded item's entry to the main process under ``loader()``.
+TAKEN_KEY = "_layertap_taken"
 
 
 @dataclass
@@ -94,12 +100,17 @@ class StreamCounts:
     missing: int = 0  # ok results whose file is gone
     damaged: int = 0  # ok results whose file does not load
     claimed: int = 0  # entries taken over from a dead consumer
+    recovered: int = 0  # jobs this consumer queued from the ledger (trimmed before the group read them)
+    unrecoverable: int = 0  # of those, ok jobs whose file is gone (also counted in ``missing`` when taken)
 
 
 def current_rank() -> int:
     """This process's torch.distributed rank (0 when not distributed)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return torch.distributed.get_rank() if distributed else 0
+    return torch.distributed.get_rank() if _distributed() else 0
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
@@ -129,14 +140,32 @@ class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
         self.wait_for_seal, self.claim_idle_s = wait_for_seal, claim_idle_s
         self.read_count, self.block_ms = read_count, block_ms
         self.counts = StreamCounts()
+        self.finished_by_loader = False  # set on the copy a StreamingLoader iterates
 
     def consumer_name(self) -> str:
         """This process's consumer name in the group: ``<consumer>.r<rank>.w<DataLoader worker>``."""
         info = torch.utils.data.get_worker_info()
         return f"{self.consumer}.r{current_rank()}.w{info.id if info is not None else 0}"
 
+    def peers(self) -> set[str]:
+        """The consumer names of this trainer (every DataLoader worker of every rank)."""
+        info = torch.utils.data.get_worker_info()
+        world = torch.distributed.get_world_size() if _distributed() else 1
+        return peer_names(self.consumer, world, info.num_workers if info is not None else 1)
+
+    def loader(self, **dataloader_options: Any) -> StreamingLoader:
+        """A DataLoader over this dataset (``dataloader_options`` as DataLoader's; ``collate_fn``
+        defaults to :func:`collate`) whose main process finishes each batch's entries when the
+        next batch is asked for: at least once with any number of DataLoader workers."""
+        return StreamingLoader(self, **dataloader_options)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        stream = _Consumer(self, self.consumer_name())
+        if torch.utils.data.get_worker_info() is not None and not self.finished_by_loader:
+            log.warning("run %s: a plain DataLoader's workers finish (acknowledge%s) each item before the main "
+                        "process trains it, so a killed trainer loses its prefetched batches; iterate "
+                        "dataset.loader(...) instead for at-least-once", self.run,
+                        ", and delete," if self.delete_after else "")
+        stream = _Consumer(self, self.consumer_name(), self.peers())
         try:
             yield from stream.items()
         finally:
@@ -144,75 +173,93 @@ class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
             log.info("consumer %s of run %s: %s", stream.name, self.run, self.counts)
 
 
-class _Heartbeat(threading.Thread):
-    """Resets the idle time of the entries a live consumer holds, so that only a dead one's are claimed."""
+class _KeepTaken:
+    """A collate_fn that takes the entries out of a batch's items: ``(taken, collate_fn(items))``."""
 
-    def __init__(self, client: redis.Redis, stream: str, group: str, name: str, every_s: float):
-        super().__init__(daemon=True, name=f"layertap-heartbeat-{name}")
-        self.redis, self.stream, self.group, self.consumer, self.every_s = client, stream, group, name, every_s
-        self.held: set[str] = set()
-        self.lock = threading.Lock()
-        self.stopped = threading.Event()
+    def __init__(self, collate_fn: Callable[[list[dict[str, Any]]], Any]):
+        self.collate_fn = collate_fn
 
-    def hold(self, entry_id: str) -> None:
-        with self.lock:
-            self.held.add(entry_id)
+    def __call__(self, items: list[dict[str, Any]]) -> tuple[list[Taken], Any]:
+        taken = [Taken(*item.pop(TAKEN_KEY)) for item in items]
+        return taken, self.collate_fn(items)
 
-    def release(self, entry_id: str) -> None:
-        with self.lock:
-            self.held.discard(entry_id)
 
-    def run(self) -> None:
-        while not self.stopped.wait(self.every_s):
-            with self.lock:
-                ids = sorted(self.held)
-            if ids:
-                try:
-                    self.redis.xclaim(self.stream, self.group, self.consumer, min_idle_time=0, message_ids=ids,
-                                      justid=True)
-                except redis.exceptions.RedisError as exc:  # Redis restarting: the next beat retries
-                    log.warning("heartbeat of %s failed: %s", self.consumer, exc)
+class StreamingLoader:
+    """Batches of a :class:`StreamingHiddenStatesDataset` from a DataLoader; a batch's entries are
+    finished (files removed with ``delete_after``, acknowledged, recorded as consumed) in this
+    process when the next batch is asked for, i.e. after the loop trained on it. A loop left
+    early, or a trainer killed, leaves its last batch (and the prefetched ones) with the group."""
+
+    def __init__(self, dataset: StreamingHiddenStatesDataset, **dataloader_options: Any):
+        self.dataset = copy.copy(dataset)
+        self.dataset.finished_by_loader = True
+        collate_fn = dataloader_options.pop("collate_fn", None) or dataset.collate
+        self.dataloader = torch.utils.data.DataLoader(self.dataset, collate_fn=_KeepTaken(collate_fn),
+                                                      **dataloader_options)
+        self.finished = 0  # items finished by this process
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        client = connect(ds.settings, decode_responses=True)
+        finisher = GroupFinisher(client, ds.run, ds.group, delete_after=ds.delete_after)
+        try:
+            for taken, batch in self.dataloader:
+                yield batch
+                finisher.finish_trained(taken)
+                self.finished += len(taken)
+        finally:
+            client.close()
+
+
+@dataclass
+class _RunState:
+    complete: bool  # sealed (unless not waited for) and every submitted job has a final result
+    stalled: bool  # every submitted job is final and the group consumed fewer
 
 
 class _Consumer:
     """One consumer's pass over the group (the module doc's protocol)."""
 
-    def __init__(self, dataset: StreamingHiddenStatesDataset, name: str):
-        self.ds, self.name, self.counts = dataset, name, dataset.counts
-        self.stream = keys.results_stream(dataset.run)
-        self.consumed_hash = keys.run_consumed_hash(dataset.run, dataset.group)
+    def __init__(self, dataset: StreamingHiddenStatesDataset, name: str, peers: set[str]):
+        self.ds, self.name, self.peers, self.counts = dataset, name, peers, dataset.counts
+        self.results_stream = keys.results_stream(dataset.run)
+        self.recovery_stream = keys.run_recovery_stream(dataset.run, dataset.group)
+        self.streams = (self.results_stream, self.recovery_stream)
         self.redis = connect(dataset.settings, decode_responses=True)
-        retrying(self._create_group, REDIS_GIVE_UP_S)
-        self.finish_script = self.redis.register_script(_FINISH)
-        self.heartbeat = _Heartbeat(connect(dataset.settings, decode_responses=True), self.stream, dataset.group,
-                                    name, dataset.claim_idle_s / 4)
+        for stream in self.streams:
+            retrying(lambda stream=stream: self._create_group(stream), REDIS_GIVE_UP_S)
+        self.finisher = GroupFinisher(self.redis, dataset.run, dataset.group, delete_after=dataset.delete_after)
+        self.heartbeat = Heartbeat(connect(dataset.settings, decode_responses=True), dataset.group, name,
+                                   dataset.claim_idle_s / 4)
         self.heartbeat.start()
         self.rng = random.Random(f"{dataset.seed}:{name}")
-        self.buffer: list[tuple[str, str, str, dict[str, Any]]] = []  # entry id, job id, path, item
+        self.buffer: list[tuple[Taken, dict[str, Any]]] = []
         self.buffered_jobs: set[str] = set()
-        self.history_cursor: str | None = "0"  # own pending entries first; None once read
-        self.claim_cursor, self.next_claim = "0-0", time.monotonic() + dataset.claim_idle_s / 2
+        self.history: dict[str, str] = dict.fromkeys(self.streams, "0")  # own pending entries first
+        self.claim_cursors = dict.fromkeys(self.streams, "0-0")
+        self.next_claim = time.monotonic() + dataset.claim_idle_s / 2
+        self.recovered_through: str | None = None  # the trim marker of this consumer's last fill
+        self.next_recovery = 0.0
 
-    def _create_group(self) -> None:
+    def _create_group(self, stream: str) -> None:
         try:
-            self.redis.xgroup_create(self.stream, self.ds.group, id="0", mkstream=True)
+            self.redis.xgroup_create(stream, self.ds.group, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
     def close(self) -> None:
-        self.heartbeat.stopped.set()
-        self.heartbeat.join()
-        self.heartbeat.redis.close()
+        self.heartbeat.close()
         self.redis.close()
 
     def items(self) -> Iterator[dict[str, Any]]:
         ds, deadline = self.ds, time.monotonic() + self.ds.time_limit_s
+        retrying(self._recover, REDIS_GIVE_UP_S)
         while self.counts.yielded < ds.max_items and time.monotonic() < deadline:
-            complete = retrying(self._run_complete, REDIS_GIVE_UP_S)
-            entries = retrying(lambda: self._next_entries(block=not complete), REDIS_GIVE_UP_S)
-            for entry_id, fields in entries:
-                if self._take(entry_id, fields) and len(self.buffer) >= max(1, ds.shuffle_buffer):
+            state = retrying(self._run_state, REDIS_GIVE_UP_S)
+            entries = retrying(lambda: self._next_entries(block=not state.complete), REDIS_GIVE_UP_S)
+            for stream, entry_id, fields in entries:
+                if self._take(stream, entry_id, fields) and len(self.buffer) >= max(1, ds.shuffle_buffer):
                     yield from self._emit()
                     if self.counts.yielded >= ds.max_items or time.monotonic() >= deadline:
                         return
@@ -220,115 +267,171 @@ class _Consumer:
                 continue
             if self.buffer:
                 yield from self._emit()
-            elif complete and retrying(self._nothing_held, REDIS_GIVE_UP_S):
-                return
-            elif complete:  # others still hold entries: wait for them, or claim them once idle
-                time.sleep(ds.block_ms / 1000)
+            elif state.complete:
+                if retrying(self._recover, REDIS_GIVE_UP_S):
+                    time.sleep(ds.block_ms / 1000)  # queued jobs to read, or another consumer is queuing them
+                elif not retrying(self._held_elsewhere, REDIS_GIVE_UP_S):
+                    return
+                else:  # a consumer outside this trainer holds entries: wait, or take them over once idle
+                    time.sleep(ds.block_ms / 1000)
+            elif state.stalled and time.monotonic() >= self.next_recovery:
+                retrying(self._recover, REDIS_GIVE_UP_S)
 
-    def _nothing_held(self) -> bool:
-        """No consumer of the group holds an entry."""
-        return self.redis.xpending(self.stream, self.ds.group)["pending"] == 0
+    def _recover(self) -> bool:
+        """Queue what the group missed (``recovery.fill``) once per trim of the stream; True when
+        there is something to look at again (jobs queued, or another consumer is queuing)."""
+        marker = self.redis.get(keys.run_trimmed_key(self.ds.run))
+        if marker is None or marker == self.recovered_through:
+            return False
+        self.next_recovery = time.monotonic() + self.ds.claim_idle_s / 2
+        found = recovery.fill(self.redis, self.ds.run, self.ds.group)
+        if found is None:
+            return True
+        self.recovered_through = marker
+        self.counts.recovered += found.queued
+        self.counts.unrecoverable += len(found.without_file)
+        return found.queued > 0
 
-    def _run_complete(self) -> bool:
-        """Sealed (unless not waited for) and every submitted job has a final result."""
+    def _held_elsewhere(self) -> bool:
+        """A consumer of the group outside this trainer holds an entry."""
+        for stream in self.streams:
+            for consumer in self.redis.xpending(stream, self.ds.group)["consumers"]:
+                if consumer["pending"] and keys.as_text(consumer["name"]) not in self.peers:
+                    return True
+        return False
+
+    def _run_state(self) -> _RunState:
         pipe = self.redis.pipeline(transaction=False)
         pipe.exists(keys.run_sealed_key(self.ds.run))
         pipe.hlen(keys.run_submitted_hash(self.ds.run))
         pipe.hlen(keys.run_status_hash(self.ds.run))
-        sealed, submitted, final = pipe.execute()
-        if not self.ds.wait_for_seal:
-            return submitted > 0 and final >= submitted
-        return bool(sealed) and final >= submitted
+        pipe.hlen(self.finisher.consumed_hash)
+        sealed, submitted, final, consumed = pipe.execute()
+        all_final = submitted > 0 and final >= submitted
+        return _RunState(complete=all_final and (bool(sealed) or not self.ds.wait_for_seal),
+                         stalled=all_final and consumed < final)
 
-    def _next_entries(self, block: bool) -> list[tuple[str, dict[str, str] | None]]:
+    def _next_entries(self, block: bool) -> list[tuple[str, str, dict[str, str] | None]]:
         """Own pending entries, else entries claimed from a dead consumer (when due), else new ones."""
         ds = self.ds
-        if self.history_cursor is not None:
-            got = self.redis.xreadgroup(ds.group, self.name, {self.stream: self.history_cursor}, count=ds.read_count)
-            entries = got[0][1] if got else []
+        if self.history:
+            got = self.redis.xreadgroup(ds.group, self.name, self.history, count=ds.read_count)
+            entries = self._entries(got)
+            for stream, stream_entries in got or []:
+                if stream_entries:
+                    self.history[stream] = stream_entries[-1][0]
+                else:
+                    self.history.pop(stream, None)
             if entries:
-                self.history_cursor = entries[-1][0]
-                return self._held(entries)
-            self.history_cursor = None
+                return entries
         if time.monotonic() >= self.next_claim:
-            self.next_claim = time.monotonic() + ds.claim_idle_s / 2
-            reply = self.redis.xautoclaim(self.stream, ds.group, self.name, min_idle_time=int(ds.claim_idle_s * 1000),
-                                          start_id=self.claim_cursor, count=ds.read_count)
-            self.claim_cursor, claimed = reply[0], reply[1]
-            if self.claim_cursor != "0-0":
-                self.next_claim = time.monotonic()  # more to look at: carry on next time
+            claimed = self._claim()
             if claimed:
-                self.counts.claimed += len(claimed)
-                log.warning("consumer %s took over %d entries idle for %.0fs", self.name, len(claimed),
-                            ds.claim_idle_s)
-                return self._held(claimed)
-        got = self.redis.xreadgroup(ds.group, self.name, {self.stream: ">"}, count=ds.read_count,
+                return claimed
+        got = self.redis.xreadgroup(ds.group, self.name, dict.fromkeys(self.streams, ">"), count=ds.read_count,
                                     block=ds.block_ms if block else None)
-        return self._held(got[0][1] if got else [])
+        return self._entries(got)
 
-    def _held(self, entries: list[Any]) -> list[tuple[str, dict[str, str] | None]]:
-        for entry_id, _ in entries:
-            self.heartbeat.hold(entry_id)
+    def _claim(self) -> list[tuple[str, str, dict[str, str] | None]]:
+        ds = self.ds
+        self.next_claim = time.monotonic() + ds.claim_idle_s / 2
+        claimed = []
+        for stream in self.streams:
+            reply = self.redis.xautoclaim(stream, ds.group, self.name, min_idle_time=int(ds.claim_idle_s * 1000),
+                                          start_id=self.claim_cursors[stream], count=ds.read_count)
+            self.claim_cursors[stream] = reply[0]
+            if reply[0] != "0-0":
+                self.next_claim = time.monotonic()  # more to look at: carry on next time
+            claimed += self._entries([(stream, reply[1])])
+        if claimed:
+            self.counts.claimed += len(claimed)
+            log.warning("consumer %s took over %d entries idle for %.0fs", self.name, len(claimed), ds.claim_idle_s)
+        return claimed
+
+    def _entries(self, got: list[Any] | None) -> list[tuple[str, str, dict[str, str] | None]]:
+        """The entries of an XREADGROUP/XAUTOCLAIM reply as (stream, entry id, fields), now held."""
+        entries = [(keys.as_text(stream), entry_id, fields) for stream, stream_entries in got or []
+                   for entry_id, fields in stream_entries]
+        for stream, entry_id, _ in entries:
+            self.heartbeat.hold(stream, entry_id)
         return entries
 
-    def _take(self, entry_id: str, fields: dict[str, str] | None) -> bool:
-        """Load an entry's item into the buffer (True), or finish the entry without one (False)."""
+    def _result(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> Result | None:
+        """The entry's result (a recovery entry's from the ledger); None when there is none to take."""
         try:
-            result = entry_result(fields or {})
+            if stream == self.recovery_stream:
+                return recovery.recovered_result(self.redis, self.ds.run, (fields or {})[keys.RECOVERY_JOB_FIELD])
+            return entry_result(fields or {})
         except (KeyError, ValidationError) as exc:  # trimmed away, or not a result: nothing to train on
-            log.warning("entry %s of %s is not a result (%s); skipped", entry_id, self.stream, exc)
-            self._ack(entry_id)
+            log.warning("entry %s of %s is not a result (%s); skipped", entry_id, stream, exc)
+            return None
+
+    def _take(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> bool:
+        """Load an entry's item into the buffer (True), or finish the entry without one (False)."""
+        result = retrying(lambda: self._result(stream, entry_id, fields), REDIS_GIVE_UP_S)
+        if result is None:
+            self._ack(stream, entry_id)
             return False
         if result.status is Status.error:
             self.counts.errors += 1
-            self._finish(entry_id, result.job_id, Status.error)
+            self._finish(stream, entry_id, result.job_id, Status.error)
             return False
-        if result.job_id in self.buffered_jobs or retrying(lambda: self.redis.hget(self.consumed_hash, result.job_id),
-                                                           REDIS_GIVE_UP_S) == "ok":
+        consumed = retrying(lambda: self.redis.hget(self.finisher.consumed_hash, result.job_id), REDIS_GIVE_UP_S)
+        if result.job_id in self.buffered_jobs or consumed == Status.ok.value:
             self.counts.duplicates += 1
             if self.ds.delete_after and result.job_id not in self.buffered_jobs and result.path:
                 cleanup_hidden_states(result.path)  # a re-run of a consumed job wrote its file again
-            self._ack(entry_id)
+            self._ack(stream, entry_id)
             return False
-        missing = [layer for layer in self.ds.layers or [] if layer not in (result.layers or [])]
+        if result.layers is None:  # recovered from the ledger, and this process cannot read the file's header
+            gone = not result.path or not os.path.exists(result.path)
+            return self._skip(stream, entry_id, result, FileNotFoundError(result.path) if gone
+                              else FileFormatError(f"{result.path}: its header does not read"))
+        missing = [layer for layer in self.ds.layers or [] if layer not in result.layers]
         if missing:
             raise ValueError(f"job {result.job_id} has layers {result.layers}, not {missing}")
         try:
-            item = load_item(result.job_id, result.path or "", result.layers or [], layers=self.ds.layers,
+            item = load_item(result.job_id, result.path or "", result.layers, layers=self.ds.layers,
                              dtype=self.ds.dtype, max_length=self.ds.max_length, verify=self.ds.verify)
-        except FileNotFoundError:
-            self.counts.missing += 1
-            log.warning("job %s: its file %s is gone; skipped", result.job_id, result.path)
-            self._finish(entry_id, result.job_id, Status.ok)
-            return False
         except (FileFormatError, SafetensorError, OSError) as exc:
-            self.counts.damaged += 1
-            log.warning("job %s: its file does not load (%s); skipped", result.job_id, exc)
-            self._finish(entry_id, result.job_id, Status.ok)
-            return False
-        self.buffer.append((entry_id, result.job_id, result.path or "", item))
+            return self._skip(stream, entry_id, result, exc)
+        self.buffer.append((Taken(stream, entry_id, result.job_id, result.path or ""), item))
         self.buffered_jobs.add(result.job_id)
         return True
 
+    def _skip(self, stream: str, entry_id: str, result: Result, exc: Exception) -> bool:
+        """Finish an ok entry whose file is gone (counted missing) or does not load (damaged)."""
+        if isinstance(exc, FileNotFoundError):
+            self.counts.missing += 1
+            log.warning("job %s: its file %s is gone; skipped", result.job_id, result.path)
+        else:
+            self.counts.damaged += 1
+            log.warning("job %s: its file does not load (%s); skipped", result.job_id, exc)
+        self._finish(stream, entry_id, result.job_id, Status.ok)
+        return False
+
     def _emit(self) -> Iterator[dict[str, Any]]:
-        """Yield one buffered item (a random one with a shuffle buffer), then finish it."""
+        """Yield one buffered item (a random one with a shuffle buffer), then finish it, or, under
+        a StreamingLoader, hand its entry to the main process with it (held until finished there)."""
         if self.ds.shuffle_buffer > 1:
             index = self.rng.randrange(len(self.buffer))
             self.buffer[index], self.buffer[-1] = self.buffer[-1], self.buffer[index]
-        entry_id, job_id, path, item = self.buffer.pop() if self.ds.shuffle_buffer > 1 else self.buffer.pop(0)
+        taken, item = self.buffer.pop() if self.ds.shuffle_buffer > 1 else self.buffer.pop(0)
+        self.buffered_jobs.discard(taken.job_id)
+        if self.ds.finished_by_loader:
+            item[TAKEN_KEY] = tuple(taken)
+            self.counts.yielded += 1
+            yield item
+            return
         yield item
         self.counts.yielded += 1
-        if self.ds.delete_after:
-            cleanup_hidden_states(path)
-        self._finish(entry_id, job_id, Status.ok)
-        self.buffered_jobs.discard(job_id)
+        self.finisher.finish_trained([taken])
+        self.heartbeat.release(taken.stream, taken.entry_id)
 
-    def _finish(self, entry_id: str, job_id: str, status: Status) -> None:
-        """Acknowledge the entry and record the job as consumed (see ``_FINISH``)."""
-        retrying(lambda: self.finish_script(keys=[self.stream, self.consumed_hash, keys.run_status_hash(self.ds.run)],
-                                            args=[self.ds.group, entry_id, job_id, status.value]), REDIS_GIVE_UP_S)
-        self.heartbeat.release(entry_id)
+    def _finish(self, stream: str, entry_id: str, job_id: str, status: Status) -> None:
+        self.finisher.finish(stream, entry_id, job_id, status)
+        self.heartbeat.release(stream, entry_id)
 
-    def _ack(self, entry_id: str) -> None:
-        retrying(lambda: self.redis.xack(self.stream, self.ds.group, entry_id), REDIS_GIVE_UP_S)
-        self.heartbeat.release(entry_id)
+    def _ack(self, stream: str, entry_id: str) -> None:
+        retrying(lambda: self.redis.xack(stream, self.ds.group, entry_id), REDIS_GIVE_UP_S)
+        self.heartbeat.release(stream, entry_id)

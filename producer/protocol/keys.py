@@ -17,6 +17,8 @@ EXTRACT_BUNDLE_TASK = "layertap.extract_bundle"
 
 #: The one field of a results stream entry: the result as flat JSON (``schema.Result``).
 RESULT_FIELD = "result"
+#: The one field of a recovery stream entry (:func:`run_recovery_stream`): the job id.
+RECOVERY_JOB_FIELD = "job"
 
 #: Dead-letter stream: jobs that failed ``max_attempts`` times, with their last error.
 DEAD_LETTER_STREAM = f"{PREFIX}:dead"
@@ -150,6 +152,24 @@ def run_consumed_hash(run: str, group: str) -> str:
     acknowledged it (``producer.files.streaming``). With ``enqueue.inflight_until=consumed`` the enqueue
     counts a job in flight until it is here (see ``producer.ingest.enqueue``)."""
     return f"{PREFIX}:run:{run}:consumed:{group}"
+
+
+def run_recovery_stream(run: str, group: str) -> str:
+    """Stream of the run's final jobs that consumer group ``group`` cannot read from
+    :func:`results_stream` (their entries were trimmed before the group read them), one entry
+    ``{"job": <job id>}`` per job, read through the same group (``producer.client.recovery``)."""
+    return f"{PREFIX}:run:{run}:recovery:{group}"
+
+
+def run_recovered_key(run: str, group: str) -> str:
+    """String: the :func:`run_trimmed_key` value through which :func:`run_recovery_stream` was
+    filled (a consumer that finds it equal to the current one has nothing to look for)."""
+    return f"{PREFIX}:run:{run}:recovered:{group}"
+
+
+def run_recovery_lock(run: str, group: str) -> str:
+    """Lock (SET NX PX) so that one consumer of ``group`` at a time fills :func:`run_recovery_stream`."""
+    return f"{PREFIX}:run:{run}:recovery-lock:{group}"
 
 
 def run_sealed_key(run: str) -> str:

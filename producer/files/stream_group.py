@@ -1,0 +1,124 @@
+"""The torch-free parts of a streaming trainer's consumer group (``producer.files.streaming``):
+finishing entries and keeping a live consumer's entries from being taken over.
+
+An entry is named by ``(stream, entry id)``: a consumer reads the run's results stream and its
+group's recovery stream (``producer.client.recovery``) through the same group. Finishing a
+trained entry removes its file first (``delete_after``), then acknowledges the entry and records
+the job in the group's consumed hash in one step (``FINISH``); any process may finish an entry
+(``XACK`` does not care which consumer holds it), so a trainer's main process finishes the
+entries its DataLoader workers read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import redis
+
+from producer.files.reader import cleanup_hidden_states
+from producer.protocol import keys
+from producer.protocol.schema import Status
+from producer.transport.redis_conn import retrying
+
+log = logging.getLogger(__name__)
+
+#: Seconds a consumer waits out an unreachable Redis (a restart) before it raises.
+REDIS_GIVE_UP_S = 300.0
+
+#: KEYS: stream, consumed hash, status hash. ARGV: group, entry id, job id, "error"|"ok".
+#: Acknowledge the entry and record the job as consumed with its status; an error only while
+#: it is still the job's status (an enqueue that sent the job again cleared it).
+FINISH = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if ARGV[4] == 'ok' or redis.call('HGET', KEYS[3], ARGV[3]) == 'error' then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+end
+"""
+
+
+class Taken(NamedTuple):
+    """A yielded item's entry: what finishing it needs."""
+
+    stream: str
+    entry_id: str
+    job_id: str
+    path: str
+
+
+def peer_names(consumer: str, world_size: int, num_workers: int) -> set[str]:
+    """The consumer names of one trainer: every DataLoader worker of every rank. They live and die
+    together, and each finishes what it holds, so none waits for what another holds."""
+    return {f"{consumer}.r{rank}.w{worker}" for rank in range(world_size) for worker in range(max(1, num_workers))}
+
+
+class GroupFinisher:
+    """Finishes entries of ``run``'s consumer group ``group`` (module doc)."""
+
+    def __init__(self, client: redis.Redis, run: str, group: str, *, delete_after: bool):
+        self.redis, self.run, self.group, self.delete_after = client, run, group, delete_after
+        self.consumed_hash = keys.run_consumed_hash(run, group)
+        self.script = client.register_script(FINISH)
+
+    def finish(self, stream: str, entry_id: str, job_id: str, status: Status) -> None:
+        """Acknowledge an entry that yields nothing to train on, recording its job as consumed."""
+        retrying(lambda: self.script(keys=[stream, self.consumed_hash, keys.run_status_hash(self.run)],
+                                     args=[self.group, entry_id, job_id, status.value]), REDIS_GIVE_UP_S)
+
+    def finish_trained(self, taken: Sequence[Taken]) -> None:
+        """Finish yielded items once trained on: files first (``delete_after``), then one round trip."""
+        if not taken:
+            return
+        if self.delete_after:
+            for item in taken:
+                cleanup_hidden_states(item.path)
+
+        def send() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            for item in taken:
+                self.script(keys=[item.stream, self.consumed_hash, keys.run_status_hash(self.run)],
+                            args=[self.group, item.entry_id, item.job_id, Status.ok.value], client=pipe)
+            pipe.execute()
+
+        retrying(send, REDIS_GIVE_UP_S)
+
+
+class Heartbeat(threading.Thread):
+    """Resets the idle time of the entries a live consumer holds, so that only a dead one's are
+    taken over; forgets an entry once it is no longer pending (another process finished it)."""
+
+    def __init__(self, client: redis.Redis, group: str, name: str, every_s: float):
+        super().__init__(daemon=True, name=f"layertap-heartbeat-{name}")
+        self.redis, self.group, self.consumer, self.every_s = client, group, name, every_s
+        self.held: dict[str, set[str]] = {}  # stream -> entry ids
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+
+    def hold(self, stream: str, entry_id: str) -> None:
+        with self.lock:
+            self.held.setdefault(stream, set()).add(entry_id)
+
+    def release(self, stream: str, entry_id: str) -> None:
+        with self.lock:
+            self.held.get(stream, set()).discard(entry_id)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            with self.lock:
+                held = {stream: sorted(ids) for stream, ids in self.held.items() if ids}
+            for stream, ids in held.items():
+                try:
+                    kept = self.redis.xclaim(stream, self.group, self.consumer, min_idle_time=0, message_ids=ids,
+                                             justid=True)
+                except redis.exceptions.RedisError as exc:  # Redis restarting: the next beat retries
+                    log.warning("heartbeat of %s failed: %s", self.consumer, exc)
+                    continue
+                with self.lock:
+                    self.held[stream] -= set(ids) - {keys.as_text(entry_id) for entry_id in kept}
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.redis.close()
