@@ -13,9 +13,10 @@ import re
 from pathlib import Path
 from typing import Any, TypeGuard
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Names are checked with ``fullmatch`` (``$`` would let a trailing newline through).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: A Hugging Face hub repo id: ``name`` or ``org/name`` (models and datasets alike).
-HUB_ID_PATTERN = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
+HUB_ID_PATTERN = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 FILE_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 #: Hex digits of the fan-out folder: 16**3 = 4096 folders keep 10^7 files at ~2.4k per folder.
@@ -24,7 +25,7 @@ FANOUT_DIGITS = 3
 
 def is_safe_name(value: object) -> TypeGuard[str]:
     """``value`` is a string that may be a run name or job id: one safe path component."""
-    return isinstance(value, str) and NAME_PATTERN.match(value) is not None and ".." not in value
+    return isinstance(value, str) and NAME_PATTERN.fullmatch(value) is not None and ".." not in value
 
 
 def check_name(value: str, what: str) -> str:
@@ -41,7 +42,7 @@ def check_name(value: str, what: str) -> str:
 
 def is_hub_id(text: str) -> bool:
     """``text`` has the form of a hub repo id (it may still not exist there)."""
-    return (len(text) <= 96 and HUB_ID_PATTERN.match(text) is not None and "--" not in text and ".." not in text
+    return (len(text) <= 96 and HUB_ID_PATTERN.fullmatch(text) is not None and "--" not in text and ".." not in text
             and not text.startswith((".", "-")))
 
 

@@ -14,14 +14,15 @@ from safetensors.numpy import save_file
 from producer.protocol import dtypes
 from producer.protocol.fileformat import FileFormatError, read_file_header
 from producer.protocol.locking import exclusive_lock, lock_path, shared_lock
-from producer.protocol.naming import check_name, is_safe_name
+from producer.protocol.naming import check_name, is_hub_id, is_safe_name
 from producer.protocol.schema import Job, json_size
 from producer.transport.backoff import Backoff, retry_while
 
 
 @pytest.mark.parametrize("name,safe", [("run-1", True), ("a.b_c", True), ("x" * 128, True), ("x" * 129, False),
                                        ("..", False), ("a..b", False), (".hidden", False), ("a/b", False),
-                                       ("", False), ("a\x00", False), (7, False), (None, False)])
+                                       ("", False), ("a\x00", False), (7, False), (None, False),
+                                       ("train\n", False), ("job-1\n", False)])
 def test_safe_name_is_one_predicate_for_every_check(name, safe):
     assert is_safe_name(name) is safe
     if safe:
@@ -118,3 +119,7 @@ def test_retry_while_retries_only_what_it_is_told_to():
     with pytest.raises(ConnectionError):
         retry_while(always_away, lambda exc: True, give_up_s=0.05, backoff=Backoff(0.01, 0.01))
     assert time.monotonic() - started < 2
+
+
+def test_a_hub_id_with_a_trailing_newline_is_not_one():
+    assert is_hub_id("org/model") and not is_hub_id("org/model\n")
