@@ -38,7 +38,9 @@ it, or when two result entries of one job (a redelivered job) are taken at the s
 two consumers. A DataLoader worker finishes an item once it has passed it to the main process
 and asks for the next, so a crashed trainer loses at most its prefetched batches. One pass
 only: ``epochs`` must be 1 (a stream is not replayed; iterating again continues the group).
-With ``delete_after`` the files are gone once trained on: a consumer killed after removing a
+With ``delete_after`` the files are gone once trained on (only a job's own file under
+``settings.storage_root`` is removed: a result naming any other path leaves it, with a warning);
+a consumer killed after removing a
 file and before acknowledging it leaves an entry whose file is missing (counted, skipped).
 """
 
@@ -63,7 +65,7 @@ from producer.files.dataset import collate, load_item
 from producer.files.reader import cleanup_hidden_states
 from producer.protocol import keys
 from producer.protocol.fileformat import FileFormatError
-from producer.protocol.naming import check_name
+from producer.protocol.naming import check_name, file_under_root
 from producer.protocol.schema import Status
 from producer.settings import Settings
 from producer.transport.redis_conn import connect, retrying
@@ -287,7 +289,7 @@ class _Consumer:
                                                            REDIS_GIVE_UP_S) == "ok":
             self.counts.duplicates += 1
             if self.ds.delete_after and result.job_id not in self.buffered_jobs and result.path:
-                cleanup_hidden_states(result.path)  # a re-run of a consumed job wrote its file again
+                self._delete(result.job_id, result.path)  # a re-run of a consumed job wrote its file again
             self._ack(entry_id)
             return False
         missing = [layer for layer in self.ds.layers or [] if layer not in (result.layers or [])]
@@ -319,9 +321,19 @@ class _Consumer:
         yield item
         self.counts.yielded += 1
         if self.ds.delete_after:
-            cleanup_hidden_states(path)
+            self._delete(job_id, path)
         self._finish(entry_id, job_id, Status.ok)
         self.buffered_jobs.discard(job_id)
+
+    def _delete(self, job_id: str, path: str) -> None:
+        """Remove the job's file, only if ``path`` is that file under the storage root (a result
+        entry is data anyone who can write to Redis could forge)."""
+        own = file_under_root(path, self.ds.settings.storage_root, self.ds.run, job_id)
+        if own is None:
+            log.warning("job %s: %s is not its file under the storage root %s; not deleted",
+                        job_id, path, self.ds.settings.storage_root)
+        else:
+            cleanup_hidden_states(own)
 
     def _finish(self, entry_id: str, job_id: str, status: Status) -> None:
         """Acknowledge the entry and record the job as consumed (see ``_FINISH``)."""

@@ -1,14 +1,17 @@
 """Names that become paths or keys: validation, content-hash ids and the file layout.
 
-Invariant: a run name or job id that passes :func:`check_name` is a single safe path
+Invariants: a run name or job id that passes :func:`check_name` is a single safe path
 component (no separators, no ``..``, no NUL or control characters, bounded length), so
-``<root>/<run>/<fan-out>/<job_id>.safetensors`` always stays under ``<root>``.
+``<root>/<run>/<fan-out>/<job_id>.safetensors`` always stays under ``<root>``. A path taken from
+Redis is acted on (deleted, linked) only as :func:`file_under_root` returns it, so a forged
+result entry cannot lead out of the storage root.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -75,3 +78,13 @@ def storage_root_of(path: str | Path, run: str, job_id: str) -> Path | None:
         return None
     root = path.parents[2]
     return root if job_path(root, run, job_id) == path else None
+
+
+def file_under_root(path: str | Path, storage_root: str | Path, run: str, job_id: str) -> Path | None:
+    """The real path of ``path`` if, every symlink resolved, it is exactly the file of ``run``/``job_id``
+    under ``storage_root`` (:func:`job_path`); None for anything else: a ``..`` component, a symlink
+    that leads out, another job's or another run's file, an unsafe name."""
+    if not (is_safe_name(run) and is_safe_name(job_id)) or ".." in Path(path).parts:
+        return None
+    real = Path(os.path.realpath(path))
+    return real if real == job_path(os.path.realpath(storage_root), run, job_id) else None
