@@ -92,7 +92,8 @@ def enqueue(
                                 "final_hidden_states": final_hidden_states or None}
     defaults = {key: value for key, value in defaults.items() if value is not None}
     settings = Settings()
-    prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults))
+    max_job_bytes = settings.limits.max_job_bytes
+    prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults, max_job_bytes))
                for i, text in enumerate(prompt or [])]
     items: Iterable[Planned | BadRow] = prompts
     total: int | None = len(prompts)
@@ -101,7 +102,8 @@ def enqueue(
             source = open_source(file, split=split)
         total = None if source.total is None else len(prompts) + source.total
         converter = RowConverter(input_format, column=column, id_column=id_column)
-        items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file)))
+        items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file),
+                                                            max_job_bytes=max_job_bytes))
     if limit is not None:
         items = itertools.islice(items, limit)
         total = None if total is None else min(total, limit)

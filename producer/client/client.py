@@ -23,15 +23,11 @@ from producer.client.bundler import Bundler
 from producer.client.fleet import live_workers
 from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
-from producer.protocol.schema import Job, Result, oversize
+from producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
 from producer.transport.pending import record_pending
 from producer.transport.redis_conn import connect, retrying
-
-
-class JobTooLarge(ValueError):
-    """A job whose JSON exceeds ``limits.max_job_bytes``."""
 
 
 class NoWorker(RuntimeError):
@@ -82,17 +78,20 @@ class Client:
     def prepare(self, job: Job | Mapping[str, Any], *, check: bool = False,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
         """The job validated, with its id, and its JSON payload; raises as :meth:`submit` does."""
+        limit = self.settings.limits.max_job_bytes
         if not isinstance(job, Job):
-            job = Job.model_validate({**job, **fields})
+            data = {**job, **fields}
+            refuse_oversize(data, limit, f"job {data.get('job_id') or ''}".rstrip())
+            job = Job.model_validate(data)
         elif fields:
             job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
         job = job.with_id()
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
-        size = oversize(job, payload, self.settings.limits.max_job_bytes)
+        size = oversize(job, payload, limit)
         if size is not None:
-            raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
-                              f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+            raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is {limit} "
+                              "(LAYERTAP_LIMITS__MAX_JOB_BYTES)")
         return job, payload
 
     def send(self, messages: list[list[tuple[Job, dict[str, Any]]]]) -> None:

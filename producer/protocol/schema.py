@@ -49,6 +49,24 @@ def json_size(data: Any) -> int:
     return len(json.dumps(data, separators=(",", ":")))
 
 
+class JobTooLarge(ValueError):
+    """A job over ``limits.max_job_bytes``, every part of it counted."""
+
+
+def refuse_oversize(data: Any, limit: int, what: str = "the job") -> None:
+    """Raise :class:`JobTooLarge` when ``json_size(data)`` is over ``limit``. Every part of a job
+    counts (text, messages, ``tools``, ``tool_calls``, token ids, metadata): this one limit is
+    checked on the raw data, before it is validated, rendered or tokenized, by the client and
+    the worker alike. Data that is not JSON passes, for validation to name its problem."""
+    try:
+        size = json_size(data)
+    except (TypeError, ValueError):
+        return
+    if size > limit:
+        raise JobTooLarge(f"{what} is {size} bytes of JSON, every field counted (tools included); the limit is "
+                          f"{limit} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+
+
 #: Most characters :func:`json_size` counts for one character of pydantic's JSON: an astral
 #: character, left as is by pydantic, is a 12-character surrogate-pair escape there.
 JSON_ESCAPE_MAX = 12

@@ -4,6 +4,9 @@ file locks and backoff, each checked on its own (no Redis, no processes)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +16,7 @@ from safetensors.numpy import save_file
 
 from producer.protocol import dtypes
 from producer.protocol.fileformat import FileFormatError, read_file_header
-from producer.protocol.locking import exclusive_lock, lock_path, shared_lock
+from producer.protocol.locking import LockTimeout, exclusive_lock, lock_path, shared_lock
 from producer.protocol.naming import check_name, is_hub_id, is_safe_name
 from producer.protocol.schema import Job, json_size
 from producer.transport.backoff import Backoff, retry_while
@@ -123,3 +126,30 @@ def test_retry_while_retries_only_what_it_is_told_to():
 
 def test_a_hub_id_with_a_trailing_newline_is_not_one():
     assert is_hub_id("org/model") and not is_hub_id("org/model\n")
+
+
+def test_a_writer_gives_up_on_a_reader_stopped_while_holding_the_lock(tmp_path):
+    """A real reader process takes the shared lock and is stopped with SIGSTOP: the writer waits a
+    bounded time, then raises LockTimeout (an OSError: the worker answers write_failed, retried)."""
+    path = tmp_path / "job.safetensors"
+    with exclusive_lock(path):  # the lock file exists, as after any write
+        pass
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from producer.protocol.locking import shared_lock\n"
+        f"with shared_lock({str(path)!r}):\n"
+        "    print('held', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "held"
+        with pytest.raises(LockTimeout, match="stayed locked"):
+            with exclusive_lock(path, wait_s=0.5):
+                pass
+        assert issubclass(LockTimeout, OSError)
+        reader.send_signal(signal.SIGCONT)
+        assert reader.wait(timeout=30) == 0
+        with exclusive_lock(path, wait_s=30):  # released: the writer gets it
+            pass
+    finally:
+        reader.kill()
+        reader.wait()

@@ -36,11 +36,12 @@ from producer.protocol.naming import content_hash, is_safe_name, job_path
 from producer.protocol.schema import (
     ErrorType,
     Job,
+    JobTooLarge,
     Result,
     Status,
     Timings,
     describe_validation_error,
-    json_size,
+    refuse_oversize,
 )
 from worker.engine.engine import Engine
 from worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
@@ -141,14 +142,10 @@ class JobProcessor:
         """Validate raw message data into a job with an id; raises :class:`JobError`.
 
         The size is checked first, so a huge message is refused before it is validated."""
-        limit = self.preparer.limits.max_job_bytes
         try:
-            size = json_size(raw)
-        except (TypeError, ValueError):
-            size = 0  # not JSON-like data: validation below names the problem
-        if size > limit:
-            raise JobError(ErrorType.invalid_job, f"the job is {size} bytes of JSON; this worker's limit is {limit} "
-                                                  "(LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+            refuse_oversize(raw, self.preparer.limits.max_job_bytes)
+        except JobTooLarge as exc:
+            raise JobError(ErrorType.invalid_job, str(exc)) from None
         try:
             return Job.model_validate(raw).with_id()
         except ValidationError as exc:

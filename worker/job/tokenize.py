@@ -126,9 +126,6 @@ class Preparer:
     def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
         if not prompt.strip():
             raise JobError(ErrorType.empty_input, "prompt is empty")
-        if len(prompt) > self.limits.max_chars:
-            raise JobError(ErrorType.invalid_job, f"prompt has {len(prompt)} characters; the limit is "
-                                                  f"{self.limits.max_chars}")
         self._refuse_unfittable(job, len(prompt))
         with self._tokenizer() as tokenizer:
             token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -144,8 +141,6 @@ class Preparer:
             raise JobError(ErrorType.invalid_job, f"the chat has {len(messages)} turns; the limit is "
                                                   f"{self.limits.max_turns}")
         chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages)
-        if chars > self.limits.max_chars:
-            raise JobError(ErrorType.invalid_job, f"the chat has {chars} characters; the limit is {self.limits.max_chars}")
         if not any(m["role"] == "assistant" for m in messages):
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on")
         self._refuse_unfittable(job, chars)
