@@ -9,7 +9,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4'
 STAMP := $(VENV)/.layertap-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean redis-secret
 
 install: $(STAMP)
 
@@ -25,6 +25,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+redis-secret:
+	deploy/make-redis-secret
 
 clean:
 	rm -rf $(VENV) layertap-data .pytest_cache
