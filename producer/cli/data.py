@@ -61,7 +61,8 @@ def enqueue(
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 | float8 (stored dtype; "
                                         "bf16, fp16, fp32, fp8 too)."),
     check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model (with no live "
-                               "worker at all, warn and enqueue)."),
+                               "worker at all, warn and enqueue), and refuse as bad rows jobs asking for layers "
+                               "the served model lacks."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Read at most this many rows (prompts "
                                         "first, then the file's)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Read and check the rows, print the job ids, send "
@@ -122,7 +123,7 @@ def enqueue(
         until = inflight_until or settings.enqueue.inflight_until
         if until not in ("finished", "consumed"):
             raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
-        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight,
+        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight, check=check and model in served,
                             until=until, group=consumer_group or settings.enqueue.consumer_group)  # type: ignore[arg-type]
         with progress(total, "enqueue") as step, one_line_errors():
             for outcome, item in enqueuer.run(items):

@@ -61,3 +61,13 @@ def worker_records(client: redis.Redis,
 def live_workers(client: redis.Redis) -> dict[str, dict[str, Any]]:
     """Live workers: node name -> description."""
     return {node: info for node, info, alive in worker_records(client) if alive}
+
+
+def served_depths(workers: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Served model name -> the fewest decoder layers (``num_layers``) among the live ``workers``
+    serving it: the layer ids every one of them can capture (``protocol.layers``)."""
+    depths: dict[str, int] = {}
+    for info in workers.values():
+        if isinstance(info.get("num_layers"), int):
+            depths[info["model"]] = min(info["num_layers"], depths.get(info["model"], info["num_layers"]))
+    return depths

@@ -39,6 +39,7 @@ from producer.client.client import Client
 from producer.ingest.formats import RowConverter, UndetectableFormat
 from producer.ingest.sources import SourceRow
 from producer.protocol import keys
+from producer.protocol.layers import LayerIdError
 from producer.protocol.naming import check_name
 from producer.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
 from producer.settings import InflightUntil
@@ -146,10 +147,11 @@ class Enqueuer:
     """Sends planned jobs with resume, repeat skipping and back-pressure (see the module doc)."""
 
     def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
-                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP):
+                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP, check: bool = False):
+        """``check``: refuse, as bad rows, jobs the live workers cannot run (``Client.submit``'s check)."""
         self.client = client
         self.group = group
-        self.bundler = client.bundler()
+        self.bundler = client.bundler(check=check)
         self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
                                        before_read=self.bundler.flush)
         self.batch_size = batch_size
@@ -216,6 +218,6 @@ class Enqueuer:
             pipe.execute()
         try:
             self.bundler.add(job)
-        except JobTooLarge as exc:
+        except (JobTooLarge, LayerIdError) as exc:
             return Outcome.bad, BadRow(item.where, str(exc))
         return Outcome.submitted, item

@@ -283,6 +283,7 @@ class Result(BaseModel):
     error_type: ErrorType | None = None
     error: str | None = None
     metadata: str | None = None
+    warning: str | None = None  # an ok job changed to run, e.g. truncated to the model's context length
     attempt: int | None = None
     cached: bool = False
     finished_at: float = Field(default_factory=time.time)

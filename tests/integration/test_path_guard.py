@@ -53,8 +53,8 @@ def test_run_delete_files_removes_nothing_outside_the_storage_root(workers, redi
     job = client.submit({"prompt": "a real file"}, model=MODEL, run=run_name)
     real = client.wait(run_name, [job.job_id], timeout=60)[job.job_id].path
     outside, linked, dotted = canaries(tmp_path, storage_root, run_name)
-    forged = [forge_ok(client, run_name, "forged-a", outside), forge_ok(client, run_name, "linked-job",
-                                                                         job_path(storage_root, run_name, "linked-job")),
+    forged = [forge_ok(client, run_name, "forged-a", outside),
+              forge_ok(client, run_name, "linked-job", job_path(storage_root, run_name, "linked-job")),
               forge_ok(client, run_name, "forged-b", dotted)]
     env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
     argv = cli("run", "delete", run_name, "--files", "--yes", "--storage", str(storage_root))

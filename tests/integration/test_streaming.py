@@ -250,7 +250,8 @@ def test_in_flight_bound_holds_on_disk_with_a_slow_consumer(workers, redis_serve
                                    "--max-inflight", str(MAX_INFLIGHT), "--inflight-until", "consumed"),
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = []
-    trainer = stream(redis_server, run_name, delete_after=True, settings=Settings(storage_root=storage_root), read_count=2)
+    trainer = stream(redis_server, run_name, delete_after=True, settings=Settings(storage_root=storage_root),
+                     read_count=2)
     for item in trainer:
         seen.append(item["job_id"])
         time.sleep(delay)  # a trainer ten times slower than the worker

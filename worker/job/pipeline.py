@@ -300,8 +300,11 @@ class JobProcessor:
             write_s = time.perf_counter() - write_start
         finally:
             job_slice.release()
+        if prepared.warning:
+            log.warning("job %s: %s", job.job_id, prepared.warning)
         return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(started.output_dtype),
-                        Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
+                        Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt,
+                        warning=prepared.warning)
 
     @staticmethod
     def _tensors(job: Job, prepared: PreparedInput, request: EngineRequest,
@@ -364,10 +367,10 @@ class JobProcessor:
         }
 
     def _ok(self, job: Job, path: Path, num_tokens: int, layers: list[int], dtype: str, timings: Timings,
-            attempt: int | None) -> Result:
+            attempt: int | None, *, warning: str | None = None) -> Result:
         return Result(job_id=job.job_id, run=job.run, status=Status.ok, path=str(path), num_tokens=num_tokens,
-                      layers=layers, dtype=dtype, model=self.loaded.name,
-                      worker=self.worker_name, timings=timings, metadata=job.metadata, attempt=attempt)
+                      layers=layers, dtype=dtype, model=self.loaded.name, worker=self.worker_name, timings=timings,
+                      metadata=job.metadata, warning=warning, attempt=attempt)
 
     def _error(self, job_id: str, run: str, exc: JobError, timings: Timings, *, job: Job | None = None,
                attempt: int | None = None) -> Result:
