@@ -192,15 +192,18 @@ class RunListing:
                 raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
             self.results = ok_files(client.redis, run)
         self.verify = verify
-        self.skipped = self.tokens = 0
+        self.skipped = self.tokens = self.passes = 0
 
     def __iter__(self) -> Iterator[Any]:
+        """One pass over the entries; each pass counts afresh, and only the first prints."""
         from producer.files.manifest import Skipped, collect
 
+        first_pass, self.passes = self.passes == 0, self.passes + 1
+        self.skipped = self.tokens = 0
         for entry in collect(self.results, verify=self.verify):
             if isinstance(entry, Skipped):
                 self.skipped += 1
-                if self.skipped <= MAX_REPORTED_ROWS:
+                if first_pass and self.skipped <= MAX_REPORTED_ROWS:
                     err_console.print(f"error: job {entry.job_id}: {entry.reason}", markup=False, highlight=False)
                 continue
             self.tokens += entry.num_tokens
@@ -239,7 +242,7 @@ def export(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
-    from producer.files.export import export_speculators
+    from producer.files.export import check_entries, export_speculators
     from producer.files.manifest import iter_manifest
 
     if export_format != "speculators":
@@ -247,10 +250,15 @@ def export(
     if (run is None) == (from_manifest is None):
         raise fail("give one of --run R or --manifest F", 2)
     listing = RunListing(run, redis_url) if run is not None else None
-    entries: Any = listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
+
+    def entries() -> Any:
+        return listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
+
+    with one_line_errors():  # every file's layers and dtype agree before anything is written
+        check_entries(entries(), check_layers=not any_layers)
     with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
         quiet_datasets()
-        report = export_speculators(counted(entries, step), out, check_layers=not any_layers)
+        report = export_speculators(counted(entries(), step), out, check_layers=not any_layers)
     freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
     err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "
                       f"{report.copied} copied{freq})", markup=False, highlight=False)

@@ -68,3 +68,17 @@ def test_context_length_is_derived_as_vllm_derives_max_model_len():
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
     assert context_length(LlamaConfig(max_position_embeddings=131072, rope_scaling=llama3)) == 131072
+
+
+def test_export_checks_that_the_layers_agree_before_it_writes_anything(workers, redis_server, client, run_name,
+                                                                       tmp_path):
+    jobs = [client.submit({"prompt": f"row {index}"}, model=MODEL, run=run_name, layers=layers)
+            for index, layers in enumerate([[1, -1], [1, -1], [2, -1]])]
+    assert all(result.ok for result in client.wait(run_name, [job.job_id for job in jobs], timeout=60).values())
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
+    out = tmp_path / "export"
+    for _ in range(2):  # the same answer again: nothing was left behind to make it "not empty"
+        refused = subprocess.run(cli("export", "--run", run_name, "--out", str(out)), env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and "speculators needs the same layers in every file" in refused.stderr
+        assert not out.exists()
