@@ -12,6 +12,8 @@ import subprocess
 import pytest
 from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
+from producer.dataset import HiddenStatesDataset, collate
+from producer.files.manifest import entry_from_file
 from producer.protocol import keys
 from producer.protocol.layers import LayerIdError
 from producer.protocol.schema import ErrorType
@@ -70,11 +72,21 @@ def test_context_length_is_derived_as_vllm_derives_max_model_len():
     assert context_length(LlamaConfig(max_position_embeddings=131072, rope_scaling=llama3)) == 131072
 
 
-def test_export_checks_that_the_layers_agree_before_it_writes_anything(workers, redis_server, client, run_name,
-                                                                       tmp_path):
+def test_export_and_the_dataset_refuse_mixed_layers_before_any_work(workers, redis_server, client, run_name,
+                                                                     tmp_path):
+    """``export`` checks that the run's layers agree before it writes anything; ``HiddenStatesDataset``
+    refuses files of different layers when it is built (same count: they would batch, mixed up)."""
     jobs = [client.submit({"prompt": f"row {index}"}, model=MODEL, run=run_name, layers=layers)
             for index, layers in enumerate([[1, -1], [1, -1], [2, -1]])]
-    assert all(result.ok for result in client.wait(run_name, [job.job_id for job in jobs], timeout=60).values())
+    results = client.wait(run_name, [job.job_id for job in jobs], timeout=60)
+    assert all(result.ok for result in results.values())
+    entries = [entry_from_file(job_id, result.path) for job_id, result in results.items()]
+    with pytest.raises(ValueError, match=r"pass layers=\[...\]"):
+        HiddenStatesDataset(entries)
+    top = entries[0].num_hidden_layers
+    batch = collate([item for item in HiddenStatesDataset(entries, layers=[top])])
+    assert batch["hidden_states"].shape[:3] == (3, max(entry.num_tokens for entry in entries), 1)
+
     env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
     out = tmp_path / "export"
     for _ in range(2):  # the same answer again: nothing was left behind to make it "not empty"
