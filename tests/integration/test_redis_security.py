@@ -34,6 +34,7 @@ def test_acl_user_and_password(tiny_models, tmp_path):
     url = f"redis://layertap:s3cret-pass@127.0.0.1:{port}/0"
     with RedisServer(port, tmp_path / "redis", extra_args=ACL, url=url):
         run_one_job(url, tiny_models, tmp_path, {}, Settings(redis_url=url))
+        assert "s3cret" not in (tmp_path / "worker.log").read_text()  # the worker logs no password
         wrong = {**os.environ, "LAYERTAP_REDIS_URL": f"redis://layertap:wrong@127.0.0.1:{port}/0"}
         out = subprocess.run(layertap_argv("results", "--run", "secure"), env=wrong,
                              capture_output=True, text=True, timeout=60)
