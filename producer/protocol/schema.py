@@ -7,6 +7,8 @@ Invariants:
 * ``run`` and ``job_id`` are safe path components (``naming.check_name``);
 * strings carry no NUL or other control characters (tab, newline, CR excepted) and are
   valid Unicode; unknown fields are refused;
+* a job's size is one byte limit over every part of it, ``tools`` included
+  (:func:`refuse_oversize`), checked on the raw data before it is validated or rendered;
 * ``tools`` only comes with ``messages`` (a template renders them); ``loss_on`` and
   ``topk_on`` only matter for chats and top-k jobs, and are ignored elsewhere.
 
