@@ -40,8 +40,8 @@ and asks for the next, so a crashed trainer loses at most its prefetched batches
 only: ``epochs`` must be 1 (a stream is not replayed; iterating again continues the group).
 With ``delete_after`` the files are gone once trained on (only a job's own file under
 ``settings.storage_root`` is removed: a result naming any other path leaves it, with a warning);
-a consumer killed after removing a
-file and before acknowledging it leaves an entry whose file is missing (counted, skipped).
+a consumer killed after removing a file and before acknowledging it leaves an entry whose file
+is missing (counted, skipped).
 """
 
 from __future__ import annotations
