@@ -9,7 +9,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4'
 STAMP := $(VENV)/.layertap-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit install clean
+.PHONY: demo test test-unit install clean redis-secret
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ test: $(STAMP)
 # The edit loop: no Redis, no processes, under a minute.
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+redis-secret:
+	deploy/make-redis-secret
 
 clean:
 	rm -rf $(VENV) layertap-data .pytest_cache

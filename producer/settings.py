@@ -105,8 +105,9 @@ class Limits(BaseModel):
 
     max_tokens: int = Field(default=131072, gt=0)
     max_turns: int = Field(default=4096, gt=0)
-    max_chars: int = Field(default=8_000_000, gt=0)
-    max_job_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    #: The one byte limit of a job: its compact JSON, every field counted (text, messages, tools,
+    #: tool_calls, token ids, metadata), checked before the job is validated, rendered or tokenized.
+    max_job_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_topk: int = Field(default=256, gt=0)  # largest ``topk`` a job may ask for
 
 

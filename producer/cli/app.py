@@ -142,13 +142,15 @@ def main() -> None:
     import redis
     from pydantic import ValidationError
 
+    from producer.transport.redis_conn import redacted_url
+
     try:
         app()
     except CliError as exc:
         err_console.print(f"error: {exc}", markup=False, highlight=False)
         sys.exit(exc.code)
     except redis.exceptions.ConnectionError as exc:
-        url = Settings().broker_url
+        url = redacted_url(Settings().broker_url)
         err_console.print(f"error: cannot reach Redis ({exc}); is it running at {url}? "
                           "Set LAYERTAP_REDIS_URL or pass --redis-url", markup=False, highlight=False)
         sys.exit(1)

@@ -64,7 +64,8 @@ def enqueue(
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 | float8 (stored dtype; "
                                         "bf16, fp16, fp32, fp8 too)."),
     check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model (with no live "
-                               "worker at all, warn and enqueue)."),
+                               "worker at all, warn and enqueue), and refuse as bad rows jobs asking for layers "
+                               "the served model lacks."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Read at most this many rows (prompts "
                                         "first, then the file's)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Read and check the rows, print the job ids, send "
@@ -96,7 +97,8 @@ def enqueue(
                                 "generation_prompt": generation_prompt or None}
     defaults = {key: value for key, value in defaults.items() if value is not None}
     settings = Settings()
-    prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults))
+    max_job_bytes = settings.limits.max_job_bytes
+    prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults, max_job_bytes))
                for i, text in enumerate(prompt or [])]
     items: Iterable[Planned | BadRow] = prompts
     total: int | None = len(prompts)
@@ -105,7 +107,8 @@ def enqueue(
             source = open_source(file, split=split)
         total = None if source.total is None else len(prompts) + source.total
         converter = RowConverter(input_format, column=column, id_column=id_column)
-        items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file)))
+        items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file),
+                                                            max_job_bytes=max_job_bytes))
     if limit is not None:
         items = itertools.islice(items, limit)
         total = None if total is None else min(total, limit)
@@ -124,7 +127,7 @@ def enqueue(
         until = inflight_until or settings.enqueue.inflight_until
         if until not in ("finished", "consumed"):
             raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
-        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight,
+        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight, check=check and model in served,
                             until=until, group=consumer_group or settings.enqueue.consumer_group)  # type: ignore[arg-type]
         with progress(total, "enqueue") as step, one_line_errors():
             for outcome, item in enqueuer.run(items):
@@ -193,15 +196,18 @@ class RunListing:
                 raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
             self.results = ok_files(client.redis, run)
         self.verify = verify
-        self.skipped = self.tokens = 0
+        self.skipped = self.tokens = self.passes = 0
 
     def __iter__(self) -> Iterator[Any]:
+        """One pass over the entries; each pass counts afresh, and only the first prints."""
         from producer.files.manifest import Skipped, collect
 
+        first_pass, self.passes = self.passes == 0, self.passes + 1
+        self.skipped = self.tokens = 0
         for entry in collect(self.results, verify=self.verify):
             if isinstance(entry, Skipped):
                 self.skipped += 1
-                if self.skipped <= MAX_REPORTED_ROWS:
+                if first_pass and self.skipped <= MAX_REPORTED_ROWS:
                     err_console.print(f"error: job {entry.job_id}: {entry.reason}", markup=False, highlight=False)
                 continue
             self.tokens += entry.num_tokens
@@ -240,7 +246,7 @@ def export(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
-    from producer.files.export import export_speculators
+    from producer.files.export import check_entries, export_speculators
     from producer.files.manifest import iter_manifest
 
     if export_format != "speculators":
@@ -248,10 +254,15 @@ def export(
     if (run is None) == (from_manifest is None):
         raise fail("give one of --run R or --manifest F", 2)
     listing = RunListing(run, redis_url) if run is not None else None
-    entries: Any = listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
+
+    def entries() -> Any:
+        return listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
+
+    with one_line_errors():  # every file's layers and dtype agree before anything is written
+        check_entries(entries(), check_layers=not any_layers)
     with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
         quiet_datasets()
-        report = export_speculators(counted(entries, step), out, check_layers=not any_layers)
+        report = export_speculators(counted(entries(), step), out, check_layers=not any_layers)
     freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
     err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "
                       f"{report.copied} copied{freq})", markup=False, highlight=False)

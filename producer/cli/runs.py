@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -59,19 +60,24 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Delete even with jobs still without a result "
                                    "(their messages are taken out of the queues)."),
         yes: bool = typer.Option(False, "--yes", help="Do not ask."),
+        storage: Optional[Path] = typer.Option(None, help="The storage root (setting storage_root): --files "
+                                               "deletes only the run's own files under it, and nothing if a "
+                                               "result names any other path."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Delete a run's results, status and records from Redis (and with --files its files)."""
+        from producer.cli.common import load_settings
         from producer.client import runs
         from producer.client.client import Client
 
-        with Client(redis_url=redis_url) as client:
+        with Client(load_settings(redis_url=redis_url, storage=storage)) as client:
             if not runs.exists(client.redis, run):
                 raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
             what = f"run {run}'s results and records" + (" and its files" if files else "")
             if not yes and not typer.confirm(f"Delete {what}?"):
                 raise typer.Exit(1)
-            paths = runs.delete(client.redis, run, force=force)
+            paths = runs.delete(client.redis, run, force=force,
+                                files_under=client.settings.storage_root if files else None)
         if files:
             for path in paths:
                 cleanup_hidden_states(path)

@@ -20,18 +20,15 @@ import redis
 
 from producer.client import runs
 from producer.client.bundler import Bundler
-from producer.client.fleet import live_workers
+from producer.client.fleet import live_workers, served_depths
 from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
-from producer.protocol.schema import Job, Result, oversize
+from producer.protocol.layers import LayerIdError, resolve_layer_ids
+from producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
 from producer.transport.pending import record_pending
 from producer.transport.redis_conn import connect, retrying
-
-
-class JobTooLarge(ValueError):
-    """A job whose JSON exceeds ``limits.max_job_bytes``."""
 
 
 class NoWorker(RuntimeError):
@@ -65,6 +62,7 @@ class Client:
         self.redis = connect(settings, decode_responses=True)
         self._open_runs: set[str] = set()  # runs seen not cancelled by this client
         self._served: set[str] = set()  # models seen served by a live worker, or already warned about
+        self._depths: dict[str, int] = {}  # served model -> decoder layers, as live workers reported them
 
     # -- submitting -------------------------------------------------------------------
     def submit(self, job: Job | Mapping[str, Any], *, check: bool = False, **fields: Any) -> Job:
@@ -73,7 +71,8 @@ class Client:
         (:meth:`wait`, :meth:`results`); there is no per-job ``AsyncResult``.
 
         The first job of a model that no live worker serves warns (:class:`NoWorkerWarning`),
-        or with ``check=True`` raises :class:`NoWorker`; a job for a cancelled run raises
+        or with ``check=True`` raises :class:`NoWorker`; with ``check=True`` a job asking for layers
+        the live workers' model lacks raises ``LayerIdError``; a job for a cancelled run raises
         :class:`~producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
         job, payload = self.prepare(job, check=check, **fields)
         self.send([[(job, payload)]])
@@ -82,17 +81,20 @@ class Client:
     def prepare(self, job: Job | Mapping[str, Any], *, check: bool = False,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
         """The job validated, with its id, and its JSON payload; raises as :meth:`submit` does."""
+        limit = self.settings.limits.max_job_bytes
         if not isinstance(job, Job):
-            job = Job.model_validate({**job, **fields})
+            data = {**job, **fields}
+            refuse_oversize(data, limit, f"job {data.get('job_id') or ''}".rstrip())
+            job = Job.model_validate(data)
         elif fields:
             job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
         job = job.with_id()
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
-        size = oversize(job, payload, self.settings.limits.max_job_bytes)
+        size = oversize(job, payload, limit)
         if size is not None:
-            raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is "
-                              f"{self.settings.limits.max_job_bytes} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+            raise JobTooLarge(f"job {job.job_id} is {size} bytes of JSON; the limit is {limit} "
+                              "(LAYERTAP_LIMITS__MAX_JOB_BYTES)")
         return job, payload
 
     def send(self, messages: list[list[tuple[Job, dict[str, Any]]]]) -> None:
@@ -136,16 +138,24 @@ class Client:
                 raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap run delete {job.run}` first, "
                                         "or use another run name")
             self._open_runs.add(job.run)
-        if job.model in self._served:
-            return
-        served = self.served_models()
-        if job.model not in served:
-            message = (f"no live worker serves model {job.model!r} (served: {', '.join(sorted(served)) or 'none'}); "
-                       f"its jobs wait in queue {keys.model_queue(job.model)} until one does")
-            if check:
-                raise NoWorker(message)
-            warnings.warn(message, NoWorkerWarning, stacklevel=4)
-        self._served.add(job.model)
+        if job.model not in self._served:
+            workers = self.workers()
+            served = {info["model"] for info in workers.values()}
+            if job.model not in served:
+                names = ", ".join(sorted(served)) or "none"
+                message = (f"no live worker serves model {job.model!r} (served: {names}); "
+                           f"its jobs wait in queue {keys.model_queue(job.model)} until one does")
+                if check:
+                    raise NoWorker(message)
+                warnings.warn(message, NoWorkerWarning, stacklevel=4)
+            self._depths.update(served_depths(workers))
+            self._served.add(job.model)
+        depth = self._depths.get(job.model)
+        if check and job.layers is not None and depth is not None:
+            try:
+                resolve_layer_ids(job.layers, depth)
+            except LayerIdError as exc:
+                raise LayerIdError(f"job {job.job_id}: model {job.model!r} as live workers serve it: {exc}") from None
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
         """Submit each job, in bundles (``settings.bundle``); returns them with ids once all are sent."""

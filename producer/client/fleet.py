@@ -1,10 +1,15 @@
 """Which workers are alive: every worker registers in ``keys.WORKERS_HASH`` and is alive while
 its heartbeat key (``keys.worker_heartbeat_key``, with a TTL) exists. The one liveness check,
-for the Client (``served_models``) and ``layertap status``."""
+for the Client (``served_models``) and ``layertap status``.
+
+A worker that crashed (SIGKILL, a lost host) cannot deregister: its entry is shown as dead for
+:data:`DEAD_WORKER_SHOWN_S` after its last heartbeat, then pruned by the next read, only while
+its heartbeat key is still gone and its entry unchanged (a worker that came back keeps it)."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from producer.protocol import keys
@@ -12,17 +17,57 @@ from producer.protocol import keys
 if TYPE_CHECKING:
     import redis
 
+#: Seconds a dead worker stays listed (as dead) after its last heartbeat.
+DEAD_WORKER_SHOWN_S = 600.0
 
-def worker_records(client: redis.Redis) -> list[tuple[str, dict[str, Any], bool]]:
-    """``(node, description, alive)`` of every registered worker, by node name (one pipeline)."""
+#: KEYS: workers hash, then one heartbeat key per node. ARGV: the nodes, then their entries as read.
+#: Remove each node whose heartbeat key is gone and whose entry is still the one read.
+_PRUNE = """
+local count = #KEYS - 1
+local pruned = 0
+for i = 1, count do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 and redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[count + i] then
+    pruned = pruned + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return pruned
+"""
+
+
+def worker_records(client: redis.Redis,
+                   keep_dead_s: float = DEAD_WORKER_SHOWN_S) -> list[tuple[str, dict[str, Any], bool]]:
+    """``(node, description, alive)`` of every registered worker, by node name (one pipeline);
+    a dead one whose last heartbeat is older than ``keep_dead_s`` is pruned instead."""
     described = client.hgetall(keys.WORKERS_HASH)
     nodes = sorted(described)
     pipe = client.pipeline(transaction=False)
     for node in nodes:
-        pipe.exists(keys.worker_heartbeat_key(node))
-    return [(node, json.loads(described[node]), bool(alive)) for node, alive in zip(nodes, pipe.execute(), strict=True)]
+        pipe.exists(keys.worker_heartbeat_key(keys.as_text(node)))
+    records, expired = [], []
+    now = time.time()
+    for node, alive in zip(nodes, pipe.execute(), strict=True):
+        info = json.loads(described[node])
+        if not alive and now - float(info.get("beat") or 0) > keep_dead_s:
+            expired.append(node)
+        else:
+            records.append((keys.as_text(node), info, bool(alive)))
+    if expired:
+        client.eval(_PRUNE, len(expired) + 1, keys.WORKERS_HASH,
+                    *[keys.worker_heartbeat_key(keys.as_text(node)) for node in expired],
+                    *expired, *[described[node] for node in expired])
+    return records
 
 
 def live_workers(client: redis.Redis) -> dict[str, dict[str, Any]]:
     """Live workers: node name -> description."""
     return {node: info for node, info, alive in worker_records(client) if alive}
+
+
+def served_depths(workers: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Served model name -> the fewest decoder layers (``num_layers``) among the live ``workers``
+    serving it: the layer ids every one of them can capture (``protocol.layers``)."""
+    depths: dict[str, int] = {}
+    for info in workers.values():
+        if isinstance(info.get("num_layers"), int):
+            depths[info["model"]] = min(info["num_layers"], depths.get(info["model"], info["num_layers"]))
+    return depths

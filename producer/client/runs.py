@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
@@ -37,7 +38,7 @@ from producer.client.results import entry_result, stream_results
 from producer.protocol import fileformat as ff
 from producer.protocol import keys
 from producer.protocol.fileformat import MetaKey
-from producer.protocol.naming import job_path, storage_root_of
+from producer.protocol.naming import file_under_root, job_path, storage_root_of
 from producer.protocol.schema import ErrorType, Result, Status
 
 #: For each (job id, stream id) pair in ARGV: delete the job's field in KEYS[1] if it still
@@ -171,18 +172,23 @@ def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None 
                   model=model, worker=worker)
 
 
-def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
+def delete(client: redis.Redis, run: str, *, force: bool = False,
+           files_under: str | Path | None = None) -> list[str]:
     """Remove the run's keys; returns the ok results' file paths (for the caller to remove).
 
     Raises ``RuntimeError`` while some submitted job has no result, unless ``force``: then
     the run's messages still in a queue are removed first (a job a worker holds at that
-    moment may still finish and publish into the deleted run)."""
+    moment may still finish and publish into the deleted run). With ``files_under`` (the
+    storage root) the paths are returned resolved (``naming.file_under_root``), and a path
+    that is not its job's file under that root raises ``ValueError`` before anything is removed."""
     found = summary(client, run)
     if found.finished < found.submitted and not force:
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
                            f"`layertap run cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
-    paths = [path for path, _ in ok_files(client, run).values()]
+    files = ok_files(client, run)
+    paths = [path if files_under is None else str(_file_under(files_under, run, job_id, path))
+             for job_id, (path, _) in files.items()]
     prefix = keys.task_id(run, "")
     if force:
         queues = {json.loads(record)["queue"] for _, record in client.hscan_iter(keys.PENDING_HASH, match=f"{prefix}*")}
@@ -202,6 +208,14 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
         pipe.delete(key)
     pipe.execute()
     return paths
+
+
+def _file_under(root: str | Path, run: str, job_id: str, path: str) -> Path:
+    found = file_under_root(path, root, run, job_id)
+    if found is None:
+        raise ValueError(f"job {job_id}'s result names {path!r}, which is not its file under the storage root "
+                         f"{root} (setting storage_root, --storage): nothing was deleted")
+    return found
 
 
 def _entry_id(value: str) -> tuple[int, int]:

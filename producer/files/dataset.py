@@ -55,22 +55,40 @@ def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str,
 
 
 class HiddenStatesDataset:
-    """The files of a manifest (a parquet/JSONL manifest path, or entries) as training items."""
+    """The files of a manifest (a parquet/JSONL manifest path, or entries) as training items.
+
+    Refused when built (``ValueError``), not mid-epoch: files that lack one of ``layers``, files
+    of different hidden sizes, and, without ``layers``, files holding different layers (their
+    items would not batch, or would put different layers in one slot)."""
 
     collate = staticmethod(collate)
 
     def __init__(self, manifest: str | Path | Iterable[ManifestEntry], *, layers: Sequence[int] | None = None,
                  dtype: Any = None, max_length: int | None = None, verify: bool = True):
         entries = iter_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest
-        self.items = [(e.job_id, e.path, list(e.layers), e.num_tokens) for e in entries]
+        self.items = []
         self.layers = list(layers) if layers is not None else None
         self.dtype = dtype
         self.max_length = max_length
         self.verify = verify
-        for job_id, _, file_layers, _ in self.items:
-            missing = [layer for layer in self.layers or [] if layer not in file_layers]
-            if missing:
-                raise ValueError(f"job {job_id} has layers {file_layers}, not {missing}")
+        first: ManifestEntry | None = None
+        for entry in entries:
+            first = first or entry
+            self._check(entry, first)
+            self.items.append((entry.job_id, entry.path, list(entry.layers), entry.num_tokens))
+
+    def _check(self, entry: ManifestEntry, first: ManifestEntry) -> None:
+        """Refuse an entry whose items would not batch with the first's (the class doc)."""
+        missing = [layer for layer in self.layers or [] if layer not in entry.layers]
+        if missing:
+            raise ValueError(f"job {entry.job_id} has layers {list(entry.layers)}, not {missing}")
+        if entry.hidden_size != first.hidden_size:
+            raise ValueError(f"job {entry.job_id} has hidden size {entry.hidden_size} but job {first.job_id} has "
+                             f"{first.hidden_size}: files of different models do not batch")
+        if self.layers is None and list(entry.layers) != list(first.layers):
+            raise ValueError(f"job {entry.job_id} has layers {list(entry.layers)} but job {first.job_id} has "
+                             f"{list(first.layers)}: pass layers=[...] (ids every file holds) to choose the same "
+                             "layers from each")
 
     def __len__(self) -> int:
         return len(self.items)

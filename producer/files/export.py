@@ -16,6 +16,10 @@ auxiliary layers and ``hidden_states[:, -1]`` as the verifier's last layer, and 
 id ``L`` (the last decoder layer before the final norm); the export refuses otherwise
 unless ``check_layers=False``. The extra tensors and header of a layertap file are ignored
 by it, so files are linked as they are (no bytes copied on one filesystem).
+
+Nothing is left half-written: :func:`check_entries` reads every entry's header facts before
+anything is written (``layertap export`` runs it first), and an export that fails anyway (a
+file gone meanwhile, a full disk) removes what it wrote, so the same command can run again.
 """
 
 from __future__ import annotations
@@ -92,13 +96,45 @@ def check_speculators_layers(entry: ManifestEntry, first: ManifestEntry) -> None
                          "with -1), or export with --any-layers")
 
 
+def check_entries(entries: Iterable[ManifestEntry], *, check_layers: bool = True) -> int:
+    """Refuse, before anything is written, what :func:`export_speculators` would refuse midway:
+    float8 files, and with ``check_layers`` layers differing between files or not ending with
+    ``L``. Returns how many entries there are."""
+    first: ManifestEntry | None = None
+    count = 0
+    for count, entry in enumerate(entries, 1):
+        first = first or entry
+        refuse_float8(entry)
+        if check_layers:
+            check_speculators_layers(entry, first)
+    return count
+
+
 def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, check_layers: bool = True,
                        on_row: Callable[[ManifestEntry], None] | None = None) -> ExportReport:
-    """Write the speculators layout of ``entries`` to ``out`` (missing or empty); rows in entry order."""
-    datasets = need("datasets")
+    """Write the speculators layout of ``entries`` to ``out`` (missing or empty); rows in entry order.
+    On any failure what was written is removed (``out`` is left as it was found)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: export into a new folder")
+    created = not out.exists()
+    try:
+        return _write_speculators(entries, out, check_layers=check_layers, on_row=on_row)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for child in out.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        raise
+
+
+def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_layers: bool,
+                       on_row: Callable[[ManifestEntry], None] | None) -> ExportReport:
+    datasets = need("datasets")
     hs_folder = out / HS_FOLDER
     hs_folder.mkdir(parents=True, exist_ok=True)
     report, token_freq = ExportReport(), Counter[int]()

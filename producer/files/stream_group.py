@@ -3,7 +3,8 @@ finishing entries and keeping a live consumer's entries from being taken over.
 
 An entry is named by ``(stream, entry id)``: a consumer reads the run's results stream and its
 group's recovery stream (``producer.client.recovery``) through the same group. Finishing a
-trained entry removes its file first (``delete_after``), then acknowledges the entry and records
+trained entry removes its file first (``delete_after``; only the job's own file under the storage
+root, since a result entry is data anyone who can write to Redis could forge), then acknowledges the entry and records
 the job in the group's consumed hash in one step (``FINISH``); any process may finish an entry
 (``XACK`` does not care which consumer holds it), so a trainer's main process finishes the
 entries its DataLoader workers read.
@@ -14,12 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import redis
 
 from producer.files.reader import cleanup_hidden_states
 from producer.protocol import keys
+from producer.protocol.naming import file_under_root
 from producer.protocol.schema import Status
 from producer.transport.redis_conn import retrying
 
@@ -57,8 +60,9 @@ def peer_names(consumer: str, world_size: int, num_workers: int) -> set[str]:
 class GroupFinisher:
     """Finishes entries of ``run``'s consumer group ``group`` (module doc)."""
 
-    def __init__(self, client: redis.Redis, run: str, group: str, *, delete_after: bool):
+    def __init__(self, client: redis.Redis, run: str, group: str, *, delete_after: bool, storage_root: str | Path):
         self.redis, self.run, self.group, self.delete_after = client, run, group, delete_after
+        self.storage_root = storage_root
         self.consumed_hash = keys.run_consumed_hash(run, group)
         self.script = client.register_script(FINISH)
 
@@ -73,7 +77,7 @@ class GroupFinisher:
             return
         if self.delete_after:
             for item in taken:
-                cleanup_hidden_states(item.path)
+                self.delete(item.job_id, item.path)
 
         def send() -> None:
             pipe = self.redis.pipeline(transaction=False)
@@ -83,6 +87,15 @@ class GroupFinisher:
             pipe.execute()
 
         retrying(send, REDIS_GIVE_UP_S)
+
+    def delete(self, job_id: str, path: str) -> None:
+        """Remove the job's file, only if ``path`` is that file under the storage root."""
+        own = file_under_root(path, self.storage_root, self.run, job_id)
+        if own is None:
+            log.warning("job %s: %s is not its file under the storage root %s; not deleted",
+                        job_id, path, self.storage_root)
+        else:
+            cleanup_hidden_states(own)
 
 
 class Heartbeat(threading.Thread):

@@ -51,7 +51,9 @@ whose file exists is yielded by some consumer; a job is yielded twice only when 
 (or its loop was left) after an item was yielded and before it was finished, or when two result
 entries of one job (a redelivered job) are taken at the same time by two consumers. One pass
 only: ``epochs`` must be 1 (a stream is not replayed; iterating again continues the group).
-With ``delete_after`` the files are gone once trained on: a trainer killed after removing a
+With ``delete_after`` the files are gone once trained on (only a job's own file under
+``settings.storage_root`` is removed: a result naming any other path leaves it, with a warning);
+a trainer killed after removing a
 file and before acknowledging it leaves an entry whose file is missing (counted, skipped).
 """
 
@@ -75,7 +77,6 @@ from safetensors import SafetensorError
 from producer.client import recovery
 from producer.client.results import entry_result
 from producer.files.dataset import collate, load_item
-from producer.files.reader import cleanup_hidden_states
 from producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Heartbeat, Taken, peer_names
 from producer.protocol import keys
 from producer.protocol.fileformat import FileFormatError
@@ -201,7 +202,8 @@ class StreamingLoader:
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
         client = connect(ds.settings, decode_responses=True)
-        finisher = GroupFinisher(client, ds.run, ds.group, delete_after=ds.delete_after)
+        finisher = GroupFinisher(client, ds.run, ds.group, delete_after=ds.delete_after,
+                                 storage_root=ds.settings.storage_root)
         try:
             for taken, batch in self.dataloader:
                 yield batch
@@ -228,7 +230,8 @@ class _Consumer:
         self.redis = connect(dataset.settings, decode_responses=True)
         for stream in self.streams:
             retrying(lambda stream=stream: self._create_group(stream), REDIS_GIVE_UP_S)
-        self.finisher = GroupFinisher(self.redis, dataset.run, dataset.group, delete_after=dataset.delete_after)
+        self.finisher = GroupFinisher(self.redis, dataset.run, dataset.group, delete_after=dataset.delete_after,
+                                      storage_root=dataset.settings.storage_root)
         self.heartbeat = Heartbeat(connect(dataset.settings, decode_responses=True), dataset.group, name,
                                    dataset.claim_idle_s / 4)
         self.heartbeat.start()
@@ -380,7 +383,7 @@ class _Consumer:
         if result.job_id in self.buffered_jobs or consumed == Status.ok.value:
             self.counts.duplicates += 1
             if self.ds.delete_after and result.job_id not in self.buffered_jobs and result.path:
-                cleanup_hidden_states(result.path)  # a re-run of a consumed job wrote its file again
+                self.finisher.delete(result.job_id, result.path)  # a re-run of a consumed job wrote its file again
             self._ack(stream, entry_id)
             return False
         if result.layers is None:  # recovered from the ledger, and this process cannot read the file's header

@@ -35,12 +35,13 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from producer.client.client import Client, JobTooLarge
+from producer.client.client import Client
 from producer.ingest.formats import RowConverter, UndetectableFormat
 from producer.ingest.sources import SourceRow
 from producer.protocol import keys
+from producer.protocol.layers import LayerIdError
 from producer.protocol.naming import check_name
-from producer.protocol.schema import Job, Status, describe_validation_error
+from producer.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
 from producer.settings import InflightUntil
 
 
@@ -67,18 +68,22 @@ class Outcome(str, Enum):
     bad = "bad"
 
 
-def job_from_data(data: Any, defaults: dict[str, Any]) -> Job:
-    """A job from one row's data with ``defaults`` under it; raises ``ValueError`` saying why not."""
+def job_from_data(data: Any, defaults: dict[str, Any], max_job_bytes: int | None = None) -> Job:
+    """A job from one row's data with ``defaults`` under it; raises ``ValueError`` saying why not
+    (:class:`JobTooLarge` over ``max_job_bytes``, checked before the data is validated)."""
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    merged = {**defaults, **data}
+    if max_job_bytes is not None:
+        refuse_oversize(merged, max_job_bytes)
     try:
-        return Job.model_validate({**defaults, **data}).with_id()
+        return Job.model_validate(merged).with_id()
     except ValidationError as exc:
         raise ValueError(describe_validation_error(exc, most=1)) from None
 
 
 def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict[str, Any],
-              origin: str = "") -> Iterator[Planned | BadRow]:
+              origin: str = "", max_job_bytes: int | None = None) -> Iterator[Planned | BadRow]:
     """A :class:`Planned` job or a :class:`BadRow` per row, placed as ``"<origin> <where>"``.
     Raises ``UndetectableFormat`` for the whole file."""
     for row in rows:
@@ -87,7 +92,7 @@ def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict
             yield BadRow(where, row.error)
             continue
         try:
-            yield Planned(where, job_from_data(converter.job_data(row.data, row.where), defaults))
+            yield Planned(where, job_from_data(converter.job_data(row.data, row.where), defaults, max_job_bytes))
         except UndetectableFormat as exc:
             raise UndetectableFormat(f"{origin}: {exc}" if origin else str(exc)) from None
         except ValueError as exc:
@@ -142,10 +147,11 @@ class Enqueuer:
     """Sends planned jobs with resume, repeat skipping and back-pressure (see the module doc)."""
 
     def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
-                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP):
+                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP, check: bool = False):
+        """``check``: refuse, as bad rows, jobs the live workers cannot run (``Client.submit``'s check)."""
         self.client = client
         self.group = group
-        self.bundler = client.bundler()
+        self.bundler = client.bundler(check=check)
         self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
                                        before_read=self.bundler.flush)
         self.batch_size = batch_size
@@ -212,6 +218,6 @@ class Enqueuer:
             pipe.execute()
         try:
             self.bundler.add(job)
-        except JobTooLarge as exc:
+        except (JobTooLarge, LayerIdError) as exc:
             return Outcome.bad, BadRow(item.where, str(exc))
         return Outcome.submitted, item

@@ -84,7 +84,7 @@ def queue_depths(client: redis.Redis) -> dict[str, int]:
 
 
 def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerState]:
-    """Every registered worker, alive or not (a killed worker stays until it is replaced or removed)."""
+    """Every registered worker, alive or not (a killed worker is shown dead for ``fleet.DEAD_WORKER_SHOWN_S``)."""
     now = time.time() if now is None else now
     states = []
     for node, info, alive in worker_records(client):

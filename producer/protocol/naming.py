@@ -1,21 +1,25 @@
 """Names that become paths or keys: validation, content-hash ids and the file layout.
 
-Invariant: a run name or job id that passes :func:`check_name` is a single safe path
+Invariants: a run name or job id that passes :func:`check_name` is a single safe path
 component (no separators, no ``..``, no NUL or control characters, bounded length), so
-``<root>/<run>/<fan-out>/<job_id>.safetensors`` always stays under ``<root>``.
+``<root>/<run>/<fan-out>/<job_id>.safetensors`` always stays under ``<root>``. A path taken from
+Redis is acted on (deleted, linked) only as :func:`file_under_root` returns it, so a forged
+result entry cannot lead out of the storage root.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, TypeGuard
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Names are checked with ``fullmatch`` (``$`` would let a trailing newline through).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: A Hugging Face hub repo id: ``name`` or ``org/name`` (models and datasets alike).
-HUB_ID_PATTERN = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
+HUB_ID_PATTERN = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 FILE_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 #: Hex digits of the fan-out folder: 16**3 = 4096 folders keep 10^7 files at ~2.4k per folder.
@@ -24,7 +28,7 @@ FANOUT_DIGITS = 3
 
 def is_safe_name(value: object) -> TypeGuard[str]:
     """``value`` is a string that may be a run name or job id: one safe path component."""
-    return isinstance(value, str) and NAME_PATTERN.match(value) is not None and ".." not in value
+    return isinstance(value, str) and NAME_PATTERN.fullmatch(value) is not None and ".." not in value
 
 
 def check_name(value: str, what: str) -> str:
@@ -41,7 +45,7 @@ def check_name(value: str, what: str) -> str:
 
 def is_hub_id(text: str) -> bool:
     """``text`` has the form of a hub repo id (it may still not exist there)."""
-    return (len(text) <= 96 and HUB_ID_PATTERN.match(text) is not None and "--" not in text and ".." not in text
+    return (len(text) <= 96 and HUB_ID_PATTERN.fullmatch(text) is not None and "--" not in text and ".." not in text
             and not text.startswith((".", "-")))
 
 
@@ -74,3 +78,13 @@ def storage_root_of(path: str | Path, run: str, job_id: str) -> Path | None:
         return None
     root = path.parents[2]
     return root if job_path(root, run, job_id) == path else None
+
+
+def file_under_root(path: str | Path, storage_root: str | Path, run: str, job_id: str) -> Path | None:
+    """The real path of ``path`` if, every symlink resolved, it is exactly the file of ``run``/``job_id``
+    under ``storage_root`` (:func:`job_path`); None for anything else: a ``..`` component, a symlink
+    that leads out, another job's or another run's file, an unsafe name."""
+    if not (is_safe_name(run) and is_safe_name(job_id)) or ".." in Path(path).parts:
+        return None
+    real = Path(os.path.realpath(path))
+    return real if real == job_path(os.path.realpath(storage_root), run, job_id) else None

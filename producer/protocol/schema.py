@@ -7,6 +7,8 @@ Invariants:
 * ``run`` and ``job_id`` are safe path components (``naming.check_name``);
 * strings carry no NUL or other control characters (tab, newline, CR excepted) and are
   valid Unicode; unknown fields are refused;
+* a job's size is one byte limit over every part of it, ``tools`` included
+  (:func:`refuse_oversize`), checked on the raw data before it is validated or rendered;
 * ``tools`` only comes with ``messages`` (a template renders them); ``loss_on`` and
   ``topk_on`` only matter for chats and top-k jobs, and are ignored elsewhere.
 
@@ -47,6 +49,24 @@ def json_size(data: Any) -> int:
     measured the same way by the client and the worker. Raises ``TypeError``/``ValueError`` for
     data that is not JSON."""
     return len(json.dumps(data, separators=(",", ":")))
+
+
+class JobTooLarge(ValueError):
+    """A job over ``limits.max_job_bytes``, every part of it counted."""
+
+
+def refuse_oversize(data: Any, limit: int, what: str = "the job") -> None:
+    """Raise :class:`JobTooLarge` when ``json_size(data)`` is over ``limit``. Every part of a job
+    counts (text, messages, ``tools``, ``tool_calls``, token ids, metadata): this one limit is
+    checked on the raw data, before it is validated, rendered or tokenized, by the client and
+    the worker alike. Data that is not JSON passes, for validation to name its problem."""
+    try:
+        size = json_size(data)
+    except (TypeError, ValueError):
+        return
+    if size > limit:
+        raise JobTooLarge(f"{what} is {size} bytes of JSON, every field counted (tools included); the limit is "
+                          f"{limit} (LAYERTAP_LIMITS__MAX_JOB_BYTES)")
 
 
 #: Most characters :func:`json_size` counts for one character of pydantic's JSON: an astral
@@ -271,6 +291,7 @@ class Result(BaseModel):
     error_type: ErrorType | None = None
     error: str | None = None
     metadata: str | None = None
+    warning: str | None = None  # an ok job changed to run, e.g. truncated to the model's context length
     attempt: int | None = None
     cached: bool = False
     finished_at: float = Field(default_factory=time.time)

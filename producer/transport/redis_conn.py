@@ -8,7 +8,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from kombu.exceptions import OperationalError
@@ -55,14 +55,18 @@ def connect(settings: Settings, *, decode_responses: bool = False) -> redis.Redi
 
 
 def redacted_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for printing which Redis is read)."""
+    """``url`` with every password in it replaced by ``***``: the ``user:password@`` part and a
+    ``password=`` query parameter (redis-py takes both). Use it wherever a URL is printed or logged."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        parts = parts._replace(netloc=f"{user}:***@{host}" + (f":{parts.port}" if parts.port else ""))
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in query):
+        parts = parts._replace(query=urlencode([(name, "***" if name == "password" else value)
+                                                for name, value in query], safe="*"))
+    return urlunsplit(parts)
 
 
 CLIENT_BACKOFF = Backoff(first_s=0.1, max_s=2.0)

@@ -22,11 +22,13 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import redis
 import tomllib
 import typer
 import yaml
 
 from producer.cli.app import app
+from producer.dev.redis_server import RedisServer
 from producer.protocol import keys
 from producer.settings import Settings
 
@@ -93,13 +95,16 @@ def test_compose_file(monkeypatch, tmp_path):
         assert service["depends_on"]["redis"]["condition"] == "service_healthy"
         env = service["environment"]
         check_settings(env, monkeypatch)
-        assert env["LAYERTAP_REDIS_URL"] == "redis://redis:6379/0"
+        assert interpolate(env["LAYERTAP_REDIS_URL"], {"REDIS_PASSWORD": "pw"}) == "redis://:pw@redis:6379/0"
         mounts = dict(volume.split(":")[::-1] for volume in service["volumes"])
         assert mounts[env["LAYERTAP_STORAGE_ROOT"]] in named_volumes  # outputs on a shared named volume
         assert {"outputs", "hf-cache"} <= {volume.split(":")[0] for volume in service["volumes"]}
     assert len(set(device_ids)) == len(device_ids) and len(set(nodes)) == len(nodes)
 
-    assert services["flower"]["environment"]["CELERY_BROKER_URL"] == "redis://redis:6379/0"
+    flower_url = services["flower"]["environment"]["CELERY_BROKER_URL"]
+    assert interpolate(flower_url, {"REDIS_PASSWORD": "pw"}) == "redis://:pw@redis:6379/0"
+    with pytest.raises(KeyError, match="run deploy/make-redis-secret first"):
+        interpolate(flower_url, {})
     config_mount = next(v for v in services["prometheus"]["volumes"] if v.endswith("prometheus.yml:ro"))
     prometheus = load_yaml(ROOT / config_mount.split(":")[0])[0]
     targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
@@ -131,6 +136,89 @@ def validate_with_compose(tmp_path: Path) -> None:
     out = subprocess.run([*command, "-f", str(compose_file), "--project-directory", str(ROOT), "config", "--quiet"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${NAME}`` / ``${NAME:?message}`` interpolation (KeyError with the message when unset)."""
+    def value(match: re.Match[str]) -> str:
+        name, message = match.group(1), match.group(2)
+        if not env.get(name):
+            raise KeyError(message or name)
+        return env[name]
+    return re.sub(r"\$\{(\w+)(?::\?([^}]*))?\}", value, text)
+
+
+def generated_password(root: Path) -> str:
+    """Run the documented step (``deploy/make-redis-secret``) into ``root``; the password it wrote."""
+    (root / "deploy" / "k8s").mkdir(parents=True)
+    subprocess.run([str(DEPLOY / "make-redis-secret"), str(root)], check=True, capture_output=True, timeout=30)
+    password = env_file(root / ".env")["REDIS_PASSWORD"]
+    assert re.fullmatch(r"[0-9a-f]{64}", password)
+    assert (root / "deploy" / "k8s" / "redis-password").read_text() == password
+    assert (root / ".env").stat().st_mode & 0o077 == 0  # readable by its owner alone
+    subprocess.run([str(DEPLOY / "make-redis-secret"), str(root)], check=True, capture_output=True, timeout=30)
+    assert env_file(root / ".env")["REDIS_PASSWORD"] == password  # run again: kept, not replaced
+    return password
+
+
+def check_redis_refuses_strangers(redis_args: list[str], client_urls: list[str], tmp_path: Path) -> None:
+    """A real Redis started with the shipped ``--requirepass`` refuses a client without the password
+    and accepts each shipped client URL (its host pointed at that server)."""
+    password = value_after(redis_args, "--requirepass")
+    with RedisServer(data_dir=tmp_path, extra_args=["--requirepass", password]) as server:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=server.port).ping()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=server.port, password="guess").ping()
+        for url in client_urls:
+            local = re.sub(r"@[^/]+/", f"@127.0.0.1:{server.port}/", url)
+            assert redis.Redis.from_url(local).ping()
+
+
+def test_compose_redis_has_a_generated_password_and_refuses_clients_without_it(tmp_path):
+    password = generated_password(tmp_path / "repo")
+    services = load_yaml(ROOT / "compose.yaml")[0]["services"]
+    env = {"REDIS_PASSWORD": password}
+    redis_args = [interpolate(arg, env) for arg in services["redis"]["command"]]
+    assert interpolate(services["redis"]["environment"]["REDISCLI_AUTH"], env) == password  # the health check's
+    urls = [interpolate(service["environment"]["LAYERTAP_REDIS_URL"], env)
+            for name, service in services.items() if name.startswith("worker-")]
+    urls.append(interpolate(services["flower"]["environment"]["CELERY_BROKER_URL"], env))
+    check_redis_refuses_strangers(redis_args, urls, tmp_path / "redis")
+
+
+def test_kubernetes_redis_has_a_generated_secret_and_refuses_clients_without_it(tmp_path):
+    password = generated_password(tmp_path / "repo")
+    kustomization = load_yaml(DEPLOY / "k8s" / "kustomization.yaml")[0]
+    (generator,) = kustomization["secretGenerator"]
+    assert kustomization["generatorOptions"]["disableNameSuffixHash"] is True
+    secret = {key: (tmp_path / "repo" / "deploy" / "k8s" / file).read_text()
+              for key, file in (entry.split("=", 1) for entry in generator["files"])}
+    resources = k8s_resources()
+
+    def container_env(container: dict[str, Any]) -> dict[str, str]:
+        """The container's env as Kubernetes resolves it: secret keys read, ``$(NAME)`` expanded in order."""
+        resolved: dict[str, str] = {}
+        for item in container["env"]:
+            if "valueFrom" in item and "secretKeyRef" in item["valueFrom"]:
+                ref = item["valueFrom"]["secretKeyRef"]
+                assert ref["name"] == generator["name"]
+                resolved[item["name"]] = secret[ref["key"]]
+            elif "value" in item:
+                resolved[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: resolved.get(m.group(1), m.group(0)),
+                                                item["value"])
+        return resolved
+
+    (redis_container,) = resources[("Deployment", "layertap-redis")]["spec"]["template"]["spec"]["containers"]
+    redis_env = container_env(redis_container)
+    assert redis_env["REDISCLI_AUTH"] == password  # the probes' redis-cli
+    redis_args = [re.sub(r"\$\((\w+)\)", lambda m: redis_env[m.group(1)], arg) for arg in redis_container["args"]]
+    (worker,) = resources[("Deployment", "layertap-worker")]["spec"]["template"]["spec"]["containers"]
+    check_redis_refuses_strangers(redis_args, [container_env(worker)["LAYERTAP_REDIS_URL"]], tmp_path / "redis")
+
+    (trigger,) = resources[("ScaledObject", "layertap-worker")]["spec"]["triggers"]
+    auth = resources[("TriggerAuthentication", trigger["authenticationRef"]["name"])]["spec"]["secretTargetRef"]
+    assert auth == [{"parameter": "password", "name": generator["name"], "key": "password"}]
 
 
 # -- Dockerfile ---------------------------------------------------------------------------
@@ -200,7 +288,9 @@ def test_kubernetes_manifests(monkeypatch):
     assert flags(worker["args"]) <= worker_flags()
     config = resources[("ConfigMap", worker["envFrom"][0]["configMapRef"]["name"])]["data"]
     check_settings({**config, **{e["name"]: e["value"] for e in worker["env"] if "value" in e}}, monkeypatch)
-    assert config["LAYERTAP_REDIS_URL"] == f"redis://{redis_address}/0"
+    worker_env = {e["name"]: e["value"] for e in worker["env"] if "value" in e}
+    assert "LAYERTAP_REDIS_URL" not in config  # it holds the password: built from the Secret
+    assert worker_env["LAYERTAP_REDIS_URL"] == f"redis://:$(REDIS_PASSWORD)@{redis_address}/0"
     mounts = {mount["mountPath"]: mount["name"] for mount in worker["volumeMounts"]}
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     outputs = volumes[mounts[config["LAYERTAP_STORAGE_ROOT"]]]["persistentVolumeClaim"]["claimName"]

@@ -106,7 +106,7 @@ def test_trim_while_a_worker_runs_keeps_manifest_resume_counts_and_wait_exact(ma
     assert f"{RUN}  {total}/{total} finished  complete  {held:,} B in Redis" in listed
     assert 0 < held <= 300 * total  # the ledger, after retention
 
-    deleted = layertap(url, "run", "delete", RUN, "--files", "--yes")
+    deleted = layertap(url, "run", "delete", RUN, "--files", "--yes", "--storage", str(storage))
     assert f"and {total} file(s)" in deleted.stdout
     assert not any(os.path.exists(row["path"]) for row in trimmed.values())
     assert [key for key in client.redis.scan_iter(match=f"*{RUN}*")] == []

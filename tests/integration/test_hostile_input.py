@@ -16,10 +16,13 @@ import uuid
 import pytest
 
 from producer.protocol import keys
-from producer.protocol.schema import ErrorType
+from producer.protocol.schema import ErrorType, JobTooLarge
 
 E = ErrorType
 OK_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+#: 7 characters of content and 9 MB of tools: over the one byte limit (8 MiB), every field counted.
+HUGE_TOOLS = {"model": "tiny-qwen3", "messages": OK_CHAT,
+              "tools": [{"type": "function", "function": {"name": "f", "description": "x" * 9_000_000}}]}
 
 # (case name, payload, expected error type). Dict payloads get a unique run and job id below
 # unless the case is about those fields.
@@ -69,6 +72,7 @@ CASES = [
     ("lone surrogate", {"model": "tiny-qwen3", "prompt": "bad \ud800 text"}, E.invalid_job),
     ("too many turns", {"model": "tiny-qwen3", "messages": OK_CHAT * 2100}, E.invalid_job),
     ("metadata not a string", {"model": "tiny-qwen3", "prompt": "hi", "metadata": {"a": 1}}, E.invalid_job),
+    ("huge tools, tiny content", HUGE_TOOLS, E.invalid_job),
 ]
 
 
@@ -112,6 +116,12 @@ def test_hostile_message_gets_typed_error_and_worker_serves_next(name, payload, 
     assert result.error and "Traceback" not in result.error
     good = client.submit({"prompt": "still serving?"}, model="tiny-qwen3", run=run_name)
     assert client.wait(run_name, [good.job_id], timeout=60)[good.job_id].ok
+
+
+def test_huge_tools_are_refused_by_the_client_before_validation(client, run_name):
+    with pytest.raises(JobTooLarge, match="tools included"):
+        client.submit(HUGE_TOOLS, run=run_name)
+    assert client.redis.hlen(keys.run_submitted_hash(run_name)) == 0
 
 
 def test_two_positional_arguments_are_refused(workers, client, run_name):

@@ -34,6 +34,7 @@ def test_acl_user_and_password(tiny_models, tmp_path):
     url = f"redis://layertap:s3cret-pass@127.0.0.1:{port}/0"
     with RedisServer(port, tmp_path / "redis", extra_args=ACL, url=url):
         run_one_job(url, tiny_models, tmp_path, {}, Settings(redis_url=url))
+        assert "s3cret" not in (tmp_path / "worker.log").read_text()  # the worker logs no password
         wrong = {**os.environ, "LAYERTAP_REDIS_URL": f"redis://layertap:wrong@127.0.0.1:{port}/0"}
         out = subprocess.run(layertap_argv("results", "--run", "secure"), env=wrong,
                              capture_output=True, text=True, timeout=60)
@@ -70,3 +71,25 @@ def test_tls_with_a_private_ca(tiny_models, tmp_path):
         out = subprocess.run(layertap_argv("results", "--run", "secure"), env=untrusted,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
+
+
+def layertap(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(layertap_argv(*args), env={**os.environ, "LAYERTAP_REDIS_URL": url},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_password_in_the_redis_url_is_never_printed(tmp_path):
+    """``layertap status`` (text and JSON) and the cannot-reach error hide the password, given as
+    ``user:pass@`` or as ``?password=``; a client without it is refused by the server."""
+    port = free_port()
+    with RedisServer(port, tmp_path / "redis", extra_args=["--requirepass", "s3cret-pass"]):
+        for url in (f"redis://127.0.0.1:{port}/0?password=s3cret-pass", f"redis://:s3cret-pass@127.0.0.1:{port}/0"):
+            for args in (("status",), ("status", "--json")):
+                out = layertap(url, *args)
+                assert out.returncode == 0, out.stderr
+                assert "s3cret" not in out.stdout + out.stderr and "***" in out.stdout
+        refused = layertap(f"redis://127.0.0.1:{port}/0", "status")
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert "auth" in refused.stderr.lower()
+    gone = layertap(f"redis://:s3cret-pass@127.0.0.1:{port}/0?password=s3cret-pass", "status")
+    assert gone.returncode == 1 and "cannot reach Redis" in gone.stderr and "s3cret" not in gone.stderr

@@ -80,7 +80,7 @@ def test_cancel_wins_against_queue_and_reconciler(private_redis, tiny_models, tm
         assert "0 run(s)" in layertap(private_redis.url, "runs").stdout
 
 
-def test_delete_refuses_unfinished_run_and_removes_files(workers, redis_server, client, run_name):
+def test_delete_refuses_unfinished_run_and_removes_files(workers, redis_server, client, run_name, storage_root):
     job = client.submit({"prompt": "delete my file"}, model="tiny-qwen3", run=run_name)
     follow = layertap(redis_server.url, "results", "--run", run_name, "--follow")  # stops once complete
     assert follow.returncode == 0 and follow.stdout.startswith(f"ok     {job.job_id}"), follow.stderr
@@ -93,7 +93,7 @@ def test_delete_refuses_unfinished_run_and_removes_files(workers, redis_server, 
     assert len(layertap(redis_server.url, "results", "--run", run_name, "--every-entry").stdout.splitlines()) == 2
     path = client.latest(run_name)[job.job_id].path
     assert os.path.isabs(path) and os.path.exists(path)
-    deleted = layertap(redis_server.url, "run", "delete", run_name, "--files", "--yes")
+    deleted = layertap(redis_server.url, "run", "delete", run_name, "--files", "--yes", "--storage", str(storage_root))
     assert deleted.returncode == 0 and "1 file(s)" in deleted.stdout, deleted.stderr
     assert not os.path.exists(path)
 

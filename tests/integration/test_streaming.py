@@ -194,7 +194,8 @@ def test_restart_with_the_same_group_continues_and_another_group_reads_it_all(wo
 
 def test_delete_after_leaves_no_files(workers, redis_server, client, run_name, storage_root):
     job_ids = submit(client, run_name, token_jobs(24, seed=3))
-    dataset = stream(redis_server, run_name, delete_after=True, shuffle_buffer=4)
+    dataset = stream(redis_server, run_name, delete_after=True, settings=Settings(storage_root=storage_root),
+                     shuffle_buffer=4)
     loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=collate)
     seen = [job_id for batch in loader for job_id in batch["job_ids"]]
     assert Counter(seen) == Counter(job_ids)
@@ -209,7 +210,7 @@ def test_delete_after_leaves_no_files(workers, redis_server, client, run_name, s
         assert time.monotonic() < deadline, "no second result"
         time.sleep(0.05)
     assert len(files_under(storage_root / run_name)) == 2  # the file and its lock, written again
-    rerun = stream(redis_server, run_name, delete_after=True)
+    rerun = stream(redis_server, run_name, delete_after=True, settings=Settings(storage_root=storage_root))
     assert list(rerun) == [] and rerun.counts.duplicates == 1
     assert files_under(storage_root / run_name) == []
 
@@ -249,7 +250,9 @@ def test_in_flight_bound_holds_on_disk_with_a_slow_consumer(workers, redis_serve
                                    "--max-inflight", str(MAX_INFLIGHT), "--inflight-until", "consumed"),
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen = []
-    for item in stream(redis_server, run_name, delete_after=True, read_count=2):
+    trainer = stream(redis_server, run_name, delete_after=True, settings=Settings(storage_root=storage_root),
+                     read_count=2)
+    for item in trainer:
         seen.append(item["job_id"])
         time.sleep(delay)  # a trainer ten times slower than the worker
     sampler.stopped.set()

@@ -69,9 +69,10 @@ def test_a_long_chat_takes_a_bounded_number_of_renderings(tiny_models):
 def test_small_jobs_are_prepared_while_a_long_chat_is(tiny_models):
     loaded = load_model(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu")
     preparer = Preparer(loaded, [1, 4], Limits())
-    long_chat = Job(model="tiny-qwen3", messages=chat(4094))  # 4,095 turns with the system prompt
+    # 4,095 turns with the system prompt: rendered whole, then cut to the model's 32,768 positions
+    long_chat = Job(model="tiny-qwen3", messages=chat(4094), truncate=True)
     done: list[int] = []
-    worker = threading.Thread(target=lambda: done.append(len(preparer.prepare(long_chat).token_ids)))
+    worker = threading.Thread(target=lambda: done.append(preparer.prepare(long_chat).truncated_from))
     worker.start()
     threading.Event().wait(0.05)
     small = [len(preparer.prepare(Job(model="tiny-qwen3", prompt=f"small job {i}")).token_ids) for i in range(10)]

@@ -4,6 +4,9 @@ file locks and backoff, each checked on its own (no Redis, no processes)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,15 +16,16 @@ from safetensors.numpy import save_file
 
 from producer.protocol import dtypes
 from producer.protocol.fileformat import FileFormatError, read_file_header
-from producer.protocol.locking import exclusive_lock, lock_path, shared_lock
-from producer.protocol.naming import check_name, is_safe_name
+from producer.protocol.locking import LockTimeout, exclusive_lock, lock_path, shared_lock
+from producer.protocol.naming import check_name, is_hub_id, is_safe_name
 from producer.protocol.schema import Job, json_size
 from producer.transport.backoff import Backoff, retry_while
 
 
 @pytest.mark.parametrize("name,safe", [("run-1", True), ("a.b_c", True), ("x" * 128, True), ("x" * 129, False),
                                        ("..", False), ("a..b", False), (".hidden", False), ("a/b", False),
-                                       ("", False), ("a\x00", False), (7, False), (None, False)])
+                                       ("", False), ("a\x00", False), (7, False), (None, False),
+                                       ("train\n", False), ("job-1\n", False)])
 def test_safe_name_is_one_predicate_for_every_check(name, safe):
     assert is_safe_name(name) is safe
     if safe:
@@ -119,3 +123,34 @@ def test_retry_while_retries_only_what_it_is_told_to():
         retry_while(always_away, lambda exc: True, give_up_s=0.05, backoff=Backoff(0.01, 0.01),
                     on_retry=lambda exc, delay: away_waits.append(delay))
     assert sum(away_waits) <= 0.05 + 0.01  # it gives up: no wait starts after the window
+
+
+def test_a_hub_id_with_a_trailing_newline_is_not_one():
+    assert is_hub_id("org/model") and not is_hub_id("org/model\n")
+
+
+def test_a_writer_gives_up_on_a_reader_stopped_while_holding_the_lock(tmp_path):
+    """A real reader process takes the shared lock and is stopped with SIGSTOP: the writer waits a
+    bounded time, then raises LockTimeout (an OSError: the worker answers write_failed, retried)."""
+    path = tmp_path / "job.safetensors"
+    with exclusive_lock(path):  # the lock file exists, as after any write
+        pass
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from producer.protocol.locking import shared_lock\n"
+        f"with shared_lock({str(path)!r}):\n"
+        "    print('held', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "held"
+        with pytest.raises(LockTimeout, match="stayed locked"):
+            with exclusive_lock(path, wait_s=0.5):
+                pass
+        assert issubclass(LockTimeout, OSError)
+        reader.send_signal(signal.SIGCONT)
+        assert reader.wait(timeout=30) == 0
+        with exclusive_lock(path, wait_s=30):  # released: the writer gets it
+            pass
+    finally:
+        reader.kill()
+        reader.wait()

@@ -38,11 +38,12 @@ from producer.protocol.naming import content_hash, is_safe_name, job_path
 from producer.protocol.schema import (
     ErrorType,
     Job,
+    JobTooLarge,
     Result,
     Status,
     Timings,
     describe_validation_error,
-    json_size,
+    refuse_oversize,
 )
 from worker.engine.engine import Engine
 from worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
@@ -151,14 +152,10 @@ class JobProcessor:
         """Validate raw message data into a job with an id; raises :class:`JobError`.
 
         The size is checked first, so a huge message is refused before it is validated."""
-        limit = self.preparer.limits.max_job_bytes
         try:
-            size = json_size(raw)
-        except (TypeError, ValueError):
-            size = 0  # not JSON-like data: validation below names the problem
-        if size > limit:
-            raise JobError(ErrorType.invalid_job, f"the job is {size} bytes of JSON; this worker's limit is {limit} "
-                                                  "(LAYERTAP_LIMITS__MAX_JOB_BYTES)")
+            refuse_oversize(raw, self.preparer.limits.max_job_bytes)
+        except JobTooLarge as exc:
+            raise JobError(ErrorType.invalid_job, str(exc)) from None
         try:
             return Job.model_validate(raw).with_id()
         except ValidationError as exc:
@@ -334,8 +331,11 @@ class JobProcessor:
             write_s = time.perf_counter() - write_start
         finally:
             job_slice.release()
+        if prepared.warning:
+            log.warning("job %s: %s", job.job_id, prepared.warning)
         return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(started.output_dtype),
-                        Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt)
+                        Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt,
+                        warning=prepared.warning)
 
     @staticmethod
     def _tensors(job: Job, prepared: PreparedInput, request: EngineRequest,
@@ -384,10 +384,10 @@ class JobProcessor:
         }
 
     def _ok(self, job: Job, path: Path, num_tokens: int, layers: list[int], dtype: str, timings: Timings,
-            attempt: int | None) -> Result:
+            attempt: int | None, *, warning: str | None = None) -> Result:
         return Result(job_id=job.job_id, run=job.run, status=Status.ok, path=str(path), num_tokens=num_tokens,
-                      layers=layers, dtype=dtype, model=self.loaded.name,
-                      worker=self.worker_name, timings=timings, metadata=job.metadata, attempt=attempt)
+                      layers=layers, dtype=dtype, model=self.loaded.name, worker=self.worker_name, timings=timings,
+                      metadata=job.metadata, warning=warning, attempt=attempt)
 
     def _error(self, job_id: str, run: str, exc: JobError, timings: Timings, *, job: Job | None = None,
                attempt: int | None = None) -> Result:

@@ -32,6 +32,33 @@ TOKENIZER_POOL = max(2, min(4, os.cpu_count() or 1))
 UNFITTABLE_MARGIN = 2
 
 
+#: Config fields that bound a model's positions (vLLM's list, for its ``max_model_len``).
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                       "max_sequence_length", "max_seq_length", "seq_len")
+#: RoPE scalings whose ``factor`` does not stretch the positions given (vLLM's exceptions).
+_UNSTRETCHED_ROPE = ("su", "longrope", "llama3")
+
+
+def context_length(config: Any) -> int | None:
+    """The most positions the model takes, as vLLM derives ``max_model_len``: the smallest of
+    :data:`CONTEXT_LENGTH_KEYS` in its (text) config, stretched by a RoPE scaling ``factor``
+    (from ``original_max_position_embeddings`` for YaRN); None when the config names none."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = [value for key in CONTEXT_LENGTH_KEYS
+             if isinstance(value := getattr(config, key, None), int) and not isinstance(value, bool) and value > 0]
+    if not found:
+        return None
+    length = min(found)
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict) and isinstance(scaling.get("factor"), int | float):
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type not in _UNSTRETCHED_ROPE:
+            if rope_type == "yarn" and isinstance(scaling.get("original_max_position_embeddings"), int):
+                length = scaling["original_max_position_embeddings"]
+            length = int(length * scaling["factor"])
+    return length
+
+
 @dataclass
 class PreparedInput:
     token_ids: list[int]
@@ -39,6 +66,7 @@ class PreparedInput:
     layer_ids: list[int]  # resolved, in the job's order
     truncated_from: int | None  # original length when truncated
     topk_rows: list[int] | None = None  # positions for teacher top-k; None: all (or no top-k)
+    warning: str | None = None  # what was changed to run the job (truncation), for its result
 
 
 class Preparer:
@@ -53,6 +81,7 @@ class Preparer:
             for index in range(TOKENIZER_POOL):
                 self._tokenizers.put(loaded.tokenizer if index == 0 else copy.deepcopy(loaded.tokenizer))
         self._longest_token_chars = longest_token_chars(loaded.tokenizer)
+        self.context_length = context_length(loaded.model.config)
 
     def prepare(self, job: Job) -> PreparedInput:
         layer_ids = self.layers_of(job)
@@ -69,7 +98,22 @@ class Preparer:
             raise JobError(ErrorType.no_trainable_tokens,
                            "the chat has no assistant tokens" + (" left after truncation" if truncated_from else "")
                            + ": its loss mask would be all zeros")
-        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask))
+        warning = None
+        if truncated_from is not None:
+            _, source = self._length_limit(job)
+            warning = (f"truncated from {truncated_from} to {len(token_ids)} tokens ({source}; "
+                       "the job asked truncate=true)")
+        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask), warning)
+
+    def _length_limit(self, job: Job) -> tuple[int, str]:
+        """The most tokens the job may have, and which bound sets it: the job's ``max_length``, the
+        worker's ``max_tokens`` or the model's context length (positions past it are not the model's)."""
+        bounds = [(self.limits.max_tokens, "max_tokens")]
+        if job.max_length:
+            bounds.append((job.max_length, "max_length"))
+        if self.context_length is not None:
+            bounds.append((self.context_length, "the model's context length"))
+        return min(bounds, key=lambda bound: bound[0])
 
     def _check_extras(self, job: Job) -> None:
         """``topk`` within the limit and the vocabulary; the model parts the extras need exist."""
@@ -118,7 +162,7 @@ class Preparer:
 
     def _refuse_unfittable(self, job: Job, chars: int) -> None:
         """``too_long`` before tokenizing when ``chars`` of text cannot make fewer tokens than the limit."""
-        limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
+        limit, _ = self._length_limit(job)
         fewest = chars // max(1, UNFITTABLE_MARGIN * self._longest_token_chars)  # margin: normalizers may drop text
         if not job.truncate and fewest > limit:
             raise JobError(ErrorType.too_long, f"{chars} characters make at least {fewest} tokens, over the limit of "
@@ -127,9 +171,6 @@ class Preparer:
     def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
         if not prompt.strip():
             raise JobError(ErrorType.empty_input, "prompt is empty")
-        if len(prompt) > self.limits.max_chars:
-            raise JobError(ErrorType.invalid_job, f"prompt has {len(prompt)} characters; the limit is "
-                                                  f"{self.limits.max_chars}")
         self._refuse_unfittable(job, len(prompt))
         with self._tokenizer() as tokenizer:
             token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -145,8 +186,6 @@ class Preparer:
             raise JobError(ErrorType.invalid_job, f"the chat has {len(messages)} turns; the limit is "
                                                   f"{self.limits.max_turns}")
         chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in messages)
-        if chars > self.limits.max_chars:
-            raise JobError(ErrorType.invalid_job, f"the chat has {chars} characters; the limit is {self.limits.max_chars}")
         if job.loss_on != "none" and not any(m["role"] == "assistant" for m in messages):
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on "
                                                           "(loss_on='none' extracts it for analysis)")
@@ -156,13 +195,13 @@ class Preparer:
                                generation_prompt=bool(job.generation_prompt))
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
-        limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
+        limit, source = self._length_limit(job)
         if len(token_ids) <= limit:
             return token_ids, loss_mask, None
         if not job.truncate:
-            source = "max_length" if job.max_length and job.max_length <= self.limits.max_tokens else "max_tokens"
             raise JobError(ErrorType.too_long,
-                           f"{len(token_ids)} tokens exceed {source}={limit}; set truncate=true to keep the first {limit}")
+                           f"{len(token_ids)} tokens exceed {source} ({limit}); set truncate=true to keep the first "
+                           f"{limit}")
         return token_ids[:limit], (loss_mask[:limit] if loss_mask is not None else None), len(token_ids)
 
 

@@ -1,0 +1,87 @@
+"""Paths taken from Redis are data anyone who can write to Redis could forge: ``run delete --files``
+and a ``delete_after`` trainer remove a job's own file under the storage root and nothing else
+(not a canary outside it, not one reached through a symlink or ``..``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from producer.dataset import StreamingHiddenStatesDataset
+from producer.protocol import keys
+from producer.protocol.naming import file_under_root, job_path
+from producer.protocol.schema import Result, Status
+from producer.settings import Settings
+from tests.support.processes import cli
+
+MODEL = "tiny-qwen3"
+
+
+def forge_ok(client, run: str, job_id: str, path) -> str:
+    """What a writer to Redis can do: an ok result entry naming any path."""
+    result = Result(job_id=job_id, run=run, status=Status.ok, path=str(path), layers=[1], model=MODEL)
+    return client.redis.xadd(keys.results_stream(run), {keys.RESULT_FIELD: result.model_dump_json()})
+
+
+def canaries(folder, storage_root, run: str) -> list:
+    """A file outside the root, one reached through a symlink at a job's place, one through ``..``."""
+    outside = folder / "canary.safetensors"
+    outside.write_text("keep me")
+    linked = folder / "linked.safetensors"
+    linked.write_text("keep me too")
+    place = job_path(storage_root, run, "linked-job")
+    place.parent.mkdir(parents=True, exist_ok=True)
+    place.symlink_to(linked)
+    return [outside, linked, f"{storage_root}/{run}/../../{outside.name}"]
+
+
+def test_the_one_path_check(tmp_path):
+    root = tmp_path / "root"
+    good = job_path(root, "r", "j")
+    good.parent.mkdir(parents=True)
+    good.write_text("x")
+    assert file_under_root(good, root, "r", "j") == good.resolve()
+    assert file_under_root(good, root, "r", "other") is None  # another job's file
+    assert file_under_root(f"{root}/r/../r/{good.parent.name}/j.safetensors", root, "r", "j") is None
+    assert file_under_root(tmp_path / "j.safetensors", root, "r", "j") is None
+    os.symlink(root, tmp_path / "via")  # a symlinked root is the same root
+    assert file_under_root(job_path(tmp_path / "via", "r", "j"), root, "r", "j") == good.resolve()
+
+
+def test_run_delete_files_removes_nothing_outside_the_storage_root(workers, redis_server, client, run_name,
+                                                                   storage_root, tmp_path):
+    job = client.submit({"prompt": "a real file"}, model=MODEL, run=run_name)
+    real = client.wait(run_name, [job.job_id], timeout=60)[job.job_id].path
+    outside, linked, dotted = canaries(tmp_path, storage_root, run_name)
+    forged = [forge_ok(client, run_name, "forged-a", outside),
+              forge_ok(client, run_name, "linked-job", job_path(storage_root, run_name, "linked-job")),
+              forge_ok(client, run_name, "forged-b", dotted)]
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
+    argv = cli("run", "delete", run_name, "--files", "--yes", "--storage", str(storage_root))
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "nothing was deleted" in refused.stderr, refused.stderr
+    assert outside.exists() and linked.exists() and os.path.exists(real)
+    assert client.redis.exists(keys.results_stream(run_name))  # and no key went either
+
+    client.redis.xdel(keys.results_stream(run_name), *forged)
+    deleted = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert deleted.returncode == 0 and "1 file(s)" in deleted.stdout, deleted.stderr
+    assert not os.path.exists(real) and outside.exists() and linked.exists()
+
+
+def test_a_delete_after_trainer_removes_nothing_outside_the_storage_root(workers, redis_server, client, run_name,
+                                                                         storage_root, tmp_path):
+    job = client.submit({"token_ids": [5, 6, 7, 8]}, model=MODEL, run=run_name)
+    client.seal(run_name)
+    real = client.wait(run_name, [job.job_id], timeout=60)[job.job_id].path
+    group = "train"
+    outside, linked, dotted = canaries(tmp_path, storage_root, run_name)
+    for job_id, path in (("forged-a", outside), ("linked-job", job_path(storage_root, run_name, "linked-job")),
+                         ("forged-b", dotted)):
+        client.redis.hset(keys.run_consumed_hash(run_name, group), job_id, "ok")  # the duplicate branch
+        forge_ok(client, run_name, job_id, path)
+    trainer = StreamingHiddenStatesDataset(run_name, group=group, delete_after=True, time_limit_s=60,
+                                           settings=Settings(redis_url=redis_server.url, storage_root=storage_root))
+    assert [item["job_id"] for item in trainer] == [job.job_id]
+    assert trainer.counts.duplicates == 3
+    assert outside.exists() and linked.exists() and not os.path.exists(real)
