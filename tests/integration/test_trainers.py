@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from producer.client import runs
 from producer.dataset import StreamingHiddenStatesDataset, collate
 from producer.protocol import keys
+from producer.settings import Settings
 from tests.integration.test_streaming import MODEL, files_under, submit, token_jobs
 from tests.support.processes import cli
 
@@ -34,7 +35,7 @@ def test_a_late_trainer_gets_every_trimmed_sample_from_the_ledger(workers, redis
     assert runs.trim(client.redis, run_name) == 11  # the retention, before any trainer's group existed
 
     late = StreamingHiddenStatesDataset(run_name, redis_url=redis_server.url, delete_after=True, read_count=3,
-                                        time_limit_s=90)
+                                        time_limit_s=90, settings=Settings(storage_root=storage_root))
     seen = [job_id for batch in late.loader(batch_size=2, num_workers=2) for job_id in batch["job_ids"]]
     assert Counter(seen) == Counter(job["job_id"] for job in jobs)  # every ok sample, once, across two workers
     assert client.redis.hlen(keys.run_consumed_hash(run_name, "train")) == 11  # the error too
@@ -50,7 +51,8 @@ def test_a_late_trainer_gets_every_trimmed_sample_from_the_ledger(workers, redis
     assert (later.counts.missing, later.counts.errors, later.counts.yielded) == (10, 1, 0)
 
 
-def test_a_late_trainer_unblocks_an_enqueue_waiting_for_it(workers, redis_server, client, run_name, tmp_path):
+def test_a_late_trainer_unblocks_an_enqueue_waiting_for_it(workers, redis_server, client, run_name, tmp_path,
+                                                          storage_root):
     jobs = token_jobs(12, seed=12)
     rows = tmp_path / "jobs.jsonl"
     rows.write_text("".join(json.dumps(job) + "\n" for job in jobs))
@@ -64,8 +66,9 @@ def test_a_late_trainer_unblocks_an_enqueue_waiting_for_it(workers, redis_server
         time.sleep(0.05)
     assert runs.trim(client.redis, run_name) == 4  # the retention window passes before the trainer starts
 
-    seen = [item["job_id"] for item in StreamingHiddenStatesDataset(run_name, redis_url=redis_server.url,
-                                                                    delete_after=True, time_limit_s=120)]
+    seen = [item["job_id"] for item in StreamingHiddenStatesDataset(
+        run_name, redis_url=redis_server.url, delete_after=True, time_limit_s=120,
+        settings=Settings(storage_root=storage_root))]
     assert enqueue.wait(timeout=60) == 0, enqueue.stderr.read()
     assert Counter(seen) == Counter(job["job_id"] for job in jobs)
 
@@ -92,8 +95,10 @@ def test_dataloader_workers_end_together_every_time(workers, redis_server, clien
 TRAINER = """
 import sys, time
 from producer.dataset import StreamingHiddenStatesDataset
-url, run, trained = sys.argv[1:4]
-dataset = StreamingHiddenStatesDataset(run, redis_url=url, delete_after=True, read_count=2, time_limit_s=120)
+from producer.settings import Settings
+url, run, trained, root = sys.argv[1:5]
+dataset = StreamingHiddenStatesDataset(run, redis_url=url, delete_after=True, read_count=2, time_limit_s=120,
+                                       settings=Settings(storage_root=root))
 with open(trained, "a") as out:
     for batch in dataset.loader(batch_size=2, num_workers=2):
         time.sleep(0.2)  # a training step
@@ -111,7 +116,7 @@ def test_a_killed_trainer_with_dataloader_workers_loses_no_sample(workers, redis
     job_ids = submit(client, run_name, token_jobs(24, seed=14))
     client.wait(run_name, job_ids, timeout=120)
     trained = tmp_path / "trained.txt"
-    argv = [sys.executable, "-c", TRAINER, redis_server.url, run_name, str(trained)]
+    argv = [sys.executable, "-c", TRAINER, redis_server.url, run_name, str(trained), str(storage_root)]
     first = subprocess.Popen(argv, start_new_session=True, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while len(trained_ids(trained)) < 6:  # three steps done, more batches prefetched by both workers
