@@ -346,3 +346,25 @@ def test_a_streaming_trainer_restarts_past_a_damaged_header(workers, redis_serve
     rest, dataset = trainer()
     assert sorted(first + rest) == sorted(job.job_id for job in jobs if job.job_id != damaged)
     assert dataset.counts.damaged == 1
+
+
+def test_version_1_files_are_read_and_computed_again(tiny_models, tmp_path):
+    """A file of format version 1 (no identity, no header checksum) still loads; a worker does not
+    trust it for a disk answer (its identity cannot be checked) and writes a version 2 file."""
+    from producer.files.reader import load_hidden_states
+    from worker import Extractor
+
+    with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
+        path = Path(extractor.extract([PROMPT], tmp_path)[0].path)
+        data = path.read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + length])
+        for key in ("weights_fingerprint", "content_id", "header_checksum"):
+            del header["__metadata__"][key]
+        header["__metadata__"]["format_version"] = "1"
+        raw = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+        assert load_hidden_states(path)["hidden_states"].shape[1] == len(json.loads(header["__metadata__"]["layers"]))
+        again = extractor.extract([PROMPT], tmp_path)[0]
+    assert again.ok and not again.cached
+    assert ff.metadata_of(path)[ff.MetaKey.FORMAT_VERSION] == ff.FORMAT_VERSION == "2"
