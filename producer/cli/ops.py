@@ -40,12 +40,13 @@ def render_status(status: FleetStatus, redis_url: str) -> None:
     for model, depth in status.queues.items():
         queues.add_row(model, str(depth))
     console.print(queues)
-    workers = folding_table("node", "alive", "device", "gpus", "model", "weights", "batching", "tokens/s", "jobs",
-                            "pending", "last beat", title="workers")
+    workers = folding_table("node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
+                            "weights", "last beat", title="workers")
     for state in status.workers:
         beat = "-" if state.beat_age_s is None else f"{state.beat_age_s:.0f}s ago"
         workers.add_row(state.node, "yes" if state.alive else "no", state.device, state.gpus or "-", state.model,
-                        state.weights or "-", state.batching or "-", f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending), beat)
+                        state.batching or "-", f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending),
+                        state.weights or "-", beat)
     console.print(workers)
     console.print(f"dead letters: {status.dead_letters}", highlight=False)
     memory = status.redis

@@ -25,6 +25,8 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 #: The name a file's header (``MetaKey.DTYPE``, ``MetaKey.COMPUTE_DTYPE``) and a result's
 #: ``dtype`` give each output dtype: float8 names its format.
 RECORDED_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "float8": "float8_e4m3"}
+#: The safetensors dtype a file's state tensors have, for each recorded name.
+STORED_AS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3": "F8_E4M3"}
 
 
 def normalize_dtype(value: Any) -> Any:

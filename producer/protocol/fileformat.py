@@ -40,6 +40,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from producer.protocol.dtypes import STORED_AS
 from producer.protocol.naming import canonical_json, content_hash
 
 FORMAT_NAME = "layertap"
@@ -52,7 +53,7 @@ FINAL_HIDDEN_STATES = "final_hidden_states"
 TOPK_LOGPROBS = "topk_logprobs"
 TOPK_IDS = "topk_ids"
 SCALE_SUFFIX = "_scale"
-FLOAT8 = "F8_E4M3"
+FLOAT8 = STORED_AS["float8_e4m3"]
 
 #: Tensors that may be stored as float8 with a per-row scale tensor ``<name>_scale``.
 STATE_TENSORS = (HIDDEN_STATES, FINAL_HIDDEN_STATES)
@@ -76,8 +77,6 @@ _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": n
 #: Bytes per element of each safetensors dtype name (a header naming another is refused).
 _ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                "U16": 2, "U8": 1, "BOOL": 1, FLOAT8: 1, "F8_E5M2": 1}
-#: The safetensors dtype of the state tensors for each recorded ``dtype`` (``dtypes.RECORDED_NAMES`` values).
-_STORED_AS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3": FLOAT8}
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -330,7 +329,7 @@ def _recorded_checksums(path: Path, meta: dict[str, str]) -> dict[str, str]:
 def _check_required(path: Path, meta: dict[str, str]) -> None:
     """The metadata of the file's format version is all there, and its identity is its own."""
     version = meta.get(MetaKey.FORMAT_VERSION, "")
-    if not _is_decimal(version) or int(version) > int(FORMAT_VERSION):
+    if not _is_decimal(version) or not 1 <= int(version) <= int(FORMAT_VERSION):
         raise FileFormatError(f"{path}: format version {version[:20]!r} is not one this reader knows "
                               f"(1..{FORMAT_VERSION})")
     required = REQUIRED_METADATA + (REQUIRED_METADATA_V2 if int(version) >= 2 else ())
@@ -375,7 +374,7 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
         shape = info["shape"]
         if not shape or shape[0] != hidden[0]:
             raise FileFormatError(f"{path}: tensor {name!r} has shape {shape}, expected {hidden[0]} tokens first")
-    stored_as = _STORED_AS.get(meta[MetaKey.DTYPE])
+    stored_as = STORED_AS.get(meta[MetaKey.DTYPE])
     for name in STATE_TENSORS:
         if name in header and stored_as is not None and header[name]["dtype"] != stored_as:
             raise FileFormatError(f"{path}: tensor {name!r} is {header[name]['dtype']} but the header's dtype "

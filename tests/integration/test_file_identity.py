@@ -152,35 +152,39 @@ def test_writer_replaces_a_damaged_file_with_its_own_identity(tiny_models, tmp_p
     assert_same_tensors(path, tensors)
 
 
-def test_weights_fingerprint_reads_little_and_sees_a_rewrite(tmp_path):
+def test_weights_fingerprint_reads_little_sees_a_rewrite_and_ignores_times(tmp_path):
     from worker.model.loading import weights_fingerprint
 
-    shard = tmp_path / "model.safetensors"
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 28], "data_offsets": [0, 1 << 30]}}).encode()
-    with open(shard, "wb") as handle:  # a sparse 1 GiB shard
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shard = folder / "model.safetensors"
+    header = json.dumps({"a": {"dtype": "F32", "shape": [3 << 26], "data_offsets": [0, 3 << 28]},
+                         "b": {"dtype": "F32", "shape": [1 << 26], "data_offsets": [3 << 28, 1 << 30]}}).encode()
+    data_start = 8 + len(header)
+    with open(shard, "wb") as handle:  # a sparse 1 GiB shard of two tensors
         handle.write(struct.pack("<Q", len(header)) + header)
-        handle.truncate(8 + len(header) + (1 << 30))
-    (tmp_path / "config.json").write_text("{}")
+        handle.truncate(data_start + (1 << 30))
+    (folder / "config.json").write_text("{}")
 
-    def read_bytes_of(call):
+    def rchar() -> int:
         with open("/proc/self/io") as io:
-            before = int(next(line for line in io if line.startswith("rchar")).split()[1])
-        value = call()
-        with open("/proc/self/io") as io:
-            after = int(next(line for line in io if line.startswith("rchar")).split()[1])
-        return value, after - before
+            return int(next(line for line in io if line.startswith("rchar")).split()[1])
 
-    first, read = read_bytes_of(lambda: weights_fingerprint(tmp_path))
-    assert read < 1 << 20  # well under a MiB of a 1 GiB checkpoint
+    before = rchar()
+    first = weights_fingerprint(folder)
+    assert rchar() - before < 1 << 20  # well under a MiB of a 1 GiB checkpoint
+    seen = {first}
+    for offset in (1 << 29, 3 << 28):  # the middle of the file; the start of tensor "b"
+        with open(shard, "r+b") as handle:  # new bytes in place, same size
+            handle.seek(data_start + offset + 16)
+            handle.write(b"\x01" * 16)
+        seen.add(weights_fingerprint(folder))
+    (folder / "config.json").write_text('{"a": 1}')
+    latest = weights_fingerprint(folder)
+    assert len(seen | {latest}) == 4  # each rewrite changed it
     stat = shard.stat()
-    with open(shard, "r+b") as handle:  # new bytes in the middle, same size, mtime put back
-        handle.seek(8 + len(header) + (1 << 29))
-        handle.write(b"\x01" * 16)
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    second = weights_fingerprint(tmp_path)
-    assert second != first
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # rewritten: only the time tells
-    assert weights_fingerprint(tmp_path) not in (first, second)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # another host's copy: other times
+    assert weights_fingerprint(folder) == latest
 
 
 def corrupt_headers(path: Path) -> dict[str, bytes]:
@@ -346,3 +350,25 @@ def test_a_streaming_trainer_restarts_past_a_damaged_header(workers, redis_serve
     rest, dataset = trainer()
     assert sorted(first + rest) == sorted(job.job_id for job in jobs if job.job_id != damaged)
     assert dataset.counts.damaged == 1
+
+
+def test_version_1_files_are_read_and_computed_again(tiny_models, tmp_path):
+    """A file of format version 1 (no identity, no header checksum) still loads; a worker does not
+    trust it for a disk answer (its identity cannot be checked) and writes a version 2 file."""
+    from producer.files.reader import load_hidden_states
+    from worker import Extractor
+
+    with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
+        path = Path(extractor.extract([PROMPT], tmp_path)[0].path)
+        data = path.read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + length])
+        for key in ("weights_fingerprint", "content_id", "header_checksum"):
+            del header["__metadata__"][key]
+        header["__metadata__"]["format_version"] = "1"
+        raw = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+        assert load_hidden_states(path)["hidden_states"].shape[1] == len(json.loads(header["__metadata__"]["layers"]))
+        again = extractor.extract([PROMPT], tmp_path)[0]
+    assert again.ok and not again.cached
+    assert ff.metadata_of(path)[ff.MetaKey.FORMAT_VERSION] == ff.FORMAT_VERSION == "2"

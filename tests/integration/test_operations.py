@@ -208,14 +208,15 @@ def test_status_and_progress_of_a_run_waiting_in_the_queue(ops_worker, client, c
         assert float(worker_row[6].replace(",", "")) >= 0 and worker_row[-1].endswith("s ago")
         assert ["model", "queued"] in rows
         assert ["node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
-                "last beat"] in rows
+                "weights", "last beat"] in rows
         assert f"dead letters: {client.redis.xlen(keys.DEAD_LETTER_STREAM)}" in out.stdout.splitlines()
 
         as_json = subprocess.run(cli("status", "--json"), env=cli_env, capture_output=True, text=True, timeout=60)
         status = json.loads(as_json.stdout)
         assert status["queues"][UNSERVED] == 2
-        assert {"node": NODE, "alive": True, "model": MODEL, "device": "cpu", "batching": "packed"}.items() <= next(
-            w for w in status["workers"] if w["node"] == NODE).items()
+        listed = next(w for w in status["workers"] if w["node"] == NODE)
+        assert {"node": NODE, "alive": True, "model": MODEL, "device": "cpu", "batching": "packed"}.items() <= listed.items()
+        assert len(listed["weights"]) == 16 and worker_row[-2] == listed["weights"]  # the checkpoint's fingerprint
 
         progress = RunTracker(client.redis, run_name).poll()
         assert (progress.total, progress.done, progress.failed) == (len(waiting), 0, 0)

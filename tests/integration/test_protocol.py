@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -11,10 +10,11 @@ import torch
 from pydantic import ValidationError
 
 from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import FileFormatError, MetaKey
+from producer.protocol.fileformat import FileFormatError
 from producer.protocol.layers import LayerIdError, eagle3_layer_ids, resolve_layer_ids
 from producer.protocol.naming import check_name, job_path
 from producer.protocol.schema import Job
+from tests.support.files import complete_metadata
 from worker.job.writer import write_job_file
 
 
@@ -61,8 +61,7 @@ def test_path_stays_under_root(tmp_path):
 def write_sample(tmp_path):
     path = tmp_path / "r" / "abc" / "j.safetensors"
     tensors = {"hidden_states": torch.randn(5, 2, 8), "token_ids": torch.arange(5)}
-    meta = {MetaKey.FORMAT: "layertap", MetaKey.LAYERS: json.dumps([0, 3]), MetaKey.SPEC_HASH: "s"}
-    assert write_job_file(path, tensors, meta)
+    assert write_job_file(path, tensors, complete_metadata(tensors))
     return path, tensors
 
 

@@ -8,7 +8,6 @@ References come from plain transformers (float32 tiny models): ``hidden_states``
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from tests.support.reference import (
     reference_states,
     teacher_logprobs,
 )
+from tests.support.files import complete_metadata
 from worker.job.writer import write_job_file
 
 NUM_LAYERS = 4
@@ -162,8 +162,7 @@ def test_spec_hash_covers_the_training_options():
 
 def _write(tmp_path, tensors):
     path = tmp_path / "r" / "abc" / "j.safetensors"
-    write_job_file(path, tensors, {MetaKey.FORMAT: "layertap", MetaKey.LAYERS: json.dumps([0, 3]),
-                                   MetaKey.SPEC_HASH: "s"})
+    write_job_file(path, tensors, complete_metadata(tensors))
     return path
 
 

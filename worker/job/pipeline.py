@@ -4,14 +4,14 @@ in-process :class:`~worker.extractor.Extractor` run.
 Steps per job: validate -> check the model -> answer from disk if the file at the job's name
 verifies and has the ``content_id`` this worker would write (``fileformat.IDENTITY_KEYS``: the
 job's fields, resolved layers and dtypes, model weights, tokenizer, format version); refuse the
-job if that name holds a valid file of other job content (``job_id_conflict``) -> tokenize (caller's thread) -> engine -> non-finite check -> write
--> result. The jobs of one call (:meth:`JobProcessor.process_many`: a bundle) that are not
-answered from disk are prepared and submitted inside the engine's ``preparing`` block (just
-ahead of the engine, a few callers at once; disk answers come before it and take no place
-there), go to the engine at once and are handed to the processor's writer threads as their
-batches come back, so the files of one call are written side by side (a batch's host buffer is
-free only once all its files are written). Every failure becomes that job's error result with a
-typed reason; nothing raises.
+job if that name holds a valid file of other job content (``job_id_conflict``) -> tokenize
+(caller's thread) -> engine -> non-finite check -> write -> result. The jobs of one call
+(:meth:`JobProcessor.process_many`: a bundle) that are not answered from disk are prepared and
+submitted inside the engine's ``preparing`` block (just ahead of the engine, a few callers at
+once; disk answers come before it and take no place there), go to the engine at once and are
+handed to the processor's writer threads as their batches come back, so the files of one call
+are written side by side (a batch's host buffer is free only once all its files are written).
+Every failure becomes that job's error result with a typed reason; nothing raises.
 """
 
 from __future__ import annotations

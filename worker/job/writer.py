@@ -115,9 +115,9 @@ def write_job_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[
         if existing.state is OnDisk.matches:
             return False
         if existing.state is OnDisk.taken:
+            theirs = existing.header.metadata[MetaKey.SPEC_HASH]  # type: ignore[union-attr]
             raise FileTaken(f"{path} already holds job {metadata[MetaKey.JOB_ID]!r} of other content "
-                            f"(spec_hash {existing.header.metadata[MetaKey.SPEC_HASH][:12]}..., this job's "  # type: ignore[union-attr]
-                            f"{metadata[MetaKey.SPEC_HASH][:12]}...)")
+                            f"(spec_hash {theirs[:12]}..., this job's {metadata[MetaKey.SPEC_HASH][:12]}...)")
         if existing.state is OnDisk.damaged:
             log.warning("replacing a damaged file: %s", existing.reason)
         temp = path.with_name(f".{path.name}.{_HOST_TAG}-{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")

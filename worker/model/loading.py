@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -139,40 +140,59 @@ def tokenizer_fingerprint(tokenizer: Any | None) -> str:
     return digest.hexdigest()[:16]
 
 
-#: Bytes read from each of a weight file's sample points (start, middle and end of its data).
-FINGERPRINT_SAMPLE = 64 * 1024
-#: Largest safetensors header hashed whole (a real checkpoint's is well under 1 MiB).
+#: Bytes read at each sample point of a large file: the start of every tensor's data (safetensors)
+#: and the start, middle and end of the file's data.
+FINGERPRINT_SAMPLE = 4096
+#: Files up to this size (config, tokenizer, remote code) are hashed whole.
+FINGERPRINT_WHOLE = 1 << 20
+#: Largest safetensors header hashed and parsed (a real checkpoint's is well under 1 MiB).
 FINGERPRINT_MAX_HEADER = 16 * 1024 * 1024
 #: Values sampled from each parameter of a model built in memory (no checkpoint folder).
 FINGERPRINT_VALUES = 256
 
 
 def weights_fingerprint(folder: Path) -> str:
-    """A short hash that changes when the checkpoint in ``folder`` is rewritten, read in
-    milliseconds whatever its size: for each regular file at its top level (weights, config,
-    remote code; links followed, hidden files left out), its name, size and ``mtime_ns``, its
-    safetensors header (tensor names, dtypes, shapes, offsets) when it has one, and
-    :data:`FINGERPRINT_SAMPLE` bytes at the start, middle and end of its data. A rewrite
-    that keeps every size, mtime and sampled byte is not seen; touching the files is enough."""
+    """A short hash of the checkpoint in ``folder`` that changes when it is rewritten, read in
+    about a second whatever its size: for each regular file at its top level (links followed,
+    hidden files left out), its name and size; small files (config, tokenizer, code) whole;
+    of a large one its safetensors header (tensor names, dtypes, shapes, offsets) and
+    :data:`FINGERPRINT_SAMPLE` bytes at the start of each tensor's data and at the start,
+    middle and end of the file. Contents only, no times: copies of one checkpoint on several
+    hosts agree. A rewrite that keeps the header and every sampled byte is not seen."""
     digest = hashlib.sha256()
     for file in sorted(folder.iterdir()):
         if file.name.startswith(".") or not file.is_file():
             continue
-        stat = file.stat()
-        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
         with open(file, "rb") as handle:
-            data_start = 0
-            if file.suffix == ".safetensors" and stat.st_size >= 8:
-                (header_len,) = struct.unpack("<Q", handle.read(8))
-                if header_len <= min(FINGERPRINT_MAX_HEADER, stat.st_size - 8):
-                    digest.update(handle.read(header_len))
-                    data_start = 8 + header_len
-            data_size = stat.st_size - data_start
-            for offset in {data_start, data_start + max(0, data_size // 2 - FINGERPRINT_SAMPLE // 2),
-                           max(data_start, stat.st_size - FINGERPRINT_SAMPLE)}:
+            if size <= FINGERPRINT_WHOLE:
+                digest.update(handle.read())
+                continue
+            header, offsets = _safetensors_layout(handle, size) if file.suffix == ".safetensors" else (b"", [])
+            digest.update(header)
+            data_start = 8 + len(header) if header else 0
+            offsets += [data_start, (data_start + size) // 2, max(data_start, size - FINGERPRINT_SAMPLE)]
+            for offset in sorted(set(offsets)):
                 handle.seek(offset)
                 digest.update(handle.read(FINGERPRINT_SAMPLE))
     return digest.hexdigest()[:16]
+
+
+def _safetensors_layout(handle: Any, size: int) -> tuple[bytes, list[int]]:
+    """A safetensors file's raw header and the file offset where each tensor's data starts
+    (``(b"", [])`` for a file whose header does not parse: it is sampled as any file)."""
+    (header_len,) = struct.unpack("<Q", handle.read(8))
+    if header_len > min(FINGERPRINT_MAX_HEADER, size - 8):
+        return b"", []
+    raw = handle.read(header_len)
+    try:
+        entries = json.loads(raw)
+        starts = [8 + header_len + int(entry["data_offsets"][0]) for name, entry in entries.items()
+                  if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return raw, []
+    return raw, [start for start in starts if start < size]
 
 
 def parameters_fingerprint(model: nn.Module) -> str:
