@@ -76,6 +76,11 @@ class MetaKey:
     COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
     BATCHING = "batching"  # how the worker batched jobs: "packed" | "padded" (worker.model.batching)
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
+    # Quantized checkpoints only: the weights' scheme as JSON ({"method", "weights", "granularity", "block",
+    # "activations"}) and how the worker computed with them: "dequant" (exact on the dequantized weights)
+    # or "fp8" (fp8 matmuls with e4m3 activations quantized on the fly, as serving engines do).
+    QUANTIZATION = "quantization"
+    QUANT_COMPUTE = "quant_compute"
     LOSS_ON = "loss_on"  # chats: "all" | "last"
     TOPK = "topk"  # k of topk_logprobs/topk_ids, when stored
     TOPK_ON = "topk_on"  # "mask" | "all"

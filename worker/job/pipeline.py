@@ -363,6 +363,7 @@ class JobProcessor:
             MetaKey.JOB_ID: job.job_id or "",
             MetaKey.RUN: job.run,
             MetaKey.SPEC_HASH: spec_hash,
+            **loaded.quantization_header(),
             **options,
         }
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
+from producer.protocol.fileformat import MetaKey
 from worker.model.attention import set_attention, use_packed_attention
 from worker.model.batching import (
     BatchingPath,
@@ -35,6 +38,9 @@ from worker.model.batching import (
     plan_batching,
 )
 from worker.model.capture import LayerCapture
+from worker.model.host_memory import LoadReport, peak_rss_bytes
+from worker.model.quant.fp8 import choose_compute
+from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +74,24 @@ class LoadedModel:
     batching: BatchingPlan
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
+    quantization: QuantScheme | None = None  # the checkpoint's, when its weights are quantized
+    quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8" (worker.model.quant.fp8)
+    load_report: LoadReport | None = None  # time and host memory that loading took (checkpoints only)
 
     @property
     def architecture(self) -> str:
         return type(self.model).__name__
+
+    def quantization_header(self) -> dict[str, str]:
+        """File header fields for a quantized checkpoint (none otherwise): its scheme as JSON and the compute path."""
+        if self.quantization is None:
+            return {}
+        scheme = self.quantization
+        return {MetaKey.QUANTIZATION: json.dumps({"method": scheme.method, "weights": "float8_e4m3fn",
+                                            "granularity": scheme.granularity,
+                                            "block": list(scheme.block) if scheme.block else None,
+                                            "activations": "dynamic" if scheme.dynamic_activations else "static"}),
+                MetaKey.QUANT_COMPUTE: self.quant_compute}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -207,9 +227,13 @@ def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -
 
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False,
-               chat_template: str | None = None, batching: str = "auto") -> LoadedModel:
+               chat_template: str | None = None, batching: str = "auto", quant_compute: str = "auto") -> LoadedModel:
     """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
     build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.model.shapes``).
+    Weights go from the checkpoint to the device tensor by tensor (``device_map``), never
+    through a host copy of the model; peak host memory while loading is logged. A quantized
+    checkpoint (``worker.model.quant``) keeps its weights quantized on the device and computes
+    by ``quant_compute`` (auto | dequant | fp8).
     ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
     the attention implementation transformers picks for it (SDPA where it has one, else
     its own), and is switched to packed attention only where packing is exact."""
@@ -237,16 +261,58 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         tokenizer.chat_template = chat_template
     split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
+    scheme = quantization_scheme(config)
+    rss_before, started = peak_rss_bytes(), time.monotonic()
+    if scheme is not None:
+        model, quantized = load_quantized_checkpoint(source, config, scheme, torch_device, torch_dtype)
+        choice = choose_compute(scheme, quantized, torch_device, torch_dtype, quant_compute)
+        log.info("quantized checkpoint: %s, %d Linear layers kept quantized on %s; compute: %s",
+                 scheme.describe(), len(quantized), torch_device, choice.describe())
+    else:
+        try:
+            # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
+            # several visible GPUs (--gpus-per-worker): "auto" spreads the layers over them.
+            model = AutoModelForCausalLM.from_pretrained(
+                source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
+                device_map="auto" if split else str(torch_device),
+            )
+        except ValueError as exc:
+            if "Unrecognized configuration class" in str(exc):
+                raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
+                                   "transformers has no causal LM class for it, so it has no decoder to read") from None
+            raise
+    report = LoadReport(time.monotonic() - started, rss_before, peak_rss_bytes(), weights_bytes(model))
+    log.info("%s: %s", source, report.describe())
+    loaded = describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching)
+    loaded.load_report = report
+    if scheme is not None:
+        loaded.quantization, loaded.quant_compute = scheme, choice.path.value
+    return loaded
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as they sit on the device."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def quantization_scheme(config: Any) -> QuantScheme | None:
+    """The checkpoint's quantization (None: unquantized); a declared one that is not served is a refusal."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-            device_map="auto" if split else None,
-        )
-    except ValueError as exc:
-        if "Unrecognized configuration class" in str(exc):
-            raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
-                               "transformers has no causal LM class for it, so it has no decoder to read") from None
-        raise
-    if not split:  # several visible GPUs (--gpus-per-worker): device_map spread the layers
-        model = model.to(torch_device)
-    return describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching)
+        return scheme_of(config)
+    except UnsupportedQuantization as exc:
+        raise ModelRefused(f"{type(config).__name__} ({config.model_type})", str(exc)) from None
+
+
+def load_quantized_checkpoint(source: str, config: Any, scheme: QuantScheme, device: torch.device,
+                              dtype: torch.dtype) -> tuple[nn.Module, list]:
+    """A quantized checkpoint folder streamed onto ``device`` (``worker.model.quant.load``); refusals name the cause."""
+    from worker.model.quant.load import load_quantized
+
+    folder = Path(source)
+    if not folder.is_dir():
+        raise ModelRefused(type(config).__name__, f"{scheme.describe()}: quantized checkpoints are read from a local "
+                           "folder (download it first); nothing is fetched at run time")
+    try:
+        return load_quantized(folder, config, scheme, device, dtype)
+    except UnsupportedQuantization as exc:
+        raise ModelRefused(type(config).__name__, str(exc)) from None
