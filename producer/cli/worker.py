@@ -90,8 +90,30 @@ def supervise(settings: Settings) -> int:
     device = ["--device", "cuda"] if ws.device == "auto" else []
     supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker,
                             metrics_port=ws.metrics_port,
-                            kill_after_s=ws.shutdown_deadline_s(settings.limits.max_tokens) + SIGKILL_GRACE_S)
+                            kill_after_s=ws.shutdown_deadline_s(settings.limits.max_tokens) + SIGKILL_GRACE_S,
+                            on_exit=exit_recorder(settings))
     return supervisor.run()
+
+
+def exit_recorder(settings: Settings):
+    """``on_exit`` for the supervisor: record how a worker ended in ``keys.WORKER_EXITS_HASH`` (for
+    ``layertap status``); Redis unreachable, the reason is only logged."""
+    import logging
+
+    import redis
+
+    from producer.protocol import keys
+    from producer.transport.redis_conn import connect
+
+    client = connect(settings)
+
+    def record(node: str, info: dict) -> None:
+        try:
+            client.hset(keys.WORKER_EXITS_HASH, node, json.dumps(info))
+        except redis.RedisError as exc:
+            logging.getLogger("layertap.supervisor").warning("could not record %s's exit in Redis: %s", node, exc)
+
+    return record
 
 
 def make_tiny_model(

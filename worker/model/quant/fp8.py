@@ -166,7 +166,8 @@ def choose_compute(scheme: QuantScheme, layers: list[QuantLinear], device: torch
 
     auto takes fp8 on a GPU in bfloat16/float16 when every layer has an fp8 matmul and a probe
     on this device agrees with the dequant path within :data:`PROBE_TOLERANCE`; otherwise dequant,
-    with the reason. ``fp8`` asked for and not possible raises ``ValueError``."""
+    with the reason. ``fp8`` asked for skips the device and dtype preferences (the CPU runs rowwise
+    ``_scaled_mm``) but not the probe; not possible, it raises ``ValueError``."""
     if requested == ComputePath.dequant.value:
         return ComputeChoice(ComputePath.dequant, "asked for")
     blocker = None
@@ -175,7 +176,7 @@ def choose_compute(scheme: QuantScheme, layers: list[QuantLinear], device: torch
         blocker = "some layers have blocks no fp8 kernel takes"
     elif requested == "auto" and device.type != "cuda":
         blocker = f"no fp8 matmul is used on {device.type}"
-    elif dtype not in (torch.bfloat16, torch.float16):
+    elif requested == "auto" and dtype not in (torch.bfloat16, torch.float16):
         blocker = f"compute dtype {str(dtype).removeprefix('torch.')} (fp8 matmuls output bfloat16/float16)"
     else:
         try:

@@ -1,0 +1,95 @@
+"""Quantized checkpoints as they are served (fp8 block-scaled, compressed-tensors fp8 per channel
+and per block), written by the test with real safetensors shards and ``quantization_config``.
+
+The worker's loader keeps the weights e4m3 on the device and, on the dequant path, its files
+equal plain transformers run on each prompt alone on the dequantized weights (float32, 1e-5
+relative per token). The fp8 compute path (e4m3 activations, ``torch._scaled_mm``) stays within
+the error e4m3 activations bring. A quantization that is not served is refused with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from producer.files.reader import load_hidden_states
+from producer.protocol.fileformat import MetaKey, metadata_of
+from tests.support.quantized import FORMATS, write_dequantized, write_quantized
+from tests.support.reference import block_input_states
+from worker.extractor import Extractor
+from worker.model.batching import ModelRefused
+from worker.model.loading import load_model
+from worker.model.quant.fp8 import QuantLinear
+
+PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [100, 7, 300, 9, 250, 17, 18])
+TOLERANCE = 1e-5
+#: e4m3 keeps 3 mantissa bits: one rounding is within 2**-4 relative; a few layers of it compound.
+FP8_ACTIVATION_BOUND = 2.0**-3
+
+
+def relative_error(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``[T, n_layers, H]`` pair -> ``[n_layers]``: the largest ``|got_t - ref_t| / |ref_t|`` over tokens."""
+    return ((got.double() - reference.double()).norm(dim=-1) / reference.double().norm(dim=-1)).amax(0)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_models, tmp_path_factory):
+    """format -> (quantized folder, dequantized twin), from the tiny Qwen3 model."""
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for fmt in FORMATS:
+        quantized = write_quantized(tiny_models["qwen3"], root / fmt, fmt)
+        out[fmt] = (quantized, write_dequantized(quantized, root / f"{fmt}-dequantized"))
+    return out
+
+
+def extract(loaded, tmp_path):
+    layers = list(range(loaded.num_layers + 1))
+    with Extractor(loaded, layers=layers, batch_wait_ms=300) as extractor:
+        results = extractor.extract([list(p) for p in PROMPTS], tmp_path / "files", run="quantized")
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    return layers, results
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequant_path_equals_transformers_on_the_dequantized_weights(fmt, checkpoints, tmp_path):
+    quantized, dequantized = checkpoints[fmt]
+    loaded = load_model(str(quantized), name=fmt, device="cpu", dtype="float32")
+    kept = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert len(kept) == 7 * loaded.num_layers and all(m.weight.dtype == torch.float8_e4m3fn for m in kept)
+    assert loaded.quant_compute == "dequant"
+    layers, results = extract(loaded, tmp_path)
+    config = FORMATS[fmt][0]
+    for ids, result in zip(PROMPTS, results):
+        meta = metadata_of(result.path)
+        recorded = json.loads(meta[MetaKey.QUANTIZATION])
+        assert recorded["method"] == config["quant_method"] and recorded["weights"] == "float8_e4m3fn"
+        assert meta[MetaKey.QUANT_COMPUTE] == "dequant"
+        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
+                                block_input_states(str(dequantized), list(ids), layers))
+        assert errors.max() <= TOLERANCE, f"{fmt}: relative error per layer {errors.tolist()}"
+
+
+def test_fp8_compute_path_stays_within_the_error_of_fp8_activations(checkpoints, tmp_path):
+    """Per-channel weights: rowwise ``torch._scaled_mm`` (it runs on the CPU too)."""
+    quantized, dequantized = checkpoints["ct-channel"]
+    loaded = load_model(str(quantized), name="fp8-compute", device="cpu", dtype="float32", quant_compute="fp8")
+    assert loaded.quant_compute == "fp8"
+    layers, results = extract(loaded, tmp_path)
+    for ids, result in zip(PROMPTS, results):
+        assert metadata_of(result.path)[MetaKey.QUANT_COMPUTE] == "fp8"
+        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
+                                block_input_states(str(dequantized), list(ids), layers))
+        assert errors[0] == 0  # the embeddings: no matmul yet
+        assert 0 < errors[1:].min() and errors.max() <= FP8_ACTIVATION_BOUND, errors.tolist()
+
+
+def test_a_quantization_that_is_not_served_is_refused_with_its_reason(checkpoints, tmp_path):
+    quantized, _ = checkpoints["fp8-block"]
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelRefused, match="quant_method 'gptq' is not served"):
+        load_model(str(tmp_path), device="cpu", dtype="float32")
