@@ -11,11 +11,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 
+from tests.support.jobs import wait_for
 from tests.support.processes import cli
 from worker.ops.phase import PHASE_FILE_ENV
 from worker.ops.supervisor import exit_reason
@@ -35,16 +35,6 @@ class SlowLoadingQwen3ForCausalLM(Qwen3ForCausalLM):
             time.sleep(0.05)
         super().__init__(config)
 '''
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def slow_loading_model(tiny_model: Path, folder: Path) -> Path:
@@ -78,8 +68,9 @@ def test_a_worker_killed_while_loading_is_explained(tiny_models, redis_server, s
                                       start_new_session=True)
     node = f"gpu7@{socket.gethostname()}"
     try:
-        child = wait_for(lambda: loading_child(supervisor), 180, "the worker to be loading its model")
-        child.send_signal(signal.SIGKILL)
+        found: list[psutil.Process] = []
+        wait_for(lambda: found.append(loading_child(supervisor)) or found[-1], 180, "the worker to be loading its model")
+        found[-1].send_signal(signal.SIGKILL)
         reason = "killed by SIGKILL while loading"
         wait_for(lambda: reason in log_path.read_text(), 60, "the supervisor to explain the death")
 
