@@ -128,7 +128,7 @@ def run_worker(settings: Settings) -> int:
                    "self_check": processor.self_check.describe() if processor.self_check else None,
                    "load": loaded.load_report.as_json() if loaded.load_report else None,
                    "quantization": loaded.quantization.describe() if loaded.quantization else None,
-                   "quant_compute": loaded.quant_compute or None}
+                   "quant_compute": loaded.quant_compute or None, "experts": loaded.experts}
     keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot(),
                                                 "tokens_per_s": round(metrics.tokens_per_second(), 1),
                                                 "cpu": _process_cpu()},

@@ -77,6 +77,7 @@ class LoadedModel:
     quantization: QuantScheme | None = None  # the checkpoint's, when its weights are quantized
     quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8" (worker.model.quant.fp8)
     load_report: LoadReport | None = None  # time and host memory that loading took (checkpoints only)
+    experts: str | None = None  # mixture-of-experts models: transformers' experts implementation (grouped_mm, ...)
 
     @property
     def architecture(self) -> str:
@@ -285,9 +286,21 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     log.info("%s: %s", source, report.describe())
     loaded = describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching)
     loaded.load_report = report
+    loaded.experts = experts_implementation(model)
+    if loaded.experts is not None:
+        log.info("experts: %s (grouped_mm: one grouped matmul per projection over the tokens each expert got; "
+                 "an expert no token chose costs nothing)", loaded.experts)
     if scheme is not None:
         loaded.quantization, loaded.quant_compute = scheme, choice.path.value
     return loaded
+
+
+def experts_implementation(model: nn.Module) -> str | None:
+    """transformers' experts implementation the model runs (it picks ``grouped_mm`` where the kernel
+    dispatches, else ``eager``, which loops over the experts chosen); None for a model without experts."""
+    if not any(type(module).__name__.endswith("Experts") for module in model.modules()):
+        return None
+    return str(getattr(model.config.get_text_config(), "_experts_implementation", None) or "eager")
 
 
 def weights_bytes(model: nn.Module) -> int:
