@@ -1,5 +1,6 @@
 """Quantized checkpoints as they are served (fp8 block-scaled, compressed-tensors fp8 per channel
-and per block), written by the test with real safetensors shards and ``quantization_config``.
+and per block, gpt-oss's MXFP4 experts), written by the test with real safetensors shards and
+``quantization_config``.
 
 The worker's loader keeps the weights e4m3 on the device and, on the dequant path, its files
 equal plain transformers run on each prompt alone on the dequantized weights (float32, 1e-5
@@ -16,14 +17,21 @@ import torch
 
 from producer.files.reader import load_hidden_states
 from producer.protocol.fileformat import MetaKey, metadata_of
-from tests.support.quantized import FORMATS, write_dequantized, write_quantized
+from tests.support.architectures import build_tiny
+from tests.support.quantized import (
+    FORMATS,
+    write_dequantized,
+    write_mxfp4,
+    write_mxfp4_dequantized,
+    write_quantized,
+)
 from tests.support.reference import block_input_states
 from worker.extractor import Extractor
 from worker.model.batching import ModelRefused
 from worker.model.loading import load_model
 from worker.model.quant.fp8 import QuantLinear
 
-PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [100, 7, 300, 9, 250, 17, 18])
+PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [100, 7, 120, 9, 25, 17, 18])
 TOLERANCE = 1e-5
 #: e4m3 keeps 3 mantissa bits: one rounding is within 2**-4 relative; a few layers of it compound.
 FP8_ACTIVATION_BOUND = 2.0**-3
@@ -70,6 +78,23 @@ def test_dequant_path_equals_transformers_on_the_dequantized_weights(fmt, checkp
         errors = relative_error(load_hidden_states(result.path)["hidden_states"],
                                 block_input_states(str(dequantized), list(ids), layers))
         assert errors.max() <= TOLERANCE, f"{fmt}: relative error per layer {errors.tolist()}"
+
+
+def test_mxfp4_experts_stay_4bit_and_equal_transformers_on_the_dequantized_weights(tmp_path):
+    quantized = write_mxfp4(build_tiny("gpt-oss-sinks", tmp_path / "source"), tmp_path / "mxfp4")
+    dequantized = write_mxfp4_dequantized(quantized, tmp_path / "dequantized")
+    loaded = load_model(str(quantized), name="mxfp4", device="cpu", dtype="float32")
+    layers, results = extract(loaded, tmp_path)
+    experts = [m for m in loaded.model.modules() if type(m).__name__ == "GptOssExperts"]
+    assert experts and all(m.gate_up_proj_blocks.dtype == torch.uint8 and "gate_up_proj" not in m.__dict__
+                           and "gate_up_proj" not in m._parameters for m in experts)  # 4-bit between forwards
+    for ids, result in zip(PROMPTS, results):
+        meta = metadata_of(result.path)
+        assert json.loads(meta[MetaKey.QUANTIZATION])["weights"] == "mxfp4_e2m1"
+        assert meta[MetaKey.QUANT_COMPUTE] == "dequant"
+        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
+                                block_input_states(str(dequantized), list(ids), layers))
+        assert errors.max() <= TOLERANCE, f"mxfp4: relative error per layer {errors.tolist()}"
 
 
 def test_fp8_compute_path_stays_within_the_error_of_fp8_activations(checkpoints, tmp_path):

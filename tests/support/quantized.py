@@ -140,8 +140,63 @@ def _load_raw(shard: Path) -> dict[str, np.ndarray]:
         chunk = data[8 + size + start:8 + size + end]
         if entry["dtype"] == "F8_E4M3":
             out[key] = np.frombuffer(chunk, np.uint8).reshape(entry["shape"])
+        elif entry["dtype"] == "U8":
+            out[key] = np.frombuffer(chunk, np.uint8).reshape(entry["shape"])
         elif entry["dtype"] == "BF16":
             out[key] = (np.frombuffer(chunk, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
         else:
             out[key] = np.frombuffer(chunk, np.float32).reshape(entry["shape"])
+    return out
+
+
+#: gpt-oss's quantization_config as it ships.
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def write_mxfp4(source: Path, out: Path, seed: int = 0) -> Path:
+    """``source`` (a saved gpt-oss model) with random MXFP4 experts, stored as gpt-oss stores them:
+    ``<P>_blocks`` ``[E, R, G, 16]`` and ``<P>_scales`` ``[E, R, G]`` for a parameter ``[E, 32 G, R]``."""
+    _copy_side_files(source, out)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, value in load_file(str(source / "model.safetensors")).items():
+        if EXPERTS.search(key):
+            experts, columns, rows = value.shape
+            tensors[key + "_blocks"] = torch.randint(0, 256, (experts, rows, columns // 32, 16), generator=generator,
+                                                     dtype=torch.uint8)
+            tensors[key + "_scales"] = torch.randint(121, 126, (experts, rows, columns // 32), generator=generator,
+                                                     dtype=torch.uint8)
+        else:
+            tensors[key] = value.to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = MXFP4_CONFIG
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def write_mxfp4_dequantized(quantized: Path, out: Path) -> Path:
+    """The plain float32 gpt-oss whose experts hold the exact values of ``quantized``'s MXFP4 codes."""
+    _copy_side_files(quantized, out)
+    raw = _load_raw(quantized / "model.safetensors")
+    tensors = {}
+    for key, value in raw.items():
+        if key.endswith("_scales"):
+            continue
+        if key.endswith("_blocks"):
+            scales = raw[key.removesuffix("_blocks") + "_scales"].astype(np.int32) - 127
+            codes = np.stack([value & 0x0F, value >> 4], axis=-1).reshape(*value.shape[:-1], 32)
+            values = E2M1[codes] * np.exp2(scales.astype(np.float32))[..., None]  # [E, R, G, 32]
+            experts, rows = values.shape[:2]
+            tensors[key.removesuffix("_blocks")] = torch.from_numpy(
+                np.ascontiguousarray(values.reshape(experts, rows, -1).transpose(0, 2, 1)))
+        else:
+            tensors[key] = torch.from_numpy(np.array(value, dtype=np.float32))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
     return out

@@ -88,7 +88,7 @@ class LoadedModel:
         if self.quantization is None:
             return {}
         scheme = self.quantization
-        return {MetaKey.QUANTIZATION: json.dumps({"method": scheme.method, "weights": "float8_e4m3fn",
+        return {MetaKey.QUANTIZATION: json.dumps({"method": scheme.method, "weights": scheme.weights,
                                             "granularity": scheme.granularity,
                                             "block": list(scheme.block) if scheme.block else None,
                                             "activations": "dynamic" if scheme.dynamic_activations else "static"}),
@@ -267,8 +267,8 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     if scheme is not None:
         model, quantized = load_quantized_checkpoint(source, config, scheme, torch_device, torch_dtype)
         choice = choose_compute(scheme, quantized, torch_device, torch_dtype, quant_compute)
-        log.info("quantized checkpoint: %s, %d Linear layers kept quantized on %s; compute: %s",
-                 scheme.describe(), len(quantized), torch_device, choice.describe())
+        log.info("quantized checkpoint: %s, kept quantized on %s; compute: %s", scheme.describe(), torch_device,
+                 choice.describe())
     else:
         try:
             # device_map streams each tensor from the checkpoint to the device (no host copy of the model);

@@ -170,6 +170,10 @@ def choose_compute(scheme: QuantScheme, layers: list[QuantLinear], device: torch
     ``_scaled_mm``) but not the probe; not possible, it raises ``ValueError``."""
     if requested == ComputePath.dequant.value:
         return ComputeChoice(ComputePath.dequant, "asked for")
+    if not layers:  # mxfp4 experts: no fp4 matmul is used
+        if requested == ComputePath.fp8.value:
+            raise ValueError(f"fp8 compute asked for, but {scheme.describe()} has no fp8 layers")
+        return ComputeChoice(ComputePath.dequant, "expert weights dequantized layer by layer just in time")
     blocker = None
     kinds = {layer.fp8_kind() for layer in layers}
     if None in kinds:

@@ -22,8 +22,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization
 from worker.model.quant.fp8 import QuantLinear
+from worker.model.quant.mxfp4 import keep_experts_quantized
+from worker.model.quant.scheme import MXFP4_METHOD, QuantScheme, UnsupportedQuantization
 
 log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
@@ -123,8 +124,8 @@ def _place(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype)
 
 def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch.device,
                    dtype: torch.dtype) -> tuple[nn.Module, list[QuantLinear]]:
-    """The causal LM of ``folder`` on ``device``: quantized Linears stay e4m3 with their scales,
-    every other weight in ``dtype``. ``config`` is the checkpoint's config, its
+    """The causal LM of ``folder`` on ``device``: quantized Linears stay e4m3 with their scales
+    (returned), MXFP4 experts stay 4-bit (``worker.model.quant.mxfp4``), every other weight in ``dtype``. ``config`` is the checkpoint's config, its
     ``quantization_config`` already parsed into ``scheme`` (it is removed so transformers does
     not take the checkpoint over)."""
     from transformers import AutoModelForCausalLM
@@ -135,7 +136,14 @@ def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch
         delattr(config, "quantization_config")
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = quantized_linears(model, keys, scheme)
+    if scheme.method == MXFP4_METHOD:
+        try:
+            keep_experts_quantized(model, keys, dtype)
+        except ValueError as exc:
+            raise UnsupportedQuantization(str(exc)) from None
+        layers: list[QuantLinear] = []
+    else:
+        layers = quantized_linears(model, keys, scheme)
     unexpected = []
     for shard in shards:
         with safe_open(str(shard), framework="pt", device=str(device)) as handle:

@@ -10,6 +10,9 @@ Served (weights stay e4m3 on the device, one float32 scale per block, channel or
   float weights of strategy ``channel`` (scale ``[N, 1]``), ``block`` (``block_structure``)
   or ``tensor`` (one scale): tensors ``<linear>.weight`` and ``<linear>.weight_scale``.
 
+* ``quant_method: mxfp4`` (gpt-oss): expert projections as ``<P>_blocks`` (e2m1, two a byte) and
+  ``<P>_scales`` (e8m0, one per 32 values); attention, router and embeddings unquantized.
+
 Anything else that declares a quantization is refused with the reason, never run wrong.
 """
 
@@ -20,7 +23,9 @@ from typing import Any
 
 FP8_METHOD = "fp8"
 COMPRESSED_TENSORS_METHOD = "compressed-tensors"
+MXFP4_METHOD = "mxfp4"
 GRANULARITIES = ("block", "channel", "tensor")
+SCALES_NAME = "scales"  # mxfp4: ``<P>_scales`` beside ``<P>_blocks``
 
 
 class UnsupportedQuantization(ValueError):
@@ -52,8 +57,15 @@ class QuantScheme:
             return 1, columns
         return rows, columns
 
+    @property
+    def weights(self) -> str:
+        """The stored weights' number format."""
+        return "mxfp4_e2m1" if self.method == MXFP4_METHOD else "float8_e4m3fn"
+
     def describe(self) -> str:
         """One line for logs and file headers, e.g. ``fp8 e4m3 weights, 128x128 blocks (quant_method fp8)``."""
+        if self.method == MXFP4_METHOD:
+            return f"mxfp4 e2m1 expert weights, e8m0 scales per 32 values (quant_method {self.method})"
         if self.granularity == "block":
             assert self.block is not None
             what = f"{self.block[0]}x{self.block[1]} blocks"
@@ -119,5 +131,7 @@ def scheme_of(config: Any) -> QuantScheme | None:
         return _fp8_scheme(quant)
     if method == COMPRESSED_TENSORS_METHOD:
         return _compressed_tensors_scheme(quant)
+    if method == MXFP4_METHOD:
+        return QuantScheme(MXFP4_METHOD, "block", SCALES_NAME, (1, 32), dynamic_activations=True)
     raise UnsupportedQuantization(f"quant_method {method!r} is not served (served: {FP8_METHOD}, "
-                                  f"{COMPRESSED_TENSORS_METHOD} fp8)")
+                                  f"{COMPRESSED_TENSORS_METHOD} fp8, {MXFP4_METHOD})")
