@@ -48,6 +48,9 @@ class WorkerState:
     batching: str = ""  # the worker's batching path ("packed" | "padded"), chosen and self-checked at its start
     last_exit: str = ""  # how this node last ended, as its supervisor saw it (keys.WORKER_EXITS_HASH)
     last_exit_age_s: float | None = None
+    load: dict[str, Any] | None = None  # loading: seconds, peak host memory and weights (GiB)
+    quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8"
+    experts: str = ""  # mixture of experts: transformers' experts implementation
 
 
 @dataclass
@@ -99,7 +102,9 @@ def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerS
             node=node, alive=alive, model=str(info.get("model", "")), device=str(info.get("device", "")),
             gpus=str(info.get("gpus", "")), tokens_per_s=float(info.get("tokens_per_s") or 0.0),
             jobs=int(engine.get("jobs", 0)), tokens=int(engine.get("tokens", 0)), pending=int(engine.get("pending", 0)),
-            beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", ""))))
+            beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", "")),
+            load=info.get("load"), quant_compute=str(info.get("quant_compute") or ""),
+            experts=str(info.get("experts") or "")))
     listed = {state.node for state in states}
     states += [WorkerState(node=node, alive=False, model="", device="", gpus="", tokens_per_s=0.0, jobs=0, tokens=0,
                            pending=0, beat_age_s=None) for node in sorted(set(exits) - listed)]
