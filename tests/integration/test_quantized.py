@@ -80,6 +80,23 @@ def test_dequant_path_equals_transformers_on_the_dequantized_weights(fmt, checkp
         assert errors.max() <= TOLERANCE, f"{fmt}: relative error per layer {errors.tolist()}"
 
 
+def test_fp8_experts_stay_e4m3_and_equal_transformers_on_the_dequantized_weights(tmp_path):
+    """A mixture of experts as Qwen3-30B-A3B-FP8 ships: every expert's projections block-scaled e4m3."""
+    quantized = write_quantized(build_tiny("qwen3-moe", tmp_path / "source"), tmp_path / "fp8-moe", "fp8-block")
+    dequantized = write_dequantized(quantized, tmp_path / "dequantized")
+    loaded = load_model(str(quantized), name="fp8-moe", device="cpu", dtype="float32")
+    experts = [m for m in loaded.model.modules() if type(m).__name__ == "Qwen3MoeExperts"]
+    assert experts and all(m.gate_weight.dtype == torch.float8_e4m3fn and "gate_up_proj" not in m.__dict__
+                           and "gate_up_proj" not in m._parameters for m in experts)
+    assert loaded.experts == "grouped_mm"
+    layers, results = extract(loaded, tmp_path)
+    for ids, result in zip(PROMPTS, results):
+        assert metadata_of(result.path)[MetaKey.QUANT_COMPUTE] == "dequant"
+        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
+                                block_input_states(str(dequantized), list(ids), layers))
+        assert errors.max() <= TOLERANCE, f"fp8 experts: relative error per layer {errors.tolist()}"
+
+
 def test_mxfp4_experts_stay_4bit_and_equal_transformers_on_the_dequantized_weights(tmp_path):
     quantized = write_mxfp4(build_tiny("gpt-oss-sinks", tmp_path / "source"), tmp_path / "mxfp4")
     dequantized = write_mxfp4_dequantized(quantized, tmp_path / "dequantized")

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from producer.protocol.fp8 import dequantize_array
 
-LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$")
 E4M3_MAX = 448.0
 
 #: format name -> (quantization_config, scale tensor name, block or granularity)

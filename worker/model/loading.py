@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 #: Any of these in a model folder means it has a tokenizer (fast, slow or its config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
+#: ``quant_compute`` of a checkpoint whose dense Linears run fp8 matmuls while its experts are dequantized.
+FP8_DENSE_DEQUANT_EXPERTS = "fp8-dense-dequant-experts"
 #: The torch dtype of each protocol dtype name (``producer.protocol.dtypes``).
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float8": torch.float8_e4m3fn}
@@ -75,7 +77,7 @@ class LoadedModel:
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
     quantization: QuantScheme | None = None  # the checkpoint's, when its weights are quantized
-    quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8" (worker.model.quant.fp8)
+    quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8" | FP8_DENSE_DEQUANT_EXPERTS
     load_report: LoadReport | None = None  # time and host memory that loading took (checkpoints only)
     experts: str | None = None  # mixture-of-experts models: transformers' experts implementation (grouped_mm, ...)
 
@@ -88,11 +90,10 @@ class LoadedModel:
         if self.quantization is None:
             return {}
         scheme = self.quantization
-        return {MetaKey.QUANTIZATION: json.dumps({"method": scheme.method, "weights": scheme.weights,
-                                            "granularity": scheme.granularity,
-                                            "block": list(scheme.block) if scheme.block else None,
-                                            "activations": "dynamic" if scheme.dynamic_activations else "static"}),
-                MetaKey.QUANT_COMPUTE: self.quant_compute}
+        described = {"method": scheme.method, "weights": scheme.weights, "granularity": scheme.granularity,
+                     "block": list(scheme.block) if scheme.block else None,
+                     "activations": "dynamic" if scheme.dynamic_activations else "static"}
+        return {MetaKey.QUANTIZATION: json.dumps(described), MetaKey.QUANT_COMPUTE: self.quant_compute}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -265,10 +266,15 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     scheme = quantization_scheme(config)
     rss_before, started = peak_rss_bytes(), time.monotonic()
     if scheme is not None:
-        model, quantized = load_quantized_checkpoint(source, config, scheme, torch_device, torch_dtype)
+        model, quantized, quantized_experts = load_quantized_checkpoint(source, config, scheme, torch_device,
+                                                                        torch_dtype)
         choice = choose_compute(scheme, quantized, torch_device, torch_dtype, quant_compute)
-        log.info("quantized checkpoint: %s, kept quantized on %s; compute: %s", scheme.describe(), torch_device,
-                 choice.describe())
+        compute = choice.path.value
+        if quantized_experts and quantized and choice.path.value == "fp8":
+            compute = FP8_DENSE_DEQUANT_EXPERTS
+        log.info("quantized checkpoint: %s, kept quantized on %s (%d Linear layers, %d experts modules); "
+                 "compute: %s%s", scheme.describe(), torch_device, len(quantized), quantized_experts,
+                 choice.describe(), "; experts dequantized layer by layer just in time" if quantized_experts else "")
     else:
         try:
             # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
@@ -291,7 +297,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         log.info("experts: %s (grouped_mm: one grouped matmul per projection over the tokens each expert got; "
                  "an expert no token chose costs nothing)", loaded.experts)
     if scheme is not None:
-        loaded.quantization, loaded.quant_compute = scheme, choice.path.value
+        loaded.quantization, loaded.quant_compute = scheme, compute
     return loaded
 
 
@@ -317,7 +323,7 @@ def quantization_scheme(config: Any) -> QuantScheme | None:
 
 
 def load_quantized_checkpoint(source: str, config: Any, scheme: QuantScheme, device: torch.device,
-                              dtype: torch.dtype) -> tuple[nn.Module, list]:
+                              dtype: torch.dtype) -> tuple[nn.Module, list, int]:
     """A quantized checkpoint folder streamed onto ``device`` (``worker.model.quant.load``); refusals name the cause."""
     from worker.model.quant.load import load_quantized
 

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker.model.quant.experts import EXPERT_KEY, Fp8Experts, fp8_experts
 from worker.model.quant.fp8 import QuantLinear
 from worker.model.quant.mxfp4 import keep_experts_quantized
 from worker.model.quant.scheme import MXFP4_METHOD, QuantScheme, UnsupportedQuantization
@@ -77,7 +78,7 @@ def quantized_linears(model: nn.Module, keys: set[str], scheme: QuantScheme) -> 
     :class:`QuantLinear` (on ``meta``, to be filled from the checkpoint)."""
     replaced = []
     for key in sorted(keys):
-        if not key.endswith("." + scheme.scale_name):
+        if not key.endswith("." + scheme.scale_name) or EXPERT_KEY.match(key):
             continue
         name = key.removesuffix("." + scheme.scale_name)
         try:
@@ -93,7 +94,7 @@ def quantized_linears(model: nn.Module, keys: set[str], scheme: QuantScheme) -> 
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         replaced.append(layer)
-    if not replaced:
+    if not replaced and not any(EXPERT_KEY.match(key) for key in keys):
         raise UnsupportedQuantization(f"the config declares {scheme.describe()} but no weight has a "
                                       f"{scheme.scale_name} beside it")
     return replaced
@@ -123,9 +124,11 @@ def _place(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype)
 
 
 def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch.device,
-                   dtype: torch.dtype) -> tuple[nn.Module, list[QuantLinear]]:
+                   dtype: torch.dtype) -> tuple[nn.Module, list[QuantLinear], int]:
     """The causal LM of ``folder`` on ``device``: quantized Linears stay e4m3 with their scales
-    (returned), MXFP4 experts stay 4-bit (``worker.model.quant.mxfp4``), every other weight in ``dtype``. ``config`` is the checkpoint's config, its
+    (returned), FP8 experts stay e4m3 (``worker.model.quant.experts``), MXFP4 experts stay 4-bit
+    (``worker.model.quant.mxfp4``), every other weight in ``dtype``. Returns the model, its
+    :class:`QuantLinear` layers and how many experts modules stay quantized (always dequantized per forward). ``config`` is the checkpoint's config, its
     ``quantization_config`` already parsed into ``scheme`` (it is removed so transformers does
     not take the checkpoint over)."""
     from transformers import AutoModelForCausalLM
@@ -136,20 +139,30 @@ def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch
         delattr(config, "quantization_config")
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if scheme.method == MXFP4_METHOD:
-        try:
-            keep_experts_quantized(model, keys, dtype)
-        except ValueError as exc:
-            raise UnsupportedQuantization(str(exc)) from None
-        layers: list[QuantLinear] = []
-    else:
-        layers = quantized_linears(model, keys, scheme)
-    unexpected = []
-    for shard in shards:
-        with safe_open(str(shard), framework="pt", device=str(device)) as handle:
-            for key in handle.keys():
-                if not _place(model, key, handle.get_tensor(key), dtype) and not key.endswith(UNUSED_SUFFIXES):
-                    unexpected.append(key)
+    experts: dict[str, Fp8Experts] = {}
+    mxfp4_experts = 0
+    try:
+        if scheme.method == MXFP4_METHOD:
+            mxfp4_experts = len(keep_experts_quantized(model, keys, dtype))
+            layers: list[QuantLinear] = []
+        else:
+            layers = quantized_linears(model, keys, scheme)
+            experts = fp8_experts(model, keys, scheme, device, dtype)
+        unexpected = []
+        for shard in shards:
+            with safe_open(str(shard), framework="pt", device=str(device)) as handle:
+                for key in handle.keys():
+                    tensor = handle.get_tensor(key)
+                    expert = EXPERT_KEY.match(key)
+                    if expert and expert["module"] in experts:
+                        experts[expert["module"]].place(int(expert["index"]), expert["proj"], expert["tensor"], tensor)
+                    elif not _place(model, key, tensor, dtype) and not key.endswith(UNUSED_SUFFIXES):
+                        unexpected.append(key)
+    except ValueError as exc:
+        raise UnsupportedQuantization(str(exc)) from None
+    incomplete = [name for name, stack in experts.items() if stack.missing()]
+    if incomplete:
+        raise UnsupportedQuantization(f"the checkpoint lacks expert weights of {incomplete[:3]}")
     if unexpected:
         raise UnsupportedQuantization(f"{len(unexpected)} checkpoint tensors have no place in "
                                       f"{type(model).__name__}, e.g. {unexpected[:3]}")
@@ -160,4 +173,4 @@ def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch
         raise UnsupportedQuantization(f"the checkpoint lacks {len(missing)} weights of {type(model).__name__}, "
                                       f"e.g. {missing[:3]}")
     model.to(device)  # the buffers built on the host (rotary frequencies); weights are there already
-    return model.eval(), layers
+    return model.eval(), layers, len(experts) + mxfp4_experts
