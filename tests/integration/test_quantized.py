@@ -53,12 +53,21 @@ def checkpoints(tiny_models, tmp_path_factory):
     return out
 
 
-def extract(loaded, tmp_path):
+def errors_against_dequantized(loaded, dequantized, tmp_path, compute: str = "dequant") -> list[dict]:
+    """Serve ``PROMPTS`` batched; per prompt its header and its per-layer relative error against plain
+    transformers on the ``dequantized`` twin, that prompt alone (every file must say ``compute``)."""
     layers = list(range(loaded.num_layers + 1))
     with Extractor(loaded, layers=layers, batch_wait_ms=300) as extractor:
         results = extractor.extract([list(p) for p in PROMPTS], tmp_path / "files", run="quantized")
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    return layers, results
+    out = []
+    for ids, result in zip(PROMPTS, results):
+        meta = metadata_of(result.path)
+        assert meta[MetaKey.QUANT_COMPUTE] == compute
+        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
+                                block_input_states(str(dequantized), list(ids), layers))
+        out.append({"quantization": json.loads(meta[MetaKey.QUANTIZATION]), "errors": errors})
+    return out
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -68,16 +77,10 @@ def test_dequant_path_equals_transformers_on_the_dequantized_weights(fmt, checkp
     kept = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert len(kept) == 7 * loaded.num_layers and all(m.weight.dtype == torch.float8_e4m3fn for m in kept)
     assert loaded.quant_compute == "dequant"
-    layers, results = extract(loaded, tmp_path)
-    config = FORMATS[fmt][0]
-    for ids, result in zip(PROMPTS, results):
-        meta = metadata_of(result.path)
-        recorded = json.loads(meta[MetaKey.QUANTIZATION])
-        assert recorded["method"] == config["quant_method"] and recorded["weights"] == "float8_e4m3fn"
-        assert meta[MetaKey.QUANT_COMPUTE] == "dequant"
-        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
-                                block_input_states(str(dequantized), list(ids), layers))
-        assert errors.max() <= TOLERANCE, f"{fmt}: relative error per layer {errors.tolist()}"
+    for found in errors_against_dequantized(loaded, dequantized, tmp_path):
+        recorded = found["quantization"]
+        assert recorded["method"] == FORMATS[fmt][0]["quant_method"] and recorded["weights"] == "float8_e4m3fn"
+        assert found["errors"].max() <= TOLERANCE, f"{fmt}: relative error per layer {found['errors'].tolist()}"
 
 
 def test_fp8_experts_stay_e4m3_and_equal_transformers_on_the_dequantized_weights(tmp_path):
@@ -89,29 +92,21 @@ def test_fp8_experts_stay_e4m3_and_equal_transformers_on_the_dequantized_weights
     assert experts and all(m.gate_weight.dtype == torch.float8_e4m3fn and "gate_up_proj" not in m.__dict__
                            and "gate_up_proj" not in m._parameters for m in experts)
     assert loaded.experts == "grouped_mm"
-    layers, results = extract(loaded, tmp_path)
-    for ids, result in zip(PROMPTS, results):
-        assert metadata_of(result.path)[MetaKey.QUANT_COMPUTE] == "dequant"
-        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
-                                block_input_states(str(dequantized), list(ids), layers))
-        assert errors.max() <= TOLERANCE, f"fp8 experts: relative error per layer {errors.tolist()}"
+    for found in errors_against_dequantized(loaded, dequantized, tmp_path):
+        assert found["errors"].max() <= TOLERANCE, f"fp8 experts: relative error per layer {found['errors'].tolist()}"
 
 
 def test_mxfp4_experts_stay_4bit_and_equal_transformers_on_the_dequantized_weights(tmp_path):
     quantized = write_mxfp4(build_tiny("gpt-oss-sinks", tmp_path / "source"), tmp_path / "mxfp4")
     dequantized = write_mxfp4_dequantized(quantized, tmp_path / "dequantized")
     loaded = load_model(str(quantized), name="mxfp4", device="cpu", dtype="float32")
-    layers, results = extract(loaded, tmp_path)
+    found = errors_against_dequantized(loaded, dequantized, tmp_path)
     experts = [m for m in loaded.model.modules() if type(m).__name__ == "GptOssExperts"]
     assert experts and all(m.gate_up_proj_blocks.dtype == torch.uint8 and "gate_up_proj" not in m.__dict__
                            and "gate_up_proj" not in m._parameters for m in experts)  # 4-bit between forwards
-    for ids, result in zip(PROMPTS, results):
-        meta = metadata_of(result.path)
-        assert json.loads(meta[MetaKey.QUANTIZATION])["weights"] == "mxfp4_e2m1"
-        assert meta[MetaKey.QUANT_COMPUTE] == "dequant"
-        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
-                                block_input_states(str(dequantized), list(ids), layers))
-        assert errors.max() <= TOLERANCE, f"mxfp4: relative error per layer {errors.tolist()}"
+    for one in found:
+        assert one["quantization"]["weights"] == "mxfp4_e2m1"
+        assert one["errors"].max() <= TOLERANCE, f"mxfp4: relative error per layer {one['errors'].tolist()}"
 
 
 def test_fp8_compute_path_stays_within_the_error_of_fp8_activations(checkpoints, tmp_path):
@@ -119,11 +114,8 @@ def test_fp8_compute_path_stays_within_the_error_of_fp8_activations(checkpoints,
     quantized, dequantized = checkpoints["ct-channel"]
     loaded = load_model(str(quantized), name="fp8-compute", device="cpu", dtype="float32", quant_compute="fp8")
     assert loaded.quant_compute == "fp8"
-    layers, results = extract(loaded, tmp_path)
-    for ids, result in zip(PROMPTS, results):
-        assert metadata_of(result.path)[MetaKey.QUANT_COMPUTE] == "fp8"
-        errors = relative_error(load_hidden_states(result.path)["hidden_states"],
-                                block_input_states(str(dequantized), list(ids), layers))
+    for found in errors_against_dequantized(loaded, dequantized, tmp_path, compute="fp8"):
+        errors = found["errors"]
         assert errors[0] == 0  # the embeddings: no matmul yet
         assert 0 < errors[1:].min() and errors.max() <= FP8_ACTIVATION_BOUND, errors.tolist()
 
