@@ -100,6 +100,13 @@ def quantized_linears(model: nn.Module, keys: set[str], scheme: QuantScheme) -> 
     return replaced
 
 
+def device_name(device: torch.device) -> str:
+    """``device`` as safetensors names it (a CUDA device with its index)."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
 def _place(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     """Put ``tensor`` where ``key`` names; False when the model has no such parameter or buffer."""
     owner_name, _, attr = key.rpartition(".")
@@ -150,7 +157,7 @@ def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch
             experts = fp8_experts(model, keys, scheme, device, dtype)
         unexpected = []
         for shard in shards:
-            with safe_open(str(shard), framework="pt", device=str(device)) as handle:
+            with safe_open(str(shard), framework="pt", device=device_name(device)) as handle:
                 for key in handle.keys():
                     tensor = handle.get_tensor(key)
                     expert = EXPERT_KEY.match(key)
