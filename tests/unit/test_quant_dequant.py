@@ -40,3 +40,25 @@ def test_a_stack_of_experts(shape, block):
     codes, scale = random_quantized(shape, block)
     expected = torch.stack([element_by_element(codes[e], scale[e], block) for e in range(shape[0])])
     assert torch.equal(dequantize_stack(codes, scale, block, torch.float32), expected)
+
+
+def test_the_fp8_path_takes_a_compiled_activation_quantizer_that_quantizes_right():
+    """``compile_quantizer`` installs the compiled quantizer only after checking its values; an fp8
+    Linear then computes with it within e4m3's error of the dequant path."""
+    from worker.model.quant import fp8
+    from worker.model.quant.scheme import QuantScheme
+
+    layer = fp8.QuantLinear(256, 64, QuantScheme("compressed-tensors", "channel", "weight_scale"), bias=False)
+    codes, scale = random_quantized((64, 256), (1, 256))
+    layer.weight.copy_(codes)
+    layer.scale.copy_(scale)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    reference = layer(x)
+    try:
+        fp8.compile_quantizer(torch.device("cpu"), torch.float32)
+        assert fp8._quantizer is not fp8.quantize_groups
+        layer.use_path(fp8.ComputePath.fp8)
+        got = layer(x)
+    finally:
+        fp8._quantizer = fp8.quantize_groups
+    assert 0 < (got - reference).norm() / reference.norm() <= 2.0**-4

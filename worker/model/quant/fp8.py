@@ -17,6 +17,7 @@ probe matmul on the device agrees with the dequant path within that error.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from worker.model.quant.scheme import QuantScheme
 
+log = logging.getLogger(__name__)
 E4M3_MAX = 448.0
 #: A probe's relative Frobenius error above this means the fp8 kernel is not doing what the dequant path does.
 PROBE_TOLERANCE = 2.0**-4
@@ -62,6 +64,31 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     scale = grouped.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
     codes = (grouped / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes.view(rows, columns), scale
+
+
+#: The activation quantizer the fp8 path calls: :func:`quantize_groups`, or its ``torch.compile``d form
+#: (one fused kernel instead of five) once :func:`compile_quantizer` found it working on the device.
+_quantizer = quantize_groups
+
+
+def compile_quantizer(device: torch.device, dtype: torch.dtype) -> None:
+    """Use a ``torch.compile``d activation quantizer when it compiles and quantizes within e4m3's
+    rounding on ``device`` (each value within ``2**-4 |x| + 2**-10 s`` of its group's scale ``s``; the
+    compiled form may round a division differently from eager); otherwise keep the eager one (logged)."""
+    global _quantizer
+    try:
+        compiled = torch.compile(quantize_groups, dynamic=True)
+        x = torch.randn(37, 512, device=device, dtype=dtype).float()
+        for group in (128, 512):
+            codes, scale = compiled(x, group)
+            scale = scale.repeat_interleave(group, dim=1)
+            if not ((codes.float() * scale - x).abs() <= 2.0**-4 * x.abs() + 2.0**-10 * scale).all():
+                raise ValueError("the compiled quantizer's values are off by more than e4m3 rounding")
+    except Exception as exc:  # noqa: BLE001 - any compile failure leaves the eager quantizer in place
+        log.warning("fp8 activations are quantized eagerly (torch.compile: %s: %s)", type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
+        return
+    _quantizer = compiled
 
 
 class QuantLinear(nn.Module):
@@ -111,11 +138,11 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         if self.fp8_kind() == "rowwise":
-            codes, scale_a = quantize_groups(flat, self.in_features)
+            codes, scale_a = _quantizer(flat, self.in_features)
             out = torch._scaled_mm(codes, self.weight.t(), scale_a, self._rowwise_scale_b, out_dtype=x.dtype)
         else:
             padded = F.pad(flat, (0, 0, 0, -rows % BLOCKWISE_ALIGN))
-            codes, scale_a = quantize_groups(padded, 128)
+            codes, scale_a = _quantizer(padded, 128)
             out = F.scaled_mm(codes, self.weight.t(), scale_a.t().contiguous().t(), F.ScalingType.BlockWise1x128,
                               self._blockwise_scale_b, F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:rows]
         if self.bias is not None:
@@ -195,5 +222,7 @@ def choose_compute(scheme: QuantScheme, layers: list[QuantLinear], device: torch
         return ComputeChoice(ComputePath.dequant, f"weights dequantized layer by layer just in time: {blocker}")
     for layer in layers:
         layer.use_path(ComputePath.fp8)
+    if device.type == "cuda":
+        compile_quantizer(device, dtype)
     kind = "torch._scaled_mm rowwise" if kinds == {"rowwise"} else "scaled_mm blockwise 1x128 x 128x128"
     return ComputeChoice(ComputePath.fp8, f"{kind}, e4m3 activations quantized on the fly")
