@@ -122,10 +122,13 @@ class QuantLinear(nn.Module):
         return dequantize_weight(self.weight, self.scale, self.block, dtype)
 
     def fp8_kind(self) -> str | None:
-        """``rowwise`` or ``blockwise`` where an fp8 matmul computes this layer as served, else None."""
+        """``rowwise`` or ``blockwise`` where an fp8 matmul computes this layer as served, else None
+        (the kernels take sizes in multiples of 16, blockwise ones whole 128x128 blocks)."""
+        if self.in_features % 16 or self.out_features % 16:
+            return None
         if self.scheme.granularity in ("channel", "tensor"):
             return "rowwise"
-        if self.block == (128, 128) and self.in_features % 128 == 0:
+        if self.block == (128, 128) and self.in_features % 128 == 0 and self.out_features % 128 == 0:
             return "blockwise"
         return None
 
