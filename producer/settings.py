@@ -54,6 +54,8 @@ class WorkerSettings(BaseModel):
     dtype: WorkerDtype = AUTO  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
     batching: Literal["auto", "packed", "padded"] = "auto"  # auto: chosen from the model's structure (worker.model.batching)
+    # quantized checkpoints: auto (fp8 matmuls where the device has them, else dequantize layer by layer) | dequant | fp8
+    quant_compute: Literal["auto", "dequant", "fp8"] = "auto"
     max_batch_jobs: int = Field(default=256, gt=0)
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
     max_padding: float = Field(default=0.25, ge=0, lt=1)  # padded batches: the largest share of a batch that is padding

@@ -30,6 +30,7 @@ from worker.ops.lifecycle import ServiceGroup
 from worker.ops.logs import configure_logging
 from worker.ops.metrics import MeteredPublisher, WorkerMetrics
 from worker.ops.progress import ProgressLine
+from worker.ops.phase import LOADING, SERVING, report_phase
 from worker.ops.watchdog import EngineWatchdog, start_deadline
 from worker.queue.handler import WorkerService
 from worker.queue.lease import LeaseKeeper, held_delivery_tags
@@ -81,9 +82,11 @@ def run_worker(settings: Settings) -> int:
     removed = remove_stale_temp_files(storage_root)
     if removed:
         log.info("removed %d stale temp files under %s", removed, storage_root)
+    report_phase(LOADING)
     loaded = load_model(ws.model, name=ws.served_model_name or default_served_name(ws.model), device=ws.device,
                         dtype=ws.dtype, revision=ws.revision, trust_remote_code=ws.trust_remote_code,
-                        chat_template=read_chat_template(ws.chat_template), batching=ws.batching)
+                        chat_template=read_chat_template(ws.chat_template), batching=ws.batching,
+                        quant_compute=ws.quant_compute)
     check_layers(ws.layers, loaded.num_layers)
     log.info("serving %s (%s, %d layers, hidden %d) on %s as %s; queue %s; jobs use --model %s", loaded.name,
              loaded.architecture, loaded.num_layers, loaded.hidden_size, loaded.device,
@@ -130,7 +133,10 @@ def run_worker(settings: Settings) -> int:
                    "batching": loaded.batching.path.value, "batching_reason": loaded.batching.reason,
                    "weights_fingerprint": loaded.weights_fingerprint, "revision": loaded.revision,
                    "tokenizer_fingerprint": loaded.tokenizer_fingerprint,
-                   "self_check": processor.self_check.describe() if processor.self_check else None}
+                   "self_check": processor.self_check.describe() if processor.self_check else None,
+                   "load": loaded.load_report.as_json() if loaded.load_report else None,
+                   "quantization": loaded.quantization.describe() if loaded.quantization else None,
+                   "quant_compute": loaded.quant_compute or None, "experts": loaded.experts}
     keeper = LeaseKeeper(client, node, lambda: {**static_info, "engine": processor.engine.snapshot(),
                                                 "tokens_per_s": round(metrics.tokens_per_second(), 1),
                                                 "cpu": _process_cpu()},
@@ -158,6 +164,7 @@ def run_worker(settings: Settings) -> int:
     def on_ready(**_: object) -> None:
         # Announce the worker (heartbeat) only once Celery consumes and handles SIGTERM.
         background.start()
+        report_phase(SERVING)
 
     def on_shutting_down(**_: object) -> None:
         seconds = ws.shutdown_deadline_s(settings.limits.max_tokens)

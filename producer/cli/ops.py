@@ -48,6 +48,10 @@ def render_status(status: FleetStatus, redis_url: str) -> None:
                         state.batching or "-", f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending),
                         state.weights or "-", beat)
     console.print(workers)
+    for state in status.workers:
+        if state.last_exit:
+            age = "" if state.last_exit_age_s is None else f" ({state.last_exit_age_s:.0f}s ago)"
+            console.print(f"{state.node} last ended{age}: {state.last_exit}", highlight=False, soft_wrap=True)
     console.print(f"dead letters: {status.dead_letters}", highlight=False)
     memory = status.redis
     limit = f"{memory.max_bytes:,} bytes ({memory.policy})" if memory.max_bytes else "no limit"

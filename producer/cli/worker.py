@@ -39,6 +39,9 @@ def worker(
                                                f"({worker_default('token_budget')})."),
     batching: Optional[str] = typer.Option(None, help="auto | packed | padded: how jobs share a forward (auto: "
                                            "from the model's structure; either way checked at start)."),
+    quant_compute: Optional[str] = typer.Option(None, help="Quantized checkpoints: auto | dequant | fp8 (auto: fp8 "
+                                                "matmuls where the GPU has them, else dequantize layer by layer; "
+                                                f"{worker_default('quant_compute')})."),
     concurrency: Optional[int] = typer.Option(None, help=f"Messages in flight in this worker (a bundle counts once) "
                                               f"({worker_default('concurrency')})."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers "
@@ -58,7 +61,8 @@ def worker(
     require("`layertap worker`")
     settings = load_settings(redis_url=redis_url, storage=storage, model=model, served_model_name=name,
                              layers=parse_layers(layers), device=device, dtype=dtype, node_name=node_name,
-                             token_budget=token_budget, batching=batching, concurrency=concurrency, compile=compile,
+                             token_budget=token_budget, batching=batching, quant_compute=quant_compute,
+                             concurrency=concurrency, compile=compile,
                              loglevel=loglevel,
                              gpus=gpus, gpus_per_worker=gpus_per_worker, chat_template=chat_template,
                              log_format=log_format, metrics_port=metrics_port)
@@ -90,8 +94,30 @@ def supervise(settings: Settings) -> int:
     device = ["--device", "cuda"] if ws.device == "auto" else []
     supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker,
                             metrics_port=ws.metrics_port,
-                            kill_after_s=ws.shutdown_deadline_s(settings.limits.max_tokens) + SIGKILL_GRACE_S)
+                            kill_after_s=ws.shutdown_deadline_s(settings.limits.max_tokens) + SIGKILL_GRACE_S,
+                            on_exit=exit_recorder(settings))
     return supervisor.run()
+
+
+def exit_recorder(settings: Settings):
+    """``on_exit`` for the supervisor: record how a worker ended in ``keys.WORKER_EXITS_HASH`` (for
+    ``layertap status``); Redis unreachable, the reason is only logged."""
+    import logging
+
+    import redis
+
+    from producer.protocol import keys
+    from producer.transport.redis_conn import connect
+
+    client = connect(settings)
+
+    def record(node: str, info: dict) -> None:
+        try:
+            client.hset(keys.WORKER_EXITS_HASH, node, json.dumps(info))
+        except redis.RedisError as exc:
+            logging.getLogger("layertap.supervisor").warning("could not record %s's exit in Redis: %s", node, exc)
+
+    return record
 
 
 def make_tiny_model(

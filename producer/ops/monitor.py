@@ -15,6 +15,7 @@ All functions take a ``redis.Redis`` made with ``decode_responses=True``.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -46,6 +47,11 @@ class WorkerState:
     beat_age_s: float | None
     batching: str = ""  # the worker's batching path ("packed" | "padded"), chosen and self-checked at its start
     weights: str = ""  # the fingerprint of the checkpoint it loaded (header ``weights_fingerprint``)
+    last_exit: str = ""  # how this node last ended, as its supervisor saw it (keys.WORKER_EXITS_HASH)
+    last_exit_age_s: float | None = None
+    load: dict[str, Any] | None = None  # loading: seconds, peak host memory and weights (GiB)
+    quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8"
+    experts: str = ""  # mixture of experts: transformers' experts implementation
 
 
 @dataclass
@@ -84,8 +90,11 @@ def queue_depths(client: redis.Redis) -> dict[str, int]:
 
 
 def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerState]:
-    """Every registered worker, alive or not (a killed worker is shown dead for ``fleet.DEAD_WORKER_SHOWN_S``)."""
+    """Every registered worker, alive or not (a killed worker is shown dead for ``fleet.DEAD_WORKER_SHOWN_S``),
+    with how each node last ended where its supervisor recorded it; a node that ended before it
+    ever registered (killed while loading) is listed too, not alive."""
     now = time.time() if now is None else now
+    exits = {node: json.loads(value) for node, value in client.hgetall(keys.WORKER_EXITS_HASH).items()}
     states = []
     for node, info, alive in worker_records(client):
         engine = info.get("engine") or {}
@@ -95,7 +104,16 @@ def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerS
             gpus=str(info.get("gpus", "")), tokens_per_s=float(info.get("tokens_per_s") or 0.0),
             jobs=int(engine.get("jobs", 0)), tokens=int(engine.get("tokens", 0)), pending=int(engine.get("pending", 0)),
             beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", "")),
-            weights=str(info.get("weights_fingerprint", ""))))
+            weights=str(info.get("weights_fingerprint", "")),
+            load=info.get("load"), quant_compute=str(info.get("quant_compute") or ""),
+            experts=str(info.get("experts") or "")))
+    listed = {state.node for state in states}
+    states += [WorkerState(node=node, alive=False, model="", device="", gpus="", tokens_per_s=0.0, jobs=0, tokens=0,
+                           pending=0, beat_age_s=None) for node in sorted(set(exits) - listed)]
+    for state in states:
+        if state.node in exits:
+            state.last_exit = str(exits[state.node].get("reason", ""))
+            state.last_exit_age_s = max(0.0, now - float(exits[state.node].get("at", now)))
     return states
 
 

@@ -18,8 +18,8 @@ Format version 2 adds ``weights_fingerprint``, ``content_id`` and ``header_check
 
 * ``content_id`` is :func:`content_id` of the header's :data:`IDENTITY_KEYS`: everything that
   decides the file's bytes (the job's own fields through ``spec_hash``, the resolved layers,
-  stored and compute dtype, the model's source, revision and weights fingerprint, the tokenizer
-  and chat template, the format version). A worker answers a job from an existing file only
+  stored and compute dtype, the model's source, revision and weights fingerprint, a quantized
+  checkpoint's scheme and compute path, the tokenizer and chat template, the format version). A worker answers a job from an existing file only
   when the file's ``content_id`` is the one it would write now.
 * ``header_checksum`` is the CRC-32 of the canonical JSON of the other metadata and the tensor
   shapes (:func:`header_checksum`): one changed character anywhere in them is found.
@@ -96,6 +96,11 @@ class MetaKey:
     COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
     BATCHING = "batching"  # how the worker batched jobs: "packed" | "padded" (worker.model.batching)
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
+    # Quantized checkpoints only: the weights' scheme as JSON ({"method", "weights", "granularity", "block",
+    # "activations"}) and how the worker computed with them: "dequant" (exact on the dequantized weights)
+    # or "fp8" (fp8 matmuls with e4m3 activations quantized on the fly, as serving engines do).
+    QUANTIZATION = "quantization"
+    QUANT_COMPUTE = "quant_compute"
     LOSS_ON = "loss_on"  # chats: "all" | "last"
     TOPK = "topk"  # k of topk_logprobs/topk_ids, when stored
     TOPK_ON = "topk_on"  # "mask" | "all"
@@ -114,7 +119,8 @@ class MetaKey:
 #: ``final_hidden_states``, ``topk``, ``topk_on``, ``loss_on`` and input are in ``spec_hash``.
 IDENTITY_KEYS = (MetaKey.FORMAT_VERSION, MetaKey.SPEC_HASH, MetaKey.MODEL_SOURCE, MetaKey.MODEL_REVISION,
                  MetaKey.WEIGHTS_FINGERPRINT, MetaKey.TOKENIZER_FINGERPRINT, MetaKey.LAYERS,
-                 MetaKey.LAYER_CONVENTION, MetaKey.DTYPE, MetaKey.COMPUTE_DTYPE)
+                 MetaKey.LAYER_CONVENTION, MetaKey.DTYPE, MetaKey.COMPUTE_DTYPE, MetaKey.QUANTIZATION,
+                 MetaKey.QUANT_COMPUTE)
 #: Metadata every layertap file has (what readers and the manifest rely on).
 REQUIRED_METADATA = (MetaKey.FORMAT, MetaKey.FORMAT_VERSION, MetaKey.MODEL, MetaKey.LAYERS, MetaKey.NUM_LAYERS,
                      MetaKey.DTYPE, MetaKey.JOB_ID, MetaKey.RUN, MetaKey.SPEC_HASH, MetaKey.CHECKSUMS)

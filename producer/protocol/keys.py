@@ -25,6 +25,9 @@ DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 
 #: Hash of live workers: node name -> JSON description (model, device, started).
 WORKERS_HASH = f"{PREFIX}:workers"
+#: Hash node name -> JSON {"reason", "code", "at"}: how a supervised worker last ended (its supervisor
+#: writes it, e.g. "killed by the kernel: out of memory while loading"). One entry per node.
+WORKER_EXITS_HASH = f"{PREFIX}:workers:exits"
 
 #: Prefix of every model queue; ``SCAN MATCH QUEUE_PATTERN`` finds the non-empty ones.
 QUEUE_PREFIX = f"{PREFIX}.q."

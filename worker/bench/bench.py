@@ -48,7 +48,11 @@ COMPARE_PROMPTS = 8
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     storage = Path(cfg.storage)
     claim_storage(storage)
-    loaded = load_model(cfg.model, name="bench-model", device=cfg.device, dtype=cfg.dtype)
+    loaded = load_model(cfg.model, name="bench-model", device=cfg.device, dtype=cfg.dtype,
+                        quant_compute=cfg.quant_compute)
+    load = {**(loaded.load_report.as_json() if loaded.load_report else {}),
+            "quantization": loaded.quantization.describe() if loaded.quantization else None,
+            "quant_compute": loaded.quant_compute or None, "experts": loaded.experts}
     layer_ids = resolve_layer_ids(cfg.layers, loaded.num_layers)
     if cfg.file:
         prompts = file_prompts(cfg.file, loaded.tokenizer, cfg.prompts)
@@ -106,5 +110,5 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "tokens": sum(lengths), "batching": batching,
         "layer_ids": layer_ids, "matmul_tflops": rate / 1e12, "useful_gflop_per_token": flops / sum(lengths) / 1e9,
         "parts": {key: asdict(part) for key, part in parts.items()}, "ratios": ratios,
-        "exactness_vs_unbatched_hf": exactness, "memory": memory,
+        "exactness_vs_unbatched_hf": exactness, "memory": memory, "load": load,
     }

@@ -33,6 +33,7 @@ class BenchConfig:
     compile: bool = False
     gpus: str | None = None  # for (d): start `layertap worker --gpus ...` (one worker per GPU)
     backlog: bool = False  # for (d): enqueue every job before the worker starts, then time the drain
+    quant_compute: str = "auto"  # quantized checkpoints: auto | dequant | fp8 (the worker of (d) too)
 
 
 @dataclass

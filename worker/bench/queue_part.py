@@ -27,6 +27,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     node = f"bench-{os.getpid()}@{socket.gethostname()}"
     name = "bench-model"
     env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
+           "LAYERTAP_WORKER__QUANT_COMPUTE": cfg.quant_compute,
            "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower(),
            "LAYERTAP_WORKER__MAX_PADDING": str(cfg.max_padding)}
     log = open(out.parent / "bench-worker.log", "w")

@@ -295,6 +295,7 @@ class JobProcessor:
             MetaKey.LAYER_CONVENTION: CONVENTION,
             MetaKey.DTYPE: recorded_name(resolve_output_dtype(job.dtype, loaded.dtype)),
             MetaKey.COMPUTE_DTYPE: recorded_name(loaded.dtype),
+            **loaded.quantization_header(),  # a quantized checkpoint's scheme and compute path
         }
         return {**identity, MetaKey.CONTENT_ID: ff.content_id(identity)}
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
+from producer.protocol.fileformat import MetaKey
 from worker.model.attention import set_attention, use_packed_attention
 from worker.model.batching import (
     BatchingPath,
@@ -38,12 +40,17 @@ from worker.model.batching import (
     plan_batching,
 )
 from worker.model.capture import LayerCapture
+from worker.model.host_memory import LoadReport, peak_rss_bytes
+from worker.model.quant.fp8 import choose_compute
+from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
 
 log = logging.getLogger(__name__)
 
 #: Any of these in a model folder means it has a tokenizer (fast, slow or its config).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
+#: ``quant_compute`` of a checkpoint whose dense Linears run fp8 matmuls while its experts are dequantized.
+FP8_DENSE_DEQUANT_EXPERTS = "fp8-dense-dequant-experts"
 #: The torch dtype of each protocol dtype name (``producer.protocol.dtypes``).
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float8": torch.float8_e4m3fn}
@@ -72,10 +79,24 @@ class LoadedModel:
     batching: BatchingPlan
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
+    quantization: QuantScheme | None = None  # the checkpoint's, when its weights are quantized
+    quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8" | FP8_DENSE_DEQUANT_EXPERTS
+    load_report: LoadReport | None = None  # time and host memory that loading took (checkpoints only)
+    experts: str | None = None  # mixture-of-experts models: transformers' experts implementation (grouped_mm, ...)
 
     @property
     def architecture(self) -> str:
         return type(self.model).__name__
+
+    def quantization_header(self) -> dict[str, str]:
+        """File header fields for a quantized checkpoint (none otherwise): its scheme as JSON and the compute path."""
+        if self.quantization is None:
+            return {}
+        scheme = self.quantization
+        described = {"method": scheme.method, "weights": scheme.weights, "granularity": scheme.granularity,
+                     "block": list(scheme.block) if scheme.block else None,
+                     "activations": "dynamic" if scheme.dynamic_activations else "static"}
+        return {MetaKey.QUANTIZATION: json.dumps(described), MetaKey.QUANT_COMPUTE: self.quant_compute}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -292,9 +313,13 @@ def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -
 
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False,
-               chat_template: str | None = None, batching: str = "auto") -> LoadedModel:
+               chat_template: str | None = None, batching: str = "auto", quant_compute: str = "auto") -> LoadedModel:
     """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
     build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.model.shapes``).
+    Weights go from the checkpoint to the device tensor by tensor (``device_map``), never
+    through a host copy of the model; peak host memory while loading is logged. A quantized
+    checkpoint (``worker.model.quant``) keeps its weights quantized on the device and computes
+    by ``quant_compute`` (auto | dequant | fp8).
     ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
     the attention implementation transformers picks for it (SDPA where it has one, else
     its own), and is switched to packed attention only where packing is exact."""
@@ -324,17 +349,76 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
     folder = checkpoint_folder(source, revision)  # fingerprinted before the weights are read: a rewrite
     fingerprint = weights_fingerprint(folder) if folder is not None else None  # during the load costs a recompute
+    scheme = quantization_scheme(config)
+    rss_before, started = peak_rss_bytes(), time.monotonic()
+    if scheme is not None:
+        model, quantized, quantized_experts = load_quantized_checkpoint(source, config, scheme, torch_device,
+                                                                        torch_dtype)
+        choice = choose_compute(scheme, quantized, torch_device, torch_dtype, quant_compute)
+        compute = choice.path.value
+        if quantized_experts and quantized and choice.path.value == "fp8":
+            compute = FP8_DENSE_DEQUANT_EXPERTS
+        log.info("quantized checkpoint: %s, kept quantized on %s (%d Linear layers, %d experts modules); "
+                 "compute: %s%s", scheme.describe(), torch_device, len(quantized), quantized_experts,
+                 choice.describe(), "; experts dequantized layer by layer just in time" if quantized_experts else "")
+    else:
+        try:
+            # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
+            # several visible GPUs (--gpus-per-worker): "auto" spreads the layers over them.
+            model = AutoModelForCausalLM.from_pretrained(
+                source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
+                device_map="auto" if split else str(torch_device),
+            )
+        except ValueError as exc:
+            if "Unrecognized configuration class" in str(exc):
+                raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
+                                   "transformers has no causal LM class for it, so it has no decoder to read") from None
+            raise
+    report = LoadReport(time.monotonic() - started, rss_before, peak_rss_bytes(), weights_bytes(model))
+    log.info("%s: %s", source, report.describe())
+    loaded = describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching,
+                      fingerprint=fingerprint)
+    loaded.load_report = report
+    loaded.experts = experts_implementation(model)
+    if loaded.experts is not None:
+        log.info("experts: %s (grouped_mm: one grouped matmul per projection over the tokens each expert got; "
+                 "an expert no token chose costs nothing)", loaded.experts)
+    if scheme is not None:
+        loaded.quantization, loaded.quant_compute = scheme, compute
+    return loaded
+
+
+def experts_implementation(model: nn.Module) -> str | None:
+    """transformers' experts implementation the model runs (it picks ``grouped_mm`` where the kernel
+    dispatches, else ``eager``, which loops over the experts chosen); None for a model without experts."""
+    if not any(type(module).__name__.endswith("Experts") for module in model.modules()):
+        return None
+    return str(getattr(model.config.get_text_config(), "_experts_implementation", None) or "eager")
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as they sit on the device."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def quantization_scheme(config: Any) -> QuantScheme | None:
+    """The checkpoint's quantization (None: unquantized); a declared one that is not served is a refusal."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-            device_map="auto" if split else None,
-        )
-    except ValueError as exc:
-        if "Unrecognized configuration class" in str(exc):
-            raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
-                               "transformers has no causal LM class for it, so it has no decoder to read") from None
-        raise
-    if not split:  # several visible GPUs (--gpus-per-worker): device_map spread the layers
-        model = model.to(torch_device)
-    return describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching,
-                    fingerprint=fingerprint)
+        return scheme_of(config)
+    except UnsupportedQuantization as exc:
+        raise ModelRefused(f"{type(config).__name__} ({config.model_type})", str(exc)) from None
+
+
+def load_quantized_checkpoint(source: str, config: Any, scheme: QuantScheme, device: torch.device,
+                              dtype: torch.dtype) -> tuple[nn.Module, list, int]:
+    """A quantized checkpoint folder streamed onto ``device`` (``worker.model.quant.load``); refusals name the cause."""
+    from worker.model.quant.load import load_quantized
+
+    folder = Path(source)
+    if not folder.is_dir():
+        raise ModelRefused(type(config).__name__, f"{scheme.describe()}: quantized checkpoints are read from a local "
+                           "folder (download it first); nothing is fetched at run time")
+    try:
+        return load_quantized(folder, config, scheme, device, dtype)
+    except UnsupportedQuantization as exc:
+        raise ModelRefused(type(config).__name__, str(exc)) from None

@@ -30,6 +30,16 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                          linear_num_value_heads=32, mlp_only_layers=list(range(36)),
                                          max_position_embeddings=40960, rope_theta=10_000_000.0,
                                          rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # Llama-3.3-70B: 80 layers, hidden 8192, GQA 64/8 heads.
+    "llama3.3-70b": ("llama", dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                                   rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # Qwen3-30B-A3B: 48 layers, 128 experts, 8 chosen per token.
+    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                                        rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False)),
     "qwen3-tiny": ("qwen3", dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                  max_position_embeddings=32768, tie_word_embeddings=False)),
