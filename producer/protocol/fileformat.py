@@ -82,6 +82,7 @@ class MetaKey:
     TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
     JOB_ID = "job_id"
     JOB_METADATA = "job_metadata"  # the job's ``metadata`` string, when it has one
+    PROVENANCE = "provenance"  # JSON: the job's ``provenance`` (e.g. regeneration: endpoint model, sampling, source row)
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
     CHECKSUMS = "checksums"  # JSON {tensor name: crc32 hex}
