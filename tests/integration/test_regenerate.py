@@ -26,7 +26,8 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    """The model's greedy reply to a chat, from plain transformers."""
+    """The model's greedy reply to a chat, from plain transformers, without leading whitespace:
+    ``transformers serve`` runs a Qwen3 model's reply through its response parser, which trims it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,7 +39,7 @@ def reference(tiny_models):
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).lstrip()
 
     return reply
 
