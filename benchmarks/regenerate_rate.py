@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx2
 
 from producer.command import layertap_argv
+from producer.ingest.enqueue import plan_jobs
 from producer.ingest.formats import RowConverter
 from producer.ingest.sources import open_source
 from producer.regen.endpoint import ChatEndpoint
@@ -53,7 +54,7 @@ async def regenerate_loop(url: str, model: str, chats: Path, out: Path, concurre
         async with ChatEndpoint(url, model, sampling, max_connections=concurrency) as endpoint:
             regenerator = Regenerator(endpoint, store, {"endpoint": url, "model": model}, concurrency=concurrency)
             start = time.perf_counter()
-            counts = await regenerator.run(conversations(open_source(chats).rows, RowConverter(), 1))
+            counts = await regenerator.run(conversations(plan_jobs(open_source(chats).rows, RowConverter(), {"model": model}), 1))
             seconds = time.perf_counter() - start
     assert counts.failed == 0, counts
     return seconds

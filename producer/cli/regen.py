@@ -65,6 +65,7 @@ def regenerate(
     redis_url: Optional[str] = typer.Option(None, help="With --enqueue: Redis URL."),
 ) -> None:
     """Regenerate every assistant turn with the target model (on-policy data); resumable. Prints a summary."""
+    from producer.ingest.enqueue import plan_jobs
     from producer.ingest.formats import RowConverter
     from producer.ingest.sources import open_source
     from producer.regen.endpoint import ChatEndpoint
@@ -91,6 +92,7 @@ def regenerate(
         source = open_source(file, split=split)
     converter = RowConverter(input_format, column=column, id_column=id_column)
     rows = source.rows if limit is None else (row for _, row in zip(range(limit), source.rows))
+    planned = plan_jobs(rows, converter, {"model": model}, origin=str(file))
 
     with one_line_errors(), OutputStore(out, errors) as store:
         sink = open_sink(enqueue_run, worker_model or model, layers, max_inflight, redis_url)
@@ -107,7 +109,7 @@ def regenerate(
 
             async def main() -> None:
                 async with endpoint_client:
-                    await regenerator.run(conversations(rows, converter, samples, origin=str(file)))
+                    await regenerator.run(conversations(planned, samples))
 
             asyncio.run(main())
             interrupted = False

@@ -1,8 +1,9 @@
 """The regeneration loop: source rows become conversations to regenerate, at most
 ``concurrency`` at a time; each finished one is written to the store and handed to a sink.
 
-Invariants: a conversation's row id is the source row's id (its ``id`` column) or else the
-content hash of its chat; sample ``k > 0`` of ``--n`` gets ``<id>-s<k>``, so adding samples later
+Invariants: rows are read exactly as ``enqueue`` reads them (``plan_jobs``); a conversation's row
+id is the source row's id (its ``id`` column) or else the job's content hash, as ``enqueue`` would
+give it; sample ``k > 0`` of ``--n`` gets ``<id>-s<k>``, so adding samples later
 adds rows and repeats none. An id already in the store, or already started in this run (a
 repeated row), is skipped. A conversation that fails writes no row and one error row. A
 cancelled run (Ctrl-C) leaves every finished row written and no partial one.
@@ -15,10 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.ingest.enqueue import BadRow
-from producer.ingest.formats import RowConverter, UndetectableFormat
-from producer.ingest.sources import SourceRow
-from producer.protocol.naming import content_hash
+from producer.ingest.enqueue import BadRow, Planned
 from producer.regen.conversation import regenerate
 from producer.regen.endpoint import ChatEndpoint, EndpointError
 from producer.regen.store import OutputStore
@@ -42,33 +40,24 @@ def sample_id(base: str, sample: int) -> str:
     return base if sample == 0 else f"{base}-s{sample}"
 
 
-def conversations(rows: Iterable[SourceRow], converter: RowConverter, samples: int,
-                  origin: str = "") -> Iterator[Conversation | BadRow]:
-    """``samples`` conversations per readable row (the converter reads every ``enqueue`` format), or a
-    :class:`BadRow`. Raises ``UndetectableFormat`` for the whole file."""
-    for row in rows:
-        where = f"{origin} {row.where}" if origin else row.where
-        if row.error is not None:
-            yield BadRow(where, row.error)
+def conversations(items: Iterable[Planned | BadRow], samples: int) -> Iterator[Conversation | BadRow]:
+    """``samples`` conversations per job that ``enqueue`` would plan from a row (its id: the row's
+    id or the job's content hash), or a :class:`BadRow`."""
+    for item in items:
+        if isinstance(item, BadRow):
+            yield item
             continue
-        try:
-            data = converter.job_data(row.data, row.where)
-        except UndetectableFormat:
-            raise
-        except ValueError as exc:
-            yield BadRow(where, converter.explain(str(exc)))
-            continue
-        if "prompt" in data:
-            messages = [{"role": "user", "content": data["prompt"]}]
-        elif "messages" in data:
-            messages = data["messages"]
+        job = item.job
+        if job.prompt is not None:
+            messages = [{"role": "user", "content": job.prompt}]
+        elif job.messages is not None:
+            messages = [message.model_dump(exclude_none=True) for message in job.messages]
         else:
-            yield BadRow(where, "a row of token ids has no chat to regenerate")
+            yield BadRow(item.where, "a row of token ids has no chat to regenerate")
             continue
-        tools = data.get("tools")
-        base = data.get("job_id") or content_hash({"messages": messages, "tools": tools})[:32]
+        base = job.job_id or ""
         for sample in range(samples):
-            yield Conversation(sample_id(base, sample), where, base, sample, messages, tools)
+            yield Conversation(sample_id(base, sample), item.where, base, sample, messages, job.tools)
 
 
 @dataclass
