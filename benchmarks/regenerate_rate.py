@@ -5,7 +5,9 @@ against a bare async loop (httpx2, the same requests, the same concurrency, no s
 The regenerate side is the command's own loop (``Regenerator`` with its store, fsync per row)
 run in-process, so the comparison is of the loops; the command's start-up (imports, reading the
 source) is printed once, apart. Rounds alternate bare and regenerate and the best of each is
-kept, so a load spike on a shared machine does not land on one side only.
+kept, so a load spike on a shared machine does not land on one side only. The client's own CPU
+time per conversation (``time.process_time`` of this process; the server is another process) is
+printed too: on a loaded machine it is the steadier measure of what the command adds.
 
     PYTHONPATH=. python benchmarks/regenerate_rate.py [--conversations 64] [--levels 1,4,16] [--rounds 3]
 """
@@ -33,7 +35,8 @@ from tests.support.chat_server import small_server
 
 
 async def bare_loop(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> float:
-    """Seconds for one chat completion per prompt, ``concurrency`` at a time, answers discarded."""
+    """Seconds for one chat completion per prompt, ``concurrency`` at a time, answers discarded
+    (the answers are parsed as JSON, as any client must)."""
     slots = asyncio.Semaphore(concurrency)
     async with httpx2.AsyncClient(base_url=url, timeout=600) as client:
         async def one(text: str) -> None:
@@ -42,6 +45,7 @@ async def bare_loop(url: str, model: str, prompts: list[str], concurrency: int, 
                     "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                     "return_token_ids": True})
                 response.raise_for_status()
+                response.json()
         start = time.perf_counter()
         await asyncio.gather(*(one(text) for text in prompts))
         return time.perf_counter() - start
@@ -88,16 +92,22 @@ def main() -> None:
         print(f"{len(prompts)} conversations, {args.max_tokens} tokens each; layertap regenerate --help starts "
               f"in {command_start_seconds():.2f} s", flush=True)
         for level in (int(x) for x in args.levels.split(",")):
-            bare, ours = [], []
+            bare, ours, bare_cpu, ours_cpu = [], [], [], []
             for round_no in range(args.rounds):
+                cpu = time.process_time()
                 bare.append(asyncio.run(bare_loop(server.url, model, prompts, level, args.max_tokens)))
+                bare_cpu.append(time.process_time() - cpu)
                 out = work / f"out-{level}-{round_no}.jsonl"
+                cpu = time.process_time()
                 ours.append(asyncio.run(regenerate_loop(server.url, model, chats, out, level, args.max_tokens)))
+                ours_cpu.append(time.process_time() - cpu)
             best_bare, best_ours = min(bare), min(ours)
             print(f"concurrency {level:3d}: bare loop {len(prompts) / best_bare:6.1f} conv/s, regenerate "
                   f"{len(prompts) / best_ours:6.1f} conv/s, overhead {100 * (best_ours - best_bare) / best_bare:+.1f}% "
                   f"(best of {args.rounds}; all bare {', '.join(f'{x:.2f}' for x in bare)} s, all regenerate "
-                  f"{', '.join(f'{x:.2f}' for x in ours)} s)", flush=True)
+                  f"{', '.join(f'{x:.2f}' for x in ours)} s); client CPU per conversation: bare "
+                  f"{1000 * min(bare_cpu) / len(prompts):.2f} ms, regenerate {1000 * min(ours_cpu) / len(prompts):.2f} ms",
+                  flush=True)
     finally:
         server.kill()
 
