@@ -58,7 +58,8 @@ async def regenerate_loop(url: str, model: str, chats: Path, out: Path, concurre
         async with ChatEndpoint(url, model, sampling, max_connections=concurrency) as endpoint:
             regenerator = Regenerator(endpoint, store, {"endpoint": url, "model": model}, concurrency=concurrency)
             start = time.perf_counter()
-            counts = await regenerator.run(conversations(plan_jobs(open_source(chats).rows, RowConverter(), {"model": model}), 1))
+            planned = plan_jobs(open_source(chats).rows, RowConverter(), {"model": model})
+            counts = await regenerator.run(conversations(planned, 1))
             seconds = time.perf_counter() - start
     assert counts.failed == 0, counts
     return seconds
@@ -106,7 +107,8 @@ def main() -> None:
                   f"{len(prompts) / best_ours:6.1f} conv/s, overhead {100 * (best_ours - best_bare) / best_bare:+.1f}% "
                   f"(best of {args.rounds}; all bare {', '.join(f'{x:.2f}' for x in bare)} s, all regenerate "
                   f"{', '.join(f'{x:.2f}' for x in ours)} s); client CPU per conversation: bare "
-                  f"{1000 * min(bare_cpu) / len(prompts):.2f} ms, regenerate {1000 * min(ours_cpu) / len(prompts):.2f} ms",
+                  f"{1000 * min(bare_cpu) / len(prompts):.2f} ms, "
+                  f"regenerate {1000 * min(ours_cpu) / len(prompts):.2f} ms",
                   flush=True)
     finally:
         server.kill()

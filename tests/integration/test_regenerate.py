@@ -208,3 +208,14 @@ def test_enqueue_writes_one_file_per_conversation_with_the_servers_token_ids(sma
     listed = subprocess.run(cli("enqueue", "--model", "tiny-qwen3", "--file", str(out), "--dry-run"),
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and sorted(listed.stdout.split()) == sorted(rows)
+
+
+def test_a_conversation_the_server_refuses_writes_one_error_row_and_no_output(serve, tiny_models, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    chats = write_jsonl(tmp_path / "c.jsonl", prompts(2))
+    argv = regenerate_argv(serve, tiny_models["qwen3"], chats, out, "--extra-body", '{"no_such_field": 1}')
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)  # refused: an unknown field (422)
+    assert done.returncode == 2, done.stderr
+    assert out.read_text() == ""
+    errors = read_jsonl(tmp_path / "regen.errors.jsonl")
+    assert sorted(e["id"] for e in errors) == ["p0", "p1"] and all("HTTP 4" in e["reason"] for e in errors)
