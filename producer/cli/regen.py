@@ -68,11 +68,14 @@ def regenerate(
     from producer.ingest.enqueue import plan_jobs
     from producer.ingest.formats import RowConverter
     from producer.ingest.sources import open_source
-    from producer.regen.endpoint import ChatEndpoint
-    from producer.regen.runner import Regenerator, conversations
     from producer.regen.store import OutputStore
     from producer.transport.backoff import Backoff
 
+    try:
+        from producer.regen.endpoint import ChatEndpoint
+        from producer.regen.runner import Regenerator, conversations
+    except ImportError as exc:  # httpx2 is installed with the client on Python 3.11+
+        raise fail(f"layertap regenerate needs httpx2 (Python 3.11 or later): {exc}") from None
     sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
     sampling = {key: value for key, value in sampling.items() if value is not None}
     if extra_body:
