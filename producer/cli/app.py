@@ -18,6 +18,7 @@ import typer
 from producer import __version__
 from producer.cli import data as cli_data
 from producer.cli import dlq as cli_dlq
+from producer.cli import regen as cli_regen
 from producer.cli import runs as cli_runs
 from producer.cli import worker as cli_worker
 from producer.cli.common import (
@@ -118,6 +119,7 @@ def demo(
 
 
 cli_data.register(app)
+cli_regen.register(app)
 cli_worker.register(app)
 cli_dlq.register(app)
 cli_runs.register(app)

@@ -8,7 +8,9 @@ or raises :class:`RowError` saying what is wrong with it.
 Detection (``InputFormat.auto``) looks at the first row of a file and fixes the format for
 the whole file; see :func:`detect_format` for the rules. Every later row must fit it.
 Invariants: the same chat gives the same job data whatever format it came in (so the
-same job id); unknown roles and non-text content are refused, never guessed at.
+same job id); unknown roles and non-text content are refused, never guessed at. A chat row
+that also carries ``token_ids`` (``layertap regenerate``'s output) becomes a job of those ids
+and their ``loss_mask``; a ``provenance`` object travels into the file header.
 """
 
 from __future__ import annotations
@@ -164,6 +166,17 @@ def ultrachat_turns(value: list[Any]) -> list[dict[str, Any]]:
     return turns
 
 
+def generated_ids(fields: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat row that carries the ids its text was generated as (``token_ids``, with ``loss_mask``,
+    as ``layertap regenerate`` writes) becomes a job of those exact ids; other chats stay chats."""
+    if not isinstance(fields.get("token_ids"), list):
+        return chat
+    data = {"token_ids": fields["token_ids"]}
+    if fields.get("loss_mask") is not None:
+        data["loss_mask"] = fields["loss_mask"]
+    return data
+
+
 class RowConverter:
     """Turns rows into job data for one file: the format is detected on the first row.
 
@@ -208,6 +221,9 @@ class RowConverter:
                 data = {"messages": [normalize_turn(turn, i) for i, turn in enumerate(value)]}
             if isinstance(fields.get("tools"), list):  # tool schemas travel with the chat
                 data["tools"] = fields["tools"]
+            data = generated_ids(fields, data)
+        if isinstance(fields.get("provenance"), Mapping):
+            data["provenance"] = dict(fields["provenance"])
         job_id = self._job_id(fields)
         if job_id is not None:
             data["job_id"] = job_id

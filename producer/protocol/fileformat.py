@@ -107,6 +107,7 @@ class MetaKey:
     TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
     JOB_ID = "job_id"
     JOB_METADATA = "job_metadata"  # the job's ``metadata`` string, when it has one
+    PROVENANCE = "provenance"  # JSON: the job's ``provenance`` (e.g. regeneration: endpoint model, sampling, source row)
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
     WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (worker.model.loading.weights_fingerprint)

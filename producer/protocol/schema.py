@@ -148,7 +148,7 @@ class ChatMessage(BaseModel):
 
 
 class Job(BaseModel):
-    """One extraction request. Everything except ``run``, ``job_id`` and ``metadata`` is content."""
+    """One extraction request. Everything except ``run``, ``job_id``, ``metadata`` and ``provenance`` is content."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -158,6 +158,7 @@ class Job(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
+    loss_mask: list[int] | None = None  # with token_ids: 1 marks a token trained on (ids from a generator)
     tools: list[dict[str, Any]] | None = None  # JSON tool schemas, given to the chat template as ``tools``
     layers: list[int] | None = None
     max_length: int | None = Field(default=None, gt=0)
@@ -169,6 +170,7 @@ class Job(BaseModel):
     topk_on: Literal["mask", "all"] = "mask"  # positions predicting a loss-mask token, or every position
     dtype: JobDtype = AUTO
     metadata: str | None = Field(default=None, max_length=65536)
+    provenance: dict[str, Any] | None = None  # where the input came from (``layertap regenerate``); not content
 
     @field_validator("model", "prompt", "metadata")
     @classmethod
@@ -184,6 +186,11 @@ class Job(BaseModel):
     @classmethod
     def _tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         return check_json_text(value, "tools")
+
+    @field_validator("provenance")
+    @classmethod
+    def _provenance(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_json_text(value, "provenance")
 
     @field_validator("run")
     @classmethod
@@ -210,11 +217,16 @@ class Job(BaseModel):
             raise ValueError("generation_prompt is added by a chat template: give it with messages")
         if self.generation_prompt and self.messages and self.messages[-1].role == "assistant":
             raise ValueError("generation_prompt starts a new assistant turn: the chat must not end with one")
+        if self.loss_mask is not None:
+            if self.token_ids is None or len(self.loss_mask) != len(self.token_ids):
+                raise ValueError("loss_mask needs token_ids of the same length")
+            if any(value not in (0, 1) for value in self.loss_mask):
+                raise ValueError("loss_mask holds only 0 and 1")
         return self
 
     def spec(self) -> dict[str, Any]:
         """The content-defining fields, as JSON-ready data."""
-        return self.model_dump(mode="json", exclude={"run", "job_id", "metadata"}, exclude_none=True)
+        return self.model_dump(mode="json", exclude={"run", "job_id", "metadata", "provenance"}, exclude_none=True)
 
     def spec_hash(self) -> str:
         """Hex sha256 of :meth:`spec`; recorded in the file header, it identifies the content."""

@@ -372,6 +372,8 @@ class JobProcessor:
             options.update({MetaKey.TOPK: str(job.topk), MetaKey.TOPK_ON: job.topk_on})
         if job.metadata is not None:
             options[MetaKey.JOB_METADATA] = job.metadata
+        if job.provenance is not None:
+            options[MetaKey.PROVENANCE] = json.dumps(job.provenance, sort_keys=True)
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.MODEL: loaded.name,

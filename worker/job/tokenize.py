@@ -89,6 +89,7 @@ class Preparer:
         loss_mask: list[int] | None = None
         if job.token_ids is not None:
             token_ids = self._check_token_ids(job.token_ids)
+            loss_mask = job.loss_mask
         elif job.prompt is not None:
             token_ids = self._tokenize_prompt(job, job.prompt)
         else:
