@@ -118,7 +118,8 @@ def run_keys_pattern(run: str) -> str:
 
 
 def run_submitted_hash(run: str) -> str:
-    """Hash job_id -> submit time, written by the client: the run's total is its length."""
+    """Hash job_id -> the job's latest send time, written by the client with the message's
+    pending record: the run's total is its length."""
     return f"{PREFIX}:run:{run}:submitted"
 
 

@@ -233,19 +233,20 @@ class WorkerService:
         for part in (slice(0, middle), slice(middle, None)):
             counted = {job.job_id or "": count for job, count in zip(jobs[part], counts[part])}
             halves.append((keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex), [payloads[part]],
-                           {**kwargs, "counted": counted, "excused": counted}))
+                           {**kwargs, "counted": counted, "excused": counted},
+                           [(job.run, job.job_id or "") for job in jobs[part]]))
 
         def record() -> None:
             pipe = self.redis.pipeline(transaction=True)
             for job in jobs:
                 pipe.decr(keys.attempts_key(job.run, job.job_id))  # type: ignore[arg-type]
-            for half_id, args, half_kwargs in halves:
-                record_pending(pipe, queue, half_id, now, list(half_kwargs["counted"]))  # type: ignore[arg-type]
+            for half_id, _, _, half_jobs in halves:
+                record_pending(pipe, queue, half_id, now, half_jobs)  # type: ignore[arg-type]
             clear_pending(pipe, queue, task_id)
             pipe.execute()
 
         wait_out_redis(record, f"splitting bundle {task_id}", self.publisher.give_up_s)
-        for half_id, args, half_kwargs in halves:
+        for half_id, args, half_kwargs, _ in halves:
             send_extract(self.app, args, half_kwargs, queue, half_id, keys.EXTRACT_BUNDLE_TASK)
         log.warning("bundle %s of %d jobs started before and did not finish (its worker died?): sent it again "
                     "as two bundles of %d and %d", task_id, len(jobs), middle, len(jobs) - middle)

@@ -27,6 +27,7 @@ from producer.transport.redis_conn import UNREACHABLE, refuses_writes
 
 log = logging.getLogger(__name__)
 PUBLISH_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
+PUBLISH_GIVE_UP_S = 300.0  # how long publishing waits out a Redis that is away or refuses writes
 
 
 T = TypeVar("T")
@@ -54,7 +55,7 @@ def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
 
 
 class ResultPublisher:
-    def __init__(self, client: redis.Redis, give_up_s: float = 300.0):
+    def __init__(self, client: redis.Redis, give_up_s: float = PUBLISH_GIVE_UP_S):
         self.redis = client
         self.give_up_s = give_up_s
 
