@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
 
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import MetaKey
@@ -298,7 +299,7 @@ class JobProcessor:
             write_start = time.perf_counter()
             try:
                 write_job_file(path, tensors, self._metadata(job, prepared, started.spec_hash, started.output_dtype))
-            except OSError as exc:
+            except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
                 raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:

@@ -7,7 +7,10 @@ Invariants:
   that kills its worker is counted too; a job past ``max_attempts`` starts is not run
   again but dead-lettered, with its last error;
 * transient failures (``internal``, ``write_failed``) retry with exponential backoff
-  through Celery (a new message; this one is acknowledged);
+  through Celery (a new message; this one is acknowledged); an ``internal`` one up to
+  ``max_attempts`` starts, a storage fault (``write_failed``: read-only or full storage, an
+  I/O error) for ``storage_retry_s`` seconds from its first fault (kwarg
+  ``storage_fault_since``, per job), its starts excused, and only then dead-lettered;
 * every job ends with exactly one final result published (ok, error, or dead-letter),
   and the counter is cleared then;
 * the task returns only after publishing, so the message is acknowledged only after
@@ -78,9 +81,27 @@ def retry_delay(attempt: int) -> float:
     return RETRY_BACKOFF.delay(attempt - 1)
 
 
+def storage_retry_delay(faulty_s: float, window_s: float) -> float:
+    """Seconds before retrying a job whose storage has failed for ``faulty_s`` seconds: as long
+    again (from 1 s, up to ``RETRY_MAX_S``: the waits double), the last at the window's end."""
+    return max(0.1, min(max(1.0, faulty_s), RETRY_MAX_S, window_s - faulty_s))
+
+
 def _time(value: Any) -> float | None:
     """A kwarg that is a time (``submitted_at``), or None."""
     return value if isinstance(value, (int, float)) else None
+
+
+def _times(value: Any) -> dict[str, float]:
+    """A kwarg of per-job times (``storage_fault_since``), or {} if it is not one."""
+    if not isinstance(value, dict):
+        return {}
+    return {key: float(when) for key, when in value.items() if isinstance(key, str) and isinstance(when, (int, float))}
+
+
+def _first_error(results: list[Result], error_type: ErrorType) -> str:
+    """The message of the first of ``results`` with ``error_type``."""
+    return next((result.error or "" for result in results if result.error_type is error_type), "")
 
 
 def _counts(value: Any) -> dict[str, int]:
@@ -94,11 +115,12 @@ class WorkerService:
     """Thread-safe; shared by all task threads of one worker."""
 
     def __init__(self, processor: JobProcessor, client: redis.Redis, publisher: ResultPublisher, max_attempts: int,
-                 app: Celery | None = None):
+                 app: Celery | None = None, storage_retry_s: float = 900.0):
         self.processor = processor
         self.redis = client
         self.publisher = publisher
         self.max_attempts = max_attempts
+        self.storage_retry_s = storage_retry_s
         self.app = app  # sends the halves of a split bundle
 
     def handle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str | None,
@@ -201,8 +223,19 @@ class WorkerService:
         ran = self.processor.process_many([jobs[i] for i in to_run], submitted_at=_time(kwargs.get("submitted_at")),
                                           attempts=[counts[i] for i in to_run])
         retry: list[int] = []
+        now, fault_since = time.time(), _times(kwargs.get("storage_fault_since"))
+        storage_faults: dict[str, float] = {}  # job id -> its first storage fault, for those retried for one
         for index, result in zip(to_run, ran):
-            if result.status is Status.error and result.error_type in TRANSIENT_ERRORS:
+            if result.status is Status.error and result.error_type is ErrorType.write_failed:
+                since = fault_since.get(ids[index], now)
+                if now - since < self.storage_retry_s:
+                    storage_faults[ids[index]] = since
+                    excused[ids[index]] = excused.get(ids[index], 0) + 1  # this start is the storage's
+                    retry.append(index)
+                    continue
+                result = self.dead_letter(jobs[index], counts[index], ErrorType.write_failed,
+                                          f"{result.error} (storage faults for {now - since:.0f}s)")
+            elif result.status is Status.error and result.error_type in TRANSIENT_ERRORS:
                 if own[index] < self.max_attempts:
                     retry.append(index)
                     continue
@@ -215,12 +248,18 @@ class WorkerService:
         for result in finished:
             _log_error(result)
         if retry:
-            delay = retry_delay(min(own[i] for i in retry))
+            delay = min(retry_delay(own[i]) if ids[i] not in storage_faults
+                        else storage_retry_delay(now - storage_faults[ids[i]], self.storage_retry_s) for i in retry)
+            retry_kwargs = {**kwargs, "counted": {ids[i]: counts[i] for i in retry},
+                            "excused": {ids[i]: excused[ids[i]] for i in retry if ids[i] in excused},
+                            "storage_fault_since": storage_faults}
+            if storage_faults:
+                log.warning("storage faults on %d job(s) of message %s (%s); retrying in %.1fs, for up to %.0fs "
+                            "in all", len(storage_faults), message, _first_error(ran, ErrorType.write_failed), delay,
+                            self.storage_retry_s)
             if not bundle:
-                raise RetryLater(delay)
-            raise RetryLater(delay, args=[[payloads[i] for i in retry]],
-                             kwargs={**kwargs, "counted": {ids[i]: counts[i] for i in retry},
-                                     "excused": {ids[i]: excused[ids[i]] for i in retry if ids[i] in excused}})
+                raise RetryLater(delay, kwargs=retry_kwargs)
+            raise RetryLater(delay, args=[[payloads[i] for i in retry]], kwargs=retry_kwargs)
         return finished
 
     def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
