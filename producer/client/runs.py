@@ -40,17 +40,23 @@ from producer.protocol.fileformat import MetaKey
 from producer.protocol.naming import job_path, storage_root_of
 from producer.protocol.schema import ErrorType, Result, Status
 
-#: For each (job id, stream id) pair in ARGV: delete the job's field in KEYS[1] if it still
-#: names that entry (a later duplicate's entry keeps its field). Returns how many went.
-UNINDEX_TRIMMED = """
-local dropped = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-    dropped = dropped + 1
-  end
+#: One page of :func:`trim`, atomic: add the storage roots ARGV[3..2+n] (n = ARGV[2]) of the
+#: dropped ok results to KEYS[3]; for each (job id, stream id) pair after them, delete the job's
+#: field in KEYS[1] if it still names that entry (a later duplicate's entry keeps its field); drop
+#: the stream KEYS[2]'s entries before ARGV[1] (``XTRIM MINID``, exact); and mark the run trimmed
+#: (KEYS[4] = the last entry dropped). It runs at ``maxmemory`` (``allow-oom``: a ``MULTI`` holding
+#: a write is refused there, and trimming is what frees memory); its only growing writes are a
+#: root not yet recorded and the marker's fixed-size value, everything else frees.
+TRIM_PAGE_SCRIPT = """#!lua flags=allow-oom
+local roots = tonumber(ARGV[2])
+for i = 3, 2 + roots do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then redis.call('SADD', KEYS[3], ARGV[i]) end
 end
-return dropped
+for i = 3 + roots, #ARGV - 1, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+redis.call('XTRIM', KEYS[2], 'MINID', ARGV[1])
+redis.call('SET', KEYS[4], ARGV[#ARGV])
 """
 TRIM_PAGE = 1000
 
@@ -238,7 +244,8 @@ def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
     Safe while workers publish: entries are read, then dropped up to the last one read
     (``XTRIM MINID``, exact), and a job's result-id field goes only while it still names a
     dropped entry. The storage roots of dropped ok results go to ``keys.run_roots_set`` first,
-    in the same transaction. The status and submitted hashes are not touched."""
+    in the same script (:data:`TRIM_PAGE_SCRIPT`, which works at ``maxmemory``). The status
+    and submitted hashes are not touched."""
     stream = keys.results_stream(run)
     bounds = [value for value in (unconsumed_from(client, stream),
                                   None if before is None else f"{int(before * 1000)}-0") if value]
@@ -257,13 +264,8 @@ def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
             if root is not None:
                 roots.add(str(root))
         last = keys.as_text(entries[-1][0])
-        pipe = client.pipeline(transaction=True)
-        if roots:
-            pipe.sadd(keys.run_roots_set(run), *sorted(roots))
-        pipe.eval(UNINDEX_TRIMMED, 1, keys.run_result_ids_hash(run), *pairs)
-        pipe.xtrim(stream, minid=_after(last), approximate=False)
-        pipe.set(keys.run_trimmed_key(run), last)
-        pipe.execute()
+        client.eval(TRIM_PAGE_SCRIPT, 4, keys.run_result_ids_hash(run), stream, keys.run_roots_set(run),
+                    keys.run_trimmed_key(run), _after(last), len(roots), *sorted(roots), *pairs, last)
         dropped += len(entries)
 
 
