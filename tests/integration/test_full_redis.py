@@ -76,3 +76,27 @@ def test_enqueue_waits_out_a_full_redis(private_redis):
     assert "Redis refuses writes" in err and "trying again" in err
     assert raw.llen(keys.model_queue("tiny-nobody-full")) == 1 and raw.hlen(keys.run_submitted_hash("full")) == 2
     raw.close()
+
+
+def test_a_worker_keeps_its_connections_bounded_at_maxmemory(make_worker, private_client):
+    """A worker's Celery consumer meets ``OOM`` on every write (its acks, its events, its fetch
+    bookkeeping) for a while: it opens no connection per failure, and holds no more once freed."""
+    worker = make_worker("bounded@localhost")
+    jobs = [private_client.submit({"prompt": f"before the limit {i}"}, model="tiny-qwen3", run="bounded")
+            for i in range(3)]
+    private_client.wait("bounded", [job.job_id for job in jobs], timeout=60)
+    raw = private_client.redis
+    before = len(raw.client_list())
+    raw.config_set("maxmemory", 1)
+    try:
+        counts = []
+        for _ in range(20):
+            time.sleep(1)
+            counts.append(len(raw.client_list()))
+    finally:
+        raw.config_set("maxmemory", 0)
+    late = private_client.submit({"prompt": "after the limit"}, model="tiny-qwen3", run="bounded")
+    assert private_client.wait("bounded", [late.job_id], timeout=60)[late.job_id].ok
+    after = len(raw.client_list())
+    assert worker.process.poll() is None
+    assert max(counts) <= before + 5 and after <= before + 5, (before, counts, after)
