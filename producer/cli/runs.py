@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Optional
 
 import typer
 
 from producer.files.reader import cleanup_hidden_states
+
+CANCEL_POLL_S = 0.5
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +23,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """List runs: jobs submitted, jobs finished, state (running, complete, cancelled), bytes in Redis."""
+        """List runs: jobs submitted, jobs finished, state (running, cancelling, complete, cancelled: jobs
+        ended `cancelled`, counted apart), bytes in Redis."""
         from producer.client import runs
         from producer.client.client import Client
 
@@ -30,7 +34,8 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 print(json.dumps({**summary.__dict__, "state": summary.state}))
             else:
-                print(f"{summary.run}  {summary.finished}/{summary.submitted} finished  {summary.state}  "
+                cancelled = f" ({summary.cancelled_jobs} cancelled)" if summary.cancelled_at is not None else ""
+                print(f"{summary.run}  {summary.finished}/{summary.submitted} finished  {summary.state}{cancelled}  "
                       f"{summary.redis_bytes:,} B in Redis")
         if not as_json:
             print(f"{len(found)} run(s)")
@@ -38,19 +43,29 @@ def register(app: typer.Typer) -> None:
     @run_app.command("cancel")
     def cancel_command(
         run: str = typer.Argument(..., help="Run name."),
+        wait: bool = typer.Option(False, "--wait", help="Wait until every job has a result, then print "
+                                  "how they ended."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """Cancel a run: its jobs not yet started get a `cancelled` result instead of running; lost ones
-        are not sent again; new jobs for it are refused. Running jobs finish."""
+        """Cancel a run: its jobs not yet in a worker's engine get a `cancelled` result instead of running;
+        lost ones are not sent again; new jobs for it are refused. Jobs already computing finish."""
         from producer.client import runs
         from producer.client.client import Client
 
         with Client(redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
                 raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
-            summary = runs.cancel(client.redis, run)
-        print(f"run {run} cancelled: {summary.submitted - summary.finished} job(s) without a result "
-              "will get a `cancelled` result as workers take them")
+            runs.cancel(client.redis, run)
+            while wait and runs.summary(client.redis, run).state not in ("complete", "cancelled"):
+                time.sleep(CANCEL_POLL_S)
+            counts = runs.outcomes(client.redis, run)
+        ended = f"{counts['ok']} ok, {counts['failed']} failed, {counts['cancelled']} cancelled"
+        if not counts["pending"]:
+            print(f"run {run} cancelled: {ended}")
+            return
+        print(f"run {run} cancelled: {ended} so far; {counts['pending']} job(s) without a result yet end "
+              f"`cancelled` unless a worker's engine already has them (`layertap run cancel {run} --wait` "
+              "prints how they all ended)")
 
     @run_app.command("delete")
     def delete_command(

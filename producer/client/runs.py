@@ -6,8 +6,10 @@ length of its status hash (one entry per job with a final result).
 
 **Cancel** sets ``layertap:run:<run>:cancelled``. From then on:
 
-* a worker that takes one of the run's jobs answers it with an error result of type
-  ``cancelled`` without running it (so every message still ends with exactly one result);
+* a worker that takes one of the run's jobs, or holds one not yet handed to its engine (it checks
+  just before), answers it with an error result of type ``cancelled`` without running it (so
+  every message still ends with exactly one result); jobs already in the engine end as they
+  would have, so the true counts are known only once every job has a result (:func:`outcomes`);
 * the reconciler does not send a lost job of a cancelled run again: it publishes that
   ``cancelled`` result itself;
 * ``Client.submit`` refuses new jobs for the run (:class:`RunCancelled`).
@@ -27,6 +29,7 @@ trimmed ok job is found on disk at ``naming.job_path`` and its file's header hol
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -67,23 +70,43 @@ class RunCancelled(RuntimeError):
 
 @dataclass
 class RunSummary:
-    """One run now: jobs submitted, jobs with a final result, whether it was cancelled, and
-    (from :func:`list_runs`) the bytes its keys take in Redis (``MEMORY USAGE``, sampled)."""
+    """One run now: jobs submitted, jobs with a final result, when it was cancelled, how many of
+    its jobs ended ``cancelled`` (counted for a cancelled run only), and (from :func:`list_runs`)
+    the bytes its keys take in Redis (``MEMORY USAGE``, sampled)."""
 
     run: str
     submitted: int
     finished: int
     cancelled_at: float | None
+    cancelled_jobs: int = 0
     redis_bytes: int | None = None
 
     @property
     def state(self) -> str:
-        """``cancelled``, ``complete`` (every job has a result), ``running`` or ``empty``."""
-        if self.cancelled_at is not None:
-            return "cancelled"
+        """``running``, ``cancelling`` (cancelled, some jobs without a result yet), ``complete`` (every
+        job has a result, none ``cancelled``: a run cancelled after all its jobs ended ok is complete),
+        ``cancelled`` (complete, some jobs ``cancelled``) or ``empty``."""
         if self.submitted == 0:
             return "empty"
-        return "complete" if self.finished >= self.submitted else "running"
+        if self.finished < self.submitted:
+            return "running" if self.cancelled_at is None else "cancelling"
+        return "cancelled" if self.cancelled_jobs else "complete"
+
+
+def cancelled_jobs(client: redis.Redis, run: str) -> int:
+    """Jobs of ``run`` whose final result is ``cancelled`` (its cancelled set, less the jobs that
+    ended otherwise since): O(cancelled jobs)."""
+    found = 0
+    batch: list[str] = []
+    status = keys.run_status_hash(run)
+    members = client.sscan_iter(keys.run_cancelled_jobs_set(run), count=1000)
+    for job_id in itertools.chain(members, [None]):
+        if job_id is not None:
+            batch.append(keys.as_text(job_id))
+        if batch and (job_id is None or len(batch) >= 1000):
+            found += sum(keys.as_text(value) == Status.error.value for value in client.hmget(status, batch) if value)
+            batch = []
+    return found
 
 
 def summary(client: redis.Redis, run: str) -> RunSummary:
@@ -92,7 +115,20 @@ def summary(client: redis.Redis, run: str) -> RunSummary:
     pipe.hlen(keys.run_status_hash(run))
     pipe.get(keys.run_cancelled_key(run))
     submitted, finished, cancelled = pipe.execute()
-    return RunSummary(run, int(submitted), int(finished), None if cancelled is None else float(cancelled))
+    if cancelled is None:
+        return RunSummary(run, int(submitted), int(finished), None)
+    return RunSummary(run, int(submitted), int(finished), float(cancelled), cancelled_jobs(client, run))
+
+
+def outcomes(client: redis.Redis, run: str) -> dict[str, int]:
+    """How the run's jobs ended so far: ``ok``, ``failed`` (errors other than ``cancelled``),
+    ``cancelled``, and ``pending`` (submitted, no result yet). Reads the status hash: O(run)."""
+    ok = sum(keys.as_text(status) == Status.ok.value
+             for _, status in client.hscan_iter(keys.run_status_hash(run), count=1000))
+    found = summary(client, run)
+    cancelled = cancelled_jobs(client, run)
+    return {"ok": ok, "failed": found.finished - ok - cancelled, "cancelled": cancelled,
+            "pending": max(0, found.submitted - found.finished)}
 
 
 def exists(client: redis.Redis, run: str) -> bool:
@@ -155,18 +191,22 @@ def is_cancelled(client: redis.Redis, run: str) -> bool:
     return bool(client.exists(keys.run_cancelled_key(run)))
 
 
-def cancel(client: redis.Redis, run: str) -> RunSummary:
-    """Mark ``run`` cancelled (idempotent: the first cancel time stays); returns it as it is now."""
+def cancel(client: redis.Redis, run: str) -> None:
+    """Mark ``run`` cancelled (idempotent: the first cancel time stays). A job not yet handed to a
+    worker's engine then ends ``cancelled``; one already there ends as it would have."""
     client.set(keys.run_cancelled_key(run), time.time(), nx=True)
-    return summary(client, run)
+
+
+def cancelled_error(run: str) -> str:
+    """The error message of a job of ``run`` not run because the run was cancelled."""
+    return f"run {run} was cancelled (layertap run cancel); this job was not run"
 
 
 def cancelled_result(run: str, job_id: str, *, worker: str | None, model: str | None = None,
                      metadata: str | None = None) -> Result:
     """The final result of a job of a cancelled run that was not run."""
     return Result(job_id=job_id, run=run, status=Status.error, error_type=ErrorType.cancelled,
-                  error=f"run {run} was cancelled (layertap run cancel); this job was not run",
-                  model=model, worker=worker, metadata=metadata)
+                  error=cancelled_error(run), model=model, worker=worker, metadata=metadata)
 
 
 def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None = None) -> Result:

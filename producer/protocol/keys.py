@@ -132,6 +132,12 @@ def run_of_submitted_hash(key: str) -> str:
     return key[len(f"{PREFIX}:run:"):-len(":submitted")]
 
 
+def run_cancelled_jobs_set(run: str) -> str:
+    """Set of the run's job ids that got a ``cancelled`` result (counted while their status is
+    still ``error``: a later ok of the same job wins)."""
+    return f"{PREFIX}:run:{run}:cancelled-jobs"
+
+
 def run_cancelled_key(run: str) -> str:
     """String key (the cancel time) present while ``run`` is cancelled: its jobs are not run or sent again."""
     return f"{PREFIX}:run:{run}:cancelled"

@@ -173,12 +173,15 @@ class JobProcessor:
         return self._error(job_id, run, exc, Timings(queued=_queued(submitted_at)), attempt=attempt)
 
     def process_many(self, jobs: list[Job], *, submitted_at: float | None = None,
-                     attempts: list[int | None] | None = None) -> list[Result]:
+                     attempts: list[int | None] | None = None,
+                     stopped_runs: Callable[[set[str]], dict[str, JobError]] | None = None) -> list[Result]:
         """Run validated jobs together (all go to the engine at once, so its next batch sees
         them all) and return one result each, in order (never raises). Each job is answered
         from disk, computed and written on its own; one job's failure is its result alone.
         Those answered from disk (a redelivery) are answered first; the rest are prepared and
-        submitted inside the engine's ``preparing`` block, and waited for and written after it."""
+        submitted inside the engine's ``preparing`` block, and waited for and written after it.
+        ``stopped_runs``: asked, once a call's turn to prepare has come (just before its jobs go to
+        the engine), which of its jobs' runs must not run now (a cancelled run), with their error."""
         attempts = attempts or [None] * len(jobs)
         jobs = [job.with_id() for job in jobs]
         results: list[Result | None] = [None] * len(jobs)
@@ -195,7 +198,11 @@ class JobProcessor:
         started: list[tuple[int, _Started]] = []
         with self.engine.preparing():
             queued = _queued(submitted_at)  # waiting to prepare counts as time in the queue
+            stopped = stopped_runs({jobs[index].run for index, _ in targets}) if stopped_runs else {}
             for index, target in targets:
+                if jobs[index].run in stopped:
+                    results[index] = self.refused(jobs[index], stopped[jobs[index].run])
+                    continue
                 outcome = self._guarded(jobs[index], queued, attempts[index], partial(self._start, jobs[index], target))
                 if isinstance(outcome, _Started):
                     started.append((index, outcome))

@@ -2,7 +2,10 @@
 
 Invariants:
 * a job of a cancelled run (``producer.client.runs``) is not run: it gets a ``cancelled`` error
-  result, published like any other final result;
+  result, published like any other final result; the run is checked when the message starts
+  and again just before its jobs go to the engine (``JobProcessor.process_many``'s
+  ``stopped_runs``), so a message held while the run was cancelled computes none of its jobs
+  that had not reached the engine;
 * every job that starts increments ``layertap:attempts:<run>:<job_id>`` first, so a job
   that kills its worker is counted too; a job past ``max_attempts`` starts is not run
   again but dead-lettered, with its last error;
@@ -221,7 +224,7 @@ class WorkerService:
             else:
                 to_run.append(index)
         ran = self.processor.process_many([jobs[i] for i in to_run], submitted_at=_time(kwargs.get("submitted_at")),
-                                          attempts=[counts[i] for i in to_run])
+                                          attempts=[counts[i] for i in to_run], stopped_runs=self._cancelled_now)
         retry: list[int] = []
         now, fault_since = time.time(), _times(kwargs.get("storage_fault_since"))
         storage_faults: dict[str, float] = {}  # job id -> its first storage fault, for those retried for one
@@ -261,6 +264,20 @@ class WorkerService:
                 raise RetryLater(delay, kwargs=retry_kwargs)
             raise RetryLater(delay, args=[[payloads[i] for i in retry]], kwargs=retry_kwargs)
         return finished
+
+    def _cancelled_now(self, run_names: set[str]) -> dict[str, JobError]:
+        """Which of ``run_names`` are cancelled now (asked just before their jobs are computed), with
+        the error their jobs end with; none while Redis cannot say (the jobs run)."""
+        order = sorted(run_names)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for run in order:
+                pipe.exists(keys.run_cancelled_key(run))
+            flags = pipe.execute()
+        except redis.exceptions.RedisError as exc:
+            log.warning("could not check for cancelled runs before computing (%s); running the jobs", exc)
+            return {}
+        return {run: JobError(ErrorType.cancelled, runs.cancelled_error(run)) for run, flag in zip(order, flags) if flag}
 
     def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
                task_id: str, queue: str | None) -> None:

@@ -49,7 +49,7 @@ from celery import Celery
 
 from producer.client import runs
 from producer.protocol import keys
-from producer.protocol.schema import Result
+from producer.protocol.schema import ErrorType, Result
 from producer.transport.pending import clear_pending, message_jobs
 from worker.queue.periodic import Periodic, take_turn
 from worker.queue.publisher import PUBLISH_GIVE_UP_S, wait_out_redis
@@ -86,8 +86,9 @@ return 0
 
 
 #: Publish a reconciler's result (ARGV[2], under field ARGV[1]) of job ARGV[3] to its run's stream
-#: KEYS[1] (indexed in KEYS[2], status ARGV[5] in KEYS[3]), unless the job has a final result in
-#: KEYS[3] or was sent again after ARGV[4] (its time in the submitted hash KEYS[4]); 1 if published.
+#: KEYS[1] (indexed in KEYS[2], status ARGV[5] in KEYS[3], in the cancelled set KEYS[5] if ARGV[6]
+#: is 1), unless the job has a final result in KEYS[3] or was sent again after ARGV[4] (its time
+#: in the submitted hash KEYS[4]); 1 if published.
 PUBLISH_UNLESS_ENDED = """
 if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return 0 end
 local sent = redis.call('HGET', KEYS[4], ARGV[3])
@@ -95,6 +96,7 @@ if sent and tonumber(sent) > tonumber(ARGV[4]) then return 0 end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[3], id)
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[5])
+if ARGV[6] == '1' then redis.call('SADD', KEYS[5], ARGV[3]) end
 redis.call('PUBLISH', KEYS[1], ARGV[2])
 return 1
 """
@@ -265,9 +267,11 @@ class Reconciler:
             pipe = self.redis.pipeline(transaction=True)
             for result in results:
                 stream = keys.results_stream(result.run)
-                pipe.eval(PUBLISH_UNLESS_ENDED, 4, stream, keys.run_result_ids_hash(result.run),
-                          keys.run_status_hash(result.run), keys.run_submitted_hash(result.run), keys.RESULT_FIELD,
-                          result.model_dump_json(), result.job_id, repr(sent_at), result.status.value)
+                pipe.eval(PUBLISH_UNLESS_ENDED, 5, stream, keys.run_result_ids_hash(result.run),
+                          keys.run_status_hash(result.run), keys.run_submitted_hash(result.run),
+                          keys.run_cancelled_jobs_set(result.run), keys.RESULT_FIELD, result.model_dump_json(),
+                          result.job_id, repr(sent_at), result.status.value,
+                          int(result.error_type is ErrorType.cancelled))
             clear_pending(pipe, queue, task_id)
             return pipe.execute()
 
