@@ -71,8 +71,9 @@ def register(app: typer.Typer) -> None:
     def delete_command(
         run: str = typer.Argument(..., help="Run name."),
         files: bool = typer.Option(False, "--files", help="Also delete the files its ok results name."),
-        force: bool = typer.Option(False, "--force", help="Delete even with jobs still without a result "
-                                   "(their messages are taken out of the queues)."),
+        force: bool = typer.Option(False, "--force", help="Delete even with jobs still without a result: "
+                                   "cancel the run, take its messages out of the queues, wait for those workers "
+                                   "hold to end."),
         yes: bool = typer.Option(False, "--yes", help="Do not ask."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
@@ -86,7 +87,8 @@ def register(app: typer.Typer) -> None:
             what = f"run {run}'s results and records" + (" and its files" if files else "")
             if not yes and not typer.confirm(f"Delete {what}?"):
                 raise typer.Exit(1)
-            paths = runs.delete(client.redis, run, force=force)
+            paths = runs.delete(client.redis, run, force=force, on_wait=lambda held: print(
+                f"run {run}: waiting for {held} message(s) workers hold to end (cancelled)", flush=True))
         if files:
             for path in paths:
                 cleanup_hidden_states(path)

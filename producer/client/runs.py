@@ -17,7 +17,8 @@ length of its status hash (one entry per job with a final result).
 Jobs already running finish normally. **Delete** removes the run's keys (results stream,
 status and submitted hashes, attempt counters, pending records, every ``layertap:run:<run>:*``
 key) and, if asked, its files; it refuses while jobs have no result yet, unless ``force``,
-which also takes the run's messages out of the queues.
+which cancels the run, takes its messages out of the queues and waits for those workers
+hold to end, so nothing publishes into the deleted run and no file is left behind.
 
 **Trim** drops the run's results-stream entries (all, or those older than a time: the
 ``retention.results_s`` setting, applied by every worker's retention sweep) and their
@@ -32,6 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -62,6 +64,7 @@ redis.call('XTRIM', KEYS[2], 'MINID', ARGV[1])
 redis.call('SET', KEYS[4], ARGV[#ARGV])
 """
 TRIM_PAGE = 1000
+HELD_POLL_S = 1.0
 
 
 class RunCancelled(RuntimeError):
@@ -191,10 +194,17 @@ def is_cancelled(client: redis.Redis, run: str) -> bool:
     return bool(client.exists(keys.run_cancelled_key(run)))
 
 
+#: ``SET KEYS[1] ARGV[1] NX``, also at ``maxmemory`` (a run is cancelled, or deleted, most when Redis is full).
+CANCEL_SCRIPT = """#!lua flags=allow-oom
+return redis.call('SET', KEYS[1], ARGV[1], 'NX')
+"""
+
+
 def cancel(client: redis.Redis, run: str) -> None:
-    """Mark ``run`` cancelled (idempotent: the first cancel time stays). A job not yet handed to a
-    worker's engine then ends ``cancelled``; one already there ends as it would have."""
-    client.set(keys.run_cancelled_key(run), time.time(), nx=True)
+    """Mark ``run`` cancelled (idempotent: the first cancel time stays; works at ``maxmemory``). A
+    job not yet handed to a worker's engine then ends ``cancelled``; one already there ends as it
+    would have."""
+    client.eval(CANCEL_SCRIPT, 1, keys.run_cancelled_key(run), time.time())
 
 
 def cancelled_error(run: str) -> str:
@@ -217,23 +227,41 @@ def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None 
                   model=model, worker=worker)
 
 
-def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
+def held_messages(client: redis.Redis, run: str) -> int:
+    """Messages of ``run`` that workers hold now (their ``unacked`` records): O(messages in flight)."""
+    prefix = keys.task_id(run, "")
+    return sum(1 for tag in client.hkeys(keys.UNACKED_HASH) if keys.as_text(tag).startswith(prefix))
+
+
+def delete(client: redis.Redis, run: str, *, force: bool = False, held_wait_s: float = 120.0,
+           on_wait: Callable[[int], None] = lambda held: None) -> list[str]:
     """Remove the run's keys; returns the ok results' file paths (for the caller to remove).
 
-    Raises ``RuntimeError`` while some submitted job has no result, unless ``force``: then
-    the run's messages still in a queue are removed first (a job a worker holds at that
-    moment may still finish and publish into the deleted run)."""
+    Raises ``RuntimeError`` while some submitted job has no result, unless ``force``: then the
+    run is cancelled, its messages still in a queue are removed, and the messages workers hold
+    are waited for (``on_wait(held)`` each second; their jobs not yet computing end
+    ``cancelled``), so that none publishes into the deleted run and every file is known before
+    the keys go; ``RuntimeError`` if some are still held after ``held_wait_s``."""
     found = summary(client, run)
     if found.finished < found.submitted and not force:
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
                            f"`layertap run cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
-    paths = [path for path, _ in ok_files(client, run).values()]
     prefix = keys.task_id(run, "")
     if force:
+        cancel(client, run)
         queues = {json.loads(record)["queue"] for _, record in client.hscan_iter(keys.PENDING_HASH, match=f"{prefix}*")}
         for queue in sorted(queues):
             _remove_queued(client, queue, prefix)
+        deadline = time.monotonic() + held_wait_s
+        while held := held_messages(client, run):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"run {run}: {held} message(s) still held by workers after {held_wait_s:.0f}s "
+                                   "(a dead worker's come back after its visibility timeout); nothing was deleted, "
+                                   "try again later")
+            on_wait(held)
+            time.sleep(HELD_POLL_S)
+    paths = [path for path, _ in ok_files(client, run).values()]
     pipe = client.pipeline(transaction=False)
     for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
         task_ids = [keys.as_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]

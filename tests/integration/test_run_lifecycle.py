@@ -160,3 +160,31 @@ def test_cancel_reports_true_counts_and_stops_held_jobs_before_compute(make_work
     late = layertap(private_redis.url, "run", "cancel", all_ok)
     assert late.stdout.strip() == f"run {all_ok} cancelled: 2 ok, 0 failed, 0 cancelled"
     assert f"{all_ok}  2/2 finished  complete (0 cancelled)" in layertap(private_redis.url, "runs").stdout
+
+
+def test_force_delete_waits_for_held_messages_and_leaves_nothing(make_worker, private_client, private_redis,
+                                                                 blocking_model, tmp_path):
+    """``run delete --force --files`` while a worker holds the run's bundles (its engine stuck): it
+    cancels the run and waits for them to end, then deletes; no file is left and no key of the run
+    comes back (before: the held bundles published into the deleted run and wrote their files)."""
+    run_name, gate = f"doomed-{os.getpid()}", tmp_path / "gate"
+    make_worker("deleted-under@localhost", model_dir=blocking_model, env=hang_env(gate, 300))
+    gate.touch()
+    with private_client.bundler(max_jobs=4) as bundler:
+        jobs = [bundler.add({"prompt": f"held while deleted {i}"}, model="tiny-qwen3", run=run_name) for i in range(16)]
+    wait_for(lambda: all(private_client.redis.exists(keys.attempts_key(run_name, job.job_id)) for job in jobs), 60,
+             "every message to be held")
+    env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
+    deleting = subprocess.Popen(cli("run", "delete", run_name, "--force", "--files", "--yes"), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: private_client.redis.exists(keys.run_cancelled_key(run_name)), 30, "the run to be cancelled")
+    time.sleep(2)
+    assert deleting.poll() is None  # waiting for the held messages
+    gate.unlink()
+    out, err = deleting.communicate(timeout=120)
+    assert deleting.returncode == 0, err
+    assert "waiting for" in out
+    time.sleep(3)  # a late publish would land now
+    assert list(private_client.redis.scan_iter(match=f"*{run_name}*")) == []
+    files = make_worker.storage / run_name
+    assert not files.exists() or not any(path.is_file() for path in files.rglob("*.safetensors"))
