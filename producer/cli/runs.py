@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
             if not runs.exists(client.redis, run):
                 raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
             runs.cancel(client.redis, run)
-            while wait and runs.summary(client.redis, run).state not in ("complete", "cancelled"):
+            while wait and not runs.is_complete(client.redis, run):
                 time.sleep(CANCEL_POLL_S)
             counts = runs.outcomes(client.redis, run)
         ended = f"{counts['ok']} ok, {counts['failed']} failed, {counts['cancelled']} cancelled"

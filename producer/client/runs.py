@@ -74,8 +74,9 @@ class RunCancelled(RuntimeError):
 @dataclass
 class RunSummary:
     """One run now: jobs submitted, jobs with a final result, when it was cancelled, how many of
-    its jobs ended ``cancelled`` (counted for a cancelled run only), and (from :func:`list_runs`)
-    the bytes its keys take in Redis (``MEMORY USAGE``, sampled)."""
+    its jobs ended ``cancelled`` (counted for a cancelled run by ``summary(count_cancelled=True)``
+    and :func:`list_runs`; :attr:`state` needs it), and (from :func:`list_runs`) the bytes its keys
+    take in Redis (``MEMORY USAGE``, sampled)."""
 
     run: str
     submitted: int
@@ -112,14 +113,16 @@ def cancelled_jobs(client: redis.Redis, run: str) -> int:
     return found
 
 
-def summary(client: redis.Redis, run: str) -> RunSummary:
+def summary(client: redis.Redis, run: str, *, count_cancelled: bool = False) -> RunSummary:
+    """The run's counts (O(1)); with ``count_cancelled``, a cancelled run's ``cancelled`` jobs too
+    (:func:`cancelled_jobs`), which :attr:`RunSummary.state` needs."""
     pipe = client.pipeline(transaction=False)
     pipe.hlen(keys.run_submitted_hash(run))
     pipe.hlen(keys.run_status_hash(run))
     pipe.get(keys.run_cancelled_key(run))
     submitted, finished, cancelled = pipe.execute()
-    if cancelled is None:
-        return RunSummary(run, int(submitted), int(finished), None)
+    if cancelled is None or not count_cancelled:
+        return RunSummary(run, int(submitted), int(finished), None if cancelled is None else float(cancelled))
     return RunSummary(run, int(submitted), int(finished), float(cancelled), cancelled_jobs(client, run))
 
 
@@ -155,7 +158,7 @@ def list_runs(client: redis.Redis) -> list[RunSummary]:
     """Every run the Client has submitted to, by name, with its bytes in Redis."""
     found = []
     for run in run_names(client):
-        listed = summary(client, run)
+        listed = summary(client, run, count_cancelled=True)
         listed.redis_bytes = redis_bytes(client, run)
         found.append(listed)
     return found
