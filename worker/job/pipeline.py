@@ -15,8 +15,10 @@ typed reason; nothing raises.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +65,21 @@ ENGINE_ERROR_TYPES: dict[type[EngineError], ErrorType] = {
     DeviceFault: ErrorType.internal,
     EngineStopped: ErrorType.internal,
 }
+
+
+#: Errors of a storage that cannot take a file now (read-only, full, over quota, failing): not the
+#: job's fault. Their ``write_failed`` message starts with :data:`STORAGE_FAULT`; the task handler
+#: retries them for ``worker.storage_retry_s``, not ``max_attempts`` times.
+STORAGE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO})
+STORAGE_FAULT = "storage fault: "
+
+
+def is_storage_fault(exc: BaseException) -> bool:
+    """Whether a write failed for :data:`STORAGE_ERRNOS` (safetensors gives only "(os error N)")."""
+    if isinstance(exc, OSError):
+        return exc.errno in STORAGE_ERRNOS
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return found is not None and int(found.group(1)) in STORAGE_ERRNOS
 
 
 def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
@@ -307,7 +324,8 @@ class JobProcessor:
             try:
                 write_job_file(path, tensors, self._metadata(job, prepared, started.spec_hash, started.output_dtype))
             except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
-                raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
+                fault = STORAGE_FAULT if is_storage_fault(exc) else ""
+                raise JobError(ErrorType.write_failed, f"{fault}could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:
             job_slice.release()

@@ -11,9 +11,10 @@ Invariants:
   again but dead-lettered, with its last error;
 * transient failures (``internal``, ``write_failed``) retry with exponential backoff
   through Celery (a new message; this one is acknowledged); an ``internal`` one up to
-  ``max_attempts`` starts, a storage fault (``write_failed``: read-only or full storage, an
-  I/O error) for ``storage_retry_s`` seconds from its first fault (kwarg
-  ``storage_fault_since``, per job), its starts excused, and only then dead-lettered;
+  ``max_attempts`` starts, a storage fault (``write_failed`` for read-only or full storage, an
+  I/O error: ``worker.job.pipeline.STORAGE_ERRNOS``) for ``storage_retry_s`` seconds from its
+  first fault (kwarg ``storage_fault_since``, per job), its starts excused, and only then
+  dead-lettered;
 * every job ends with exactly one final result published (ok, error, or dead-letter),
   and the counter is cleared then;
 * the task returns only after publishing, so the message is acknowledged only after
@@ -59,7 +60,7 @@ from producer.transport.backoff import Backoff
 from producer.transport.celery_app import send_extract
 from producer.transport.pending import clear_pending, record_pending
 from worker.job.errors import JobError
-from worker.job.pipeline import JobProcessor
+from worker.job.pipeline import STORAGE_FAULT, JobProcessor
 from worker.queue.publisher import ResultPublisher, wait_out_redis
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ class WorkerService:
         now, fault_since = time.time(), _times(kwargs.get("storage_fault_since"))
         storage_faults: dict[str, float] = {}  # job id -> its first storage fault, for those retried for one
         for index, result in zip(to_run, ran):
-            if result.status is Status.error and result.error_type is ErrorType.write_failed:
+            if result.error_type is ErrorType.write_failed and (result.error or "").startswith(STORAGE_FAULT):
                 since = fault_since.get(ids[index], now)
                 if now - since < self.storage_retry_s:
                     storage_faults[ids[index]] = since
