@@ -35,7 +35,8 @@ def small_mount(make_worker):
     subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
-def run_through_fault(client, run: str, storage: Path, start_fault, end_fault) -> dict:
+def run_through_fault(client, run: str, start_fault, end_fault) -> dict:
+    """Submit 4 jobs during a storage fault that lasts until one was retried and FAULT_S more; their results."""
     start_fault()
     try:
         jobs = [client.submit({"prompt": f"written after a storage fault {i}"}, model=MODEL, run=run)
@@ -60,10 +61,10 @@ def test_read_only_then_full_storage_is_waited_out(make_worker, small_mount, pri
             except OSError:
                 pass
 
-    read_only = run_through_fault(private_client, f"{run_name}-ro", small_mount,
+    read_only = run_through_fault(private_client, f"{run_name}-ro",
                                   lambda: mount("-o", "remount,ro", str(small_mount)),
                                   lambda: mount("-o", "remount,rw", str(small_mount)))
-    full = run_through_fault(private_client, f"{run_name}-full", small_mount, fill, lambda: filler.unlink())
+    full = run_through_fault(private_client, f"{run_name}-full", fill, lambda: filler.unlink())
     for results in (read_only, full):
         assert all(result.ok for result in results.values()), [r.error for r in results.values() if not r.ok]
     assert private_client.redis.xlen(keys.DEAD_LETTER_STREAM) == 0
