@@ -74,6 +74,9 @@ class WorkerSettings(BaseModel):
     # Seconds jobs may wait on the engine with no batch finished before the worker counts as hung
     # and exits (its jobs go to other workers); None: see hang_bound_s.
     hang_timeout: float | None = Field(default=None, gt=0)
+    # Seconds a job whose file cannot be written (read-only or full storage, I/O error) keeps being
+    # retried, with backoff, before it is dead-lettered.
+    storage_retry_s: float = Field(default=900.0, gt=0)
     # Seconds a warm shutdown (SIGTERM) may take before the worker exits anyway; None: the hang bound + 60 s.
     shutdown_timeout: float | None = Field(default=None, gt=0)
 
@@ -167,6 +170,8 @@ class Settings(BaseSettings):
     storage_root: Path = Path("layertap-data")
     orphan_timeout: float = Field(default=60.0, gt=0)  # seconds until a dead worker's jobs are requeued
     max_attempts: int = Field(default=3, gt=0)  # starts of one job before it is dead-lettered
+    # seconds a client (submit, enqueue) waits out a Redis that is away or refuses writes (maxmemory, READONLY)
+    redis_wait_s: float = Field(default=3600.0, gt=0)
     result_backend: bool = False  # also store each task's result in Celery's backend (AsyncResult), for result_ttl
     result_ttl: int = Field(default=3600, gt=0)  # seconds Celery's backend keeps a result (with result_backend)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)

@@ -114,7 +114,8 @@ def run_worker(settings: Settings) -> int:
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
                                                "gpus": gpus, "dtype": dtype})
     client = connect(settings)
-    service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts)
+    service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts,
+                            storage_retry_s=settings.worker.storage_retry_s)
     app = make_celery(settings)
     set_held_messages(held_delivery_tags)  # a broker channel closing after an error leaves these held
     register_extract_task(app, service)

@@ -65,7 +65,8 @@ def describe_progress(progress: RunProgress) -> dict[str, Any]:
     """The progress bar's state and text fields."""
     waiting = "" if progress.total else " (no jobs yet)"
     return {"description": f"run {progress.run}{waiting}", "total": progress.total or None,
-            "completed": progress.finished, "failed": f"{progress.failed} failed",
+            "completed": progress.finished,
+            "failed": f"{progress.failed} failed" + (f" {progress.cancelled} cancelled" if progress.cancelled else ""),
             "rate": f"{progress.tokens_per_s:,.0f} tokens/s", "eta": format_eta(progress.eta_s)}
 
 
@@ -110,7 +111,8 @@ def register(app: typer.Typer) -> None:
                     time.sleep(interval)
                     current = tracker.poll()
                     bar.update(task, **describe_progress(current))
-            console.print(f"run {run} complete: {current.done} ok, {current.failed} failed, "
+            cancelled = f", {current.cancelled} cancelled" if current.cancelled else ""
+            console.print(f"run {run} complete: {current.done} ok, {current.failed} failed{cancelled}, "
                           f"{current.total} jobs", highlight=False)
             if plot is not None:
                 from producer.files.plots import plot_throughput

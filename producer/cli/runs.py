@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import time
 from typing import Optional
 
 import typer
 
 from producer.files.reader import cleanup_hidden_states
+
+CANCEL_POLL_S = 0.5
 
 
 def register(app: typer.Typer) -> None:
@@ -21,7 +24,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """List runs: jobs submitted, jobs finished, state (running, complete, cancelled), bytes in Redis."""
+        """List runs: jobs submitted, jobs finished, state (running, cancelling, complete, cancelled: jobs
+        ended `cancelled`, counted apart), bytes in Redis."""
         from producer.client import runs
         from producer.client.client import Client
 
@@ -31,7 +35,8 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 print(json.dumps({**summary.__dict__, "state": summary.state}))
             else:
-                print(f"{summary.run}  {summary.finished}/{summary.submitted} finished  {summary.state}  "
+                cancelled = f" ({summary.cancelled_jobs} cancelled)" if summary.cancelled_at is not None else ""
+                print(f"{summary.run}  {summary.finished}/{summary.submitted} finished  {summary.state}{cancelled}  "
                       f"{summary.redis_bytes:,} B in Redis")
         if not as_json:
             print(f"{len(found)} run(s)")
@@ -39,26 +44,37 @@ def register(app: typer.Typer) -> None:
     @run_app.command("cancel")
     def cancel_command(
         run: str = typer.Argument(..., help="Run name."),
+        wait: bool = typer.Option(False, "--wait", help="Wait until every job has a result, then print "
+                                  "how they ended."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """Cancel a run: its jobs not yet started get a `cancelled` result instead of running; lost ones
-        are not sent again; new jobs for it are refused. Running jobs finish."""
+        """Cancel a run: its jobs not yet in a worker's engine get a `cancelled` result instead of running;
+        lost ones are not sent again; new jobs for it are refused. Jobs already computing finish."""
         from producer.client import runs
         from producer.client.client import Client
 
         with Client(redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
                 raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
-            summary = runs.cancel(client.redis, run)
-        print(f"run {run} cancelled: {summary.submitted - summary.finished} job(s) without a result "
-              "will get a `cancelled` result as workers take them")
+            runs.cancel(client.redis, run)
+            while wait and not runs.is_complete(client.redis, run):
+                time.sleep(CANCEL_POLL_S)
+            counts = runs.outcomes(client.redis, run)
+        ended = f"{counts['ok']} ok, {counts['failed']} failed, {counts['cancelled']} cancelled"
+        if not counts["pending"]:
+            print(f"run {run} cancelled: {ended}")
+            return
+        print(f"run {run} cancelled: {ended} so far; {counts['pending']} job(s) without a result yet end "
+              f"`cancelled` unless a worker's engine already has them (`layertap run cancel {run} --wait` "
+              "prints how they all ended)")
 
     @run_app.command("delete")
     def delete_command(
         run: str = typer.Argument(..., help="Run name."),
         files: bool = typer.Option(False, "--files", help="Also delete the files its ok results name."),
-        force: bool = typer.Option(False, "--force", help="Delete even with jobs still without a result "
-                                   "(their messages are taken out of the queues)."),
+        force: bool = typer.Option(False, "--force", help="Delete even with jobs still without a result: "
+                                   "cancel the run, take its messages out of the queues, wait for those workers "
+                                   "hold to end."),
         yes: bool = typer.Option(False, "--yes", help="Do not ask."),
         storage: Optional[Path] = typer.Option(None, help="The storage root (setting storage_root): --files "
                                                "deletes only the run's own files under it, and nothing if a "
@@ -77,7 +93,10 @@ def register(app: typer.Typer) -> None:
             if not yes and not typer.confirm(f"Delete {what}?"):
                 raise typer.Exit(1)
             paths = runs.delete(client.redis, run, force=force,
-                                files_under=client.settings.storage_root if files else None)
+                                files_under=client.settings.storage_root if files else None,
+                                on_wait=lambda held: print(
+                                    f"run {run}: waiting for {held} message(s) workers hold to end (cancelled)",
+                                    flush=True))
         if files:
             for path in paths:
                 cleanup_hidden_states(path)

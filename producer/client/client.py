@@ -100,7 +100,9 @@ class Client:
     def send(self, messages: list[list[tuple[Job, dict[str, Any]]]]) -> None:
         """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
-        and every message's pending record are written first, in one round trip."""
+        (each job's latest send time: a pending record older than it no longer covers the job,
+        ``producer.transport.pending``) and every message's pending record are written first, in
+        one round trip."""
         now = time.time()
         sends = []
         for jobs in messages:
@@ -116,14 +118,15 @@ class Client:
             pipe = self.redis.pipeline(transaction=True)
             for jobs, (task, args, kwargs, queue, task_id) in zip(messages, sends):
                 for job, _ in jobs:
-                    pipe.hsetnx(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
-                bundle_jobs = [job.job_id for job, _ in jobs] if task == keys.EXTRACT_BUNDLE_TASK else None
+                    pipe.hset(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
+                bundle_jobs = [(job.run, job.job_id) for job, _ in jobs] if task == keys.EXTRACT_BUNDLE_TASK else None
                 record_pending(pipe, queue, task_id, now, bundle_jobs)  # type: ignore[arg-type]
             pipe.execute()
 
-        retrying(record)
+        wait_s = self.settings.redis_wait_s
+        retrying(record, wait_s)
         for task, args, kwargs, queue, task_id in sends:
-            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task))
+            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task), wait_s)
 
     def bundler(self, *, check: bool = False, **overrides: Any) -> Bundler:
         """A :class:`~producer.client.bundler.Bundler` sending this client's jobs in bundles
@@ -166,7 +169,8 @@ class Client:
         """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer
         (``producer.files.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
         key = keys.run_sealed_key(run)
-        retrying(lambda: self.redis.set(key, time.time()) if sealed else self.redis.delete(key))
+        retrying(lambda: self.redis.set(key, time.time()) if sealed else self.redis.delete(key),
+                 self.settings.redis_wait_s)
 
     # -- reading results ---------------------------------------------------------------
     def results(self, run: str, *, follow: bool = False, since: str = "0",

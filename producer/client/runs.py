@@ -6,8 +6,10 @@ length of its status hash (one entry per job with a final result).
 
 **Cancel** sets ``layertap:run:<run>:cancelled``. From then on:
 
-* a worker that takes one of the run's jobs answers it with an error result of type
-  ``cancelled`` without running it (so every message still ends with exactly one result);
+* a worker that takes one of the run's jobs, or holds one not yet handed to its engine (it checks
+  just before), answers it with an error result of type ``cancelled`` without running it (so
+  every message still ends with exactly one result); jobs already in the engine end as they
+  would have, so the true counts are known only once every job has a result (:func:`outcomes`);
 * the reconciler does not send a lost job of a cancelled run again: it publishes that
   ``cancelled`` result itself;
 * ``Client.submit`` refuses new jobs for the run (:class:`RunCancelled`).
@@ -15,7 +17,8 @@ length of its status hash (one entry per job with a final result).
 Jobs already running finish normally. **Delete** removes the run's keys (results stream,
 status and submitted hashes, attempt counters, pending records, every ``layertap:run:<run>:*``
 key) and, if asked, its files; it refuses while jobs have no result yet, unless ``force``,
-which also takes the run's messages out of the queues.
+which cancels the run, takes its messages out of the queues and waits for those workers
+hold to end, so nothing publishes into the deleted run and no file is left behind.
 
 **Trim** drops the run's results-stream entries (all, or those older than a time: the
 ``retention.results_s`` setting, applied by every worker's retention sweep) and their
@@ -27,8 +30,10 @@ trimmed ok job is found on disk at ``naming.job_path`` and its file's header hol
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,19 +46,26 @@ from producer.protocol.fileformat import MetaKey
 from producer.protocol.naming import file_under_root, job_path, storage_root_of
 from producer.protocol.schema import ErrorType, Result, Status
 
-#: For each (job id, stream id) pair in ARGV: delete the job's field in KEYS[1] if it still
-#: names that entry (a later duplicate's entry keeps its field). Returns how many went.
-UNINDEX_TRIMMED = """
-local dropped = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-    dropped = dropped + 1
-  end
+#: One page of :func:`trim`, atomic: add the storage roots ARGV[3..2+n] (n = ARGV[2]) of the
+#: dropped ok results to KEYS[3]; for each (job id, stream id) pair after them, delete the job's
+#: field in KEYS[1] if it still names that entry (a later duplicate's entry keeps its field); drop
+#: the stream KEYS[2]'s entries before ARGV[1] (``XTRIM MINID``, exact); and mark the run trimmed
+#: (KEYS[4] = the last entry dropped). It runs at ``maxmemory`` (``allow-oom``: a ``MULTI`` holding
+#: a write is refused there, and trimming is what frees memory); its only growing writes are a
+#: root not yet recorded and the marker's fixed-size value, everything else frees.
+TRIM_PAGE_SCRIPT = """#!lua flags=allow-oom
+local roots = tonumber(ARGV[2])
+for i = 3, 2 + roots do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then redis.call('SADD', KEYS[3], ARGV[i]) end
 end
-return dropped
+for i = 3 + roots, #ARGV - 1, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+redis.call('XTRIM', KEYS[2], 'MINID', ARGV[1])
+redis.call('SET', KEYS[4], ARGV[#ARGV])
 """
 TRIM_PAGE = 1000
+HELD_POLL_S = 1.0
 
 
 class RunCancelled(RuntimeError):
@@ -62,32 +74,68 @@ class RunCancelled(RuntimeError):
 
 @dataclass
 class RunSummary:
-    """One run now: jobs submitted, jobs with a final result, whether it was cancelled, and
-    (from :func:`list_runs`) the bytes its keys take in Redis (``MEMORY USAGE``, sampled)."""
+    """One run now: jobs submitted, jobs with a final result, when it was cancelled, how many of
+    its jobs ended ``cancelled`` (counted for a cancelled run by ``summary(count_cancelled=True)``
+    and :func:`list_runs`; :attr:`state` needs it), and (from :func:`list_runs`) the bytes its keys
+    take in Redis (``MEMORY USAGE``, sampled)."""
 
     run: str
     submitted: int
     finished: int
     cancelled_at: float | None
+    cancelled_jobs: int = 0
     redis_bytes: int | None = None
 
     @property
     def state(self) -> str:
-        """``cancelled``, ``complete`` (every job has a result), ``running`` or ``empty``."""
-        if self.cancelled_at is not None:
-            return "cancelled"
+        """``running``, ``cancelling`` (cancelled, some jobs without a result yet), ``complete`` (every
+        job has a result, none ``cancelled``: a run cancelled after all its jobs ended ok is complete),
+        ``cancelled`` (complete, some jobs ``cancelled``) or ``empty``."""
         if self.submitted == 0:
             return "empty"
-        return "complete" if self.finished >= self.submitted else "running"
+        if self.finished < self.submitted:
+            return "running" if self.cancelled_at is None else "cancelling"
+        return "cancelled" if self.cancelled_jobs else "complete"
 
 
-def summary(client: redis.Redis, run: str) -> RunSummary:
+def cancelled_jobs(client: redis.Redis, run: str) -> int:
+    """Jobs of ``run`` whose final result is ``cancelled`` (its cancelled set, less the jobs that
+    ended otherwise since): O(cancelled jobs)."""
+    found = 0
+    batch: list[str] = []
+    status = keys.run_status_hash(run)
+    members = client.sscan_iter(keys.run_cancelled_jobs_set(run), count=1000)
+    for job_id in itertools.chain(members, [None]):
+        if job_id is not None:
+            batch.append(keys.as_text(job_id))
+        if batch and (job_id is None or len(batch) >= 1000):
+            found += sum(keys.as_text(value) == Status.error.value for value in client.hmget(status, batch) if value)
+            batch = []
+    return found
+
+
+def summary(client: redis.Redis, run: str, *, count_cancelled: bool = False) -> RunSummary:
+    """The run's counts (O(1)); with ``count_cancelled``, a cancelled run's ``cancelled`` jobs too
+    (:func:`cancelled_jobs`), which :attr:`RunSummary.state` needs."""
     pipe = client.pipeline(transaction=False)
     pipe.hlen(keys.run_submitted_hash(run))
     pipe.hlen(keys.run_status_hash(run))
     pipe.get(keys.run_cancelled_key(run))
     submitted, finished, cancelled = pipe.execute()
-    return RunSummary(run, int(submitted), int(finished), None if cancelled is None else float(cancelled))
+    if cancelled is None or not count_cancelled:
+        return RunSummary(run, int(submitted), int(finished), None if cancelled is None else float(cancelled))
+    return RunSummary(run, int(submitted), int(finished), float(cancelled), cancelled_jobs(client, run))
+
+
+def outcomes(client: redis.Redis, run: str) -> dict[str, int]:
+    """How the run's jobs ended so far: ``ok``, ``failed`` (errors other than ``cancelled``),
+    ``cancelled``, and ``pending`` (submitted, no result yet). Reads the status hash: O(run)."""
+    ok = sum(keys.as_text(status) == Status.ok.value
+             for _, status in client.hscan_iter(keys.run_status_hash(run), count=1000))
+    found = summary(client, run)
+    cancelled = cancelled_jobs(client, run)
+    return {"ok": ok, "failed": found.finished - ok - cancelled, "cancelled": cancelled,
+            "pending": max(0, found.submitted - found.finished)}
 
 
 def exists(client: redis.Redis, run: str) -> bool:
@@ -111,7 +159,7 @@ def list_runs(client: redis.Redis) -> list[RunSummary]:
     """Every run the Client has submitted to, by name, with its bytes in Redis."""
     found = []
     for run in run_names(client):
-        listed = summary(client, run)
+        listed = summary(client, run, count_cancelled=True)
         listed.redis_bytes = redis_bytes(client, run)
         found.append(listed)
     return found
@@ -150,18 +198,29 @@ def is_cancelled(client: redis.Redis, run: str) -> bool:
     return bool(client.exists(keys.run_cancelled_key(run)))
 
 
-def cancel(client: redis.Redis, run: str) -> RunSummary:
-    """Mark ``run`` cancelled (idempotent: the first cancel time stays); returns it as it is now."""
-    client.set(keys.run_cancelled_key(run), time.time(), nx=True)
-    return summary(client, run)
+#: ``SET KEYS[1] ARGV[1] NX``, also at ``maxmemory`` (a run is cancelled, or deleted, most when Redis is full).
+CANCEL_SCRIPT = """#!lua flags=allow-oom
+return redis.call('SET', KEYS[1], ARGV[1], 'NX')
+"""
+
+
+def cancel(client: redis.Redis, run: str) -> None:
+    """Mark ``run`` cancelled (idempotent: the first cancel time stays; works at ``maxmemory``). A
+    job not yet handed to a worker's engine then ends ``cancelled``; one already there ends as it
+    would have."""
+    client.eval(CANCEL_SCRIPT, 1, keys.run_cancelled_key(run), time.time())
+
+
+def cancelled_error(run: str) -> str:
+    """The error message of a job of ``run`` not run because the run was cancelled."""
+    return f"run {run} was cancelled (layertap run cancel); this job was not run"
 
 
 def cancelled_result(run: str, job_id: str, *, worker: str | None, model: str | None = None,
                      metadata: str | None = None) -> Result:
     """The final result of a job of a cancelled run that was not run."""
     return Result(job_id=job_id, run=run, status=Status.error, error_type=ErrorType.cancelled,
-                  error=f"run {run} was cancelled (layertap run cancel); this job was not run",
-                  model=model, worker=worker, metadata=metadata)
+                  error=cancelled_error(run), model=model, worker=worker, metadata=metadata)
 
 
 def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None = None) -> Result:
@@ -172,28 +231,44 @@ def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None 
                   model=model, worker=worker)
 
 
-def delete(client: redis.Redis, run: str, *, force: bool = False,
-           files_under: str | Path | None = None) -> list[str]:
+def held_messages(client: redis.Redis, run: str) -> int:
+    """Messages of ``run`` that workers hold now (their ``unacked`` records): O(messages in flight)."""
+    prefix = keys.task_id(run, "")
+    return sum(1 for tag in client.hkeys(keys.UNACKED_HASH) if keys.as_text(tag).startswith(prefix))
+
+
+def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: str | Path | None = None,
+           held_wait_s: float = 120.0, on_wait: Callable[[int], None] = lambda held: None) -> list[str]:
     """Remove the run's keys; returns the ok results' file paths (for the caller to remove).
 
-    Raises ``RuntimeError`` while some submitted job has no result, unless ``force``: then
-    the run's messages still in a queue are removed first (a job a worker holds at that
-    moment may still finish and publish into the deleted run). With ``files_under`` (the
-    storage root) the paths are returned resolved (``naming.file_under_root``), and a path
-    that is not its job's file under that root raises ``ValueError`` before anything is removed."""
+    Raises ``RuntimeError`` while some submitted job has no result, unless ``force``: then the
+    run is cancelled, its messages still in a queue are removed, and the messages workers hold
+    are waited for (``on_wait(held)`` each second; their jobs not yet computing end
+    ``cancelled``), so that none publishes into the deleted run and every file is known before
+    the keys go; ``RuntimeError`` if some are still held after ``held_wait_s``. With ``files_under``
+    (the storage root) the paths are returned resolved (``naming.file_under_root``), and a path
+    that is not its job's file under that root raises ``ValueError`` before any key is removed."""
     found = summary(client, run)
     if found.finished < found.submitted and not force:
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
                            f"`layertap run cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
-    files = ok_files(client, run)
-    paths = [path if files_under is None else str(_file_under(files_under, run, job_id, path))
-             for job_id, (path, _) in files.items()]
     prefix = keys.task_id(run, "")
     if force:
+        cancel(client, run)
         queues = {json.loads(record)["queue"] for _, record in client.hscan_iter(keys.PENDING_HASH, match=f"{prefix}*")}
         for queue in sorted(queues):
             _remove_queued(client, queue, prefix)
+        deadline = time.monotonic() + held_wait_s
+        while held := held_messages(client, run):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"run {run}: {held} message(s) still held by workers after {held_wait_s:.0f}s "
+                                   "(a dead worker's come back after its visibility timeout); nothing was deleted, "
+                                   "try again later")
+            on_wait(held)
+            time.sleep(HELD_POLL_S)
+    paths = [path if files_under is None else str(_file_under(files_under, run, job_id, path))
+             for job_id, (path, _) in ok_files(client, run).items()]
     pipe = client.pipeline(transaction=False)
     for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
         task_ids = [keys.as_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]
@@ -252,7 +327,8 @@ def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
     Safe while workers publish: entries are read, then dropped up to the last one read
     (``XTRIM MINID``, exact), and a job's result-id field goes only while it still names a
     dropped entry. The storage roots of dropped ok results go to ``keys.run_roots_set`` first,
-    in the same transaction. The status and submitted hashes are not touched."""
+    in the same script (:data:`TRIM_PAGE_SCRIPT`, which works at ``maxmemory``). The status
+    and submitted hashes are not touched."""
     stream = keys.results_stream(run)
     bounds = [value for value in (unconsumed_from(client, stream),
                                   None if before is None else f"{int(before * 1000)}-0") if value]
@@ -271,13 +347,8 @@ def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
             if root is not None:
                 roots.add(str(root))
         last = keys.as_text(entries[-1][0])
-        pipe = client.pipeline(transaction=True)
-        if roots:
-            pipe.sadd(keys.run_roots_set(run), *sorted(roots))
-        pipe.eval(UNINDEX_TRIMMED, 1, keys.run_result_ids_hash(run), *pairs)
-        pipe.xtrim(stream, minid=_after(last), approximate=False)
-        pipe.set(keys.run_trimmed_key(run), last)
-        pipe.execute()
+        client.eval(TRIM_PAGE_SCRIPT, 4, keys.run_result_ids_hash(run), stream, keys.run_roots_set(run),
+                    keys.run_trimmed_key(run), _after(last), len(roots), *sorted(roots), *pairs, last)
         dropped += len(entries)
 
 

@@ -210,11 +210,10 @@ class Enqueuer:
     def _submit(self, item: Planned, *, reopen: bool) -> tuple[Outcome, Planned | BadRow]:
         job = item.job
         self.limiter.acquire(job.run)
-        if reopen:  # sent before: clear its old (error) status, mark it sent by this enqueue
+        if reopen:  # sent before: clear its old (error) status; sending marks it sent by this enqueue
             pipe = self.client.redis.pipeline(transaction=True)
             pipe.hdel(keys.run_status_hash(job.run), job.job_id)  # type: ignore[arg-type]
             pipe.hdel(keys.run_consumed_hash(job.run, self.group), job.job_id)  # type: ignore[arg-type]
-            pipe.hset(keys.run_submitted_hash(job.run), job.job_id, time.time())  # type: ignore[arg-type]
             pipe.execute()
         try:
             self.bundler.add(job)

@@ -7,8 +7,8 @@
   Redis refuses writes, so workers can neither beat nor finish jobs until memory is freed;
 * a run: its total is ``HLEN`` of the submitted hash, finished jobs ``HLEN`` of the status
   hash (one entry per job, so duplicates never count twice); failed jobs are read once
-  with ``HSCAN`` and then kept up to date from the results stream, which also gives
-  tokens. Each poll costs O(new results), not O(run size).
+  with ``HSCAN`` (those in the run's cancelled set counted as cancelled, apart) and then
+  kept up to date from the results stream, which also gives tokens. Each poll costs O(new results), not O(run size).
 
 All functions take a ``redis.Redis`` made with ``decode_responses=True``.
 """
@@ -26,7 +26,7 @@ from producer.client.fleet import worker_records
 from producer.client.results import START, stream_results
 from producer.ops.throughput import RateWindow
 from producer.protocol import keys
-from producer.protocol.schema import Status
+from producer.protocol.schema import ErrorType, Status
 
 PAGE = 5000
 
@@ -141,14 +141,15 @@ class RunProgress:
     run: str
     total: int
     done: int
-    failed: int
+    failed: int  # error results other than ``cancelled``
     tokens: int  # tokens of ok results seen since the tracker started
     tokens_per_s: float
     jobs_per_s: float
+    cancelled: int = 0  # ``cancelled`` results (``layertap run cancel``), counted apart from failures
 
     @property
     def finished(self) -> int:
-        return self.done + self.failed
+        return self.done + self.failed + self.cancelled
 
     @property
     def complete(self) -> bool:
@@ -172,8 +173,10 @@ class RunTracker:
         self.run = run
         last = client.xrevrange(keys.results_stream(run), count=1)
         self._last_id = last[0][0] if last else START  # taken before the scan: later results are replayed
-        self._failed = {job for job, status in client.hscan_iter(keys.run_status_hash(run), count=PAGE)
-                        if status == Status.error.value}
+        errors = {job for job, status in client.hscan_iter(keys.run_status_hash(run), count=PAGE)
+                  if status == Status.error.value}
+        self._cancelled = errors & set(client.sscan_iter(keys.run_cancelled_jobs_set(run), count=PAGE))
+        self._failed = errors - self._cancelled
         self._tokens = 0
         self._token_rate = RateWindow(window_s)
         self._job_rate = RateWindow(window_s)
@@ -181,21 +184,23 @@ class RunTracker:
     def poll(self) -> RunProgress:
         for entry_id, result in stream_results(self.redis, self.run, self._last_id):
             self._last_id = entry_id
+            self._failed.discard(result.job_id)
+            self._cancelled.discard(result.job_id)
             if result.ok:
-                self._failed.discard(result.job_id)
                 self._tokens += result.num_tokens or 0
             else:
-                self._failed.add(result.job_id)
+                (self._cancelled if result.error_type is ErrorType.cancelled else self._failed).add(result.job_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hlen(keys.run_submitted_hash(self.run))
         pipe.hlen(keys.run_status_hash(self.run))
         submitted, finished = (int(value) for value in pipe.execute())
-        failed = min(len(self._failed), finished)
+        cancelled = min(len(self._cancelled), finished)
+        failed = min(len(self._failed), finished - cancelled)
         self._token_rate.add(self._tokens)
         self._job_rate.add(finished)
-        return RunProgress(run=self.run, total=max(submitted, finished), done=finished - failed, failed=failed,
-                           tokens=self._tokens, tokens_per_s=self._token_rate.rate(),
-                           jobs_per_s=self._job_rate.rate())
+        return RunProgress(run=self.run, total=max(submitted, finished), done=finished - failed - cancelled,
+                           failed=failed, cancelled=cancelled, tokens=self._tokens,
+                           tokens_per_s=self._token_rate.rate(), jobs_per_s=self._job_rate.rate())
 
 
 def throughput_history(client: redis.Redis, run: str) -> list[tuple[float, int]]:

@@ -123,7 +123,8 @@ def run_keys_pattern(run: str) -> str:
 
 
 def run_submitted_hash(run: str) -> str:
-    """Hash job_id -> submit time, written by the client: the run's total is its length."""
+    """Hash job_id -> the job's latest send time, written by the client with the message's
+    pending record: the run's total is its length."""
     return f"{PREFIX}:run:{run}:submitted"
 
 
@@ -134,6 +135,12 @@ RUN_SUBMITTED_PATTERN = f"{PREFIX}:run:*:submitted"
 def run_of_submitted_hash(key: str) -> str:
     """The run whose submitted hash ``key`` is (run names hold no ``:``)."""
     return key[len(f"{PREFIX}:run:"):-len(":submitted")]
+
+
+def run_cancelled_jobs_set(run: str) -> str:
+    """Set of the run's job ids that got a ``cancelled`` result (counted while their status is
+    still ``error``: a later ok of the same job wins)."""
+    return f"{PREFIX}:run:{run}:cancelled-jobs"
 
 
 def run_cancelled_key(run: str) -> str:

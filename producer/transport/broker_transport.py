@@ -33,6 +33,12 @@ A task message's delivery tag carries its task id (``keys.delivery_tag``): kombu
 ``unacked`` hash is keyed by delivery tag, so the reconciler (``worker.queue.reconciler``) learns
 which jobs workers hold from the hash's keys, without reading a message body.
 
+**A full Redis** (``maxmemory``) or a read-only one refuses the fetch (``BLMOVE`` writes) and
+kombu's sweep of timed-out messages (its lock is a ``SET``). Both were errors that made Celery
+drop its connection and open a new one several times a second, each leaving two connections
+open (1,180 after 120 s). Here a refused fetch waits a second and tries again on the same
+connection, and a refused sweep is skipped until the next, so the consumer keeps its connection.
+
 **Fetching loses nothing.** kombu pops a message with ``BRPOP`` and only then records it in
 ``unacked``: a worker killed (or a connection lost) between the two lost the message. Here a
 channel consuming one queue fetches with ``BLMOVE <queue> <in-flight list> RIGHT LEFT``
@@ -60,10 +66,12 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from producer.protocol import keys
+from producer.transport.redis_conn import refuses_writes
 
 REUSED_CLIENT_SCHEMES = ("redis", "rediss")
 TRANSPORT_PATH = f"{__name__}:Transport"
 log = logging.getLogger(__name__)
+REFUSED_FETCH_PAUSE_S = 1.0  # a fetch refused by a Redis that refuses writes waits this long, then tries again
 
 
 _held_messages: Callable[[], set[str]] = set
@@ -93,6 +101,16 @@ class QoS(kombu_redis.QoS):
                 .lrem(inflight, 1, raw) \
                 .execute()
         virtual.QoS.append(self, message, delivery_tag)
+
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        """kombu's sweep of ``unacked`` messages past their visibility timeout; skipped while Redis
+        refuses writes (its lock is a ``SET``): the next sweep does it (module doc, "A full Redis")."""
+        try:
+            super().restore_visible(start, num, interval)
+        except redis.exceptions.ResponseError as exc:
+            if not refuses_writes(exc):
+                raise
+            log.warning("restoring timed-out messages skipped: Redis refuses writes (%s)", exc)
 
     def restore_unacked(self, client: redis.Redis | None = None) -> None:
         delivered = set(self._delivered)
@@ -145,6 +163,13 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            except redis.exceptions.ResponseError as exc:
+                if not refuses_writes(exc):
+                    raise
+                log.warning("fetching paused: Redis refuses writes (%s); trying again in %.0fs", exc,
+                            REFUSED_FETCH_PAUSE_S)
+                time.sleep(REFUSED_FETCH_PAUSE_S)
+                raise Empty() from None
             if raw is None:
                 raise Empty()
             self._queue_cycle.rotate(queue)

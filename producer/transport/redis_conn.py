@@ -5,7 +5,9 @@ checks so a restarted server is reconnected to transparently.
 
 from __future__ import annotations
 
+import logging
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -17,6 +19,7 @@ from producer.settings import Settings
 from producer.transport.backoff import Backoff, retry_while
 
 T = TypeVar("T")
+log = logging.getLogger("layertap.client")
 
 _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
 
@@ -43,7 +46,10 @@ UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, 
 
 
 def refuses_writes(exc: BaseException) -> bool:
-    """True for an error reply in :data:`WRITE_REFUSALS` (MISCONF has no class of its own)."""
+    """True for an error reply in :data:`WRITE_REFUSALS` (MISCONF has no class of its own), also
+    as the cause of kombu's ``OperationalError`` (a refused send)."""
+    if isinstance(exc, OperationalError) and exc.__cause__ is not None:
+        exc = exc.__cause__
     return isinstance(exc, WRITE_REFUSALS) or (isinstance(exc, redis.exceptions.ResponseError)
                                                and str(exc).startswith("MISCONF"))
 
@@ -69,9 +75,23 @@ def redacted_url(url: str) -> str:
     return urlunsplit(parts)
 
 
-CLIENT_BACKOFF = Backoff(first_s=0.1, max_s=2.0)
+CLIENT_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
+
+
+def waits_out(exc: BaseException) -> bool:
+    """Whether a client waits ``exc`` out: Redis unreachable (restarting) or refusing writes."""
+    return isinstance(exc, UNREACHABLE) or refuses_writes(exc)
 
 
 def retrying(action: Callable[[], T], give_up_s: float = 60.0) -> T:
-    """Run ``action``, retrying while Redis is unreachable (restarting) for up to ``give_up_s``."""
-    return retry_while(action, lambda exc: isinstance(exc, UNREACHABLE), give_up_s=give_up_s, backoff=CLIENT_BACKOFF)
+    """Run ``action``, retrying with backoff while Redis is unreachable (restarting) or refuses
+    writes (``maxmemory``, ``READONLY``: :func:`refuses_writes`), for up to ``give_up_s``; each
+    wait is logged (a warning on stderr in the CLI), saying how long it has waited."""
+    started = time.monotonic()
+
+    def report(exc: BaseException, delay: float) -> None:
+        why = "refuses writes" if refuses_writes(exc) else "is unreachable"
+        log.warning("Redis %s (%s); waited %.0fs of %.0fs, trying again in %.1fs", why, exc,
+                    time.monotonic() - started, give_up_s, delay)
+
+    return retry_while(action, waits_out, give_up_s=give_up_s, backoff=CLIENT_BACKOFF, on_retry=report)

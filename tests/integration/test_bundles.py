@@ -40,7 +40,7 @@ def _send_bundle(client, run: str, payloads: list, unique: str) -> str:
     queue, task_id, now = keys.model_queue(MODEL), keys.bundle_task_id(run, unique), time.time()
     args, kwargs = [payloads], {"submitted_at": now}
     pipe = client.redis.pipeline()
-    record_pending(pipe, queue, task_id, now, [payload["job_id"] for payload in payloads])
+    record_pending(pipe, queue, task_id, now, [(run, payload["job_id"]) for payload in payloads])
     pipe.execute()
     send_extract(client.celery, args, kwargs, queue, task_id, keys.EXTRACT_BUNDLE_TASK)
     return task_id

@@ -17,6 +17,8 @@ from producer.dev.redis_server import RedisServer
 from producer.protocol import keys
 from producer.protocol.schema import ErrorType
 from producer.settings import Settings
+from tests.support.blocking import hang_env
+from tests.support.jobs import wait_for
 from tests.support.processes import WorkerProcess, cli
 
 ORPHAN_TIMEOUT = 2.0
@@ -117,3 +119,72 @@ def test_results_and_manifest_of_a_missing_run_fail(redis_server):
         out = layertap(redis_server.url, *command)
         assert out.returncode == 1
         assert out.stderr.startswith("error: no run named 'no-such-run'"), out.stderr
+
+
+def test_cancel_reports_true_counts_and_stops_held_jobs_before_compute(make_worker, private_client, private_redis,
+                                                                       blocking_model, tmp_path):
+    """Every message of a run is held by a worker whose engine is stuck on its first batch; the run
+    is cancelled. Jobs not yet handed to the engine end ``cancelled`` (checked just before), the
+    others ok; ``run cancel`` promises nothing, ``--wait`` prints the true counts, and ``runs`` and
+    ``watch`` show ``cancelled`` apart from ``failed``. A run cancelled after all its jobs ended ok
+    is listed ``complete``."""
+    run_name, gate = f"truth-{os.getpid()}", tmp_path / "gate"  # (a short name: watch's line fits)
+    make_worker("cancel-truth@localhost", model_dir=blocking_model,
+                env={**hang_env(gate, 300), "LAYERTAP_WORKER__TOKEN_BUDGET": "64",
+                     "LAYERTAP_WORKER__PREPARE_AHEAD_BATCHES": "1"})
+    gate.touch()  # (after its start: its load-time self-check runs the model)
+    with private_client.bundler(max_jobs=4) as bundler:
+        jobs = [bundler.add({"prompt": f"held job {i} " + "word " * 25}, model="tiny-qwen3", run=run_name)
+                for i in range(48)]
+    ids = [job.job_id for job in jobs]
+    wait_for(lambda: all(private_client.redis.exists(keys.attempts_key(run_name, job_id)) for job_id in ids), 60,
+             "every message to be held and counted")
+    first = layertap(private_redis.url, "run", "cancel", run_name)
+    assert first.returncode == 0, first.stderr
+    assert "0 ok, 0 failed, 0 cancelled so far; 48 job(s) without a result yet" in first.stdout, first.stdout
+    gate.unlink()
+    waited = layertap(private_redis.url, "run", "cancel", run_name, "--wait")
+    results = private_client.wait(run_name, ids, timeout=60)
+    ok = sum(result.ok for result in results.values())
+    cancelled = sum(result.error_type is ErrorType.cancelled for result in results.values())
+    assert ok + cancelled == 48 and ok >= 1 and cancelled >= 24, (ok, cancelled)
+    assert waited.stdout.strip() == f"run {run_name} cancelled: {ok} ok, 0 failed, {cancelled} cancelled"
+    assert f"{run_name}  48/48 finished  cancelled ({cancelled} cancelled)" in layertap(private_redis.url, "runs").stdout
+    watched = layertap(private_redis.url, "watch", "--run", run_name)
+    assert f"run {run_name} complete: {ok} ok, 0 failed, {cancelled} cancelled, 48 jobs" in watched.stdout
+
+    all_ok = f"{run_name}-ok"
+    done = [private_client.submit({"prompt": f"finished before the cancel {i}"}, model="tiny-qwen3", run=all_ok)
+            for i in range(2)]
+    assert all(result.ok for result in private_client.wait(all_ok, [job.job_id for job in done], timeout=60).values())
+    late = layertap(private_redis.url, "run", "cancel", all_ok)
+    assert late.stdout.strip() == f"run {all_ok} cancelled: 2 ok, 0 failed, 0 cancelled"
+    assert f"{all_ok}  2/2 finished  complete (0 cancelled)" in layertap(private_redis.url, "runs").stdout
+
+
+def test_force_delete_waits_for_held_messages_and_leaves_nothing(make_worker, private_client, private_redis,
+                                                                 blocking_model, tmp_path):
+    """``run delete --force --files`` while a worker holds the run's bundles (its engine stuck): it
+    cancels the run and waits for them to end, then deletes; no file is left and no key of the run
+    comes back (before: the held bundles published into the deleted run and wrote their files)."""
+    run_name, gate = f"doomed-{os.getpid()}", tmp_path / "gate"
+    make_worker("deleted-under@localhost", model_dir=blocking_model, env=hang_env(gate, 300))
+    gate.touch()
+    with private_client.bundler(max_jobs=4) as bundler:
+        jobs = [bundler.add({"prompt": f"held while deleted {i}"}, model="tiny-qwen3", run=run_name) for i in range(16)]
+    wait_for(lambda: all(private_client.redis.exists(keys.attempts_key(run_name, job.job_id)) for job in jobs), 60,
+             "every message to be held")
+    env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
+    deleting = subprocess.Popen(cli("run", "delete", run_name, "--force", "--files", "--yes"), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: private_client.redis.exists(keys.run_cancelled_key(run_name)), 30, "the run to be cancelled")
+    time.sleep(2)
+    assert deleting.poll() is None  # waiting for the held messages
+    gate.unlink()
+    out, err = deleting.communicate(timeout=120)
+    assert deleting.returncode == 0, err
+    assert "waiting for" in out
+    time.sleep(3)  # a late publish would land now
+    assert list(private_client.redis.scan_iter(match=f"*{run_name}*")) == []
+    files = make_worker.storage / run_name
+    assert not files.exists() or not any(path.is_file() for path in files.rglob("*.safetensors"))

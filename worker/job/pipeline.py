@@ -17,8 +17,10 @@ Every failure becomes that job's error result with a typed reason; nothing raise
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError
 
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import MetaKey
@@ -65,6 +68,21 @@ ENGINE_ERROR_TYPES: dict[type[EngineError], ErrorType] = {
     DeviceFault: ErrorType.internal,
     EngineStopped: ErrorType.internal,
 }
+
+
+#: Errors of a storage that cannot take a file now (read-only, full, over quota, failing): not the
+#: job's fault. Their ``write_failed`` message starts with :data:`STORAGE_FAULT`; the task handler
+#: retries them for ``worker.storage_retry_s``, not ``max_attempts`` times.
+STORAGE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO})
+STORAGE_FAULT = "storage fault: "
+
+
+def is_storage_fault(exc: BaseException) -> bool:
+    """Whether a write failed for :data:`STORAGE_ERRNOS` (safetensors gives only "(os error N)")."""
+    if isinstance(exc, OSError):
+        return exc.errno in STORAGE_ERRNOS
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return found is not None and int(found.group(1)) in STORAGE_ERRNOS
 
 
 def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
@@ -179,12 +197,15 @@ class JobProcessor:
         return self._error(job_id, run, exc, Timings(queued=_queued(submitted_at)), attempt=attempt)
 
     def process_many(self, jobs: list[Job], *, submitted_at: float | None = None,
-                     attempts: list[int | None] | None = None) -> list[Result]:
+                     attempts: list[int | None] | None = None,
+                     stopped_runs: Callable[[set[str]], dict[str, JobError]] | None = None) -> list[Result]:
         """Run validated jobs together (all go to the engine at once, so its next batch sees
         them all) and return one result each, in order (never raises). Each job is answered
         from disk, computed and written on its own; one job's failure is its result alone.
         Those answered from disk (a redelivery) are answered first; the rest are prepared and
-        submitted inside the engine's ``preparing`` block, and waited for and written after it."""
+        submitted inside the engine's ``preparing`` block, and waited for and written after it.
+        ``stopped_runs``: asked, once a call's turn to prepare has come (just before its jobs go to
+        the engine), which of its jobs' runs must not run now (a cancelled run), with their error."""
         attempts = attempts or [None] * len(jobs)
         jobs = [job.with_id() for job in jobs]
         results: list[Result | None] = [None] * len(jobs)
@@ -201,7 +222,11 @@ class JobProcessor:
         started: list[tuple[int, _Started]] = []
         with self.engine.preparing():
             queued = _queued(submitted_at)  # waiting to prepare counts as time in the queue
+            stopped = stopped_runs({jobs[index].run for index, _ in targets}) if stopped_runs else {}
             for index, target in targets:
+                if jobs[index].run in stopped:
+                    results[index] = self.refused(jobs[index], stopped[jobs[index].run])
+                    continue
                 outcome = self._guarded(jobs[index], queued, attempts[index], partial(self._start, jobs[index], target))
                 if isinstance(outcome, _Started):
                     started.append((index, outcome))
@@ -327,8 +352,9 @@ class JobProcessor:
                 write_job_file(path, tensors, self._metadata(job, prepared, started.identity))
             except FileTaken:
                 raise _conflict(job, path) from None
-            except OSError as exc:
-                raise JobError(ErrorType.write_failed, f"could not write {path}: {exc}") from None
+            except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+                fault = STORAGE_FAULT if is_storage_fault(exc) else ""
+                raise JobError(ErrorType.write_failed, f"{fault}could not write {path}: {exc}") from None
             write_s = time.perf_counter() - write_start
         finally:
             job_slice.release()

@@ -2,12 +2,19 @@
 
 Invariants:
 * a job of a cancelled run (``producer.client.runs``) is not run: it gets a ``cancelled`` error
-  result, published like any other final result;
+  result, published like any other final result; the run is checked when the message starts
+  and again just before its jobs go to the engine (``JobProcessor.process_many``'s
+  ``stopped_runs``), so a message held while the run was cancelled computes none of its jobs
+  that had not reached the engine;
 * every job that starts increments ``layertap:attempts:<run>:<job_id>`` first, so a job
   that kills its worker is counted too; a job past ``max_attempts`` starts is not run
   again but dead-lettered, with its last error;
 * transient failures (``internal``, ``write_failed``) retry with exponential backoff
-  through Celery (a new message; this one is acknowledged);
+  through Celery (a new message; this one is acknowledged); an ``internal`` one up to
+  ``max_attempts`` starts, a storage fault (``write_failed`` for read-only or full storage, an
+  I/O error: ``worker.job.pipeline.STORAGE_ERRNOS``) for ``storage_retry_s`` seconds from its
+  first fault (kwarg ``storage_fault_since``, per job), its starts excused, and only then
+  dead-lettered;
 * every job ends with exactly one final result published (ok, error, or dead-letter),
   and the counter is cleared then;
 * the task returns only after publishing, so the message is acknowledged only after
@@ -53,7 +60,7 @@ from producer.transport.backoff import Backoff
 from producer.transport.celery_app import send_extract
 from producer.transport.pending import clear_pending, record_pending
 from worker.job.errors import JobError
-from worker.job.pipeline import JobProcessor
+from worker.job.pipeline import STORAGE_FAULT, JobProcessor
 from worker.queue.publisher import ResultPublisher, wait_out_redis
 
 log = logging.getLogger(__name__)
@@ -78,9 +85,27 @@ def retry_delay(attempt: int) -> float:
     return RETRY_BACKOFF.delay(attempt - 1)
 
 
+def storage_retry_delay(faulty_s: float, window_s: float) -> float:
+    """Seconds before retrying a job whose storage has failed for ``faulty_s`` seconds: as long
+    again (from 1 s, up to ``RETRY_MAX_S``: the waits double), the last at the window's end."""
+    return max(0.1, min(max(1.0, faulty_s), RETRY_MAX_S, window_s - faulty_s))
+
+
 def _time(value: Any) -> float | None:
     """A kwarg that is a time (``submitted_at``), or None."""
     return value if isinstance(value, (int, float)) else None
+
+
+def _times(value: Any) -> dict[str, float]:
+    """A kwarg of per-job times (``storage_fault_since``), or {} if it is not one."""
+    if not isinstance(value, dict):
+        return {}
+    return {key: float(when) for key, when in value.items() if isinstance(key, str) and isinstance(when, (int, float))}
+
+
+def _first_error(results: list[Result], error_type: ErrorType) -> str:
+    """The message of the first of ``results`` with ``error_type``."""
+    return next((result.error or "" for result in results if result.error_type is error_type), "")
 
 
 def _counts(value: Any) -> dict[str, int]:
@@ -94,11 +119,12 @@ class WorkerService:
     """Thread-safe; shared by all task threads of one worker."""
 
     def __init__(self, processor: JobProcessor, client: redis.Redis, publisher: ResultPublisher, max_attempts: int,
-                 app: Celery | None = None):
+                 app: Celery | None = None, storage_retry_s: float = 900.0):
         self.processor = processor
         self.redis = client
         self.publisher = publisher
         self.max_attempts = max_attempts
+        self.storage_retry_s = storage_retry_s
         self.app = app  # sends the halves of a split bundle
 
     def handle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str | None,
@@ -199,10 +225,21 @@ class WorkerService:
             else:
                 to_run.append(index)
         ran = self.processor.process_many([jobs[i] for i in to_run], submitted_at=_time(kwargs.get("submitted_at")),
-                                          attempts=[counts[i] for i in to_run])
+                                          attempts=[counts[i] for i in to_run], stopped_runs=self._cancelled_now)
         retry: list[int] = []
+        now, fault_since = time.time(), _times(kwargs.get("storage_fault_since"))
+        storage_faults: dict[str, float] = {}  # job id -> its first storage fault, for those retried for one
         for index, result in zip(to_run, ran):
-            if result.status is Status.error and result.error_type in TRANSIENT_ERRORS:
+            if result.error_type is ErrorType.write_failed and (result.error or "").startswith(STORAGE_FAULT):
+                since = fault_since.get(ids[index], now)
+                if now - since < self.storage_retry_s:
+                    storage_faults[ids[index]] = since
+                    excused[ids[index]] = excused.get(ids[index], 0) + 1  # this start is the storage's
+                    retry.append(index)
+                    continue
+                result = self.dead_letter(jobs[index], counts[index], ErrorType.write_failed,
+                                          f"{result.error} (storage faults for {now - since:.0f}s)")
+            elif result.status is Status.error and result.error_type in TRANSIENT_ERRORS:
                 if own[index] < self.max_attempts:
                     retry.append(index)
                     continue
@@ -215,13 +252,33 @@ class WorkerService:
         for result in finished:
             _log_error(result)
         if retry:
-            delay = retry_delay(min(own[i] for i in retry))
+            delay = min(retry_delay(own[i]) if ids[i] not in storage_faults
+                        else storage_retry_delay(now - storage_faults[ids[i]], self.storage_retry_s) for i in retry)
+            retry_kwargs = {**kwargs, "counted": {ids[i]: counts[i] for i in retry},
+                            "excused": {ids[i]: excused[ids[i]] for i in retry if ids[i] in excused},
+                            "storage_fault_since": storage_faults}
+            if storage_faults:
+                log.warning("storage faults on %d job(s) of message %s (%s); retrying in %.1fs, for up to %.0fs "
+                            "in all", len(storage_faults), message, _first_error(ran, ErrorType.write_failed), delay,
+                            self.storage_retry_s)
             if not bundle:
-                raise RetryLater(delay)
-            raise RetryLater(delay, args=[[payloads[i] for i in retry]],
-                             kwargs={**kwargs, "counted": {ids[i]: counts[i] for i in retry},
-                                     "excused": {ids[i]: excused[ids[i]] for i in retry if ids[i] in excused}})
+                raise RetryLater(delay, kwargs=retry_kwargs)
+            raise RetryLater(delay, args=[[payloads[i] for i in retry]], kwargs=retry_kwargs)
         return finished
+
+    def _cancelled_now(self, run_names: set[str]) -> dict[str, JobError]:
+        """Which of ``run_names`` are cancelled now (asked just before their jobs are computed), with
+        the error their jobs end with; none while Redis cannot say (the jobs run)."""
+        order = sorted(run_names)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for run in order:
+                pipe.exists(keys.run_cancelled_key(run))
+            flags = pipe.execute()
+        except redis.exceptions.RedisError as exc:
+            log.warning("could not check for cancelled runs before computing (%s); running the jobs", exc)
+            return {}
+        return {run: JobError(ErrorType.cancelled, runs.cancelled_error(run)) for run, flag in zip(order, flags) if flag}
 
     def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
                task_id: str, queue: str | None) -> None:
@@ -233,19 +290,20 @@ class WorkerService:
         for part in (slice(0, middle), slice(middle, None)):
             counted = {job.job_id or "": count for job, count in zip(jobs[part], counts[part])}
             halves.append((keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex), [payloads[part]],
-                           {**kwargs, "counted": counted, "excused": counted}))
+                           {**kwargs, "counted": counted, "excused": counted},
+                           [(job.run, job.job_id or "") for job in jobs[part]]))
 
         def record() -> None:
             pipe = self.redis.pipeline(transaction=True)
             for job in jobs:
                 pipe.decr(keys.attempts_key(job.run, job.job_id))  # type: ignore[arg-type]
-            for half_id, args, half_kwargs in halves:
-                record_pending(pipe, queue, half_id, now, list(half_kwargs["counted"]))  # type: ignore[arg-type]
+            for half_id, _, _, half_jobs in halves:
+                record_pending(pipe, queue, half_id, now, half_jobs)  # type: ignore[arg-type]
             clear_pending(pipe, queue, task_id)
             pipe.execute()
 
         wait_out_redis(record, f"splitting bundle {task_id}", self.publisher.give_up_s)
-        for half_id, args, half_kwargs in halves:
+        for half_id, args, half_kwargs, _ in halves:
             send_extract(self.app, args, half_kwargs, queue, half_id, keys.EXTRACT_BUNDLE_TASK)
         log.warning("bundle %s of %d jobs started before and did not finish (its worker died?): sent it again "
                     "as two bundles of %d and %d", task_id, len(jobs), middle, len(jobs) - middle)

@@ -5,7 +5,7 @@ kombu's Redis transport records each delivered-but-unacknowledged message in the
 restores to the queue the messages whose time is older than ``visibility_timeout``
 (set to ``orphan_timeout``). This thread re-stamps, every ``orphan_timeout / 4``
 seconds, the entries of every message this worker holds (reserved or running) with
-``ZADD XX`` (never re-adding an acknowledged one). So:
+``ZADD XX`` (never re-adding an acknowledged one), also while Redis is at ``maxmemory``. So:
 
 * a live worker's messages are never restored, however long its jobs run;
 * a dead worker's messages stop being re-stamped and are back in the queue within
@@ -30,6 +30,13 @@ from producer.protocol import keys
 from worker.queue.periodic import Periodic
 
 log = logging.getLogger(__name__)
+
+#: ``ZADD KEYS[1] XX`` of the (score, member) pairs in ARGV, also at ``maxmemory``: re-stamping an
+#: existing entry takes no memory, and a lease that lapsed while Redis was full would have a live
+#: worker's running job restored and run twice once it is not.
+RENEW_LEASES = """#!lua flags=allow-oom
+return redis.call('ZADD', KEYS[1], 'XX', unpack(ARGV))
+"""
 
 
 def held_delivery_tags() -> set[str]:
@@ -75,7 +82,7 @@ class LeaseKeeper:
         pipe.set(keys.worker_heartbeat_key(self.node), now, ex=self.ttl)
         pipe.hset(keys.WORKERS_HASH, self.node, json.dumps({**self.info(), "beat": now}))
         if tags:
-            pipe.zadd(self.unacked_index_key, {tag: now for tag in tags}, xx=True)
+            pipe.eval(RENEW_LEASES, 1, self.unacked_index_key, *(value for tag in tags for value in (now, tag)))
         pipe.execute()
         return len(tags)
 

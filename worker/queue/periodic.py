@@ -41,7 +41,17 @@ class Periodic:
                 log.warning("%s failed (%s); trying again in %.1fs", self.name, exc, self.interval)
 
 
-def take_turn(client: redis.Redis, lock_key: str, node: str, interval: float) -> bool:
+#: ``SET KEYS[1] ARGV[1] NX EX ARGV[2]``, also at ``maxmemory`` (a sweep that frees memory must run there).
+TAKE_TURN_AT_MAXMEMORY = """#!lua flags=allow-oom
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+"""
+
+
+def take_turn(client: redis.Redis, lock_key: str, node: str, interval: float, *, at_maxmemory: bool = False) -> bool:
     """Whether this worker runs the fleet-wide sweep under ``lock_key`` this time: at most one
-    worker per ``interval`` (``SET NX EX``; the lock expires, so a dead holder does not block)."""
-    return bool(client.set(lock_key, node, nx=True, ex=max(1, int(interval))))
+    worker per ``interval`` (``SET NX EX``; the lock expires, so a dead holder does not block).
+    ``at_maxmemory``: also while Redis refuses writes for want of memory (a few bytes past it)."""
+    ttl = max(1, int(interval))
+    if at_maxmemory:
+        return bool(client.eval(TAKE_TURN_AT_MAXMEMORY, 1, lock_key, node, ttl))
+    return bool(client.set(lock_key, node, nx=True, ex=ttl))

@@ -1,6 +1,7 @@
 """Publishing a final result: the run's Stream (durable), its pub/sub channel (instant), the
 run's status hash (one entry per job), the entry's stream id in the run's result-ids hash
-(``keys.run_result_ids_hash``) and the end of the job's pending record (see
+(``keys.run_result_ids_hash``), a ``cancelled`` result's job in the run's cancelled set
+(``keys.run_cancelled_jobs_set``) and the end of the job's pending record (see
 ``worker.queue.reconciler``), in one MULTI/EXEC transaction.
 
 The stream entry holds the result as flat JSON under the field ``result``. Redis being
@@ -20,13 +21,14 @@ from typing import TypeVar
 import redis
 
 from producer.protocol import keys
-from producer.protocol.schema import Result
+from producer.protocol.schema import ErrorType, Result
 from producer.transport.backoff import Backoff, retry_while
 from producer.transport.pending import clear_pending
 from producer.transport.redis_conn import UNREACHABLE, refuses_writes
 
 log = logging.getLogger(__name__)
 PUBLISH_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
+PUBLISH_GIVE_UP_S = 300.0  # how long publishing waits out a Redis that is away or refuses writes
 
 
 T = TypeVar("T")
@@ -54,7 +56,7 @@ def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
 
 
 class ResultPublisher:
-    def __init__(self, client: redis.Redis, give_up_s: float = 300.0):
+    def __init__(self, client: redis.Redis, give_up_s: float = PUBLISH_GIVE_UP_S):
         self.redis = client
         self.give_up_s = give_up_s
 
@@ -80,6 +82,8 @@ class ResultPublisher:
                           result.job_id)
                 pipe.publish(stream, data)
                 pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
+                if result.error_type is ErrorType.cancelled:
+                    pipe.sadd(keys.run_cancelled_jobs_set(result.run), result.job_id)
             if message is not None:
                 clear_pending(pipe, queue, message)
             if also_delete:

@@ -17,7 +17,11 @@ duplicate delivery, which the worker answers from disk (jobs are idempotent). A 
 whose message is nowhere (the client died between recording and sending, the queue was
 purged by hand, Redis lost writes) gets an error result of type ``lost`` (``layertap
 enqueue`` sends it again), or ``cancelled`` if its run is cancelled (``producer.client.runs``):
-every job still ends with exactly one result.
+every job still ends with exactly one result. A job of that message that already has a final
+result, or was sent again after it (its submitted-hash time is later than the record's:
+``producer.transport.pending``; the resend has its own record), gets none: the check and the
+publishing are one server-side step (:data:`PUBLISH_UNLESS_ENDED`), so a job that ended ok is
+never turned ``lost``.
 
 A sweep reads ids and times, never a message body, and never the backlog: the held task
 ids are the keys of ``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``),
@@ -45,9 +49,10 @@ from celery import Celery
 
 from producer.client import runs
 from producer.protocol import keys
-from producer.transport.pending import message_jobs
+from producer.protocol.schema import ErrorType, Result
+from producer.transport.pending import clear_pending, message_jobs
 from worker.queue.periodic import Periodic, take_turn
-from worker.queue.publisher import ResultPublisher
+from worker.queue.publisher import PUBLISH_GIVE_UP_S, wait_out_redis
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,23 @@ for _, message in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
   end
 end
 return 0
+"""
+
+
+#: Publish a reconciler's result (ARGV[2], under field ARGV[1]) of job ARGV[3] to its run's stream
+#: KEYS[1] (indexed in KEYS[2], status ARGV[5] in KEYS[3], in the cancelled set KEYS[5] if ARGV[6]
+#: is 1), unless the job has a final result in KEYS[3] or was sent again after ARGV[4] (its time
+#: in the submitted hash KEYS[4]); 1 if published.
+PUBLISH_UNLESS_ENDED = """
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return 0 end
+local sent = redis.call('HGET', KEYS[4], ARGV[3])
+if sent and tonumber(sent) > tonumber(ARGV[4]) then return 0 end
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[3], id)
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[5])
+if ARGV[6] == '1' then redis.call('SADD', KEYS[5], ARGV[3]) end
+redis.call('PUBLISH', KEYS[1], ARGV[2])
+return 1
 """
 
 
@@ -113,7 +135,6 @@ class Reconciler:
         self.node = node
         self.interval = interval
         self.grace = grace
-        self.publisher = ResultPublisher(client)
         self._head_tag = client.register_script(HEAD_DELIVERY_TAG)
         self._restore_inflight = client.register_script(RESTORE_INFLIGHT)
         self._ticker = Periodic("reconcile sweep", interval, self.sweep)
@@ -227,16 +248,32 @@ class Reconciler:
         found = message_jobs(task_id, pending)
         if found is None:
             return False
-        run, job_ids = found
         model = keys.queue_model(queue)
-        if runs.is_cancelled(self.redis, run):
-            self.publisher.publish_many([runs.cancelled_result(run, job_id, worker=self.node, model=model)
-                                         for job_id in job_ids], task_id, queue)
-            log.info("message %s (%d job(s)) was lost and its run is cancelled: published the cancelled results",
-                     task_id, len(job_ids))
-            return False
-        self.publisher.publish_many([runs.lost_result(run, job_id, worker=self.node, model=model)
-                                     for job_id in job_ids], task_id, queue)
-        log.error("message %s (%d job(s)) is nowhere (not queued, in flight or held): published `lost` error "
-                  "results", task_id, len(job_ids))
+        cancelled = {run for run in {run for run, _ in found} if runs.is_cancelled(self.redis, run)}
+        results = [runs.cancelled_result(run, job_id, worker=self.node, model=model) if run in cancelled
+                   else runs.lost_result(run, job_id, worker=self.node, model=model) for run, job_id in found]
+        published = self._end_nowhere(task_id, queue, float(pending["submitted_at"]), results)
+        log.log(logging.INFO if cancelled or not published else logging.ERROR,
+                "message %s (%d job(s)) is nowhere (not queued, in flight or held): published %d `lost` or "
+                "`cancelled` error result(s); the other jobs have a final result or were sent again",
+                task_id, len(found), published)
         return False
+
+    def _end_nowhere(self, task_id: str, queue: str, sent_at: float, results: list[Result]) -> int:
+        """Publish ``results`` of the jobs of message ``task_id`` (sent at ``sent_at``) that have no
+        final result and were not sent again (:data:`PUBLISH_UNLESS_ENDED`), and end its pending
+        record, in one transaction; returns how many were published."""
+        def send() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=True)
+            for result in results:
+                stream = keys.results_stream(result.run)
+                pipe.eval(PUBLISH_UNLESS_ENDED, 5, stream, keys.run_result_ids_hash(result.run),
+                          keys.run_status_hash(result.run), keys.run_submitted_hash(result.run),
+                          keys.run_cancelled_jobs_set(result.run), keys.RESULT_FIELD, result.model_dump_json(),
+                          result.job_id, repr(sent_at), result.status.value,
+                          int(result.error_type is ErrorType.cancelled))
+            clear_pending(pipe, queue, task_id)
+            return pipe.execute()
+
+        replies = wait_out_redis(send, f"ending the jobs of lost message {task_id}", PUBLISH_GIVE_UP_S)
+        return sum(int(reply) for reply in replies[:len(results)])

@@ -2,7 +2,8 @@
 (``SET NX`` lock). Each sweep trims every run's results stream to the last
 ``retention.results_s`` seconds (``producer.client.runs.trim``: entries a consumer group has
 not acknowledged stay, and so does the run's compact ledger that manifest, resume, ``runs``
-and ``Client.wait`` read once an entry is gone). ``results_s = 0`` keeps streams whole.
+and ``Client.wait`` read once an entry is gone). ``results_s = 0`` keeps streams whole. The
+sweep, its lock included, works while Redis is at ``maxmemory``: it is what frees memory there.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class RetentionSweep:
 
     def sweep(self) -> int:
         """One pass over every run; returns how many stream entries were dropped."""
-        if not take_turn(self.redis, keys.RETENTION_LOCK, self.node, self.interval):
+        if not take_turn(self.redis, keys.RETENTION_LOCK, self.node, self.interval, at_maxmemory=True):
             return 0
         before = time.time() - self.retention_s
         dropped = sum(runs.trim(self.redis, run, before=before) for run in runs.run_names(self.redis))

@@ -58,7 +58,7 @@ def register_extract_task(app: Celery, service: WorkerService) -> Task:
         try:
             return service.handle(args, kwargs, self.request.id, refusal=self.request.get(REFUSAL_KEY))
         except RetryLater as later:
-            raise self.retry(countdown=later.countdown) from None
+            raise self.retry(args=later.args_, kwargs=later.kwargs_, countdown=later.countdown) from None
 
     return extract
 

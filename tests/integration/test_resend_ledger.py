@@ -1,0 +1,106 @@
+"""The pending ledger on a second run (issue 22, items 5 and 14): a message whose pending record
+was written but which never reached Redis (the send refused at ``maxmemory``) and whose jobs were
+then sent again by a re-run of ``layertap enqueue`` never turns those ok jobs ``lost``; a lost
+bundle holding jobs of several runs ends each job in its own run. Real Redis, real worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import warnings
+
+import pytest
+import redis
+from kombu.exceptions import OperationalError
+
+from producer.client.client import Client, NoWorkerWarning
+from producer.ingest.enqueue import Enqueuer, Planned
+from producer.protocol import keys
+from producer.protocol.schema import ErrorType, Job, Status
+from producer.settings import BundleSettings, Settings
+from producer.transport.pending import record_pending
+from producer.transport.redis_conn import refuses_writes
+from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
+from tests.support.processes import cli
+from worker.queue.reconciler import Reconciler
+
+MODEL = "tiny-qwen3"
+ROWS = 40
+
+
+def steady_memory(client: redis.Redis) -> int:
+    """Redis's ``used_memory`` once two readings agree (a new connection's buffers settle)."""
+    readings = [-1, int(client.info("memory")["used_memory"])]
+    while readings[-1] != readings[-2]:
+        time.sleep(0.1)
+        readings.append(int(client.info("memory")["used_memory"]))
+    return readings[-1]
+
+
+def test_a_resent_job_that_ended_ok_is_never_published_lost(make_worker, private_redis, run_name, tmp_path):
+    """A real ``maxmemory`` refusal between the pending record and the send; the documented resume
+    (run the same ``layertap enqueue`` again) sends the jobs in a new bundle and they end ok; the
+    reconciler then finds the first record's message nowhere and must not publish ``lost`` over
+    them (before the fix: ``lost`` for all, and every status became ``error``)."""
+    rows = [{"id": f"row-{i:02d}", "text": f"prompt number {i} of a run that is resumed " + "word " * 80}
+            for i in range(ROWS)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    settings = Settings(redis_url=private_redis.url, redis_wait_s=1.0,
+                        bundle=BundleSettings(max_jobs=ROWS, max_wait_s=60.0))
+    queue = keys.model_queue(MODEL)
+    with Client(settings) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)
+        warm = [Job(model="tiny-elsewhere", run=f"{run_name}-warm", prompt=f"warm {i}").with_id() for i in range(3)]
+        list(Enqueuer(client, max_inflight=1000).run(Planned(job.job_id, job) for job in warm))  # opens connections
+        jobs = [Job(model=MODEL, run=run_name, job_id=row["id"], prompt=row["text"]).with_id() for row in rows]
+        # Redis counts the commands' buffers: measured, the ledger write goes in under a limit 36-54 kB
+        # above the steady use and passes it; the message (~30 kB) is then refused
+        client.redis.config_set("maxmemory", steady_memory(client.redis) + 45_000)
+        with pytest.raises((redis.exceptions.OutOfMemoryError, OperationalError)) as refused:
+            list(Enqueuer(client, max_inflight=1000).run(Planned(job.job_id, job) for job in jobs))
+        assert refuses_writes(refused.value)
+        client.redis.config_set("maxmemory", 0)
+        assert client.redis.llen(queue) == 0  # the bundle was never sent...
+        stale = [task_id for task_id in client.redis.hkeys(keys.PENDING_HASH) if task_id.startswith(f"{run_name}:")]
+        assert stale and all(map(keys.is_bundle_task_id, stale))  # ...but its pending record was written
+
+        make_worker("resumer@localhost")
+        env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
+        again = subprocess.run(cli("enqueue", "--model", MODEL, "--run", run_name, "--file", str(path), "-q"),
+                               env=env, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr
+        results = client.wait(run_name, [row["id"] for row in rows], timeout=120)
+        assert all(result.ok for result in results.values())
+        # the worker's reconciler sweeps every ORPHAN_TIMEOUT: the stale record ends, with no result
+        wait_for(lambda: not any(client.redis.hexists(keys.PENDING_HASH, task_id) for task_id in stale),
+                 30 * ORPHAN_TIMEOUT, "the stale records to end")
+        statuses = client.redis.hgetall(keys.run_status_hash(run_name))
+        assert statuses == {row["id"]: Status.ok.value for row in rows}
+        assert [r for r in client.results(run_name) if r.error_type is ErrorType.lost] == []
+
+
+def test_a_lost_bundle_of_several_runs_ends_each_job_in_its_own_run(private_redis, run_name):
+    """A producer other than the Client may bundle jobs of several runs (its record says each job's
+    run); purged from its queue, the bundle's ``lost`` results go to each job's own run."""
+    runs = [f"{run_name}-a", f"{run_name}-b"]
+    with Client(Settings(redis_url=private_redis.url)) as client:
+        pairs = [(runs[i % 2], f"job-{i}") for i in range(4)]
+        task_id = keys.bundle_task_id(runs[0], "mixed")
+        pipe = client.redis.pipeline(transaction=True)
+        record_pending(pipe, keys.model_queue("tiny-nobody"), task_id, 1.0, pairs)
+        pipe.execute()
+        raw = redis.Redis.from_url(private_redis.url)
+        reconciler = Reconciler(raw, client.celery, "sweeper@host", interval=1.0, grace=0.0)
+        for _ in range(2):  # found missing, then due
+            raw.delete(keys.RECONCILE_LOCK)
+            reconciler.sweep()
+        for run in runs:
+            mine = [job_id for job_run, job_id in pairs if job_run == run]
+            results = client.wait(run, mine, timeout=10)
+            assert {result.error_type for result in results.values()} == {ErrorType.lost}
+            assert client.redis.xlen(keys.results_stream(run)) == len(mine)
+        assert client.redis.hlen(keys.PENDING_HASH) == 0
+        raw.close()
