@@ -175,7 +175,8 @@ def test_force_delete_waits_for_held_messages_and_leaves_nothing(make_worker, pr
     wait_for(lambda: all(private_client.redis.exists(keys.attempts_key(run_name, job.job_id)) for job in jobs), 60,
              "every message to be held")
     env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
-    deleting = subprocess.Popen(cli("run", "delete", run_name, "--force", "--files", "--yes"), env=env,
+    deleting = subprocess.Popen(cli("run", "delete", run_name, "--force", "--files", "--yes",
+                                    "--storage", str(make_worker.storage)), env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: private_client.redis.exists(keys.run_cancelled_key(run_name)), 30, "the run to be cancelled")
     time.sleep(2)
