@@ -53,7 +53,7 @@ class WorkerSettings(BaseModel):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: WorkerDtype = AUTO  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
-    batching: Literal["auto", "packed", "padded"] = "auto"  # auto: chosen from the model's structure (worker.model.batching)
+    batching: str = "auto"  # auto, or a layout to force (worker.model.batching.LAYOUTS; checked at load)
     max_batch_jobs: int = Field(default=256, gt=0)
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
     max_padding: float = Field(default=0.25, ge=0, lt=1)  # padded batches: the largest share of a batch that is padding

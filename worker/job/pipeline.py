@@ -357,7 +357,7 @@ class JobProcessor:
             MetaKey.NUM_LAYERS: str(loaded.num_layers),
             MetaKey.DTYPE: recorded_name(output_dtype),
             MetaKey.COMPUTE_DTYPE: recorded_name(loaded.dtype),
-            MetaKey.BATCHING: loaded.batching.path.value,
+            MetaKey.BATCHING: loaded.batching.name,
             MetaKey.ARCHITECTURE: loaded.architecture,
             MetaKey.TOKENIZER_FINGERPRINT: loaded.tokenizer_fingerprint,
             MetaKey.JOB_ID: job.job_id or "",

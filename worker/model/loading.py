@@ -27,14 +27,10 @@ import torch
 from torch import nn
 
 from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
-from worker.model.attention import set_attention, use_packed_attention
-from worker.model.batching import (
-    BatchingPath,
-    BatchingPlan,
-    ModelRefused,
-    plan_batching,
-)
+from worker.model.attention import set_attention
+from worker.model.batching import ModelRefused, plan_batching
 from worker.model.capture import LayerCapture
+from worker.model.layouts.base import BatchLayout
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +61,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     tokenizer_fingerprint: str
-    batching: BatchingPlan
+    batching: BatchLayout  # how jobs share a forward (``worker.model.layouts``); see use_layout
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
 
@@ -139,8 +135,8 @@ def tokenizer_fingerprint(tokenizer: Any | None) -> str:
 def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
              revision: str | None = None, batching: str = "auto") -> LoadedModel:
     """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`, choose its
-    batching path (``batching``: auto, packed or padded), for packed switch it to packed
-    attention, and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
+    batching layout (``batching``: auto or a layout's name), switch it to the layout's attention,
+    and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
     model that cannot be served."""
     config = model.config.get_text_config()
     num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
@@ -150,8 +146,8 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     decoder, layers = find_decoder_layers(model, num_layers)
     plan = plan_batching(model, layers, batching)
     native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
-    if plan.path is BatchingPath.packed:
-        use_packed_attention(model)
+    if plan.attention is not None:
+        set_attention(model, plan.attention)
     model.eval().requires_grad_(False)
     parameter = next(model.parameters())
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -169,19 +165,26 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     )
 
 
+def use_layout(loaded: LoadedModel, layout: BatchLayout) -> None:
+    """Serve ``loaded`` with ``layout`` from now on (the self-check's fallback): its attention
+    implementation, or the one transformers chose."""
+    set_attention(loaded.model, layout.attention or loaded.native_attention)
+    loaded.batching = layout
+
+
 @contextlib.contextmanager
 def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
     """Within the block the model runs the attention implementation transformers chose for it
-    (the reference the self-check and the bench compare batching with); after it, packed
-    attention again where the model's plan packs (a padded model never leaves its own)."""
-    packed = loaded.batching.path is BatchingPath.packed
-    if packed:
+    (the reference the self-check and the bench compare batching with); after it, the layout's
+    again (a layout that keeps the model's own never leaves it)."""
+    switched = loaded.batching.attention
+    if switched is not None:
         set_attention(loaded.model, loaded.native_attention)
     try:
         yield
     finally:
-        if packed:
-            use_packed_attention(loaded.model)
+        if switched is not None:
+            set_attention(loaded.model, switched)
 
 
 def compile_decoder_layers(loaded: LoadedModel) -> None:
