@@ -74,7 +74,8 @@ class MetaKey:
     NUM_LAYERS = "num_hidden_layers"
     DTYPE = "dtype"  # of the stored states (``dtypes.RECORDED_NAMES`` values)
     COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
-    BATCHING = "batching"  # how the worker batched jobs: "packed" | "padded" (worker.model.batching)
+    BATCHING = "batching"  # how the worker batched jobs: a layout's name (worker.model.batching.LAYOUTS)
+    RESIDUAL_COPIES = "residual_copies"  # copies per token of a multi-copy stream: hidden_states [T, L, copies, H]
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
     LOSS_ON = "loss_on"  # chats: "all" | "last"
     TOPK = "topk"  # k of topk_logprobs/topk_ids, when stored
@@ -225,8 +226,10 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
             )
     hidden = header[HIDDEN_STATES]["shape"]
     tokens = header[TOKEN_IDS]["shape"]
-    if len(hidden) != 3:
-        raise FileFormatError(f"{path}: hidden_states has shape {hidden}, expected [tokens, layers, hidden]")
+    copies = meta.get(MetaKey.RESIDUAL_COPIES)
+    if [len(hidden), hidden[2:3]] != ([4, [int(copies)]] if copies else [3, hidden[2:3]]):
+        raise FileFormatError(f"{path}: hidden_states has shape {hidden}, expected [tokens, layers, "
+                              f"{f'{copies} copies, ' if copies else ''}hidden]")
     if len(tokens) != 1 or tokens[0] != hidden[0]:
         raise FileFormatError(f"{path}: token_ids has shape {tokens} but hidden_states has {hidden[0]} tokens")
     layers = json.loads(meta.get(MetaKey.LAYERS, "null") or "null")
@@ -240,7 +243,7 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
         shape = info["shape"]
         if not shape or shape[0] != hidden[0]:
             raise FileFormatError(f"{path}: tensor {name!r} has shape {shape}, expected {hidden[0]} tokens first")
-    expected = {LOSS_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[2]]}
+    expected = {LOSS_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[-1]]}
     for name, shape in expected.items():
         if name in header and header[name]["shape"] != shape:
             raise FileFormatError(f"{path}: tensor {name!r} has shape {header[name]['shape']}, expected {shape}")

@@ -51,11 +51,11 @@ class CheckReport:
 
 
 def relative_error_per_layer(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``[T, n_layers, H]`` pair -> ``[n_layers]`` relative Frobenius errors over the finite
+    """``[T, n_layers, (copies,) H]`` pair -> ``[n_layers]`` relative Frobenius errors over the finite
     values. Non-finite values are a fault of the model, not of batching (each job that meets
     them gets a ``non_finite`` error): they must sit at the same places in both, else the
     layer's error is infinite."""
-    got, reference = got.double(), reference.double()
+    got, reference = got.double().flatten(2), reference.double().flatten(2)
     finite = got.isfinite()
     same_places = (finite == reference.isfinite()).all(dim=2).all(dim=0)
     got, reference = got.where(finite, 0.0), reference.where(finite, 0.0)

@@ -346,6 +346,8 @@ class JobProcessor:
             options.update({MetaKey.TOPK: str(job.topk), MetaKey.TOPK_ON: job.topk_on})
         if job.metadata is not None:
             options[MetaKey.JOB_METADATA] = job.metadata
+        if loaded.capture.stream.copies > 1:
+            options[MetaKey.RESIDUAL_COPIES] = str(loaded.capture.stream.copies)
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,

@@ -29,7 +29,7 @@ from torch import nn
 from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
 from worker.model.attention import set_attention
 from worker.model.batching import ModelRefused, plan_batching
-from worker.model.capture import LayerCapture
+from worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from worker.model.layouts.base import BatchLayout
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,11 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, n
     blocks (the shallowest such list with weights in every block; the blocks may differ in
     class, as in hybrids). Raises :class:`ModelRefused` when there is none."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    decoder = decoder if isinstance(decoder, nn.Module) else getattr(model, "base_model", model)
-    for scope in (decoder, model):
+    base = getattr(model, "base_model", model)
+    # get_decoder() is the text decoder, unless a model names another part so (ModernBERT-decoder's output Linear)
+    scopes = [(decoder, decoder), (base, base), (model, base)] if isinstance(decoder, nn.Module) else [(base, base),
+                                                                                                      (model, base)]
+    for scope, runs in scopes:
         candidates = [
             (name, module) for name, module in scope.named_modules()
             if isinstance(module, nn.ModuleList) and len(module) == num_layers
@@ -107,9 +110,21 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, n
         ]
         if candidates:
             _, layers = min(candidates, key=lambda item: item[0].count("."))
-            return decoder, layers
+            return runs, layers
     raise ModelRefused(type(model).__name__, f"no list of its {num_layers} decoder blocks (num_hidden_layers in "
                        "its config) found, so its layers cannot be read")
+
+
+def block_count(model: nn.Module, config: Any) -> int | None:
+    """How many decoder blocks the model has: ``num_hidden_layers``, unless the model's own record
+    of its hidden states counts blocks by another field (LongCat-Flash: two attention sublayers per
+    block, so ``num_hidden_layers`` is twice its blocks)."""
+    for part in (model, getattr(model, "base_model", None)):
+        recorder = (getattr(part, "_can_record_outputs", None) or {}).get("hidden_states")
+        key = getattr(recorder, "num_hidden_layers_key", None)
+        if key and isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
 
 
 def find_final_norm(decoder: nn.Module) -> nn.Module | None:
@@ -139,7 +154,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
     model that cannot be served."""
     config = model.config.get_text_config()
-    num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    num_layers = block_count(model, config)
     if not num_layers:
         raise ModelRefused(type(model).__name__, "its config names no num_hidden_layers, so its decoder blocks "
                                                  "cannot be found")
@@ -153,8 +168,11 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     vocab_size = model.get_input_embeddings().weight.shape[0]
     final_norm = find_final_norm(decoder)
     hidden_size = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    capture = LayerCapture(layers, final_norm, hidden_size=hidden_size, dtype=parameter.dtype,
-                           device=parameter.device)
+    try:
+        stream = probe_stream(decoder, layers, hidden_size, parameter.device)
+    except UncapturableStream as exc:
+        raise ModelRefused(type(model).__name__, str(exc)) from None
+    capture = LayerCapture(layers, final_norm, stream=stream, dtype=parameter.dtype, device=parameter.device)
     return LoadedModel(
         model=model, decoder=decoder, layers=layers, final_norm=final_norm,
         lm_head=model.get_output_embeddings(),
