@@ -44,7 +44,7 @@ class WorkerState:
     tokens: int
     pending: int
     beat_age_s: float | None
-    batching: str = ""  # the worker's batching path ("packed" | "padded"), chosen and self-checked at its start
+    batching: str = ""  # the worker's batching layout (its name), chosen and self-checked at its start
 
 
 @dataclass

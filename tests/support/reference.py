@@ -19,19 +19,20 @@ def load(model_dir: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError):  # a weights-only folder (the architecture sweep)
+    except (OSError, ValueError, TypeError, ImportError):  # a weights-only folder (the architecture sweep)
         tokenizer = None
     return model, tokenizer
 
 
 def last_layer_module(model, every: bool = False):
     """The last decoder block (``every``: the list of all of them)."""
-    for decoder in (model.get_decoder(), model.base_model, getattr(model, "model", None)):
-        for name in ("layers", "h", "blocks"):
+    for decoder in (model.get_decoder(), model.base_model, getattr(model, "model", None),
+                    getattr(model.base_model, "encoder", None)):
+        for name in ("layers", "h", "blocks", "layer"):
             layers = getattr(decoder, name, None)
-            if layers is not None:
+            if isinstance(layers, torch.nn.ModuleList):
                 return layers if every else layers[-1]
-    raise AttributeError(f"{type(model).__name__}: no layers, h or blocks found")
+    raise AttributeError(f"{type(model).__name__}: no layers, h, blocks or layer found")
 
 
 def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
@@ -55,7 +56,7 @@ def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int
         return hook
 
     def last_hook(module, args, output):
-        caught[len(layers)] = token_major(output[0] if isinstance(output, tuple) else output)
+        caught[len(layers)] = token_major(output[0] if isinstance(output, (tuple, list)) else output)
 
     handles = [layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     handles.append(layers[-1].register_forward_hook(last_hook))

@@ -57,6 +57,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": dict(num_heads=4, head_dim=16),  # hidden x expand = heads x head dim
     "zaya": dict(num_experts_per_tok=1),  # the only value it takes
     "gemma3n_text": dict(num_kv_shared_layers=0),  # the layers that share a cache must keep one that fills it
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default (None) leaves the pattern unset
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1),  # its defaults (None) build no MoE layer that runs
 }
 
 

@@ -90,8 +90,9 @@ class Engine:
         self._cond = threading.Condition(lock)  # the engine thread waits here for work
         self._room = threading.Condition(lock)  # callers wait here to start preparing
         self._stopping = False
-        self._staging = HostStaging(host_buffers, slot_capacity(token_budget, staging_layers, loaded.hidden_size * loaded.capture.stream.copies,
-                                                                loaded.dtype), pinned=self._cuda)
+        state_width = loaded.hidden_size * loaded.capture.stream.copies
+        capacity = slot_capacity(token_budget, staging_layers, state_width, loaded.dtype)
+        self._staging = HostStaging(host_buffers, capacity, pinned=self._cuda)
         self._runner = BatchRunner(loaded, self._staging, self.policy.pad_to)
         self._thread = threading.Thread(target=self._loop, name="layertap-engine", daemon=True)
         self._thread.start()

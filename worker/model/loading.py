@@ -111,8 +111,28 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, n
         if candidates:
             _, layers = min(candidates, key=lambda item: item[0].count("."))
             return runs, layers
+    recorded = _recorded_block_lists(model)
+    if len(recorded) == 1:  # num_hidden_layers counts something else (passes of a looped model, say)
+        return scopes[0][1], recorded[0]
+    if recorded:
+        raise ModelRefused(type(model).__name__, f"its decoder blocks sit in {len(recorded)} separate lists (run in "
+                           "turn or in cycles), which one list of layer ids cannot name")
     raise ModelRefused(type(model).__name__, f"no list of its {num_layers} decoder blocks (num_hidden_layers in "
                        "its config) found, so its layers cannot be read")
+
+
+def _recorded_block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The module lists of the blocks whose outputs transformers records as the model's hidden
+    states (its ``_can_record_outputs``), outermost first."""
+    found: list[nn.ModuleList] = []
+    for part in (model, getattr(model, "base_model", None)):
+        recorder = (getattr(part, "_can_record_outputs", None) or {}).get("hidden_states")
+        block_class = getattr(recorder, "target_class", recorder)
+        if isinstance(block_class, type):
+            found = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)
+                     and all(isinstance(block, block_class) for block in module)]
+            break
+    return found
 
 
 def block_count(model: nn.Module, config: Any) -> int | None:
@@ -159,6 +179,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         raise ModelRefused(type(model).__name__, "its config names no num_hidden_layers, so its decoder blocks "
                                                  "cannot be found")
     decoder, layers = find_decoder_layers(model, num_layers)
+    num_layers = len(layers)
     plan = plan_batching(model, layers, batching)
     native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
     if plan.attention is not None:
