@@ -99,6 +99,9 @@ def probe_stream(decoder: nn.Module, layers: nn.ModuleList, hidden_size: int, de
     try:
         with torch.inference_mode():
             decoder(input_ids=torch.arange(3, 3 + PROBE_TOKENS, device=device)[None], use_cache=False)
+    except Exception as exc:  # noqa: BLE001 (any failure of the model's own forward is its reason)
+        raise UncapturableStream(f"its decoder's forward fails on {PROBE_TOKENS} tokens alone "
+                                 f"({type(exc).__name__}: {exc})") from None
     finally:
         for handle in handles:
             handle.remove()

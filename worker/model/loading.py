@@ -181,18 +181,18 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     decoder, layers = find_decoder_layers(model, num_layers)
     num_layers = len(layers)
     plan = plan_batching(model, layers, batching)
-    native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
-    if plan.attention is not None:
-        set_attention(model, plan.attention)
     model.eval().requires_grad_(False)
     parameter = next(model.parameters())
-    vocab_size = model.get_input_embeddings().weight.shape[0]
-    final_norm = find_final_norm(decoder)
     hidden_size = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    try:
+    try:  # through the model's own attention: the stream's shape is the model's, not the layout's
         stream = probe_stream(decoder, layers, hidden_size, parameter.device)
     except UncapturableStream as exc:
         raise ModelRefused(type(model).__name__, str(exc)) from None
+    native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    if plan.attention is not None:
+        set_attention(model, plan.attention)
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    final_norm = find_final_norm(decoder)
     capture = LayerCapture(layers, final_norm, stream=stream, dtype=parameter.dtype, device=parameter.device)
     return LoadedModel(
         model=model, decoder=decoder, layers=layers, final_norm=final_norm,
