@@ -51,13 +51,13 @@ TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 #: Fields a type needs beyond :data:`SMALL` (keyed by model type).
 OVERRIDES: dict[str, dict[str, Any]] = {
-    "gemma4_assistant": dict(hidden_size_per_layer_input=0),  # its default does not validate
-    "gemma4_unified_assistant": dict(hidden_size_per_layer_input=0),
     "dory": dict(n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, num_hidden_layers=3),
     "mamba2": dict(num_heads=4, head_dim=16),  # hidden x expand = heads x head dim
     "zaya": dict(num_experts_per_tok=1),  # the only value it takes
     "gemma3n_text": dict(num_kv_shared_layers=0),  # the layers that share a cache must keep one that fills it
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default (None) leaves the pattern unset
+    "inkling2_loop_text": dict(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
+                               n_layers_per_attn_res_block=1),  # a loop inside the tiny stack
     "dots1": dict(n_routed_experts=4, n_shared_experts=1),  # its defaults (None) build no MoE layer that runs
 }
 

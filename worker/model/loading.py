@@ -127,8 +127,8 @@ def _recorded_block_lists(model: nn.Module) -> list[nn.ModuleList]:
     found: list[nn.ModuleList] = []
     for part in (model, getattr(model, "base_model", None)):
         recorder = (getattr(part, "_can_record_outputs", None) or {}).get("hidden_states")
-        block_class = getattr(recorder, "target_class", recorder)
-        if isinstance(block_class, type):
+        block_class = getattr(recorder, "target_class", recorder)  # a class, or a tuple of them
+        if isinstance(block_class, type) or (isinstance(block_class, tuple) and block_class):
             found = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)
                      and all(isinstance(block, block_class) for block in module)]
             break
