@@ -16,7 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 @lru_cache(maxsize=8)
 def load(model_dir: str):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    except ValueError as exc:  # a part with no SDPA (Gemma 4's audio tower): transformers' eager attention
+        if "does not support an attention implementation" not in str(exc):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError, ImportError):  # a weights-only folder (the architecture sweep)

@@ -279,11 +279,16 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         tokenizer.chat_template = chat_template
     split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
+    options = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
+                   device_map="auto" if split else None)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-            device_map="auto" if split else None,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, **options)
+        except ValueError as exc:
+            if "does not support an attention implementation" not in str(exc):
+                raise
+            log.warning("%s; loading it with transformers' eager attention instead", str(exc).split(". ")[0])
+            model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **options)
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc):
             raise ModelRefused(f"{type(config).__name__} ({config.model_type})",

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from worker.model.attention import ATTENTION_NAME, packed_sequences
 from worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
@@ -67,8 +68,10 @@ class Packed(BatchLayout):
         features = attention_features(model)
         if features:
             return "attention with " + ", ".join(features)
-        if not getattr(type(model), "_supports_attention_backend", False):
-            return "its attention does not go through transformers' attention interface"
+        outside = sorted({type(part).__name__ for part in model.modules() if isinstance(part, PreTrainedModel)
+                          and not getattr(type(part), "_supports_attention_backend", False)})
+        if outside:  # a multimodal model's towers count too: switching attention switches theirs
+            return "its attention does not go through transformers' attention interface (" + ", ".join(outside) + ")"
         return None
 
     def select(self, lengths: Sequence[int], compatible: Sequence[bool], limits: BatchLimits) -> list[int]:
