@@ -80,7 +80,7 @@ def reference_states(model_dir: str, token_ids: list[int], layer_ids: list[int])
     caught: dict[str, torch.Tensor] = {}
 
     def hook(module, args, output):
-        caught["last"] = output[0] if isinstance(output, tuple) else output
+        caught["last"] = output[0] if isinstance(output, (tuple, list)) else output
 
     handle = last_layer_module(model).register_forward_hook(hook)
     try:

@@ -58,6 +58,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default (None) leaves the pattern unset
     "inkling2_loop_text": dict(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
                                n_layers_per_attn_res_block=1),  # a loop inside the tiny stack
+    # sliding windows on, shorter than the prompts (their defaults turn them off)
+    "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                      layer_types=["full_attention", "sliding_attention"]),
+    "phimoe": dict(sliding_window=8),
     "dots1": dict(n_routed_experts=4, n_shared_experts=1),  # its defaults (None) build no MoE layer that runs
 }
 
