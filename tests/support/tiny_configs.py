@@ -56,6 +56,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1),  # the only value it takes
     "gemma3n_text": dict(num_kv_shared_layers=0),  # the layers that share a cache must keep one that fills it
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default (None) leaves the pattern unset
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default is attention only: keep its convolutions
     "inkling2_loop_text": dict(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
                                n_layers_per_attn_res_block=1),  # a loop inside the tiny stack
     # sliding windows on, shorter than the prompts (their defaults turn them off)
