@@ -53,7 +53,7 @@ class WorkerSettings(BaseModel):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: WorkerDtype = AUTO  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
-    batching: Literal["auto", "packed", "padded"] = "auto"  # auto: chosen from the model's structure (worker.model.batching)
+    batching: str = "auto"  # auto, or a layout to force (worker.model.batching.LAYOUTS; checked at load)
     # quantized checkpoints: auto (fp8 matmuls where the device has them, else dequantize layer by layer) | dequant | fp8
     quant_compute: Literal["auto", "dequant", "fp8"] = "auto"
     max_batch_jobs: int = Field(default=256, gt=0)

@@ -19,7 +19,7 @@ from producer.protocol.schema import Job, Result
 from producer.settings import Limits
 from worker.engine.engine import Engine
 from worker.engine.scheduler import MAX_PADDING
-from worker.engine.self_check import check_batching
+from worker.engine.self_check import check_with_fallback
 from worker.job.pipeline import JobProcessor
 from worker.job.tokenize import Preparer
 from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
@@ -32,18 +32,18 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
                     compile_layers: bool = False,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
-    The engine passes the batching self-check first (``worker.engine.self_check``), or this raises
+    The engine passes the batching self-check first (``worker.engine.self_check``), falling back
+    to slower exact layouts where batching changes the states, or this raises
     :class:`~worker.model.batching.ModelRefused` and nothing is served."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
-    engine = Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
-                    batch_wait_s=batch_wait_s, max_padding=max_padding, host_buffers=host_buffers,
-                    staging_layers=len(preparer.default_layers), prepare_ahead=prepare_ahead,
-                    on_fatal=on_fatal)
-    try:
-        report = check_batching(engine)
-    except BaseException:
-        engine.stop()
-        raise
+
+    def start_engine() -> Engine:
+        return Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
+                      batch_wait_s=batch_wait_s, max_padding=max_padding, host_buffers=host_buffers,
+                      staging_layers=len(preparer.default_layers), prepare_ahead=prepare_ahead,
+                      on_fatal=on_fatal)
+
+    engine, report = check_with_fallback(loaded, start_engine)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
     return JobProcessor(loaded, engine, preparer, storage_root, worker_name, writer_threads, self_check=report)

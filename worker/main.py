@@ -131,7 +131,7 @@ def run_worker(settings: Settings) -> int:
                    "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers, "pid": os.getpid(),
                    "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root),
                    "gpus": gpus, "metrics_port": ws.metrics_port, "architecture": loaded.architecture,
-                   "batching": loaded.batching.path.value, "batching_reason": loaded.batching.reason,
+                   "batching": loaded.batching.name, "batching_reason": loaded.batching.reason,
                    "weights_fingerprint": loaded.weights_fingerprint, "revision": loaded.revision,
                    "tokenizer_fingerprint": loaded.tokenizer_fingerprint,
                    "self_check": processor.self_check.describe() if processor.self_check else None,

@@ -37,7 +37,8 @@ def worker(
     node_name: Optional[str] = typer.Option(None, help="Celery node name (default layertap-<pid>@<host>)."),
     token_budget: Optional[int] = typer.Option(None, help="Tokens per batch, padded batches counting their padding "
                                                f"({worker_default('token_budget')})."),
-    batching: Optional[str] = typer.Option(None, help="auto | packed | padded: how jobs share a forward (auto: "
+    batching: Optional[str] = typer.Option(None, help="auto, or a batching layout to force "
+                                           "(worker.model.batching.LAYOUTS): how jobs share a forward (auto: "
                                            "from the model's structure; either way checked at start)."),
     quant_compute: Optional[str] = typer.Option(None, help="Quantized checkpoints: auto | dequant | fp8 (auto: fp8 "
                                                 "matmuls where the GPU has them, else dequantize layer by layer; "

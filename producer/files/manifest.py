@@ -66,7 +66,8 @@ def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, veri
         raise FileFormatError(f"{path}: the file is of job {meta.get(MetaKey.JOB_ID)!r}, not {job_id!r}")
     if ff.HIDDEN_STATES not in header or ff.TOKEN_IDS not in header:
         raise FileFormatError(f"{path}: not a complete layertap file (hidden_states or token_ids missing)")
-    num_tokens, _, hidden_size = header[ff.HIDDEN_STATES]["shape"]
+    shape = header[ff.HIDDEN_STATES]["shape"]  # [T, layers, (copies,) H]
+    num_tokens, hidden_size = shape[0], shape[-1]
     return ManifestEntry(
         job_id=job_id, path=str(path), num_tokens=num_tokens, layers=json.loads(meta[MetaKey.LAYERS]),
         num_hidden_layers=int(meta[MetaKey.NUM_LAYERS]), hidden_size=hidden_size, dtype=meta[MetaKey.DTYPE],

@@ -45,7 +45,7 @@ class WorkerState:
     tokens: int
     pending: int
     beat_age_s: float | None
-    batching: str = ""  # the worker's batching path ("packed" | "padded"), chosen and self-checked at its start
+    batching: str = ""  # the worker's batching layout (its name), chosen and self-checked at its start
     weights: str = ""  # the fingerprint of the checkpoint it loaded (header ``weights_fingerprint``)
     last_exit: str = ""  # how this node last ended, as its supervisor saw it (keys.WORKER_EXITS_HASH)
     last_exit_age_s: float | None = None

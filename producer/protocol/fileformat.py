@@ -94,7 +94,8 @@ class MetaKey:
     NUM_LAYERS = "num_hidden_layers"
     DTYPE = "dtype"  # of the stored states (``dtypes.RECORDED_NAMES`` values)
     COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
-    BATCHING = "batching"  # how the worker batched jobs: "packed" | "padded" (worker.model.batching)
+    BATCHING = "batching"  # how the worker batched jobs: a layout's name (worker.model.batching.LAYOUTS)
+    RESIDUAL_COPIES = "residual_copies"  # copies per token of a multi-copy stream: hidden_states [T, L, copies, H]
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
     # Quantized checkpoints only: the weights' scheme as JSON ({"method", "weights", "granularity", "block",
     # "activations"}) and how the worker computed with them: "dequant" (exact on the dequantized weights)
@@ -366,8 +367,10 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
             )
     hidden = header[HIDDEN_STATES]["shape"]
     tokens = header[TOKEN_IDS]["shape"]
-    if len(hidden) != 3:
-        raise FileFormatError(f"{path}: hidden_states has shape {hidden}, expected [tokens, layers, hidden]")
+    copies = meta.get(MetaKey.RESIDUAL_COPIES)
+    if [len(hidden), hidden[2:3]] != ([4, [int(copies)]] if copies else [3, hidden[2:3]]):
+        raise FileFormatError(f"{path}: hidden_states has shape {hidden}, expected [tokens, layers, "
+                              f"{f'{copies} copies, ' if copies else ''}hidden]")
     if len(tokens) != 1 or tokens[0] != hidden[0]:
         raise FileFormatError(f"{path}: token_ids has shape {tokens} but hidden_states has {hidden[0]} tokens")
     layers = json.loads(meta[MetaKey.LAYERS])  # present and typed (checked before)
@@ -386,7 +389,7 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
         if name in header and stored_as is not None and header[name]["dtype"] != stored_as:
             raise FileFormatError(f"{path}: tensor {name!r} is {header[name]['dtype']} but the header's dtype "
                                   f"is {meta[MetaKey.DTYPE]}")
-    expected = {LOSS_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[2]]}
+    expected = {LOSS_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[-1]]}
     for name, shape in expected.items():
         if name in header and header[name]["shape"] != shape:
             raise FileFormatError(f"{path}: tensor {name!r} has shape {header[name]['shape']}, expected {shape}")

@@ -1,12 +1,19 @@
-"""The architecture sweep: every causal-LM family, batched the way the worker batches it,
-equals plain transformers run on each prompt alone, layer by layer, in the vLLM convention.
+"""The architecture sweep: every decoder-only causal-LM type of the installed transformers
+(listed by code: ``tests.support.tiny_configs.decoder_only_types``), batched the way the worker
+batches it, equals plain transformers run on each prompt alone, layer by layer, in the vLLM
+convention; or it is refused for the reason written in ``tests.support.architectures``.
 
-Tiny random float32 models (``tests/support/architectures.py``) are saved, loaded back through
-``from_pretrained`` by the worker's own loader, and served by the in-process engine.
-Several prompts of different lengths (3 to 41 tokens) go in together; the test asserts
-that the engine batched prompts of different lengths together, that the file header names
-the path the architecture's structure calls for, and that every layer ``0..L`` of every
-prompt is within 1e-5 (relative, worst token) of the reference.
+Tiny random float32 models (2 layers of each kind, hidden 32, vocabulary 128) are saved, loaded
+back through ``from_pretrained`` by the worker's own loader, self-checked (falling back packed ->
+padded -> one prompt per batch) and served by the in-process engine. Several prompts of different
+lengths (3 to 41 tokens) go in together; the test asserts that a type falls back exactly where
+``FALLBACKS`` says (and to the layout it says), that a batching layout put two prompts in one
+forward, and that every layer ``0..L`` of every prompt is within 1e-5 (relative, worst token)
+of the reference (residual streams of several copies compared whole).
+
+CI runs :data:`CI_TYPES` (every type with a written expectation or named by issue 24, and every
+eighth of the rest);
+``LAYERTAP_FULL_SWEEP=1`` runs every type.
 """
 
 from __future__ import annotations
@@ -18,60 +25,100 @@ import subprocess
 import pytest
 import torch
 
+from producer.files.dataset import HiddenStatesDataset
+from producer.files.manifest import entry_from_file
 from producer.files.reader import load_hidden_states
 from producer.protocol.fileformat import MetaKey, metadata_of
-from tests.support.architectures import ARCHITECTURES, SHIFTED_HIDDEN_STATES, build_tiny
+from tests.support.architectures import (
+    FALLBACKS,
+    NOT_BUILT,
+    REFUSED,
+    SERVED_SINCE_ISSUE_24,
+    SHIFTED_HIDDEN_STATES,
+    build_tiny,
+)
 from tests.support.processes import cli
 from tests.support.reference import block_input_states, reference_states
+from tests.support.tiny_configs import build_tiny_type, decoder_only_types
 from worker.extractor import Extractor
 from worker.model.batching import ModelRefused
 from worker.model.loading import load_model
 
 LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
 TOLERANCE = 1e-5
+TYPES = decoder_only_types()
+WRITTEN = set(FALLBACKS) | set(REFUSED) | set(NOT_BUILT)
+CI_TYPES = [t for i, t in enumerate(TYPES) if t in WRITTEN or t in SERVED_SINCE_ISSUE_24 or i % 8 == 0]
+SWEPT = TYPES if os.environ.get("LAYERTAP_FULL_SWEEP") else CI_TYPES
 
 
 def worst_token_relative_error(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``[T, n_layers, H]`` pair -> ``[n_layers]``: the largest ``|got_t - ref_t| / |ref_t|`` over tokens."""
-    return ((got.double() - reference.double()).norm(dim=-1) / reference.double().norm(dim=-1).clamp_min(1e-30)).amax(0)
+    """``[T, n_layers, ...]`` pair -> ``[n_layers]``: the largest ``|got_t - ref_t| / |ref_t|`` over tokens."""
+    got, reference = got.double().flatten(2), reference.double().flatten(2)
+    return ((got - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)).amax(0)
 
 
 def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in LENGTHS]
+    return [torch.randint(3, min(vocab_size, 128), (n,), generator=generator).tolist() for n in LENGTHS]
 
 
-@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_batched_files_equal_each_prompt_alone(name, tmp_path):
-    model_dir = str(build_tiny(name, tmp_path / "model"))
-    _, _, expected_path = ARCHITECTURES[name]
-    loaded = load_model(model_dir, name=name, device="cpu", dtype="float32")
-    assert loaded.batching.path.value == expected_path, loaded.batching.reason
+def test_the_written_expectations_name_only_types_transformers_has():
+    assert WRITTEN | set(SERVED_SINCE_ISSUE_24) <= set(TYPES), sorted(WRITTEN - set(TYPES))
+    assert not set(FALLBACKS) & set(REFUSED)
+
+
+@pytest.mark.parametrize("model_type", SWEPT)
+def test_batched_files_equal_each_prompt_alone(model_type, tmp_path, caplog):
+    if model_type in NOT_BUILT:
+        with pytest.raises(Exception):  # noqa: B017 (the type's own error; the written reason says which)
+            build_tiny_type(model_type, tmp_path / "model")
+        return
+    model_dir = str(build_tiny_type(model_type, tmp_path / "model"))
+    loaded = None
+    try:
+        loaded = load_model(model_dir, name=model_type, device="cpu", dtype="float32")
+        extractor = Extractor(loaded, layers=list(range(loaded.num_layers + 1)), batch_wait_ms=300)
+    except ModelRefused as refused:
+        assert model_type in REFUSED, f"{model_type} refused: {refused}"
+        assert REFUSED[model_type][0] in str(refused), str(refused)
+        return
+    assert model_type not in REFUSED, f"{model_type} was served: {loaded.batching.describe()}"
+    fell_back = "failed the load-time self-check" in loaded.batching.reason
+    assert fell_back == (model_type in FALLBACKS), loaded.batching.describe()
+    if fell_back:
+        assert loaded.batching.name == FALLBACKS[model_type][0], loaded.batching.describe()
+    if loaded.batching.slow:
+        assert "one prompt per batch, which is slow: padded batching failed" in caplog.text
     layer_ids = list(range(loaded.num_layers + 1))
     batches: list[tuple[int, int]] = []
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+    with extractor:
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append((jobs, tokens))
         inputs = prompts(loaded.vocab_size)
         results = extractor.extract(inputs, tmp_path / "files", run="sweep")
-    assert max(jobs for jobs, _ in batches) >= 2, f"no two prompts were batched together: {batches}"
+    if not loaded.batching.slow:
+        assert max(jobs for jobs, _ in batches) >= 2, f"no two prompts were batched together: {batches}"
     for ids, result in zip(inputs, results):
         assert result.ok, result.error
         files = load_hidden_states(result.path)
         assert files["token_ids"].tolist() == ids
         meta = metadata_of(result.path)
-        assert meta[MetaKey.BATCHING] == expected_path
+        assert meta[MetaKey.BATCHING] == loaded.batching.name
         assert json.loads(meta[MetaKey.LAYERS]) == layer_ids
+        copies = int(meta.get(MetaKey.RESIDUAL_COPIES, "1"))
+        assert files["hidden_states"].shape[2:-1] == ((copies,) if copies > 1 else ())
         references = [block_input_states(model_dir, ids, layer_ids)]
-        if name not in SHIFTED_HIDDEN_STATES:
+        if model_type not in SHIFTED_HIDDEN_STATES and copies == 1:  # transformers' own list holds one copy
             references.append(reference_states(model_dir, ids, layer_ids))
         for reference in references:
-            assert files["hidden_states"].shape == reference.shape
-            errors = worst_token_relative_error(files["hidden_states"], reference)
-            assert errors.max() <= TOLERANCE, f"{name}, {len(ids)} tokens: relative error per layer {errors.tolist()}"
+            got = files["hidden_states"].flatten(2)  # a stream 2H wide is stored as 2 copies of H
+            assert got.shape == reference.flatten(2).shape
+            errors = worst_token_relative_error(got, reference)
+            assert errors.max() <= TOLERANCE, f"{model_type}, {len(ids)} tokens: error per layer {errors.tolist()}"
 
 
 def test_forced_packing_of_a_hybrid_is_refused_by_the_self_check(tmp_path):
-    """Packing a gated-delta-net hybrid leaks state between prompts; the load-time check refuses it."""
+    """Packing a gated-delta-net hybrid leaks state between prompts; forced, it has no fallback."""
     model_dir = str(build_tiny("qwen3-next", tmp_path / "model"))
     loaded = load_model(model_dir, name="forced", device="cpu", dtype="float32", batching="packed")
     with pytest.raises(ModelRefused, match="cannot serve Qwen3NextForCausalLM: packed batching changes the hidden"):
@@ -112,3 +159,25 @@ def test_a_model_without_a_causal_decoder_is_refused_in_one_line(tmp_path):
     assert done.returncode != 0
     assert "error: cannot serve T5Config (t5): transformers has no causal LM class" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_stream_of_several_copies_is_read_whole_by_the_datasets(tmp_path):
+    """DeepSeek-V4's hyper-connections carry [B, T, copies, H]: files hold them whole, say so in
+    the header, and the manifest, the dataset and its collate read them."""
+    model_dir = str(build_tiny_type("deepseek_v4", tmp_path / "model"))
+    loaded = load_model(model_dir, name="hc", device="cpu", dtype="float32")
+    copies = loaded.model.config.hc_mult
+    layer_ids = [0, loaded.num_layers]
+    inputs = prompts(loaded.vocab_size)[:2]
+    with Extractor(loaded, layers=layer_ids) as extractor:
+        results = extractor.extract(inputs, tmp_path / "files", run="hc")
+    assert all(result.ok for result in results), [result.error for result in results]
+    assert metadata_of(results[0].path)[MetaKey.RESIDUAL_COPIES] == str(copies)
+    dataset = HiddenStatesDataset([entry_from_file(r.job_id, r.path, verify=True) for r in results])
+    items = [dataset[0], dataset[1]]
+    for ids, item in zip(inputs, items):
+        assert item["hidden_states"].shape == (len(ids), 2, copies, loaded.hidden_size)
+        reference = block_input_states(model_dir, ids, layer_ids)
+        assert worst_token_relative_error(item["hidden_states"], reference).max() <= TOLERANCE
+    batch = HiddenStatesDataset.collate(items)
+    assert batch["hidden_states"].shape == (2, max(map(len, inputs)), 2, copies, loaded.hidden_size)

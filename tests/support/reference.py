@@ -16,26 +16,32 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 @lru_cache(maxsize=8)
 def load(model_dir: str):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    except ValueError as exc:  # a part with no SDPA (Gemma 4's audio tower): transformers' eager attention
+        if "does not support an attention implementation" not in str(exc):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError):  # a weights-only folder (the architecture sweep)
+    except (OSError, ValueError, TypeError, ImportError):  # a weights-only folder (the architecture sweep)
         tokenizer = None
     return model, tokenizer
 
 
 def last_layer_module(model, every: bool = False):
     """The last decoder block (``every``: the list of all of them)."""
-    for decoder in (model.get_decoder(), model.base_model, getattr(model, "model", None)):
-        for name in ("layers", "h", "blocks"):
+    for decoder in (model.get_decoder(), model.base_model, getattr(model, "model", None),
+                    getattr(model.base_model, "encoder", None)):
+        for name in ("layers", "h", "blocks", "layer"):
             layers = getattr(decoder, name, None)
-            if layers is not None:
+            if isinstance(layers, torch.nn.ModuleList):
                 return layers if every else layers[-1]
-    raise AttributeError(f"{type(model).__name__}: no layers, h or blocks found")
+    raise AttributeError(f"{type(model).__name__}: no layers, h, blocks or layer found")
 
 
 def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """``[T, len(layer_ids), H]``: the input of each decoder block ``i < L`` and the output of
+    """``[T, len(layer_ids), ...]``: the input of each decoder block ``i < L`` and the output of
     the last (id ``L``), caught by hooks on the plain model's blocks. The same convention as
     :func:`reference_states` without relying on ``output_hidden_states`` (which some
     families, such as Mamba, list shifted by one block)."""
@@ -43,13 +49,19 @@ def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int
     layers = last_layer_module(model, every=True)
     caught: dict[int, torch.Tensor] = {}
 
+    tokens = len(token_ids)
+
+    def token_major(hidden):
+        """The one prompt's stream, tokens first: ``[1, T, ...]``, or AltUp's ``[copies, 1, T, H]``."""
+        return (hidden[0] if hidden.shape[1] == tokens else hidden[:, 0].movedim(0, 1)).clone()
+
     def pre_hook(index):
         def hook(module, args, kwargs):
-            caught[index] = (args[0] if args else kwargs["hidden_states"])[0].clone()
+            caught[index] = token_major(args[0] if args else kwargs["hidden_states"])
         return hook
 
     def last_hook(module, args, output):
-        caught[len(layers)] = (output[0] if isinstance(output, tuple) else output)[0].clone()
+        caught[len(layers)] = token_major(output[0] if isinstance(output, (tuple, list)) else output)
 
     handles = [layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     handles.append(layers[-1].register_forward_hook(last_hook))
@@ -65,11 +77,10 @@ def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int
 def reference_states(model_dir: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
     """``[T, len(layer_ids), H]`` for resolved (non-negative) ``layer_ids``."""
     model, _ = load(model_dir)
-    num_layers = model.config.num_hidden_layers
     caught: dict[str, torch.Tensor] = {}
 
     def hook(module, args, output):
-        caught["last"] = output[0] if isinstance(output, tuple) else output
+        caught["last"] = output[0] if isinstance(output, (tuple, list)) else output
 
     handle = last_layer_module(model).register_forward_hook(hook)
     try:
@@ -77,6 +88,7 @@ def reference_states(model_dir: str, token_ids: list[int], layer_ids: list[int])
             out = model(torch.tensor([token_ids]), output_hidden_states=True, use_cache=False)
     finally:
         handle.remove()
+    num_layers = len(out.hidden_states) - 1  # transformers' own count of blocks (not always num_hidden_layers)
     picked = [caught["last"][0] if i == num_layers else out.hidden_states[i][0] for i in layer_ids]
     return torch.stack(picked, dim=1)
 

@@ -3,7 +3,7 @@
 forward (the ceiling), (c) the engine with files written; and the peak-memory check.
 
 (b) and (c) batch alike: (b) plans its batches with the engine's own policy
-(``worker.engine.inputs.batch_policy``) and lays them out with ``build_inputs``.
+(``worker.engine.inputs.batch_policy``) and lays them out with the model's layout.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from producer.settings import Limits, WorkerSettings
 from worker.bench.config import PartResult
 from worker.bench.measure import dir_bytes, sync, timed_loop
 from worker.bench.prompts import random_prompts
-from worker.engine.inputs import batch_policy, build_inputs, pad_multiple
+from worker.engine.inputs import batch_policy, pad_multiple
 from worker.extractor import build_processor
 from worker.model.capture import StopForward
 from worker.model.loading import LoadedModel, transformers_attention
@@ -117,13 +117,13 @@ def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: l
 
     handle = stop_module.register_forward_pre_hook(stop) if stop_module is not None else None
     lengths = [len(p) for p in prompts]
-    path = loaded.batching.path
+    layout = loaded.batching
     pad_to = pad_multiple(device)
     batches = ceiling_batches(loaded, lengths, budget, max_padding)
     tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
 
     def forward(batch: list[int]) -> None:
-        inputs = build_inputs([tokens[i] for i in batch], path, device, pad_to=pad_to)
+        inputs = layout.build_inputs([tokens[i] for i in batch], device, pad_to=pad_to)
         with torch.inference_mode():
             try:
                 inputs.run(loaded.decoder)
@@ -135,7 +135,7 @@ def run_forward_only(loaded: LoadedModel, prompts: list[list[int]], layer_ids: l
     finally:
         if handle is not None:
             handle.remove()
-    return PartResult(f"b: forward-only ceiling ({path.value})", seconds, sum(lengths), len(prompts),
+    return PartResult(f"b: forward-only ceiling ({layout.name})", seconds, sum(lengths), len(prompts),
                       notes={"batches": len(batches)})
 
 

@@ -3,9 +3,9 @@
 Callers (Celery task threads, or the in-process Extractor) :meth:`Engine.submit` a
 tokenized request and block on its future. The engine thread takes pending requests
 in arrival order, fills a batch up to ``token_budget`` tokens (``scheduler``: the
-head of the queue always goes first), lays them out the way the model's batching plan
-says (``worker.model.batching``: one packed row with restarting positions, or a right-padded
-batch of similar lengths; ``inputs``), and hands it to the ``runner``, which runs the decoder until the last
+head of the queue always goes first), lays them out the way the model's batching layout
+says (``worker.model.layouts``: one packed row with restarting positions, a right-padded
+batch of similar lengths, or one prompt alone), and hands it to the ``runner``, which runs the decoder until the last
 wanted layer (through the final norm when a job wants ``final_hidden_states`` or teacher
 top-k, which is then computed on the device for only the asked positions), casts the
 states to the batch's output dtype (a batch has one: requests of another wait for the
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -48,7 +49,7 @@ from worker.engine.inputs import batch_policy
 from worker.engine.layout import place_jobs
 from worker.engine.records import EngineRequest, EngineStats, JobSlice
 from worker.engine.runner import BatchRunner, is_device_fatal
-from worker.engine.scheduler import MAX_PADDING
+from worker.engine.scheduler import MAX_PADDING, BatchPolicy
 from worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,9 @@ class Engine:
         self._cond = threading.Condition(lock)  # the engine thread waits here for work
         self._room = threading.Condition(lock)  # callers wait here to start preparing
         self._stopping = False
-        self._staging = HostStaging(host_buffers, slot_capacity(token_budget, staging_layers, loaded.hidden_size,
-                                                                loaded.dtype), pinned=self._cuda)
+        state_width = loaded.hidden_size * loaded.capture.stream.copies
+        capacity = slot_capacity(token_budget, staging_layers, state_width, loaded.dtype)
+        self._staging = HostStaging(host_buffers, capacity, pinned=self._cuda)
         self._runner = BatchRunner(loaded, self._staging, self.policy.pad_to)
         self._thread = threading.Thread(target=self._loop, name="layertap-engine", daemon=True)
         self._thread.start()
@@ -107,7 +109,8 @@ class Engine:
 
     def submit_many(self, requests: list[EngineRequest], together: bool = False) -> list[Future]:
         """Queue several requests at once (the next batch sees them all); their futures.
-        ``together``: run exactly these as one batch, whatever the policy (the self-check).
+        ``together``: run these as one batch, whatever the budget (the self-check); a layout
+        that takes fewer jobs per forward (one prompt per batch) splits them its way.
         Raises :class:`EngineStopped` once the engine is stopping."""
         for request in requests:
             if request.output_dtype is None:
@@ -234,7 +237,7 @@ class Engine:
         self.stats.buffer_wait_s += time.perf_counter() - waited
         with self._cond:
             if self._together:
-                return self._together.popleft()
+                return self._take_together()
             deadline = time.monotonic() + self.batch_wait_s
             while (not self.policy.is_full(self._pending_tokens, len(self._pending))
                    and not self._stopping):
@@ -252,6 +255,18 @@ class Engine:
             self._pending_tokens -= sum(request.num_tokens for request in batch)
             self._room.notify_all()
             return batch
+
+    def _take_together(self) -> list[EngineRequest]:
+        """The first batch asked for as it is, or as much of it as the layout lets share a
+        forward (under no budget); the rest stays first in line."""
+        requests = self._together.popleft()
+        unlimited = BatchPolicy(self.loaded.batching, token_budget=sys.maxsize, max_jobs=len(requests),
+                                max_padding=1.0)
+        chosen = set(unlimited.select([r.num_tokens for r in requests], [True] * len(requests)))
+        rest = [r for i, r in enumerate(requests) if i not in chosen]
+        if rest:
+            self._together.appendleft(rest)
+        return [r for i, r in enumerate(requests) if i in chosen]
 
     def _run_or_split(self, batch: list[EngineRequest]) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()

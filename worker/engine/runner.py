@@ -18,7 +18,6 @@ from collections import deque
 import torch
 
 from worker.engine.host_buffers import HostSlot, HostStaging
-from worker.engine.inputs import build_inputs
 from worker.engine.layout import layer_union
 from worker.engine.output_dtype import non_finite_rows, to_output
 from worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
@@ -91,8 +90,8 @@ class BatchRunner:
         host buffer: one holder per request. Raises what the forward raises (out of memory
         included); the host buffer is then free again."""
         loaded, device = self.loaded, self.loaded.device
-        inputs = build_inputs([request.token_ids for request in batch], loaded.batching.path, device,
-                              pad_to=self._pad_to)
+        inputs = loaded.batching.build_inputs([request.token_ids for request in batch], device,
+                                              pad_to=self._pad_to)
         union = layer_union([request.layer_ids for request in batch])
         want_final = any(request.want_final for request in batch)
         topk_rows, topk = self._topk_rows(batch, inputs.bounds)

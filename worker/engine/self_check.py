@@ -5,8 +5,11 @@ run alone, on the real device and dtype, before the worker takes a job.
 chose for the model (SDPA, or its own), so the check covers packed attention itself too
 (positions, sliding windows, features it lacks), not only state leaking between prompts.
 Every layer ``0..L`` is compared (per layer: the relative Frobenius error over the
-sequence's tokens). A model whose batched states differ beyond the tolerance of its
-dtype is refused with :class:`~worker.model.batching.ModelRefused`. In float32 the tolerance is
+sequence's tokens). Where the batched states differ beyond the tolerance of its dtype,
+:func:`check_with_fallback` falls back to the layout's next alternative (packed -> padded ->
+one prompt per batch, with a warning that says why); a model that fails with no alternative
+left (a forced layout, or one prompt per batch itself) is refused with
+:class:`~worker.model.batching.ModelRefused`. In float32 the tolerance is
 tight (1e-4; batching only reorders sums); in 16-bit dtypes it must sit above the
 rounding noise of deep random-weight stacks (about 6% at layer 36 of a Qwen3-8B shape in
 bf16), so there the structural rules of ``worker.model.batching`` are the first line and this
@@ -16,6 +19,7 @@ check catches gross faults (a mixer that leaks state, a model that mixes the bat
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -24,8 +28,8 @@ import torch
 from worker.engine.engine import Engine
 from worker.engine.errors import EngineError
 from worker.engine.records import EngineRequest
-from worker.model.batching import ModelRefused
-from worker.model.loading import transformers_attention
+from worker.model.batching import ModelRefused, fallback
+from worker.model.loading import LoadedModel, transformers_attention, use_layout
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +51,11 @@ class CheckReport:
 
 
 def relative_error_per_layer(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``[T, n_layers, H]`` pair -> ``[n_layers]`` relative Frobenius errors over the finite
+    """``[T, n_layers, (copies,) H]`` pair -> ``[n_layers]`` relative Frobenius errors over the finite
     values. Non-finite values are a fault of the model, not of batching (each job that meets
     them gets a ``non_finite`` error): they must sit at the same places in both, else the
     layer's error is infinite."""
-    got, reference = got.double(), reference.double()
+    got, reference = got.double().flatten(2), reference.double().flatten(2)
     finite = got.isfinite()
     same_places = (finite == reference.isfinite()).all(dim=2).all(dim=0)
     got, reference = got.where(finite, 0.0), reference.where(finite, 0.0)
@@ -78,7 +82,7 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     generator = torch.Generator().manual_seed(seed)
     layer_ids = list(range(loaded.num_layers + 1))
     probes = [torch.randint(0, loaded.vocab_size, (n,), generator=generator) for n in PROBE_LENGTHS]
-    path = loaded.batching.path.value
+    path = loaded.batching.name
     try:
         batched = _captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
                                                       together=True))
@@ -96,8 +100,35 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     if not report.worst_relative_error <= report.tolerance:  # NaN fails too
         raise ModelRefused(
             loaded.architecture, f"{path} batching changes the hidden states on the load-time self-check "
-            f"({report.describe()}), so its files would be wrong; try --batching "
-            f"{'padded' if path == 'packed' else 'packed'} (LAYERTAP_WORKER__BATCHING)")
+            f"({report.describe()}), so its files would be wrong")
     log.info("self-check of %s batching on %s %s: %s", path, loaded.device,
              str(loaded.dtype).removeprefix("torch."), report.describe())
     return report
+
+
+def check_with_fallback(loaded: LoadedModel, start_engine: Callable[[], Engine]) -> tuple[Engine, CheckReport]:
+    """Start an engine for ``loaded`` and self-check its layout; while the check fails, stop it
+    and fall back to the layout's next alternative that admits the model (``use_layout``),
+    warning why. Returns the engine that passed (running) and its report; raises
+    :class:`ModelRefused` with every layout's failure when none passes."""
+    failures: list[str] = []
+    while True:
+        engine = start_engine()
+        try:
+            report = check_batching(engine)
+        except ModelRefused as refused:
+            engine.stop()
+            failures.append(refused.reason)
+            layout = fallback(loaded.batching, loaded.model, loaded.layers, refused.reason)
+            if layout is None:
+                raise ModelRefused(loaded.architecture, "; ".join(failures)) from None
+            use_layout(loaded, layout)
+            log.warning("%s: falling back to %s batching: %s", loaded.architecture, layout.name, layout.reason)
+            continue
+        except BaseException:
+            engine.stop()
+            raise
+        if loaded.batching.slow:
+            log.warning("%s is served one prompt per batch, which is slow: %s", loaded.architecture,
+                        loaded.batching.reason)
+        return engine, report

@@ -400,11 +400,13 @@ class JobProcessor:
             options[MetaKey.JOB_METADATA] = job.metadata
         if job.provenance is not None:
             options[MetaKey.PROVENANCE] = json.dumps(job.provenance, sort_keys=True)
+        if loaded.capture.stream.copies > 1:
+            options[MetaKey.RESIDUAL_COPIES] = str(loaded.capture.stream.copies)
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.MODEL: loaded.name,
             MetaKey.NUM_LAYERS: str(loaded.num_layers),
-            MetaKey.BATCHING: loaded.batching.path.value,
+            MetaKey.BATCHING: loaded.batching.name,
             MetaKey.ARCHITECTURE: loaded.architecture,
             MetaKey.JOB_ID: job.job_id or "",
             MetaKey.RUN: job.run,

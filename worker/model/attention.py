@@ -158,7 +158,3 @@ def set_attention(model: nn.Module, name: str) -> None:
     else:
         model.config._attn_implementation = name
 
-
-def use_packed_attention(model: nn.Module) -> None:
-    """Switch a loaded model to packed attention."""
-    set_attention(model, ATTENTION_NAME)

@@ -32,15 +32,11 @@ from torch import nn
 
 from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
 from producer.protocol.fileformat import MetaKey
-from worker.model.attention import set_attention, use_packed_attention
-from worker.model.batching import (
-    BatchingPath,
-    BatchingPlan,
-    ModelRefused,
-    plan_batching,
-)
-from worker.model.capture import LayerCapture
+from worker.model.attention import set_attention
+from worker.model.batching import ModelRefused, plan_batching
+from worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from worker.model.host_memory import LoadReport, peak_rss_bytes
+from worker.model.layouts.base import BatchLayout
 from worker.model.quant.fp8 import choose_compute
 from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
 
@@ -76,7 +72,7 @@ class LoadedModel:
     dtype: torch.dtype
     tokenizer_fingerprint: str
     weights_fingerprint: str  # changes when the checkpoint's files change (:func:`weights_fingerprint`)
-    batching: BatchingPlan
+    batching: BatchLayout  # how jobs share a forward (``worker.model.layouts``); see use_layout
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
     quantization: QuantScheme | None = None  # the checkpoint's, when its weights are quantized
@@ -127,8 +123,11 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, n
     blocks (the shallowest such list with weights in every block; the blocks may differ in
     class, as in hybrids). Raises :class:`ModelRefused` when there is none."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    decoder = decoder if isinstance(decoder, nn.Module) else getattr(model, "base_model", model)
-    for scope in (decoder, model):
+    base = getattr(model, "base_model", model)
+    # get_decoder() is the text decoder, unless a model names another part so (ModernBERT-decoder's output Linear)
+    scopes = [(decoder, decoder), (base, base), (model, base)] if isinstance(decoder, nn.Module) else [(base, base),
+                                                                                                      (model, base)]
+    for scope, runs in scopes:
         candidates = [
             (name, module) for name, module in scope.named_modules()
             if isinstance(module, nn.ModuleList) and len(module) == num_layers
@@ -136,9 +135,41 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, n
         ]
         if candidates:
             _, layers = min(candidates, key=lambda item: item[0].count("."))
-            return decoder, layers
+            return runs, layers
+    recorded = _recorded_block_lists(model)
+    if len(recorded) == 1:  # num_hidden_layers counts something else (passes of a looped model, say)
+        return scopes[0][1], recorded[0]
+    if recorded:
+        raise ModelRefused(type(model).__name__, f"its decoder blocks sit in {len(recorded)} separate lists (run in "
+                           "turn or in cycles), which one list of layer ids cannot name")
     raise ModelRefused(type(model).__name__, f"no list of its {num_layers} decoder blocks (num_hidden_layers in "
                        "its config) found, so its layers cannot be read")
+
+
+def _recorded_block_lists(model: nn.Module) -> list[nn.ModuleList]:
+    """The module lists of the blocks whose outputs transformers records as the model's hidden
+    states (its ``_can_record_outputs``), outermost first."""
+    found: list[nn.ModuleList] = []
+    for part in (model, getattr(model, "base_model", None)):
+        recorder = (getattr(part, "_can_record_outputs", None) or {}).get("hidden_states")
+        block_class = getattr(recorder, "target_class", recorder)  # a class, or a tuple of them
+        if isinstance(block_class, type) or (isinstance(block_class, tuple) and block_class):
+            found = [module for module in model.modules() if isinstance(module, nn.ModuleList) and len(module)
+                     and all(isinstance(block, block_class) for block in module)]
+            break
+    return found
+
+
+def block_count(model: nn.Module, config: Any) -> int | None:
+    """How many decoder blocks the model has: ``num_hidden_layers``, unless the model's own record
+    of its hidden states counts blocks by another field (LongCat-Flash: two attention sublayers per
+    block, so ``num_hidden_layers`` is twice its blocks)."""
+    for part in (model, getattr(model, "base_model", None)):
+        recorder = (getattr(part, "_can_record_outputs", None) or {}).get("hidden_states")
+        key = getattr(recorder, "num_hidden_layers_key", None)
+        if key and isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
 
 
 def find_final_norm(decoder: nn.Module) -> nn.Module | None:
@@ -242,27 +273,31 @@ def checkpoint_folder(source: str, revision: str | None) -> Path | None:
 def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
              revision: str | None = None, batching: str = "auto", fingerprint: str | None = None) -> LoadedModel:
     """Wrap an already-built model (eval mode, no grads) as a :class:`LoadedModel`, choose its
-    batching path (``batching``: auto, packed or padded), for packed switch it to packed
-    attention, and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
+    batching layout (``batching``: auto or a layout's name), switch it to the layout's attention,
+    and register the capture hooks. Raises :class:`ModelRefused` (one line) for a
     model that cannot be served. ``fingerprint``: the checkpoint's :func:`weights_fingerprint`;
     without it, that of the folder ``source`` when it is one, else :func:`parameters_fingerprint`."""
     config = model.config.get_text_config()
-    num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    num_layers = block_count(model, config)
     if not num_layers:
         raise ModelRefused(type(model).__name__, "its config names no num_hidden_layers, so its decoder blocks "
                                                  "cannot be found")
     decoder, layers = find_decoder_layers(model, num_layers)
+    num_layers = len(layers)
     plan = plan_batching(model, layers, batching)
-    native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
-    if plan.path is BatchingPath.packed:
-        use_packed_attention(model)
     model.eval().requires_grad_(False)
     parameter = next(model.parameters())
+    hidden_size = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    try:  # through the model's own attention: the stream's shape is the model's, not the layout's
+        stream = probe_stream(decoder, layers, hidden_size, parameter.device)
+    except UncapturableStream as exc:
+        raise ModelRefused(type(model).__name__, str(exc)) from None
+    native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    if plan.attention is not None:
+        set_attention(model, plan.attention)
     vocab_size = model.get_input_embeddings().weight.shape[0]
     final_norm = find_final_norm(decoder)
-    hidden_size = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    capture = LayerCapture(layers, final_norm, hidden_size=hidden_size, dtype=parameter.dtype,
-                           device=parameter.device)
+    capture = LayerCapture(layers, final_norm, stream=stream, dtype=parameter.dtype, device=parameter.device)
     return LoadedModel(
         model=model, decoder=decoder, layers=layers, final_norm=final_norm,
         lm_head=model.get_output_embeddings(),
@@ -275,19 +310,26 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     )
 
 
+def use_layout(loaded: LoadedModel, layout: BatchLayout) -> None:
+    """Serve ``loaded`` with ``layout`` from now on (the self-check's fallback): its attention
+    implementation, or the one transformers chose."""
+    set_attention(loaded.model, layout.attention or loaded.native_attention)
+    loaded.batching = layout
+
+
 @contextlib.contextmanager
 def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
     """Within the block the model runs the attention implementation transformers chose for it
-    (the reference the self-check and the bench compare batching with); after it, packed
-    attention again where the model's plan packs (a padded model never leaves its own)."""
-    packed = loaded.batching.path is BatchingPath.packed
-    if packed:
+    (the reference the self-check and the bench compare batching with); after it, the layout's
+    again (a layout that keeps the model's own never leaves it)."""
+    switched = loaded.batching.attention
+    if switched is not None:
         set_attention(loaded.model, loaded.native_attention)
     try:
         yield
     finally:
-        if packed:
-            use_packed_attention(loaded.model)
+        if switched is not None:
+            set_attention(loaded.model, switched)
 
 
 def compile_decoder_layers(loaded: LoadedModel) -> None:
@@ -362,13 +404,18 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                  "compute: %s%s", scheme.describe(), torch_device, len(quantized), quantized_experts,
                  choice.describe(), "; experts dequantized layer by layer just in time" if quantized_experts else "")
     else:
+        # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
+        # several visible GPUs (--gpus-per-worker): "auto" spreads the layers over them.
+        options = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
+                       device_map="auto" if split else str(torch_device))
         try:
-            # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
-            # several visible GPUs (--gpus-per-worker): "auto" spreads the layers over them.
-            model = AutoModelForCausalLM.from_pretrained(
-                source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-                device_map="auto" if split else str(torch_device),
-            )
+            try:
+                model = AutoModelForCausalLM.from_pretrained(source, **options)
+            except ValueError as exc:
+                if "does not support an attention implementation" not in str(exc):
+                    raise
+                log.warning("%s; loading it with transformers' eager attention instead", str(exc).split(". ")[0])
+                model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **options)
         except ValueError as exc:
             if "Unrecognized configuration class" in str(exc):
                 raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
