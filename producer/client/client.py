@@ -20,9 +20,10 @@ import redis
 
 from producer.client import runs
 from producer.client.bundler import Bundler
-from producer.client.fleet import live_workers
+from producer.client.fleet import did_you_mean, live_workers
 from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
+from producer.protocol.naming import served_model_name
 from producer.protocol.schema import Job, Result, oversize
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
@@ -35,7 +36,7 @@ class JobTooLarge(ValueError):
 
 
 class NoWorker(RuntimeError):
-    """``submit(..., check=True)``: no live worker serves the job's model."""
+    """``submit``: no live worker serves the job's model while others are live (or ``check=True``)."""
 
 
 class NoWorkerWarning(UserWarning):
@@ -67,25 +68,30 @@ class Client:
         self._served: set[str] = set()  # models seen served by a live worker, or already warned about
 
     # -- submitting -------------------------------------------------------------------
-    def submit(self, job: Job | Mapping[str, Any], *, check: bool = False, **fields: Any) -> Job:
+    def submit(self, job: Job | Mapping[str, Any], *, check: bool | None = None, **fields: Any) -> Job:
         """Validate, give an id, and enqueue one job in a message of its own, at once; returns
         the job as sent (with ``job_id``). Its result comes on the run's results stream
         (:meth:`wait`, :meth:`results`); there is no per-job ``AsyncResult``.
 
-        The first job of a model that no live worker serves warns (:class:`NoWorkerWarning`),
-        or with ``check=True`` raises :class:`NoWorker`; a job for a cancelled run raises
+        ``model`` follows the workers' naming rule (``naming.served_model_name``): an existing
+        local folder is its basename, so the ``--model`` a worker was started with meets.
+        The first job of a model that no live worker serves is checked as ``layertap enqueue``
+        does (:meth:`check_served`); a job for a cancelled run raises
         :class:`~producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
         job, payload = self.prepare(job, check=check, **fields)
         self.send([[(job, payload)]])
         return job
 
-    def prepare(self, job: Job | Mapping[str, Any], *, check: bool = False,
+    def prepare(self, job: Job | Mapping[str, Any], *, check: bool | None = None,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
-        """The job validated, with its id, and its JSON payload; raises as :meth:`submit` does."""
+        """The job validated, with its served model name and its id, and its JSON payload; raises
+        as :meth:`submit` does."""
         if not isinstance(job, Job):
             job = Job.model_validate({**job, **fields})
         elif fields:
             job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
+        if served_model_name(job.model) != job.model:
+            job = job.model_copy(update={"model": served_model_name(job.model)})
         job = job.with_id()
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
@@ -123,7 +129,7 @@ class Client:
         for task, args, kwargs, queue, task_id in sends:
             retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task))
 
-    def bundler(self, *, check: bool = False, **overrides: Any) -> Bundler:
+    def bundler(self, *, check: bool | None = None, **overrides: Any) -> Bundler:
         """A :class:`~producer.client.bundler.Bundler` sending this client's jobs in bundles
         (``settings.bundle``, with ``overrides`` such as ``max_jobs=16``); close it, or use it
         with ``with``, to send what it still holds."""
@@ -133,23 +139,35 @@ class Client:
     def _check_destination(self, job: Job, check: bool) -> None:
         if job.run not in self._open_runs:
             if runs.is_cancelled(self.redis, job.run):
-                raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap run delete {job.run}` first, "
+                raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap runs delete {job.run}` first, "
                                         "or use another run name")
             self._open_runs.add(job.run)
-        if job.model in self._served:
-            return
-        served = self.served_models()
-        if job.model not in served:
-            message = (f"no live worker serves model {job.model!r} (served: {', '.join(sorted(served)) or 'none'}); "
-                       f"its jobs wait in queue {keys.model_queue(job.model)} until one does")
-            if check:
-                raise NoWorker(message)
-            warnings.warn(message, NoWorkerWarning, stacklevel=4)
-        self._served.add(job.model)
+        if job.model not in self._served:
+            self.check_served(job.model, check, stacklevel=5)
+            self._served.add(job.model)
 
-    def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
+    def check_served(self, model: str, check: bool | None = None, *, stacklevel: int = 2) -> None:
+        """The one check of a destination, for ``Client`` and ``layertap enqueue`` alike. If no live
+        worker serves ``model``: raise :class:`NoWorker` (with a "did you mean") when ``check`` is
+        None (the default) and some other worker is live, since a typo is likelier than a worker
+        still to come, or when ``check`` is True; otherwise warn (:class:`NoWorkerWarning`): the
+        jobs wait in the queue until such a worker starts."""
+        live = self.workers()
+        served = {info["model"] for info in live.values()}
+        if model in served:
+            return
+        guess = did_you_mean(model, served)
+        reason = (f"no live worker serves model {model!r} (served: {', '.join(sorted(served)) or 'none'}"
+                  + (f"; did you mean {guess!r}?)" if guess else ")"))
+        if check or (check is None and live):
+            raise NoWorker(reason)
+        warnings.warn(f"{reason}; its jobs wait in queue {keys.model_queue(model)} until one does", NoWorkerWarning,
+                      stacklevel=stacklevel)
+
+    def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], *, check: bool | None = None,
+                    **fields: Any) -> list[Job]:
         """Submit each job, in bundles (``settings.bundle``); returns them with ids once all are sent."""
-        with self.bundler() as bundler:
+        with self.bundler(check=check) as bundler:
             return [bundler.add(job, **fields) for job in jobs]
 
     def seal(self, run: str, sealed: bool = True) -> None:

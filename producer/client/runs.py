@@ -159,7 +159,7 @@ def cancelled_result(run: str, job_id: str, *, worker: str | None, model: str | 
                      metadata: str | None = None) -> Result:
     """The final result of a job of a cancelled run that was not run."""
     return Result(job_id=job_id, run=run, status=Status.error, error_type=ErrorType.cancelled,
-                  error=f"run {run} was cancelled (layertap run cancel); this job was not run",
+                  error=f"run {run} was cancelled (layertap runs cancel); this job was not run",
                   model=model, worker=worker, metadata=metadata)
 
 
@@ -180,7 +180,7 @@ def delete(client: redis.Redis, run: str, *, force: bool = False) -> list[str]:
     found = summary(client, run)
     if found.finished < found.submitted and not force:
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
-                           f"`layertap run cancel {run}` and wait for their `cancelled` results, "
+                           f"`layertap runs cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
     paths = [path for path, _ in ok_files(client, run).values()]
     prefix = keys.task_id(run, "")

@@ -142,10 +142,11 @@ class Enqueuer:
     """Sends planned jobs with resume, repeat skipping and back-pressure (see the module doc)."""
 
     def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
-                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP):
+                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP,
+                 check: bool | None = None):
         self.client = client
         self.group = group
-        self.bundler = client.bundler()
+        self.bundler = client.bundler(check=check)  # check: as Client.check_served
         self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
                                        before_read=self.bundler.flush)
         self.batch_size = batch_size

@@ -239,7 +239,7 @@ class ErrorType(str, Enum):
     out_of_memory = "out_of_memory"  # does not fit on the device even alone
     write_failed = "write_failed"  # the file could not be written
     dead_letter = "dead_letter"  # failed max_attempts times; moved to the dead-letter stream
-    cancelled = "cancelled"  # its run was cancelled (``layertap run cancel``) before it ran
+    cancelled = "cancelled"  # its run was cancelled (``layertap runs cancel``) before it ran
     lost = "lost"  # its message was gone before any worker held it (purged, never sent); send it again
     internal = "internal"  # a bug or an unexpected fault; the message says what
 
