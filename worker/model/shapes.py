@@ -49,6 +49,15 @@ def shape_config(name: str):
     return AutoConfig.for_model(family, **fields)
 
 
+def shape_parameters(name: str) -> int:
+    """The shape's parameter count, from a model built on the meta device (no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config(name))
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
 def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """The shape's CausalLM with random weights, built on ``device`` in ``dtype``."""
     from transformers import AutoModelForCausalLM
