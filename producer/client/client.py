@@ -136,7 +136,7 @@ class Client:
         settings = self.settings.bundle.model_copy(update=overrides)
         return Bundler(self, settings, check=check)
 
-    def _check_destination(self, job: Job, check: bool) -> None:
+    def _check_destination(self, job: Job, check: bool | None) -> None:
         if job.run not in self._open_runs:
             if runs.is_cancelled(self.redis, job.run):
                 raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap runs delete {job.run}` first, "

@@ -206,7 +206,7 @@ def test_status_and_progress_of_a_run_waiting_in_the_queue(ops_worker, client, c
         worker_row = next(row for row in rows if row[0] == NODE)
         assert worker_row[:7] == [NODE, "yes", "cpu", "-", MODEL, "packed", worker_row[6]]  # a Qwen3: packed rows
         assert float(worker_row[6].replace(",", "")) >= 0 and worker_row[-1].endswith("s ago")
-        assert ["model", "queued"] in rows
+        assert ["model", "queued", "running"] in rows
         assert ["node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
                 "last beat"] in rows
         assert f"dead letters: {client.redis.xlen(keys.DEAD_LETTER_STREAM)}" in out.stdout.splitlines()
