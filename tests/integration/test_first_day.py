@@ -125,13 +125,13 @@ def test_runs_group_watch_rate_and_delete_removes_emptied_folders(day):
 
 
 def test_enqueue_checks_flags_once_before_reading_any_row(day):
-    rows = "".join(f'{{"prompt": "row {i}"}}\n' for i in range(50))
-    bad = day.layertap("enqueue", "--model", SERVED, "--run", "../escape", "--file", "-", stdin=rows)
+    (day.work / "rows.jsonl").write_text("".join(f'{{"prompt": "row {i}"}}\n' for i in range(50)))
+    bad = day.layertap("enqueue", "--model", SERVED, "--run", "../escape", "--file", "rows.jsonl")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         "error: --run '../escape' is not allowed: use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a "
         "letter or digit, without '..'"]
-    bad_dtype = day.layertap("enqueue", "--model", SERVED, "--dtype", "float7", "--file", "-", stdin=rows)
+    bad_dtype = day.layertap("enqueue", "--model", SERVED, "--dtype", "float7", "--file", "rows.jsonl")
     assert bad_dtype.returncode == 2 and len(bad_dtype.stderr.strip().splitlines()) == 1, bad_dtype.stderr
     assert bad_dtype.stderr.startswith("error: invalid flags: dtype")
 
