@@ -18,6 +18,7 @@ from pathlib import Path
 from celery.signals import worker_ready, worker_shutting_down
 
 from producer.protocol import keys
+from producer.protocol.naming import served_model_name
 from producer.settings import LogFormat, Settings
 from producer.transport.broker_transport import set_held_messages
 from producer.transport.celery_app import make_celery
@@ -38,7 +39,7 @@ from worker.queue.reconciler import Reconciler
 from worker.queue.retention import RetentionSweep
 from worker.queue.task_events import batch_task_events
 from worker.queue.tasks import register_bundle_task, register_extract_task
-from worker.startup import check_layers, check_model_source, default_served_name, settings_line
+from worker.startup import check_layers, check_model_source, settings_line
 
 log = logging.getLogger("layertap.worker")
 #: Exit code after a device fault: the supervisor (or systemd, Kubernetes) restarts the process.
@@ -83,7 +84,7 @@ def run_worker(settings: Settings) -> int:
     if removed:
         log.info("removed %d stale temp files under %s", removed, storage_root)
     report_phase(LOADING)
-    loaded = load_model(ws.model, name=ws.served_model_name or default_served_name(ws.model), device=ws.device,
+    loaded = load_model(ws.model, name=ws.served_model_name or served_model_name(ws.model), device=ws.device,
                         dtype=ws.dtype, revision=ws.revision, trust_remote_code=ws.trust_remote_code,
                         chat_template=read_chat_template(ws.chat_template), batching=ws.batching,
                         quant_compute=ws.quant_compute)

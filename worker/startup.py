@@ -3,7 +3,8 @@ start with one line, instead of failing every job later.
 
 * ``--model``: an existing folder, a hub id (``name`` or ``org/name``) or ``shape:...``;
   anything else is "no such folder, and not a hub id", before Hugging Face is asked.
-* the served name: ``--name`` if given, else a stable one (:func:`default_served_name`).
+* the served name: ``--name`` if given, else the one rule both sides apply
+  (``producer.protocol.naming.served_model_name``).
 * ``--layers``: every id must exist in the loaded model.
 
 And the one line a worker logs of the settings in force (:func:`settings_line`).
@@ -15,11 +16,9 @@ import json
 from pathlib import Path
 
 from producer.protocol.layers import resolve_layer_ids
-from producer.protocol.naming import is_hub_id
+from producer.protocol.naming import SHAPE_PREFIX, is_hub_id
 from producer.settings import Settings
 from producer.transport.redis_conn import redacted_url
-
-SHAPE_PREFIX = "shape:"  # as worker.model.shapes (not imported: it imports torch)
 
 
 def check_model_source(source: str) -> None:
@@ -30,19 +29,6 @@ def check_model_source(source: str) -> None:
         raise ValueError(f"--model {source}: is a file; give the model's folder (with config.json) or a hub id")
     if not is_hub_id(source):
         raise ValueError(f"--model {source}: no such folder, and not a hub id (org/name)")
-
-
-def default_served_name(source: str) -> str:
-    """The name jobs use when ``--name`` is not given: a hub id or shape as given; for a folder
-    its basename, or ``org/name`` for a Hugging Face cache snapshot
-    (``.../models--org--name/snapshots/<revision>``)."""
-    folder = Path(source).expanduser()
-    if source.startswith(SHAPE_PREFIX) or not folder.is_dir():
-        return source
-    folder = folder.resolve()
-    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
-        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
-    return folder.name
 
 
 def check_layers(layers: list[int] | None, num_layers: int) -> None:

@@ -92,8 +92,15 @@ def inspect(
 ) -> None:
     """Show a file's tensors, metadata and per-layer statistics."""
     from producer.files.file_stats import describe_file
+    from producer.protocol.fileformat import FileFormatError, MetaKey, read_file_header
 
-    info = describe_file(file, verify=verify)
+    try:
+        info = describe_file(file, verify=verify)
+    except FileFormatError as exc:
+        if MetaKey.CHECKSUMS in read_file_header(file).metadata:
+            raise  # a layertap file that fails its check: damaged, never to be waved through
+        raise CliError(f"{exc}; it has no layertap checksums (a file vLLM wrote, say): "
+                       "`layertap inspect --no-verify` reads it unchecked") from None
     if plot is not None:
         from producer.files.plots import plot_file
 

@@ -75,7 +75,8 @@ def print_file_description(info: dict[str, Any]) -> None:
     for key, value in sorted(info["metadata"].items()):
         meta.add_row(key, value if len(value) < 100 else value[:97] + "...")
     console.print(meta)
-    stats = folding_table("layer", "mean", "std", "min", "max", "mean |h|", "finite", title="hidden_states per layer")
+    stats = folding_table("layer", "mean", "std", "min", "max", "mean token L2 norm", "finite",
+                          title="hidden_states per layer")
     for row in info["layer_stats"]:
         stats.add_row(str(row["layer"]), f"{row['mean']:.4g}", f"{row['std']:.4g}", f"{row['min']:.4g}",
                       f"{row['max']:.4g}", f"{row['mean_token_norm']:.4g}", str(row["finite"]))

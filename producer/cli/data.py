@@ -32,11 +32,12 @@ MAX_REPORTED_ROWS = 100
 
 
 def enqueue(
-    model: str = typer.Option(..., "--model", help="Model name the worker serves."),
+    model: str = typer.Option(..., "--model", help="Model the worker serves: its --name, or the same --model "
+                              "string (a local folder means its basename, as the worker names it)."),
     run: str = typer.Option("default", "--run", help="Run name: output folder and result stream."),
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="A prompt (repeatable)."),
-    file: Optional[Path] = typer.Option(None, "--file", help="JSONL or JSON file, parquet file or folder, or a "
-                                        "dataset folder saved with datasets' save_to_disk."),
+    file: Optional[Path] = typer.Option(None, "--file", help="JSONL or JSON file, parquet file or folder, a "
+                                        "dataset folder saved with datasets' save_to_disk, or - for JSONL on stdin."),
     input_format: InputFormat = typer.Option(InputFormat.auto, "--format", case_sensitive=False,
                                              help="Row format; auto: detected from the first row."),
     column: Optional[str] = typer.Option(None, help="Column holding the input (default: found by format)."),
@@ -63,9 +64,10 @@ def enqueue(
     topk_on: Optional[str] = typer.Option(None, help="mask (positions predicting a loss-mask token) | all."),
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32 | float8 (stored dtype; "
                                         "bf16, fp16, fp32, fp8 too)."),
-    check: bool = typer.Option(True, help="Refuse when live workers exist but none serves --model (with no live "
-                               "worker at all, warn and enqueue), and refuse as bad rows jobs asking for layers "
-                               "the served model lacks."),
+    check: Optional[bool] = typer.Option(None, "--check/--no-check", show_default=False, help="--check: refuse "
+                                         "unless a live worker serves --model; --no-check: only warn; default "
+                                         "(as Client.submit): refuse when other workers are live, warn when none is; "
+                                         "unless --no-check, jobs asking for layers the served model lacks are bad rows."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Read at most this many rows (prompts "
                                         "first, then the file's)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Read and check the rows, print the job ids, send "
@@ -73,8 +75,11 @@ def enqueue(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the ids of the jobs sent."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
-    """Stream jobs into the queue (one per row); skips jobs already ok in the run. Prints one job id per line."""
-    from producer.client.client import Client, NoWorkerWarning
+    """Stream jobs into the queue (one per row); skips jobs already ok in the run. Prints one job id per line.
+
+    Exit codes: 0 sent (or already ok); 1 refused, or no rows at all (empty input); 2 bad rows or
+    arguments; 130 interrupted (Ctrl-C: run the same command again to send the rest)."""
+    from producer.client.client import Client, NoWorker, NoWorkerWarning
     from producer.ingest.enqueue import (
         BadRow,
         Enqueuer,
@@ -86,10 +91,12 @@ def enqueue(
     from producer.ingest.formats import RowConverter
     from producer.ingest.sources import open_source
     from producer.protocol.layers import parse_layer_list
+    from producer.protocol.naming import check_name, served_model_name
     from producer.settings import Settings
 
     if not prompt and file is None:
         raise fail("nothing to enqueue: give --prompt TEXT or --file F", 2)
+    model = served_model_name(model)
     defaults: dict[str, Any] = {"model": model, "run": run, "max_length": max_length, "truncate": truncate,
                                 "layers": parse_layer_list(layers) if layers is not None else None,
                                 "loss_on": loss_on, "topk": topk, "topk_on": topk_on, "dtype": dtype,
@@ -98,6 +105,14 @@ def enqueue(
     defaults = {key: value for key, value in defaults.items() if value is not None}
     settings = Settings()
     max_job_bytes = settings.limits.max_job_bytes
+    until = inflight_until or settings.enqueue.inflight_until
+    if until not in ("finished", "consumed"):
+        raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
+    try:  # the flags, checked once before any row is read
+        check_name(run, "--run")
+        job_from_data({"messages": [{"role": "user", "content": "flags"}]}, defaults, max_job_bytes)
+    except ValueError as exc:
+        raise fail(str(exc) if str(exc).startswith("--run") else f"invalid flags: {exc}", 2) from None
     prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults, max_job_bytes))
                for i, text in enumerate(prompt or [])]
     items: Iterable[Planned | BadRow] = prompts
@@ -117,20 +132,19 @@ def enqueue(
     counts: Counter[Outcome] = Counter()
     with Client(settings, redis_url=redis_url) as client, warnings.catch_warnings():
         warnings.simplefilter("ignore", NoWorkerWarning)  # said once below, as a line
-        served, live = client.served_models(), client.workers()
-        if model not in served:
-            if check and live:
-                raise fail(f"no live worker serves model {model!r} (served: {', '.join(sorted(served))}); "
-                           "use --no-check to enqueue anyway")
+        try:
+            client.check_served(model, check)
+        except NoWorker as exc:
+            raise fail(f"{exc}; use --no-check to enqueue anyway") from None
+        if model not in client.served_models():
             err_console.print(f"warning: no live worker serves model {model!r}; its jobs wait in the queue "
                               "until one does", markup=False, highlight=False)
-        until = inflight_until or settings.enqueue.inflight_until
-        if until not in ("finished", "consumed"):
-            raise fail(f"--inflight-until must be finished or consumed, not {until!r}", 2)
-        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight, check=check and model in served,
-                            until=until, group=consumer_group or settings.enqueue.consumer_group)  # type: ignore[arg-type]
-        with progress(total, "enqueue") as step, one_line_errors():
-            for outcome, item in enqueuer.run(items):
+        enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight,
+                            until=until, group=consumer_group or settings.enqueue.consumer_group,  # type: ignore[arg-type]
+                            check=check)
+        with (resume_hint(run, counts), progress(total, "enqueue") as step, one_line_errors(),
+              contextlib.closing(enqueuer.run(items)) as outcomes):  # closed at once: what it holds is sent
+            for outcome, item in outcomes:
                 counts[outcome] += 1
                 if outcome is Outcome.bad and counts[outcome] <= MAX_REPORTED_ROWS:
                     assert isinstance(item, BadRow)
@@ -146,6 +160,24 @@ def enqueue(
     if counts[Outcome.bad]:
         shown = "" if counts[Outcome.bad] <= MAX_REPORTED_ROWS else f"; the first {MAX_REPORTED_ROWS} are shown"
         raise fail(f"{counts[Outcome.bad]} row(s) were not enqueued (see above{shown})", 2)
+    if not counts:
+        err_console.print(f"warning: {'standard input' if str(file) == '-' else file or 'the input'} has no rows: "
+                          "nothing was sent", markup=False, highlight=False)
+        raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def resume_hint(run: str, counts: Counter[Any]) -> Iterator[None]:
+    """On Ctrl-C: say how many jobs were sent (every one counted is in Redis) and how to resume; exit 130."""
+    from producer.ingest.enqueue import Outcome
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted: run {run}: {counts[Outcome.submitted]} job(s) sent, "
+                          f"{counts[Outcome.already_ok]} already ok. Run the same command again to resume: jobs "
+                          "already ok are skipped, the others sent again", markup=False, highlight=False)
+        raise typer.Exit(130) from None
 
 
 def dry_run_report(items: Iterable[Any], run: str, quiet: bool) -> int:

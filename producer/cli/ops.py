@@ -17,6 +17,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from producer.cli.common import console, folding_table
 from producer.client import runs
 from producer.client.client import Client
+from producer.client.fleet import running_jobs
+from producer.client.results import stream_results
+from producer.extras import require
 from producer.ops.monitor import (
     FleetStatus,
     RunProgress,
@@ -24,6 +27,7 @@ from producer.ops.monitor import (
     fleet_status,
     throughput_history,
 )
+from producer.ops.throughput import overall_tokens_per_s
 from producer.transport.redis_conn import redacted_url
 
 
@@ -34,12 +38,15 @@ def format_eta(seconds: float | None) -> str:
     return f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def render_status(status: FleetStatus, redis_url: str) -> None:
+def render_status(status: FleetStatus, running: dict[str, int], redis_url: str) -> None:
     console.print(f"redis: {redacted_url(redis_url)}", highlight=False)
-    queues = folding_table("model", "queued", title="queues")
-    for model, depth in status.queues.items():
-        queues.add_row(model, str(depth))
+    queues = folding_table("model", "queued", "running", title="queues")
+    for model in sorted({*status.queues, *running}):
+        queues.add_row(model, str(status.queues.get(model, 0)), str(running.get(model, 0)))
     console.print(queues)
+    if not any(state.alive for state in status.workers):
+        console.print("no live workers: queued jobs wait until one starts (`layertap worker --model ...`)",
+                      style="bold", highlight=False)
     workers = folding_table("node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
                             "weights", "last beat", title="workers")
     for state in status.workers:
@@ -78,14 +85,15 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """Show queue depth per model, workers (alive, device, GPUs, model, tokens/s) and dead letters."""
+        """Show jobs queued and running per model, workers (alive, device, GPUs, model, tokens/s), dead letters."""
         with Client(redis_url=redis_url) as client:
             fleet = fleet_status(client.redis)
+            running = running_jobs(client.redis)
             url = client.settings.broker_url
         if as_json:
-            print(json.dumps({"redis_url": redacted_url(url), **fleet.as_json()}, indent=2))
+            print(json.dumps({"redis_url": redacted_url(url), **fleet.as_json(), "running": running}, indent=2))
         else:
-            render_status(fleet, url)
+            render_status(fleet, running, url)
 
     @app.command()
     def watch(
@@ -94,7 +102,10 @@ def register(app: typer.Typer) -> None:
         interval: float = typer.Option(1.0, min=0.05, help="Seconds between refreshes."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """Show a run's progress (done / failed / total, tokens/s, ETA) until every job has a result."""
+        """Show a run's progress (done / failed / total, tokens/s, ETA) until every job has a result; then
+        the run's overall rate (tokens of its ok results over the time from the first start to the last finish)."""
+        if plot is not None:
+            require("watch --plot", ("matplotlib",))
         with Client(redis_url=redis_url) as client:
             tracker = RunTracker(client.redis, run)
             current = tracker.poll()
@@ -111,9 +122,11 @@ def register(app: typer.Typer) -> None:
                     time.sleep(interval)
                     current = tracker.poll()
                     bar.update(task, **describe_progress(current))
+                overall = overall_tokens_per_s(result for _, result in stream_results(client.redis, run))
+                bar.update(task, rate=f"{overall:,.0f} tokens/s overall")
             cancelled = f", {current.cancelled} cancelled" if current.cancelled else ""
             console.print(f"run {run} complete: {current.done} ok, {current.failed} failed{cancelled}, "
-                          f"{current.total} jobs", highlight=False)
+                          f"{current.total} jobs, {overall:,.0f} tokens/s overall", highlight=False)
             if plot is not None:
                 from producer.files.plots import plot_throughput
 

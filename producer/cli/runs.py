@@ -1,4 +1,7 @@
-"""``layertap runs`` and ``layertap run cancel|delete|trim``: a run's lifecycle (``producer.client.runs``)."""
+"""``layertap runs list|show|cancel|trim|delete``: a run's lifecycle (``producer.client.runs``).
+
+The older forms stay as hidden aliases: ``layertap runs`` alone lists, and ``layertap run ...``
+takes the same subcommands."""
 
 from __future__ import annotations
 
@@ -9,18 +12,28 @@ from typing import Optional
 
 import typer
 
-from producer.files.reader import cleanup_hidden_states
+from producer.files.reader import cleanup_hidden_states, remove_emptied_folders
 
 CANCEL_POLL_S = 0.5
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``runs`` and ``run cancel|delete|trim`` to the ``layertap`` app."""
-    run_app = typer.Typer(help="One run: cancel its queued jobs, trim or delete it.", no_args_is_help=True)
-    app.add_typer(run_app, name="run")
+    """Add ``runs list|show|cancel|trim|delete`` (and the hidden alias ``run``) to the ``layertap`` app."""
+    runs_app = typer.Typer(help="Runs: list them; show, cancel, trim or delete one.", invoke_without_command=True)
+    run_app = typer.Typer(no_args_is_help=True)
+    app.add_typer(runs_app, name="runs")
+    app.add_typer(run_app, name="run", hidden=True)
 
-    @app.command("runs")
-    def runs_command(
+    @runs_app.callback()
+    def runs_group(ctx: typer.Context,
+                   as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+                   redis_url: Optional[str] = typer.Option(None, help="Redis URL.")) -> None:
+        """Runs: list them; show, cancel, trim or delete one (`layertap runs` alone lists)."""
+        if ctx.invoked_subcommand is None:
+            list_command(as_json, redis_url)
+
+    @runs_app.command("list")
+    def list_command(
         as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
@@ -41,7 +54,7 @@ def register(app: typer.Typer) -> None:
         if not as_json:
             print(f"{len(found)} run(s)")
 
-    @run_app.command("cancel")
+    @runs_app.command("cancel")
     def cancel_command(
         run: str = typer.Argument(..., help="Run name."),
         wait: bool = typer.Option(False, "--wait", help="Wait until every job has a result, then print "
@@ -55,7 +68,7 @@ def register(app: typer.Typer) -> None:
 
         with Client(redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
-                raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
+                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
             runs.cancel(client.redis, run)
             while wait and not runs.is_complete(client.redis, run):
                 time.sleep(CANCEL_POLL_S)
@@ -65,10 +78,10 @@ def register(app: typer.Typer) -> None:
             print(f"run {run} cancelled: {ended}")
             return
         print(f"run {run} cancelled: {ended} so far; {counts['pending']} job(s) without a result yet end "
-              f"`cancelled` unless a worker's engine already has them (`layertap run cancel {run} --wait` "
+              f"`cancelled` unless a worker's engine already has them (`layertap runs cancel {run} --wait` "
               "prints how they all ended)")
 
-    @run_app.command("delete")
+    @runs_app.command("delete")
     def delete_command(
         run: str = typer.Argument(..., help="Run name."),
         files: bool = typer.Option(False, "--files", help="Also delete the files its ok results name."),
@@ -88,7 +101,7 @@ def register(app: typer.Typer) -> None:
 
         with Client(load_settings(redis_url=redis_url, storage=storage)) as client:
             if not runs.exists(client.redis, run):
-                raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
+                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
             what = f"run {run}'s results and records" + (" and its files" if files else "")
             if not yes and not typer.confirm(f"Delete {what}?"):
                 raise typer.Exit(1)
@@ -100,9 +113,10 @@ def register(app: typer.Typer) -> None:
         if files:
             for path in paths:
                 cleanup_hidden_states(path)
+            remove_emptied_folders(paths, run)
         print(f"deleted run {run}" + (f" and {len(paths)} file(s)" if files else ""))
 
-    @run_app.command("trim")
+    @runs_app.command("trim")
     def trim_command(
         run: str = typer.Argument(..., help="Run name."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
@@ -115,7 +129,39 @@ def register(app: typer.Typer) -> None:
 
         with Client(redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
-                raise RuntimeError(f"no run named {run!r} (see `layertap runs`)")
+                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
             dropped = runs.trim(client.redis, run)
             left = runs.redis_bytes(client.redis, run)
         print(f"run {run}: dropped {dropped} result stream entries; {left:,} B left in Redis")
+
+    @runs_app.command("show")
+    def show_command(
+        run: str = typer.Argument(..., help="Run name."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
+    ) -> None:
+        """Show one run: jobs submitted, ok, failed and waiting, state, bytes in Redis, models no live worker serves."""
+        from producer.client import runs
+        from producer.client.client import Client
+        from producer.ops.monitor import RunTracker
+
+        with Client(redis_url=redis_url) as client:
+            if not runs.exists(client.redis, run):
+                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
+            found = runs.summary(client.redis, run)
+            progress = RunTracker(client.redis, run).poll()
+            unserved = sorted(runs.waiting_models(client.redis, run) - client.served_models())
+            shown = {"run": run, "state": found.state, "submitted": found.submitted, "ok": progress.done,
+                     "failed": progress.failed, "waiting": found.submitted - found.finished,
+                     "redis_bytes": runs.redis_bytes(client.redis, run), "unserved_models": unserved}
+        if as_json:
+            print(json.dumps(shown))
+            return
+        print(f"run {run}: {shown['state']}; {found.submitted} submitted, {progress.done} ok, {progress.failed} "
+              f"failed, {shown['waiting']} waiting; {shown['redis_bytes']:,} B in Redis")
+        if unserved:
+            print(f"no live worker serves {', '.join(unserved)}: those jobs wait in the queue until one does")
+
+    for name, command in (("list", list_command), ("show", show_command), ("cancel", cancel_command),
+                          ("delete", delete_command), ("trim", trim_command)):
+        run_app.command(name)(command)

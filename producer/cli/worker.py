@@ -137,10 +137,11 @@ def make_tiny_model(
 
 def bench(
     model: str = typer.Option("shape:qwen3-8b", help="Model folder, or a random-weight shape: "
-                              "shape:qwen3-8b, shape:llama3-8b, shape:qwen3-tiny."),
+                              "shape:qwen3-8b, shape:llama3-8b, shape:qwen3-tiny (the only one a CPU takes)."),
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32"),
-    layers: str = typer.Option("2,18,33,36", help="Layer ids to extract."),
+    layers: Optional[str] = typer.Option(None, help="Layer ids to extract (default: EAGLE-3's [2, L//2, L-3, L] "
+                                         "of the model, e.g. 2,18,33,36 for an 8B)."),
     prompts: int = typer.Option(128, help="Number of prompts."),
     min_len: int = typer.Option(128, help="Shortest random prompt (tokens)."),
     max_len: int = typer.Option(2047, help="Longest random prompt (tokens)."),
@@ -164,7 +165,7 @@ def bench(
     require("`layertap bench`")
     from worker.bench.bench import BenchConfig, format_table, run_bench
 
-    config = BenchConfig(model=model, device=device, dtype=dtype, layers=parse_layers(layers) or [],
+    config = BenchConfig(model=model, device=device, dtype=dtype, layers=parse_layers(layers),
                          prompts=prompts, min_len=min_len, max_len=max_len, file=str(file) if file else None,
                          storage=str(storage), token_budget=token_budget, max_padding=max_padding,
                          parts=tuple(p.strip() for p in parts.split(",") if p.strip()), redis_url=redis_url,

@@ -47,7 +47,7 @@ class Bundler:
     :meth:`close` returns (a send that failed is kept and tried again, and its error raised
     there or by the next :meth:`add`)."""
 
-    def __init__(self, client: Client, settings: BundleSettings, *, check: bool = False):
+    def __init__(self, client: Client, settings: BundleSettings, *, check: bool | None = None):
         self.client = client
         self.settings = settings
         self.check = check
@@ -110,10 +110,12 @@ class Bundler:
         try:
             self.client.send([group.jobs for _, group in taken])
             self._failure = None
-        except (redis.exceptions.RedisError, OperationalError, OSError) as exc:  # kept for the next try; raised later
+        except BaseException as exc:  # kept for the next try (a Ctrl-C too: close() still sends them)
             for key, group in taken:
                 self._groups.setdefault(key, group)
-            self._failure = exc
+            if not isinstance(exc, (redis.exceptions.RedisError, OperationalError, OSError)):
+                raise
+            self._failure = exc  # raised later
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

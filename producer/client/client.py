@@ -20,10 +20,11 @@ import redis
 
 from producer.client import runs
 from producer.client.bundler import Bundler
-from producer.client.fleet import live_workers, served_depths
+from producer.client.fleet import did_you_mean, live_workers, served_depths
 from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
 from producer.protocol.layers import LayerIdError, resolve_layer_ids
+from producer.protocol.naming import served_model_name
 from producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
@@ -32,7 +33,7 @@ from producer.transport.redis_conn import connect, retrying
 
 
 class NoWorker(RuntimeError):
-    """``submit(..., check=True)``: no live worker serves the job's model."""
+    """``submit``: no live worker serves the job's model while others are live (or ``check=True``)."""
 
 
 class NoWorkerWarning(UserWarning):
@@ -65,22 +66,25 @@ class Client:
         self._depths: dict[str, int] = {}  # served model -> decoder layers, as live workers reported them
 
     # -- submitting -------------------------------------------------------------------
-    def submit(self, job: Job | Mapping[str, Any], *, check: bool = False, **fields: Any) -> Job:
+    def submit(self, job: Job | Mapping[str, Any], *, check: bool | None = None, **fields: Any) -> Job:
         """Validate, give an id, and enqueue one job in a message of its own, at once; returns
         the job as sent (with ``job_id``). Its result comes on the run's results stream
         (:meth:`wait`, :meth:`results`); there is no per-job ``AsyncResult``.
 
-        The first job of a model that no live worker serves warns (:class:`NoWorkerWarning`),
-        or with ``check=True`` raises :class:`NoWorker`; with ``check=True`` a job asking for layers
-        the live workers' model lacks raises ``LayerIdError``; a job for a cancelled run raises
+        ``model`` follows the workers' naming rule (``naming.served_model_name``): an existing
+        local folder is its basename, so the ``--model`` a worker was started with meets.
+        The first job of a model that no live worker serves is checked as ``layertap enqueue``
+        does (:meth:`check_served`); unless ``check=False``, a job asking for layers the live
+        workers' model lacks raises ``LayerIdError``; a job for a cancelled run raises
         :class:`~producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
         job, payload = self.prepare(job, check=check, **fields)
         self.send([[(job, payload)]])
         return job
 
-    def prepare(self, job: Job | Mapping[str, Any], *, check: bool = False,
+    def prepare(self, job: Job | Mapping[str, Any], *, check: bool | None = None,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
-        """The job validated, with its id, and its JSON payload; raises as :meth:`submit` does."""
+        """The job validated, with its served model name and its id, and its JSON payload; raises
+        as :meth:`submit` does."""
         limit = self.settings.limits.max_job_bytes
         if not isinstance(job, Job):
             data = {**job, **fields}
@@ -88,6 +92,8 @@ class Client:
             job = Job.model_validate(data)
         elif fields:
             job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
+        if served_model_name(job.model) != job.model:
+            job = job.model_copy(update={"model": served_model_name(job.model)})
         job = job.with_id()
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
@@ -128,41 +134,54 @@ class Client:
         for task, args, kwargs, queue, task_id in sends:
             retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task), wait_s)
 
-    def bundler(self, *, check: bool = False, **overrides: Any) -> Bundler:
+    def bundler(self, *, check: bool | None = None, **overrides: Any) -> Bundler:
         """A :class:`~producer.client.bundler.Bundler` sending this client's jobs in bundles
         (``settings.bundle``, with ``overrides`` such as ``max_jobs=16``); close it, or use it
         with ``with``, to send what it still holds."""
         settings = self.settings.bundle.model_copy(update=overrides)
         return Bundler(self, settings, check=check)
 
-    def _check_destination(self, job: Job, check: bool) -> None:
+    def _check_destination(self, job: Job, check: bool | None) -> None:
         if job.run not in self._open_runs:
             if runs.is_cancelled(self.redis, job.run):
-                raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap run delete {job.run}` first, "
+                raise runs.RunCancelled(f"run {job.run} is cancelled; `layertap runs delete {job.run}` first, "
                                         "or use another run name")
             self._open_runs.add(job.run)
         if job.model not in self._served:
-            workers = self.workers()
-            served = {info["model"] for info in workers.values()}
-            if job.model not in served:
-                names = ", ".join(sorted(served)) or "none"
-                message = (f"no live worker serves model {job.model!r} (served: {names}); "
-                           f"its jobs wait in queue {keys.model_queue(job.model)} until one does")
-                if check:
-                    raise NoWorker(message)
-                warnings.warn(message, NoWorkerWarning, stacklevel=4)
+            workers = self.check_served(job.model, check, stacklevel=5)
             self._depths.update(served_depths(workers))
             self._served.add(job.model)
         depth = self._depths.get(job.model)
-        if check and job.layers is not None and depth is not None:
+        if check is not False and job.layers is not None and depth is not None:
             try:
                 resolve_layer_ids(job.layers, depth)
             except LayerIdError as exc:
                 raise LayerIdError(f"job {job.job_id}: model {job.model!r} as live workers serve it: {exc}") from None
 
-    def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], **fields: Any) -> list[Job]:
+    def check_served(self, model: str, check: bool | None = None, *,
+                     stacklevel: int = 2) -> dict[str, dict[str, Any]]:
+        """The one check of a destination, for ``Client`` and ``layertap enqueue`` alike. If no live
+        worker serves ``model``: raise :class:`NoWorker` (with a "did you mean") when ``check`` is
+        None (the default) and some other worker is live, since a typo is likelier than a worker
+        still to come, or when ``check`` is True; otherwise warn (:class:`NoWorkerWarning`): the
+        jobs wait in the queue until such a worker starts. Returns the live workers (node -> info)."""
+        live = self.workers()
+        served = {info["model"] for info in live.values()}
+        if model in served:
+            return live
+        guess = did_you_mean(model, served)
+        reason = (f"no live worker serves model {model!r} (served: {', '.join(sorted(served)) or 'none'}"
+                  + (f"; did you mean {guess!r}?)" if guess else ")"))
+        if check or (check is None and live):
+            raise NoWorker(reason)
+        warnings.warn(f"{reason}; its jobs wait in queue {keys.model_queue(model)} until one does", NoWorkerWarning,
+                      stacklevel=stacklevel)
+        return live
+
+    def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]], *, check: bool | None = None,
+                    **fields: Any) -> list[Job]:
         """Submit each job, in bundles (``settings.bundle``); returns them with ids once all are sent."""
-        with self.bundler() as bundler:
+        with self.bundler(check=check) as bundler:
             return [bundler.add(job, **fields) for job in jobs]
 
     def seal(self, run: str, sealed: bool = True) -> None:

@@ -1,6 +1,7 @@
 """Which workers are alive: every worker registers in ``keys.WORKERS_HASH`` and is alive while
 its heartbeat key (``keys.worker_heartbeat_key``, with a TTL) exists. The one liveness check,
-for the Client (``served_models``) and ``layertap status``.
+for the Client (``served_models``) and ``layertap status``; and the "did you mean" of a
+model no live worker serves.
 
 A worker that crashed (SIGKILL, a lost host) cannot deregister: its entry is shown as dead for
 :data:`DEAD_WORKER_SHOWN_S` after its last heartbeat, then pruned by the next read, only while
@@ -8,6 +9,7 @@ its heartbeat key is still gone and its entry unchanged (a worker that came back
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -71,3 +73,33 @@ def served_depths(workers: dict[str, dict[str, Any]]) -> dict[str, int]:
         if isinstance(info.get("num_layers"), int):
             depths[info["model"]] = min(info["num_layers"], depths.get(info["model"], info["num_layers"]))
     return depths
+
+
+def did_you_mean(model: str, served: set[str]) -> str | None:
+    """The served model ``model`` was most likely meant as: one that differs only in case, else the
+    closest by ``difflib`` (its basename compared too, for a path); None when none is close."""
+    folded = {name.casefold(): name for name in sorted(served)}
+    for candidate in (model, model.rstrip("/").rsplit("/", 1)[-1]):
+        if candidate.casefold() in folded:
+            return folded[candidate.casefold()]
+        close = difflib.get_close_matches(candidate, sorted(served), n=1, cutoff=0.75)
+        if close:
+            return close[0]
+    return None
+
+
+def running_jobs(client: redis.Redis) -> dict[str, int]:
+    """Jobs running now, per model: those of the messages workers hold (delivered, not yet
+    acknowledged: kombu's unacked hash, whose delivery tags begin with the task id), a bundle
+    counted by its jobs (its pending record lists them)."""
+    task_ids = sorted({keys.as_text(tag).partition(keys.DELIVERY_TAG_SEPARATOR)[0]
+                       for tag in client.hkeys(keys.UNACKED_HASH)})
+    counts: dict[str, int] = {}
+    for record in client.hmget(keys.PENDING_HASH, task_ids) if task_ids else []:
+        if record is None:
+            continue
+        data = json.loads(record)
+        model = keys.queue_model(data.get("queue", ""))
+        if model is not None:
+            counts[model] = counts.get(model, 0) + (len(data["jobs"]) if isinstance(data.get("jobs"), list) else 1)
+    return dict(sorted(counts.items()))

@@ -213,7 +213,7 @@ def cancel(client: redis.Redis, run: str) -> None:
 
 def cancelled_error(run: str) -> str:
     """The error message of a job of ``run`` not run because the run was cancelled."""
-    return f"run {run} was cancelled (layertap run cancel); this job was not run"
+    return f"run {run} was cancelled (layertap runs cancel); this job was not run"
 
 
 def cancelled_result(run: str, job_id: str, *, worker: str | None, model: str | None = None,
@@ -251,7 +251,7 @@ def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: s
     found = summary(client, run)
     if found.finished < found.submitted and not force:
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
-                           f"`layertap run cancel {run}` and wait for their `cancelled` results, "
+                           f"`layertap runs cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
     prefix = keys.task_id(run, "")
     if force:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from producer.protocol.fileformat import (
     verify_file,
 )
 from producer.protocol.locking import lock_path, shared_lock
+from producer.protocol.naming import FILE_SUFFIX, storage_root_of
 
 
 def load_hidden_states(
@@ -63,6 +65,22 @@ def load_hidden_states(
         else:
             tensors = {name: header.array(name) for name in header.tensors}
     return fp8.dequantize(tensors) if dequantize else tensors
+
+
+def remove_emptied_folders(paths: Iterable[str | Path], run: str) -> int:
+    """Remove the fan-out folders of ``paths`` (files of ``run`` already removed), then the run's
+    folder, where each is left empty; returns how many went. Only folders of the file layout
+    (``naming.job_path``: ``<root>/<run>/<fan-out>``) are touched, never the storage root."""
+    fanouts = set()
+    for path in map(Path, paths):
+        if storage_root_of(path, run, path.name.removesuffix(FILE_SUFFIX)) is not None:
+            fanouts.add(path.parent)
+    removed = 0
+    for folder in [*sorted(fanouts), *sorted({fanout.parent for fanout in fanouts})]:
+        with contextlib.suppress(OSError):  # not empty (another file, a temp file), or gone
+            folder.rmdir()
+            removed += 1
+    return removed
 
 
 def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False) -> None:

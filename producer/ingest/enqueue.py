@@ -147,11 +147,11 @@ class Enqueuer:
     """Sends planned jobs with resume, repeat skipping and back-pressure (see the module doc)."""
 
     def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
-                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP, check: bool = False):
-        """``check``: refuse, as bad rows, jobs the live workers cannot run (``Client.submit``'s check)."""
+                 until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP,
+                 check: bool | None = None):
         self.client = client
         self.group = group
-        self.bundler = client.bundler(check=check)
+        self.bundler = client.bundler(check=check)  # refuse, as bad rows, jobs the live workers cannot run (Client's check)
         self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
                                        before_read=self.bundler.flush)
         self.batch_size = batch_size

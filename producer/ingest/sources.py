@@ -10,7 +10,9 @@ arrays and datasets, as their indexes do) so a bad row is reported precisely.
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +42,16 @@ class RowSource:
     rows: Iterator[SourceRow]
 
 
-def iter_jsonl(path: Path) -> Iterator[SourceRow]:
-    """One row per non-blank line; a line that is not JSON is an error row; bad UTF-8 stops the file."""
-    with open(path, encoding="utf-8", errors="strict") as handle:
+#: The ``--file`` that means standard input (JSONL).
+STDIN = "-"
+
+
+def iter_jsonl(path: Path | str) -> Iterator[SourceRow]:
+    """One row per non-blank line (of standard input for ``-``); a line that is not JSON is an error
+    row; bad UTF-8 stops the file."""
+    opened = (io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="strict") if str(path) == STDIN
+              else open(path, encoding="utf-8", errors="strict"))
+    with opened as handle:
         line_no = 0
         while True:
             try:
@@ -169,9 +178,11 @@ def hub_dataset_source(dataset_id: str, split: str | None) -> RowSource:
 
 
 def open_source(path: str | Path, *, split: str | None = None) -> RowSource:
-    """Open ``path`` by what it is: a saved dataset folder, parquet, a JSON array, JSONL (any other
+    """Open ``path`` by what it is: ``-`` for JSONL on standard input, a saved dataset folder, parquet, a JSON array, JSONL (any other
     file), or, when no such file exists and it has the form ``org/name``, a hub dataset."""
     text = str(path)
+    if text == STDIN:
+        return RowSource("jsonl", None, iter_jsonl(STDIN))
     path = Path(path)
     if not path.exists():
         if is_hub_id(text) and not text.endswith(FILE_SUFFIXES):

@@ -7,9 +7,13 @@ much history exists, and drops to 0 when the total stops moving for ``window_s``
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
+
+from producer.protocol.schema import Result
 
 
 class RateWindow:
@@ -38,3 +42,15 @@ class RateWindow:
                 return 0.0
             (t0, v0), (t1, v1) = self._samples[0], self._samples[-1]
         return (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def overall_tokens_per_s(results: Iterable[Result]) -> float:
+    """A finished run's rate: the tokens of its ok results over the time from the earliest start
+    (``finished_at`` less the compute and write times) to the last finish; 0 without ok results."""
+    tokens, first, last = 0, math.inf, -math.inf
+    for result in results:
+        if result.ok and not result.cached:
+            tokens += result.num_tokens or 0
+            first = min(first, result.finished_at - (result.timings.compute or 0.0) - (result.timings.write or 0.0))
+            last = max(last, result.finished_at)
+    return tokens / (last - first) if last > first else 0.0

@@ -49,6 +49,25 @@ def is_hub_id(text: str) -> bool:
             and not text.startswith((".", "-")))
 
 
+#: A random-weight model shape (``shape:qwen3-8b``), as ``worker.model.shapes`` reads it.
+SHAPE_PREFIX = "shape:"
+
+
+def served_model_name(source: str) -> str:
+    """The one naming rule for a ``--model`` string, applied by the worker (the name it serves
+    without ``--name``) and by the client (the queue a job goes to), so that the same string
+    meets on both sides. A hub id, a shape or any string that is not an existing folder stays
+    as given; an existing folder becomes its basename, or ``org/name`` for a Hugging Face cache
+    snapshot (``.../models--org--name/snapshots/<revision>``)."""
+    folder = Path(source).expanduser()
+    if source.startswith(SHAPE_PREFIX) or not folder.is_dir():
+        return source
+    folder = folder.resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return folder.name
+
+
 def canonical_json(obj: Any) -> str:
     """JSON with sorted keys and no whitespace: equal values give equal strings."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

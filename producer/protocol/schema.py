@@ -272,7 +272,7 @@ class ErrorType(str, Enum):
     write_failed = "write_failed"  # the file could not be written
     job_id_conflict = "job_id_conflict"  # its job_id already names a file of other content in its run
     dead_letter = "dead_letter"  # failed max_attempts times; moved to the dead-letter stream
-    cancelled = "cancelled"  # its run was cancelled (``layertap run cancel``) before it ran
+    cancelled = "cancelled"  # its run was cancelled (``layertap runs cancel``) before it ran
     lost = "lost"  # its message was gone before any worker held it (purged, never sent); send it again
     internal = "internal"  # a bug or an unexpected fault; the message says what
 

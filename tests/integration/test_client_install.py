@@ -75,6 +75,11 @@ def test_client_install_has_no_torch_and_works(client_venv, workers, redis_serve
     inspected = run_in(client_venv, tmp_path, "layertap", "inspect", result["path"], "--plot", str(tmp_path / "x.png"))
     assert inspected.returncode == 1
     assert inspected.stderr.strip() == "error: --plot needs matplotlib, which is not installed: pip install 'layertap[plots]'"
+    watched = run_in(client_venv, tmp_path, "layertap", "watch", "--run", f"{run_name}-never", "--plot",
+                     str(tmp_path / "w.png"), env=env)  # refused at the start, not after a run that never ends
+    assert watched.returncode == 1
+    assert watched.stderr.strip() == ("error: watch --plot needs matplotlib, which is not installed: "
+                                      "pip install 'layertap[plots]'")
 
 
 @pytest.mark.parametrize("command", [["worker", "--model", "anything"], ["make-tiny-model", "x"], ["demo"],

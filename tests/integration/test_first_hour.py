@@ -163,7 +163,7 @@ def test_dlq_requeue_of_everything_asks(redis_server):
 
 @pytest.mark.parametrize("folder", ["plain", "hub-cache"])
 def test_default_served_name(tmp_path, folder):
-    from worker.startup import default_served_name
+    from producer.protocol.naming import served_model_name as default_served_name
 
     path = tmp_path / "my-model" if folder == "plain" else tmp_path / "models--Qwen--Qwen3-8B" / "snapshots" / "abc"
     path.mkdir(parents=True)

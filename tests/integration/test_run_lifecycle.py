@@ -101,7 +101,8 @@ def test_delete_refuses_unfinished_run_and_removes_files(workers, redis_server, 
 
     unserved = f"{run_name}-unserved"
     with pytest.warns(NoWorkerWarning):
-        client.submit({"prompt": "nobody serves me"}, model="tiny-nobody-lifecycle", run=unserved)
+        client.submit({"prompt": "nobody serves me"}, model="tiny-nobody-lifecycle", run=unserved,
+                      check=False)  # (others are live: the default would refuse)
     with pytest.raises(subprocess.TimeoutExpired) as watching:  # watch waits for the run to complete
         subprocess.run(cli("watch", "--run", unserved), env={**os.environ, "LAYERTAP_REDIS_URL": redis_server.url},
                        capture_output=True, text=True, timeout=10)

@@ -6,13 +6,17 @@
     an attention mask, ``output_hidden_states=True``, lm_head included, save each file;
 (b) ceiling: the engine's own batches (its scheduler's policy, packed or padded as the model's
     batching plan says), decoder layers up to the last wanted one, nothing copied or
-    written (the bare forward);
+    written (the bare forward), run on a thread of its own as the engine runs its forwards
+    (on a CPU, PyTorch's intra-op threads run the same forward several times slower from
+    the main thread: measured there, (b) fell below (c));
 (c) engine: layertap's engine in-process (``JobProcessor``), files written;
 (d) queue: the whole path, jobs through Redis to a ``layertap worker`` process and
     results back from the stream.
 
 Each part reports tokens/s, GB/s written and MFU: the useful model FLOPs (decoder layers
-up to the last wanted one, attention included) over the device's measured matmul rate.
+up to the last wanted one, attention included) over the device's measured matmul rate (no
+MFU where no rate was measured). Layers default to EAGLE-3's ``[2, L//2, L-3, L]`` of the
+loaded model; a random-weight shape too big for a CPU is refused before anything is built.
 (c) and (d) report the share of wall time the device did no batch work. The naive part
 keeps its first files and the engine's files are compared with them (exactness).
 
@@ -30,15 +34,15 @@ from typing import Any
 
 import torch
 
-from producer.protocol.layers import resolve_layer_ids
-from worker.bench.config import BenchConfig, PartResult, claim_storage
+from producer.protocol.layers import eagle3_layer_ids, resolve_layer_ids
+from worker.bench.config import BenchConfig, PartResult, check_shape_fits, claim_storage
 from worker.bench.exactness import compare, fp32_reference_errors
-from worker.bench.measure import matmul_rate, useful_flops
+from worker.bench.measure import matmul_rate, on_own_thread, useful_flops
 from worker.bench.parts import memory_check, run_engine, run_forward_only, run_naive, run_plain_batched
 from worker.bench.prompts import file_prompts, random_prompts
 from worker.bench.queue_part import run_queue
-from worker.bench.report import device_name, format_table, software_versions
-from worker.model.loading import compile_decoder_layers, load_model
+from worker.bench.report import device_name, format_flops, format_table, software_versions
+from worker.model.loading import compile_decoder_layers, load_model, resolve_device
 
 __all__ = ["BenchConfig", "format_table", "run_bench"]  # the CLI's imports
 
@@ -46,6 +50,7 @@ COMPARE_PROMPTS = 8
 
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    check_shape_fits(cfg.model, resolve_device(cfg.device).type)
     storage = Path(cfg.storage)
     claim_storage(storage)
     loaded = load_model(cfg.model, name="bench-model", device=cfg.device, dtype=cfg.dtype,
@@ -53,17 +58,18 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     load = {**(loaded.load_report.as_json() if loaded.load_report else {}),
             "quantization": loaded.quantization.describe() if loaded.quantization else None,
             "quant_compute": loaded.quant_compute or None, "experts": loaded.experts}
-    layer_ids = resolve_layer_ids(cfg.layers, loaded.num_layers)
+    layer_ids = resolve_layer_ids(eagle3_layer_ids(loaded.num_layers) if cfg.layers is None else cfg.layers,
+                                  loaded.num_layers)
     if cfg.file:
         prompts = file_prompts(cfg.file, loaded.tokenizer, cfg.prompts)
     else:
         prompts = random_prompts(cfg.prompts, cfg.min_len, cfg.max_len, loaded.vocab_size, cfg.seed)
     lengths = [len(p) for p in prompts]
     batching = loaded.batching.describe()
-    rate = matmul_rate(loaded.device)
+    rate = on_own_thread(loaded.device, matmul_rate, loaded.device)  # as (b) runs
     flops = useful_flops(loaded, layer_ids, lengths)
     log(f"model {cfg.model} ({loaded.num_layers} layers, {loaded.dtype}) on {loaded.device}; {len(prompts)} prompts, "
-        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {rate / 1e12:.1f} TFLOP/s; batching {batching}")
+        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {format_flops(rate)}; batching {batching}")
     parts: dict[str, PartResult] = {}
     exactness: dict[str, float] | None = None
     if "a" in cfg.parts:
@@ -76,7 +82,8 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     if cfg.compile:
         compile_decoder_layers(loaded)
     if "b" in cfg.parts:
-        parts["b"] = run_forward_only(loaded, prompts, layer_ids, cfg.token_budget, cfg.max_padding)
+        parts["b"] = on_own_thread(loaded.device, run_forward_only, loaded, prompts, layer_ids, cfg.token_budget,
+                                   cfg.max_padding)
         log(f"  {parts['b'].name}: {parts['b'].tokens / parts['b'].seconds:,.0f} tokens/s")
     if "c" in cfg.parts:
         parts["c"], engine_paths = run_engine(loaded, prompts, layer_ids, storage / "c", cfg.token_budget,
@@ -99,7 +106,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     for part in parts.values():
         part.tokens_per_s = part.tokens / part.seconds
         part.gb_per_s = part.bytes_written / part.seconds / 1e9
-        part.mfu = flops / part.seconds / rate
+        part.mfu = flops / part.seconds / rate if rate > 0 else None  # no measured rate: no MFU
     ratios = {}
     speed = {key: part.tokens_per_s for key, part in parts.items()}
     for top, bottom in (("c", "a"), ("d", "a"), ("d", "p"), ("d", "b"), ("c", "b")):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from producer.protocol.naming import SHAPE_PREFIX
 from producer.settings import WorkerSettings
 
 PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
@@ -17,7 +18,7 @@ class BenchConfig:
     model: str = "shape:qwen3-8b"
     device: str = "auto"
     dtype: str = "auto"
-    layers: list[int] = field(default_factory=lambda: [2, 18, 33, 36])
+    layers: list[int] | None = None  # None: EAGLE-3's [2, L//2, L-3, L] of the loaded model
     prompts: int = 128
     min_len: int = 128
     max_len: int = 2047
@@ -54,7 +55,21 @@ class PartResult:
 
 #: A file the bench leaves in its storage folder: the folder is the bench's to empty.
 BENCH_MARKER = ".layertap-bench"
+#: The largest random-weight shape benched on a CPU (qwen3-8b, 8.2B, would need 33 GB of float32 weights).
+CPU_SHAPE_MAX_PARAMETERS = 1_000_000_000
 
+
+def check_shape_fits(model: str, device_type: str) -> None:
+    """Refuse, before anything is built, a random-weight shape too big for a CPU bench."""
+    from worker.model.shapes import is_shape, shape_parameters
+
+    if device_type != "cpu" or not is_shape(model):
+        return
+    parameters = shape_parameters(model.removeprefix(SHAPE_PREFIX))
+    if parameters > CPU_SHAPE_MAX_PARAMETERS:
+        raise ValueError(f"--model {model} has {parameters / 1e9:.1f}B parameters ({parameters * 4 / 1e9:.0f} GB of "
+                         "float32 weights): too big for a CPU bench; use --model shape:qwen3-tiny on a CPU, "
+                         "or --device cuda")
 
 
 def claim_storage(storage: Path) -> None:

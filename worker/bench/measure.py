@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from worker.model.loading import LoadedModel
+
+T = TypeVar("T")
 
 
 def sync(device: torch.device) -> None:
@@ -28,6 +32,18 @@ def timed_loop(step: Any, batches: list[list[int]], device: torch.device, warm_u
     return time.perf_counter() - start
 
 
+def on_own_thread(device: torch.device, step: Callable[..., T], *args: Any) -> T:
+    """``step(*args)`` on a new thread, as the engine runs its forwards (its device made current
+    there); returns its result or raises its error."""
+    def run() -> T:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return step(*args)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="layertap-bench") as pool:
+        return pool.submit(run).result()
+
+
 def matmul_rate(device: torch.device) -> float:
     """Measured dense matmul FLOP/s (bf16 8192^3 on a GPU, float32 1024^3 on the CPU), median of 10."""
     size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
@@ -42,7 +58,8 @@ def matmul_rate(device: torch.device) -> float:
         a @ b
         sync(device)
         times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+    median = statistics.median(times)
+    return 2 * size**3 / median if median > 0 else 0.0  # 0.0: unknown (a clock too coarse to time it)
 
 
 def useful_flops(loaded: LoadedModel, layer_ids: list[int], lengths: list[int]) -> float:

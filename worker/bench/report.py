@@ -28,13 +28,21 @@ def software_versions() -> dict[str, str]:
             "cuda": torch.version.cuda or "none"}
 
 
+def format_flops(rate: float) -> str:
+    """A FLOP/s figure in the unit that shows it (a CPU's is GFLOP/s, not "0.0 TFLOP/s")."""
+    if rate <= 0:
+        return "unknown FLOP/s"
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """A markdown table of the parts, then ratios and notes."""
     lines = ["| part | tokens/s | GB/s written | MFU | device idle | seconds | errors |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for part in report["parts"].values():
         idle = "" if part["device_idle_share"] is None else f"{part['device_idle_share']:.1%}"
-        lines.append(f"| {part['name']} | {part['tokens_per_s']:,.0f} | {part['gb_per_s']:.2f} | {part['mfu']:.1%} | "
+        mfu = "-" if part["mfu"] is None else f"{part['mfu']:.1%}"
+        lines.append(f"| {part['name']} | {part['tokens_per_s']:,.0f} | {part['gb_per_s']:.2f} | {mfu} | "
                      f"{idle} | {part['seconds']:.2f} | {part['errors']} |")
     for key, part in report["parts"].items():
         if "jobs_per_s" in part["notes"]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-SHAPE_PREFIX = "shape:"
+from producer.protocol.naming import SHAPE_PREFIX
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -57,6 +57,15 @@ def shape_config(name: str):
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(sorted(SHAPES))}")
     family, fields = SHAPES[name]
     return AutoConfig.for_model(family, **fields)
+
+
+def shape_parameters(name: str) -> int:
+    """The shape's parameter count, from a model built on the meta device (no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config(name))
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
