@@ -3,7 +3,10 @@
 Decoder layers are found structurally (the ``nn.ModuleList`` of ``num_hidden_layers``
 blocks inside the text decoder, alike or not: hybrids such as Jamba mix block classes),
 so Llama, Qwen, Mistral, Gemma, Phi, GPT-2/NeoX-style, hybrid and multimodal wrappers
-work without a table of attribute paths. The batching path is chosen here too
+work without a table of attribute paths. A vision-language checkpoint (one saved as
+``...ForConditionalGeneration``: Qwen-VL, Gemma 3, LLaVA, Llama 4, Qwen3.5...) loads as
+that class, vision tower included, and its text decoder (the innermost ``get_decoder()``)
+is what the engine runs for text and token-id jobs. The batching path is chosen here too
 (``worker.model.batching``), and the model switched to packed attention only when packing is
 exact for it; otherwise it keeps the attention implementation transformers gave it.
 
@@ -100,12 +103,46 @@ def resolve_dtype(spec: str, device: torch.device, config: Any | None = None) ->
     return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The innermost text decoder: ``get_decoder()`` followed down (a vision-language model's
+    returns its language model, which may itself be a causal LM wrapping the decoder, as
+    Llama 4's is), else ``base_model``."""
+    current: nn.Module = model
+    while hasattr(current, "get_decoder"):
+        inner = current.get_decoder()
+        if not isinstance(inner, nn.Module) or inner is current:
+            break
+        current = inner
+    return current if current is not model else getattr(model, "base_model", model)
+
+
+def auto_class(config: Any) -> Any:
+    """The transformers auto class a checkpoint loads with: ``AutoModelForImageTextToText``
+    when the checkpoint is a vision-language model (its ``architectures`` name a class of that
+    mapping, or transformers has no causal LM class for its config), else
+    ``AutoModelForCausalLM``. Loading a VLM checkpoint as its text-only causal LM would keep
+    the text weights only where the key names happen to match, so it is never done."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    vision_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    if vision_class is None:
+        return AutoModelForCausalLM
+    saved_as = set(getattr(config, "architectures", None) or [])
+    causal_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if causal_class is None or vision_class in saved_as or causal_class == vision_class:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
     """Return ``(decoder, layers)``: the text decoder module and its list of ``num_layers``
     blocks (the shallowest such list with weights in every block; the blocks may differ in
     class, as in hybrids). Raises :class:`ModelRefused` when there is none."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    decoder = decoder if isinstance(decoder, nn.Module) else getattr(model, "base_model", model)
+    decoder = text_decoder(model)
     for scope in (decoder, model):
         candidates = [
             (name, module) for name, module in scope.named_modules()
@@ -278,7 +315,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
     the attention implementation transformers picks for it (SDPA where it has one, else
     its own), and is switched to packed attention only where packing is exact."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from worker.model.shapes import (
         SHAPE_PREFIX,
@@ -305,7 +342,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     folder = checkpoint_folder(source, revision)  # fingerprinted before the weights are read: a rewrite
     fingerprint = weights_fingerprint(folder) if folder is not None else None  # during the load costs a recompute
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class(config).from_pretrained(
             source, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
             device_map="auto" if split else None,
         )
