@@ -106,7 +106,7 @@ def run_worker(settings: Settings) -> int:
                                 max_padding=ws.max_padding,
                                 host_buffers=ws.host_buffers, writer_threads=ws.writer_threads,
                                 prepare_ahead=ws.prepare_ahead_batches,
-                                compile_layers=ws.compile, on_fatal=on_fatal)
+                                compile_layers=ws.compile, images_root=settings.images_root, on_fatal=on_fatal)
     gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
                                                "gpus": gpus, "dtype": dtype})

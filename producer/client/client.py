@@ -23,6 +23,7 @@ from producer.client.bundler import Bundler
 from producer.client.fleet import live_workers
 from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
+from producer.protocol.images import load_images, with_image_digests
 from producer.protocol.schema import Job, Result, oversize
 from producer.settings import Settings
 from producer.transport.celery_app import make_celery, send_extract
@@ -81,12 +82,17 @@ class Client:
 
     def prepare(self, job: Job | Mapping[str, Any], *, check: bool = False,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
-        """The job validated, with its id, and its JSON payload; raises as :meth:`submit` does."""
+        """The job validated, with its id, and its JSON payload; raises as :meth:`submit` does,
+        and :class:`~producer.protocol.images.ImageError` for an image that cannot be used
+        (an image path gets the sha256 of its file under ``settings.images_root`` first)."""
+        limits, images_root = self.settings.limits, self.settings.images_root
         if not isinstance(job, Job):
-            job = Job.model_validate({**job, **fields})
+            job = Job.model_validate(with_image_digests({**job, **fields}, images_root, limits.max_image_bytes))
         elif fields:
             job = Job.model_validate({**job.model_dump(exclude_none=True), **fields})
         job = job.with_id()
+        if job.messages is not None:
+            load_images(job.messages, images_root, max_images=limits.max_images, max_bytes=limits.max_image_bytes)
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
         size = oversize(job, payload, self.settings.limits.max_job_bytes)

@@ -3,15 +3,26 @@ token-id jobs exactly: batched the way the worker batches them, every language-m
 of every prompt equals the plain model's own ``forward`` on that prompt alone (fp32, 1e-5).
 
 Tiny random VLMs (``tests/support/vlm.py``), no hub. The weights-only folders have no
-tokenizer and no processor: token-id jobs need neither.
+tokenizer and no processor: token-id jobs need neither. Jobs with images get typed results
+(``bad_image``, ``no_image_support``) and the worker goes on.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
+import warnings
+
 import pytest
 import torch
+from PIL import Image
 
+from producer.client.client import Client, NoWorkerWarning
 from producer.files.reader import load_hidden_states
+from producer.protocol.images import ImageError
+from producer.protocol.schema import ErrorType
+from producer.settings import Settings
 from tests.support.vlm import TEXT_VOCAB, VLM_FAMILIES, build_tiny_vlm, vlm_block_states
 from worker.extractor import Extractor
 from worker.model.loading import load_model
@@ -66,3 +77,62 @@ def test_prompt_jobs_on_a_vlm_checkpoint_use_its_tokenizer(tmp_path):
         assert states["token_ids"].tolist() == ids
         reference = vlm_block_states(str(model_dir), [0, 2], input_ids=torch.tensor([ids]))
         assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
+def png_bytes(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (120, 40, 200)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_chat(part: dict) -> dict:
+    return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hello model"}]},
+                         {"role": "assistant", "content": "the draft layer"}]}
+
+
+def test_image_jobs_get_typed_results_and_the_worker_goes_on(tmp_path):
+    """A bad image is ``bad_image``; a good one ``no_image_support`` (no vision tower run yet); a
+    chat of text parts renders as its text; the same extractor then serves the next jobs."""
+    model_dir = build_tiny_vlm("qwen2-vl", tmp_path / "model")
+    build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir)
+    images_root = tmp_path / "images"
+    images_root.mkdir()
+    (images_root / "ok.png").write_bytes(png_bytes(6, 4))
+    good_url = "data:image/png;base64," + base64.b64encode(png_bytes(4, 4)).decode()
+    bad_url = "data:image/png;base64," + base64.b64encode(b"these bytes are no image").decode()
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "model"}]},
+                  {"role": "assistant", "content": "the draft layer"}]
+    as_text = [{"role": "user", "content": "hello model"}, {"role": "assistant", "content": "the draft layer"}]
+    with Extractor(str(model_dir), layers=[0, 2], device="cpu", dtype="float32", images_root=images_root) as extractor:
+        job = extractor.job(image_chat({"type": "image", "image": "ok.png"}), run="images")
+        (images_root / "ok.png").write_bytes(png_bytes(7, 4))  # changed after the job was made
+        results = extractor.extract(
+            [image_chat({"type": "image_url", "image_url": {"url": bad_url}}), job,
+             image_chat({"type": "image_url", "image_url": {"url": good_url}}), text_parts, as_text],
+            tmp_path / "files", run="images")
+    assert [result.error_type for result in results[:3]] == [ErrorType.bad_image, ErrorType.bad_image,
+                                                           ErrorType.no_image_support], results
+    assert "does not decode" in results[0].error and "no longer has the bytes" in results[1].error
+    assert "does not run its vision tower" in results[2].error
+    assert results[3].ok and results[4].ok, (results[3].error, results[4].error)
+    assert (load_hidden_states(results[3].path)["token_ids"].tolist()
+            == load_hidden_states(results[4].path)["token_ids"].tolist())
+
+
+def test_the_client_fills_image_digests_and_refuses_bad_images_before_sending(redis_server, tmp_path):
+    images_root = tmp_path / "images"
+    images_root.mkdir()
+    (images_root / "ok.png").write_bytes(png_bytes(5, 5))
+    (images_root / "broken.png").write_bytes(b"\x89PNG but not really")
+    settings = Settings(redis_url=redis_server.url, images_root=images_root)
+    with Client(settings) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)
+        job, payload = client.prepare(image_chat({"type": "image", "image": "ok.png"}), model="vlm", run="client-images")
+        part = payload["messages"][0]["content"][0]
+        assert part["sha256"] == hashlib.sha256(png_bytes(5, 5)).hexdigest()
+        for bad, reason in (("broken.png", "does not decode"), ("missing.png", "is not a file"),
+                            ("../ok.png", "plain relative path")):
+            with pytest.raises(ValueError, match=reason):
+                client.prepare(image_chat({"type": "image", "image": bad}), model="vlm", run="client-images")
+    with Client(Settings(redis_url=redis_server.url)) as client, pytest.raises(ImageError, match="no images root"):
+        client.prepare(image_chat({"type": "image", "image": "ok.png"}), model="vlm", run="client-images")

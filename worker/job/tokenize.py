@@ -16,8 +16,10 @@ import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from producer.protocol.images import ImageError, load_images
 from producer.protocol.layers import LayerIdError, resolve_layer_ids
 from producer.protocol.schema import ErrorType, Job
 from producer.settings import Limits
@@ -44,10 +46,12 @@ class PreparedInput:
 class Preparer:
     """Tokenizes jobs for one model. Thread-safe (each call borrows a tokenizer from the pool)."""
 
-    def __init__(self, loaded: LoadedModel, default_layers: list[int], limits: Limits):
+    def __init__(self, loaded: LoadedModel, default_layers: list[int], limits: Limits,
+                 images_root: Path | None = None):
         self.loaded = loaded
         self.default_layers = default_layers
         self.limits = limits
+        self.images_root = images_root  # image paths in chats are read under it only
         self._tokenizers: queue.Queue[Any] = queue.Queue()
         if loaded.tokenizer is not None:
             for index in range(TOKENIZER_POOL):
@@ -137,8 +141,25 @@ class Preparer:
             raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
         return token_ids
 
+    def _refuse_images(self, job: Job) -> None:
+        """Every image of the job is checked (``bad_image`` for one that cannot be used), then
+        the job is refused with ``no_image_support``: this worker runs no vision tower yet."""
+        try:
+            load_images(job.messages or [], self.images_root, max_images=self.limits.max_images,
+                        max_bytes=self.limits.max_image_bytes)
+        except ImageError as exc:
+            raise JobError(ErrorType.bad_image, str(exc)) from None
+        takes_images = self.loaded.architecture.endswith("ForConditionalGeneration")
+        raise JobError(ErrorType.no_image_support,
+                       f"{self.loaded.architecture} " + ("is served for text and token-id jobs only: this worker "
+                                                         "does not run its vision tower yet" if takes_images
+                                                         else "takes no images"))
+
     def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
-        messages = [m.model_dump(exclude_none=True) for m in job.messages or []]
+        if job.images():
+            self._refuse_images(job)
+        messages = [{**m.model_dump(exclude_none=True), **({"content": m.text} if isinstance(m.content, list) else {})}
+                    for m in job.messages or []]
         if not messages:
             raise JobError(ErrorType.empty_input, "messages is empty")
         if len(messages) > self.limits.max_turns:
