@@ -136,3 +136,17 @@ def test_the_client_fills_image_digests_and_refuses_bad_images_before_sending(re
                 client.prepare(image_chat({"type": "image", "image": bad}), model="vlm", run="client-images")
     with Client(Settings(redis_url=redis_server.url)) as client, pytest.raises(ImageError, match="no images root"):
         client.prepare(image_chat({"type": "image", "image": "ok.png"}), model="vlm", run="client-images")
+
+
+def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
+    """``shape:qwen2.5-vl-7b`` (for the bench; built on the meta device here: no memory) is the
+    VLM class, vision tower included, and its 28 text layers and final norm are found."""
+    from worker.model.loading import find_decoder_layers, find_final_norm
+    from worker.model.shapes import build_random_model
+
+    model = build_random_model("qwen2.5-vl-7b", torch.device("meta"), torch.bfloat16)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    decoder, layers = find_decoder_layers(model, 28)
+    assert type(decoder).__name__ == "Qwen2_5_VLTextModel" and layers is decoder.layers
+    assert find_final_norm(decoder) is decoder.norm
+    assert 8.2e9 < sum(parameter.numel() for parameter in model.parameters()) < 8.4e9
