@@ -3,8 +3,10 @@ token-id jobs exactly: batched the way the worker batches them, every language-m
 of every prompt equals the plain model's own ``forward`` on that prompt alone (fp32, 1e-5).
 
 Tiny random VLMs (``tests/support/vlm.py``), no hub. The weights-only folders have no
-tokenizer and no processor: token-id jobs need neither. Jobs with images get typed results
-(``bad_image``, ``no_image_support``) and the worker goes on.
+tokenizer and no processor: token-id jobs need neither. Jobs with images run through the
+model's processor and its own ``forward``, one per batch (LLaVA here); without a processor,
+or with a bad image, they get typed results (``no_image_support``, ``bad_image``) and the
+worker goes on.
 """
 
 from __future__ import annotations
@@ -91,8 +93,8 @@ def image_chat(part: dict) -> dict:
 
 
 def test_image_jobs_get_typed_results_and_the_worker_goes_on(tmp_path):
-    """A bad image is ``bad_image``; a good one ``no_image_support`` (no vision tower run yet); a
-    chat of text parts renders as its text; the same extractor then serves the next jobs."""
+    """A bad image is ``bad_image``; a good one ``no_image_support`` (the folder has no processor);
+    a chat of text parts renders as its text; the same extractor then serves the next jobs."""
     model_dir = build_tiny_vlm("qwen2-vl", tmp_path / "model")
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir)
     images_root = tmp_path / "images"
@@ -113,7 +115,7 @@ def test_image_jobs_get_typed_results_and_the_worker_goes_on(tmp_path):
     assert [result.error_type for result in results[:3]] == [ErrorType.bad_image, ErrorType.bad_image,
                                                            ErrorType.no_image_support], results
     assert "does not decode" in results[0].error and "no longer has the bytes" in results[1].error
-    assert "does not run its vision tower" in results[2].error
+    assert "text and token-id jobs only" in results[2].error and "has no processor files" in results[2].error
     assert results[3].ok and results[4].ok, (results[3].error, results[4].error)
     assert (load_hidden_states(results[3].path)["token_ids"].tolist()
             == load_hidden_states(results[4].path)["token_ids"].tolist())
@@ -150,3 +152,44 @@ def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
     assert type(decoder).__name__ == "Qwen2_5_VLTextModel" and layers is decoder.layers
     assert find_final_norm(decoder) is decoder.norm
     assert 8.2e9 < sum(parameter.numel() for parameter in model.parameters()) < 8.4e9
+
+
+def test_image_chats_batched_with_text_equal_the_model_alone(tmp_path):
+    """LLaVA with its processor: chats with images of different sizes, sent with text chats,
+    run one per forward through the model's own ``forward``; each file holds the expanded
+    token ids (as the processor makes them), a loss mask with image positions 0, and every
+    layer within 1e-5 of the plain model run on the plain processor's output alone."""
+    from transformers import AutoProcessor
+
+    from tests.support.vlm import add_llava_processor
+
+    model_dir = add_llava_processor(build_tiny_vlm("llava", tmp_path / "model"))
+    sizes = [(40, 24), (28, 28), (90, 61)]
+    urls = ["data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode() for size in sizes]
+    chats = [image_chat({"type": "image_url", "image_url": {"url": url}}) for url in urls]
+    text_chat = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]}
+    batches: list[int] = []
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32", batch_wait_ms=300) as extractor:
+        assert extractor.loaded.processor is not None, extractor.loaded.processor_problem
+        extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        results = extractor.extract([*chats, text_chat, text_chat | {"metadata": "again"}], tmp_path / "files",
+                                    run="llava-images")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
+                     {"role": "assistant", "content": "the draft layer"}]
+    text = processor.apply_chat_template(template_chat, tokenize=False)
+    for size, result in zip(sizes, results):
+        assert result.ok, result.error
+        states = load_hidden_states(result.path)
+        inputs = processor(text=[text], images=[Image.open(io.BytesIO(png_bytes(*size)))], return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+        assert states["token_ids"].tolist() == ids
+        image_positions = [index for index, token in enumerate(ids) if token == 300]
+        assert len(image_positions) == 4
+        mask = states["loss_mask"].tolist()
+        assert all(mask[index] == 0 for index in image_positions) and any(mask)
+        reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
+        error = worst_token_relative_error(states["hidden_states"], reference)
+        assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
+    assert all(result.ok for result in results[3:])
+    assert max(batches) >= 2, f"the text chats were not batched together: {batches}"

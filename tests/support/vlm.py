@@ -106,3 +106,31 @@ def vlm_block_states(model_dir: str, layer_ids: list[int], **inputs: Any) -> tor
     # its language model's forward, so that runs.
     forward = model.language_model if "pixel_values" not in inputs and is_llama4(model) else model
     return hooked_block_states(layers, layer_ids, lambda: forward(**inputs, use_cache=False))
+
+
+#: A ChatML template that takes content parts (an image part renders as the processor's placeholder).
+def parts_template(image_placeholder: str) -> str:
+    return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + image_placeholder +
+            "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def add_llava_processor(model_dir: Path) -> Path:
+    """Save a LLaVA processor beside a tiny ``llava`` VLM: a trained tokenizer of
+    :data:`TEXT_VOCAB` entries plus ``<image>`` (id 300, the model's ``image_token_index``),
+    a CLIP image processor that resizes every image to 28x28 (4 patches of 14), and a
+    template that puts ``<image>`` where a chat's image part is."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    from worker.model.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer("qwen3", vocab_size=TEXT_VOCAB)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tokenizer.convert_tokens_to_ids("<image>") == 300
+    template = parts_template("<image>")
+    tokenizer.chat_template = template
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, patch_size=14,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(model_dir)
+    return model_dir

@@ -24,7 +24,8 @@ from worker.engine.output_dtype import non_finite_rows, to_output
 from worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
 from worker.engine.teacher import TeacherHead
 from worker.model.capture import StopForward
-from worker.model.loading import LoadedModel
+from worker.model.batching import BatchingPath
+from worker.model.loading import LoadedModel, transformers_attention
 
 
 def is_device_fatal(exc: BaseException) -> bool:
@@ -74,6 +75,17 @@ class DeviceClock:
                 self._busy_s += start.elapsed_time(end) / 1000.0
 
 
+def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, model_inputs: dict[str, torch.Tensor]) -> None:
+    """One prompt with images through the model's own ``forward`` (vision tower, merging,
+    its own positions such as M-RoPE, its own masks), on the attention implementation
+    transformers chose for it: the capture hooks see what enters each decoder layer."""
+    device = loaded.device
+    extras = {name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype)
+              for name, value in model_inputs.items()}
+    with transformers_attention(loaded):
+        loaded.model(input_ids=input_ids, **extras, use_cache=False)
+
+
 class BatchRunner:
     """Runs batches of requests on ``loaded``'s device into host buffers from ``staging``."""
 
@@ -91,8 +103,10 @@ class BatchRunner:
         host buffer: one holder per request. Raises what the forward raises (out of memory
         included); the host buffer is then free again."""
         loaded, device = self.loaded, self.loaded.device
-        inputs = build_inputs([request.token_ids for request in batch], loaded.batching.path, device,
-                              pad_to=self._pad_to)
+        model_inputs = batch[0].model_inputs  # images: a batch of one (the engine's scheduler)
+        inputs = build_inputs([request.token_ids for request in batch],
+                              loaded.batching.path if model_inputs is None else BatchingPath.padded, device,
+                              pad_to=self._pad_to if model_inputs is None else 1)
         union = layer_union([request.layer_ids for request in batch])
         want_final = any(request.want_final for request in batch)
         topk_rows, topk = self._topk_rows(batch, inputs.bounds)
@@ -115,7 +129,10 @@ class BatchRunner:
                   loaded.capture.capture(union, inputs.total, want_final or topk_rows is not None,
                                          rows=inputs.rows) as (staging, final)):
                 try:
-                    inputs.run(loaded.decoder)
+                    if model_inputs is None:
+                        inputs.run(loaded.decoder)
+                    else:
+                        run_with_images(loaded, inputs.input_ids, model_inputs)
                 except StopForward:
                     pass
                 hidden, hidden_scale = to_output(staging, output_dtype)

@@ -307,7 +307,8 @@ class JobProcessor:
         output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
-                                topk=job.topk or 0, topk_rows=prepared.topk_rows)
+                                topk=job.topk or 0, topk_rows=prepared.topk_rows,
+                                model_inputs=prepared.model_inputs)
         return _Started(job, target.path, target.identity, prepared, request, output_dtype)
 
     def _finish(self, started: _Started, future: Future, queued: float | None, attempt: int | None) -> Result:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from producer.protocol.images import ImageError, load_images
 from producer.protocol.layers import LayerIdError, resolve_layer_ids
 from producer.protocol.schema import ErrorType, Job
@@ -26,6 +28,7 @@ from producer.settings import Limits
 from worker.engine.teacher import logit_transform
 from worker.job.chat import render_chat
 from worker.job.errors import JobError
+from worker.job.multimodal import ImageChat, render_image_chat
 from worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.
@@ -41,6 +44,7 @@ class PreparedInput:
     layer_ids: list[int]  # resolved, in the job's order
     truncated_from: int | None  # original length when truncated
     topk_rows: list[int] | None = None  # positions for teacher top-k; None: all (or no top-k)
+    model_inputs: dict[str, torch.Tensor] | None = None  # a chat with images: pixel_values etc. for the forward
 
 
 class Preparer:
@@ -62,18 +66,26 @@ class Preparer:
         layer_ids = self.layers_of(job)
         self._check_extras(job)
         loss_mask: list[int] | None = None
+        model_inputs: dict[str, torch.Tensor] | None = None
         if job.token_ids is not None:
             token_ids = self._check_token_ids(job.token_ids)
         elif job.prompt is not None:
             token_ids = self._tokenize_prompt(job, job.prompt)
+        elif job.images():
+            chat = self._image_chat(job)
+            token_ids, loss_mask, model_inputs = chat.token_ids, chat.loss_mask, chat.model_inputs
         else:
             token_ids, loss_mask = self._tokenize_chat(job)
+        if model_inputs is not None and len(token_ids) > min(job.max_length or self.limits.max_tokens,
+                                                             self.limits.max_tokens):
+            raise JobError(ErrorType.too_long, f"the chat with its images is {len(token_ids)} tokens, over the limit; "
+                                               "a chat with images is never truncated (it would cut an image)")
         token_ids, loss_mask, truncated_from = self._fit_length(job, token_ids, loss_mask)
         if loss_mask is not None and not any(loss_mask) and job.loss_on != "none":
             raise JobError(ErrorType.no_trainable_tokens,
                            "the chat has no assistant tokens" + (" left after truncation" if truncated_from else "")
                            + ": its loss mask would be all zeros")
-        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask))
+        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask), model_inputs)
 
     def _check_extras(self, job: Job) -> None:
         """``topk`` within the limit and the vocabulary; the model parts the extras need exist."""
@@ -141,23 +153,9 @@ class Preparer:
             raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
         return token_ids
 
-    def _refuse_images(self, job: Job) -> None:
-        """Every image of the job is checked (``bad_image`` for one that cannot be used), then
-        the job is refused with ``no_image_support``: this worker runs no vision tower yet."""
-        try:
-            load_images(job.messages or [], self.images_root, max_images=self.limits.max_images,
-                        max_bytes=self.limits.max_image_bytes)
-        except ImageError as exc:
-            raise JobError(ErrorType.bad_image, str(exc)) from None
-        takes_images = self.loaded.architecture.endswith("ForConditionalGeneration")
-        raise JobError(ErrorType.no_image_support,
-                       f"{self.loaded.architecture} " + ("is served for text and token-id jobs only: this worker "
-                                                         "does not run its vision tower yet" if takes_images
-                                                         else "takes no images"))
-
-    def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
-        if job.images():
-            self._refuse_images(job)
+    def _checked_chat(self, job: Job) -> list[dict[str, Any]]:
+        """The chat's messages as template data (text parts joined), within the limits, with an
+        assistant turn unless ``loss_on="none"``; raises :class:`JobError`."""
         messages = [{**m.model_dump(exclude_none=True), **({"content": m.text} if isinstance(m.content, list) else {})}
                     for m in job.messages or []]
         if not messages:
@@ -172,9 +170,29 @@ class Preparer:
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on "
                                                           "(loss_on='none' extracts it for analysis)")
         self._refuse_unfittable(job, chars)
+        return messages
+
+    def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
+        messages = self._checked_chat(job)
         with self._tokenizer() as tokenizer:
             return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on,
                                generation_prompt=bool(job.generation_prompt))
+
+    def _image_chat(self, job: Job) -> ImageChat:
+        """A chat with images through the model's processor: every image checked first
+        (``bad_image``), then ``no_image_support`` where the model has no processor."""
+        try:
+            images = load_images(job.messages or [], self.images_root, max_images=self.limits.max_images,
+                                 max_bytes=self.limits.max_image_bytes)
+        except ImageError as exc:
+            raise JobError(ErrorType.bad_image, str(exc)) from None
+        self._checked_chat(job)
+        processor = self.loaded.processor
+        if processor is None:
+            raise JobError(ErrorType.no_image_support, f"{self.loaded.architecture} is served for text and token-id "
+                                                       f"jobs only: {self.loaded.processor_problem}")
+        with self._tokenizer() as tokenizer:
+            return render_image_chat(processor, tokenizer, job, images)
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
         limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)

@@ -40,6 +40,7 @@ from worker.model.batching import (
     plan_batching,
 )
 from worker.model.capture import LayerCapture
+from worker.model.classes import auto_class
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class LoadedModel:
     batching: BatchingPlan
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
+    processor: Any | None = None  # a VLM's AutoProcessor (images -> model inputs), None for text models
+    processor_problem: str = ""  # why a VLM has no processor (said in its image jobs' errors)
 
     @property
     def architecture(self) -> str:
@@ -114,28 +117,6 @@ def text_decoder(model: nn.Module) -> nn.Module:
             break
         current = inner
     return current if current is not model else getattr(model, "base_model", model)
-
-
-def auto_class(config: Any) -> Any:
-    """The transformers auto class a checkpoint loads with: ``AutoModelForImageTextToText``
-    when the checkpoint is a vision-language model (its ``architectures`` name a class of that
-    mapping, or transformers has no causal LM class for its config), else
-    ``AutoModelForCausalLM``. Loading a VLM checkpoint as its text-only causal LM would keep
-    the text weights only where the key names happen to match, so it is never done."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
-
-    vision_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
-    if vision_class is None:
-        return AutoModelForCausalLM
-    saved_as = set(getattr(config, "architectures", None) or [])
-    causal_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-    if causal_class is None or vision_class in saved_as or causal_class == vision_class:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
 
 
 def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
@@ -307,6 +288,29 @@ def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -
     return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
 
 
+#: Any of these in a model folder means it has a processor (images, not only text).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def load_processor(model: nn.Module, source: str, revision: str | None,
+                   trust_remote_code: bool) -> tuple[Any | None, str]:
+    """A vision-language model's ``AutoProcessor`` and '', or None and why there is none
+    (a text model, no processor files, or one that fails to load: its image jobs are refused
+    with that reason, its text jobs served)."""
+    if not type(model).__name__.endswith("ForConditionalGeneration"):
+        return None, f"{type(model).__name__} takes no images"
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).exists() for name in PROCESSOR_FILES):
+        return None, f"{source} has no processor files ({' or '.join(PROCESSOR_FILES)})"
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code), ""
+    except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("%s: its processor does not load (%s); serving text and token_ids jobs only", source, exc)
+        return None, f"its processor does not load ({type(exc).__name__}: {str(exc).strip().splitlines()[0]})"
+
+
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False,
                chat_template: str | None = None, batching: str = "auto") -> LoadedModel:
@@ -353,5 +357,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         raise
     if not split:  # several visible GPUs (--gpus-per-worker): device_map spread the layers
         model = model.to(torch_device)
-    return describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching,
-                    fingerprint=fingerprint)
+    loaded = describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching,
+                      fingerprint=fingerprint)
+    loaded.processor, loaded.processor_problem = load_processor(model, source, revision, trust_remote_code)
+    return loaded

@@ -63,7 +63,7 @@ def shape_config(name: str):
 def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """The shape's model (a CausalLM, or a VLM's ``...ForConditionalGeneration``) with random
     weights, built on ``device`` in ``dtype``."""
-    from worker.model.loading import auto_class
+    from worker.model.classes import auto_class
 
     config = shape_config(name)
     torch.manual_seed(seed)
