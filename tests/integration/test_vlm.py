@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from producer.client.client import Client, NoWorkerWarning
+from producer.files.dataset import collate, load_item
 from producer.files.reader import load_hidden_states
 from producer.protocol.images import ImageError
 from producer.protocol.schema import ErrorType
@@ -157,8 +158,9 @@ def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
 def test_image_chats_batched_with_text_equal_the_model_alone(tmp_path):
     """LLaVA with its processor: chats with images of different sizes, sent with text chats,
     run one per forward through the model's own ``forward``; each file holds the expanded
-    token ids (as the processor makes them), a loss mask with image positions 0, and every
-    layer within 1e-5 of the plain model run on the plain processor's output alone."""
+    token ids (as the processor makes them), a loss mask with image positions 0, the
+    image_token_mask, and every layer within 1e-5 of the plain model run on the plain
+    processor's output alone; the dataset batches an image file with a text file."""
     from transformers import AutoProcessor
 
     from tests.support.vlm import add_llava_processor
@@ -191,5 +193,12 @@ def test_image_chats_batched_with_text_equal_the_model_alone(tmp_path):
         reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
         error = worst_token_relative_error(states["hidden_states"], reference)
         assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
+        assert states["image_token_mask"].tolist() == [int(token == 300) for token in ids]
     assert all(result.ok for result in results[3:])
     assert max(batches) >= 2, f"the text chats were not batched together: {batches}"
+    items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[3])]
+    assert "image_token_mask" not in items[1]  # a text chat's file is as before
+    batch = collate(items)
+    image_rows = batch["image_token_mask"]
+    assert image_rows[0, :len(items[0]["input_ids"])].tolist() == items[0]["image_token_mask"].tolist()
+    assert not image_rows[1].any()

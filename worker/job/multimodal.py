@@ -30,6 +30,7 @@ NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask"})
 class ImageChat:
     token_ids: list[int]
     loss_mask: list[int]
+    image_token_mask: list[int]  # 1 at the image positions
     model_inputs: dict[str, torch.Tensor]  # e.g. pixel_values, image_grid_thw: for the model's forward
 
 
@@ -97,4 +98,5 @@ def render_image_chat(processor: Any, tokenizer: Any, job: Job, images: list[Loa
     expanded = outputs["input_ids"][0].tolist()
     model_inputs = {name: value for name, value in outputs.items()
                     if name not in NOT_MODEL_INPUTS and isinstance(value, torch.Tensor)}
-    return ImageChat(expanded, expand_mask(rendered, mask, expanded, image_id), model_inputs)
+    return ImageChat(expanded, expand_mask(rendered, mask, expanded, image_id),
+                     [int(token == image_id) for token in expanded], model_inputs)

@@ -347,6 +347,8 @@ class JobProcessor:
             tensors[ff.HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.hidden_scale
         if prepared.loss_mask is not None:
             tensors[ff.LOSS_MASK] = torch.tensor(prepared.loss_mask, dtype=torch.uint8)
+        if prepared.image_token_mask is not None:
+            tensors[ff.IMAGE_TOKEN_MASK] = torch.tensor(prepared.image_token_mask, dtype=torch.uint8)
         if job.final_hidden_states:
             tensors[ff.FINAL_HIDDEN_STATES] = captured.final_hidden_states  # type: ignore[assignment]
             if captured.final_scale is not None:

@@ -45,6 +45,7 @@ class PreparedInput:
     truncated_from: int | None  # original length when truncated
     topk_rows: list[int] | None = None  # positions for teacher top-k; None: all (or no top-k)
     model_inputs: dict[str, torch.Tensor] | None = None  # a chat with images: pixel_values etc. for the forward
+    image_token_mask: list[int] | None = None  # a chat with images: 1 at its image positions
 
 
 class Preparer:
@@ -67,6 +68,7 @@ class Preparer:
         self._check_extras(job)
         loss_mask: list[int] | None = None
         model_inputs: dict[str, torch.Tensor] | None = None
+        image_token_mask: list[int] | None = None
         if job.token_ids is not None:
             token_ids = self._check_token_ids(job.token_ids)
         elif job.prompt is not None:
@@ -74,6 +76,7 @@ class Preparer:
         elif job.images():
             chat = self._image_chat(job)
             token_ids, loss_mask, model_inputs = chat.token_ids, chat.loss_mask, chat.model_inputs
+            image_token_mask = chat.image_token_mask
         else:
             token_ids, loss_mask = self._tokenize_chat(job)
         if model_inputs is not None and len(token_ids) > min(job.max_length or self.limits.max_tokens,
@@ -85,7 +88,8 @@ class Preparer:
             raise JobError(ErrorType.no_trainable_tokens,
                            "the chat has no assistant tokens" + (" left after truncation" if truncated_from else "")
                            + ": its loss mask would be all zeros")
-        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask), model_inputs)
+        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask), model_inputs,
+                             image_token_mask)
 
     def _check_extras(self, job: Job) -> None:
         """``topk`` within the limit and the vocabulary; the model parts the extras need exist."""
