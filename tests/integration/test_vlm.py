@@ -155,17 +155,18 @@ def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
     assert 8.2e9 < sum(parameter.numel() for parameter in model.parameters()) < 8.4e9
 
 
-def test_image_chats_batched_with_text_equal_the_model_alone(tmp_path):
-    """LLaVA with its processor: chats with images of different sizes, sent with text chats,
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_image_chats_batched_with_text_equal_the_model_alone(family, tmp_path):
+    """LLaVA and Gemma 3 (bidirectional attention over each image) with their processors: chats with images of different sizes, sent with text chats,
     run one per forward through the model's own ``forward``; each file holds the expanded
     token ids (as the processor makes them), a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
     processor's output alone; the dataset batches an image file with a text file."""
     from transformers import AutoProcessor
 
-    from tests.support.vlm import add_llava_processor
+    from tests.support.vlm import add_processor
 
-    model_dir = add_llava_processor(build_tiny_vlm("llava", tmp_path / "model"))
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     sizes = [(40, 24), (28, 28), (90, 61)]
     urls = ["data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode() for size in sizes]
     chats = [image_chat({"type": "image_url", "image_url": {"url": url}}) for url in urls]
@@ -175,7 +176,7 @@ def test_image_chats_batched_with_text_equal_the_model_alone(tmp_path):
         assert extractor.loaded.processor is not None, extractor.loaded.processor_problem
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         results = extractor.extract([*chats, text_chat, text_chat | {"metadata": "again"}], tmp_path / "files",
-                                    run="llava-images")
+                                    run=f"{family}-images")
     processor = AutoProcessor.from_pretrained(model_dir)
     template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
                      {"role": "assistant", "content": "the draft layer"}]

@@ -116,21 +116,37 @@ def parts_template(image_placeholder: str) -> str:
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def add_llava_processor(model_dir: Path) -> Path:
-    """Save a LLaVA processor beside a tiny ``llava`` VLM: a trained tokenizer of
-    :data:`TEXT_VOCAB` entries plus ``<image>`` (id 300, the model's ``image_token_index``),
-    a CLIP image processor that resizes every image to 28x28 (4 patches of 14), and a
-    template that puts ``<image>`` where a chat's image part is."""
-    from transformers import CLIPImageProcessor, LlavaProcessor
+def add_processor(family: str, model_dir: Path) -> Path:
+    """Save a processor beside a tiny ``llava`` or ``gemma3`` VLM: a trained tokenizer of
+    :data:`TEXT_VOCAB` entries plus the family's image tokens at the ids its config names
+    (300 the image token; Gemma 3's begin/end of image 301/302), an image processor that
+    resizes every image to 28x28 (4 patches of 14: 4 image tokens), and a template that
+    puts the processor's placeholder where a chat's image part is."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        LlavaProcessor,
+    )
 
     from worker.model.tiny_model import build_tokenizer
 
-    tokenizer = build_tokenizer("qwen3", vocab_size=TEXT_VOCAB)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    assert tokenizer.convert_tokens_to_ids("<image>") == 300
-    template = parts_template("<image>")
+    tokens = {"llava": {"image_token": "<image>"},
+              "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                         "eoi_token": "<end_of_image>"}}[family]
+    build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
+    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302][:len(tokens)]
+    template = parts_template(tokens.get("boi_token", tokens["image_token"]))
     tokenizer.chat_template = template
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template, patch_size=14,
-                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(model_dir)
+    if family == "llava":
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+            tokenizer=tokenizer, chat_template=template, patch_size=14, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1)
+    else:
+        processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}),
+                                    tokenizer=tokenizer, chat_template=template, image_seq_length=4)
+    processor.save_pretrained(model_dir)
     return model_dir

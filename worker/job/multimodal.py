@@ -11,6 +11,7 @@ positions are never trained on (loss mask 0).
 
 from __future__ import annotations
 
+import difflib
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -46,48 +47,55 @@ def template_messages(job: Job) -> list[dict[str, Any]]:
     return messages
 
 
-def image_token_id(processor: Any) -> int:
-    """The id of the token the processor expands into each image's tokens."""
-    token_id = getattr(processor, "image_token_id", None)
-    if token_id is None:
-        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return int(token_id)
+def placeholder_id(processor: Any) -> int:
+    """The id of the token a chat template writes where an image goes (the processor expands it)."""
+    return int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+
+
+def model_image_token_id(config: Any) -> int:
+    """The id of the token whose embeddings the model replaces with image features."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise JobError(ErrorType.no_image_support, f"{type(config).__name__} names no image_token_id or "
+                                               "image_token_index, so its image positions cannot be told")
 
 
 def expand_mask(rendered: list[int], mask: list[int], expanded: list[int], image_id: int) -> list[int]:
-    """The loss mask of ``rendered`` carried over to the processor's ``expanded`` ids: each run
-    of image tokens in ``rendered`` stands for a run of them in ``expanded`` (mask 0 there);
-    every other token must be the same in both. Raises :class:`JobError` where they differ."""
+    """The loss mask of ``rendered`` carried over to the processor's ``expanded`` ids. The two
+    are aligned (``difflib``, no junk heuristic): equal tokens keep their mask; tokens the
+    processor put in place of others (its image runs, and around them such markers as
+    Gemma 3's ``<start_of_image>`` and blank lines) take the mask of the tokens they replace,
+    which must be all one value; image tokens are always 0. Raises :class:`JobError` where a
+    replaced stretch straddles trained and untrained tokens, or trained tokens vanish."""
     out: list[int] = []
-    i = j = 0
-    while i < len(rendered) or j < len(expanded):
-        if i < len(rendered) and j < len(expanded) and rendered[i] == image_id and expanded[j] == image_id:
-            while i < len(rendered) and rendered[i] == image_id:
-                i += 1
-            while j < len(expanded) and expanded[j] == image_id:
-                out.append(0)
-                j += 1
-        elif i < len(rendered) and j < len(expanded) and rendered[i] == expanded[j]:
-            out.append(mask[i])
-            i, j = i + 1, j + 1
-        else:
-            raise JobError(ErrorType.chat_template, f"the processor's tokens differ from the chat template's at "
-                                                    f"token {j}, so the loss mask cannot be carried over")
-    return out
+    matcher = difflib.SequenceMatcher(None, rendered, expanded, autojunk=False)
+    for operation, begin, end, new_begin, new_end in matcher.get_opcodes():
+        if operation == "equal":
+            out.extend(mask[begin:end])
+            continue
+        labels = set(mask[begin:end]) or {mask[begin - 1] if begin > 0 else 0} & {mask[end] if end < len(mask) else 0}
+        if len(labels) != 1 or (new_begin == new_end and labels != {0}):
+            raise JobError(ErrorType.chat_template, f"the processor changes the chat's tokens across a trained span "
+                                                    f"(tokens {new_begin}:{new_end}), so the loss mask cannot be "
+                                                    "carried over")
+        out.extend([labels.pop()] * (new_end - new_begin))
+    return [0 if token == image_id else value for token, value in zip(expanded, out)]
 
 
-def render_image_chat(processor: Any, tokenizer: Any, job: Job, images: list[LoadedImage]) -> ImageChat:
+def render_image_chat(processor: Any, tokenizer: Any, job: Job, images: list[LoadedImage],
+                      image_id: int) -> ImageChat:
     """Render ``job`` (a chat with ``images``, in order) with ``tokenizer``'s template and
-    expand it with ``processor``; raises :class:`JobError`."""
+    expand it with ``processor``; ``image_id`` is the model's image token
+    (:func:`model_image_token_id`). Raises :class:`JobError`."""
     from PIL import Image
 
     rendered, mask = render_chat(tokenizer, template_messages(job), tools=job.tools, loss_on=job.loss_on,
                                  generation_prompt=bool(job.generation_prompt))
-    image_id = image_token_id(processor)
-    if sum(1 for index, token in enumerate(rendered)
-           if token == image_id and (index == 0 or rendered[index - 1] != image_id)) != len(images):
-        raise JobError(ErrorType.chat_template, f"the chat template rendered no image placeholder for some of the "
-                                                f"chat's {len(images)} images")
+    if rendered.count(placeholder_id(processor)) != len(images):
+        raise JobError(ErrorType.chat_template, f"the chat template did not render one image placeholder for each "
+                                                f"of the chat's {len(images)} images")
     text = tokenizer.decode(rendered, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     pictures = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
     try:

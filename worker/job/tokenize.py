@@ -28,7 +28,7 @@ from producer.settings import Limits
 from worker.engine.teacher import logit_transform
 from worker.job.chat import render_chat
 from worker.job.errors import JobError
-from worker.job.multimodal import ImageChat, render_image_chat
+from worker.job.multimodal import ImageChat, model_image_token_id, render_image_chat
 from worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.
@@ -196,7 +196,7 @@ class Preparer:
             raise JobError(ErrorType.no_image_support, f"{self.loaded.architecture} is served for text and token-id "
                                                        f"jobs only: {self.loaded.processor_problem}")
         with self._tokenizer() as tokenizer:
-            return render_image_chat(processor, tokenizer, job, images)
+            return render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config))
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
         limit = min(job.max_length or self.limits.max_tokens, self.limits.max_tokens)
