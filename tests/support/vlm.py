@@ -117,22 +117,25 @@ def parts_template(image_placeholder: str) -> str:
 
 
 def add_processor(family: str, model_dir: Path) -> Path:
-    """Save a processor beside a tiny ``llava`` or ``gemma3`` VLM: a trained tokenizer of
-    :data:`TEXT_VOCAB` entries plus the family's image tokens at the ids its config names
-    (300 the image token; Gemma 3's begin/end of image 301/302), an image processor that
-    resizes every image to 28x28 (4 patches of 14: 4 image tokens), and a template that
-    puts the processor's placeholder where a chat's image part is."""
+    """Save a processor beside a tiny ``llava``, ``gemma3`` or ``idefics3`` VLM: a trained
+    tokenizer of :data:`TEXT_VOCAB` entries plus the family's image tokens at the ids its
+    config names (300 the image token; Gemma 3's begin/end of image 301/302), an image
+    processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
+    a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each), and a
+    template that puts the processor's placeholder where a chat's image part is."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
         Gemma3ImageProcessor,
         Gemma3Processor,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
         LlavaProcessor,
     )
 
     from worker.model.tiny_model import build_tokenizer
 
-    tokens = {"llava": {"image_token": "<image>"},
+    tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                          "eoi_token": "<end_of_image>"}}[family]
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
@@ -145,6 +148,11 @@ def add_processor(family: str, model_dir: Path) -> Path:
             image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
             tokenizer=tokenizer, chat_template=template, patch_size=14, vision_feature_select_strategy="default",
             num_additional_image_tokens=1)
+    elif family == "idefics3":
+        image_processor = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 28},
+                                                 do_image_splitting=True)
+        processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                                      image_seq_len=1)
     else:
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}),
                                     tokenizer=tokenizer, chat_template=template, image_seq_length=4)
