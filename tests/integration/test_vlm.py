@@ -204,3 +204,35 @@ def test_image_chats_batched_with_text_equal_the_model_alone(family, tmp_path):
     image_rows = batch["image_token_mask"]
     assert image_rows[0, :len(items[0]["input_ids"])].tolist() == items[0]["image_token_mask"].tolist()
     assert not image_rows[1].any()
+
+
+def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
+    """Client -> Redis -> a real worker process serving a Gemma 3 VLM: an image named by a path
+    under the images root (both sides' setting) is hashed by the client, read by the worker,
+    and its file equals the plain model on the plain processor's output alone."""
+    from transformers import AutoProcessor
+
+    from tests.support.vlm import add_processor
+
+    model_dir = add_processor("gemma3", build_tiny_vlm("gemma3", tmp_path / "model"))
+    images_root = tmp_path / "images"
+    (images_root / "set").mkdir(parents=True)
+    (images_root / "set" / "one.png").write_bytes(png_bytes(33, 21))
+    worker = make_worker("vlm@test", model_dir=model_dir, name="tiny-gemma3",
+                         extra_args=["--layers", "0,1,2"], env={"LAYERTAP_IMAGES_ROOT": str(images_root)})
+    settings = Settings(redis_url=worker.redis_url, images_root=images_root)
+    with Client(settings) as client:
+        job = client.submit(image_chat({"type": "image", "image": "set/one.png"}), model="tiny-gemma3",
+                            run="queued-images", check=True)
+        result = client.wait("queued-images", [job.job_id], timeout=300)[job.job_id]
+    assert result.ok, result.error
+    processor = AutoProcessor.from_pretrained(model_dir)
+    template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
+                     {"role": "assistant", "content": "the draft layer"}]
+    inputs = processor(text=[processor.apply_chat_template(template_chat, tokenize=False)],
+                       images=[Image.open(io.BytesIO(png_bytes(33, 21)))], return_tensors="pt")
+    states = load_hidden_states(result.path)
+    assert states["token_ids"].tolist() == inputs["input_ids"][0].tolist()
+    assert int(states["image_token_mask"].sum()) == 4
+    reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
+    assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
