@@ -80,6 +80,13 @@ def test_paths_outside_the_root_and_remote_urls_are_refused(source, images_root)
         Job.model_validate(with_image_digests(chat(hf_part(source)), images_root, MAX_BYTES))
 
 
+@pytest.mark.parametrize("source", ["/etc/passwd", "../secret.png", "https://example.com/a.png"])
+def test_a_bad_path_is_refused_even_with_a_digest(source):
+    """A raw job (not through the Client) that names a path outside the root with any sha256."""
+    with pytest.raises(ValidationError):
+        Job.model_validate(chat(hf_part(source) | {"sha256": "0" * 64}))
+
+
 def test_a_link_out_of_the_root_is_refused(images_root, tmp_path):
     (tmp_path / "outside.png").write_bytes(png(2, 2))
     os.symlink(tmp_path / "outside.png", images_root / "link.png")

@@ -193,8 +193,8 @@ class Preparer:
         self._checked_chat(job)
         processor = self.loaded.processor
         if processor is None:
-            raise JobError(ErrorType.no_image_support, f"{self.loaded.architecture} is served for text and token-id "
-                                                       f"jobs only: {self.loaded.processor_problem}")
+            raise JobError(ErrorType.no_image_support, f"this worker serves text and token-id jobs only: "
+                                                       f"{self.loaded.processor_problem}")
         with self._tokenizer() as tokenizer:
             return render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config))
 
