@@ -236,3 +236,45 @@ def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
     assert int(states["image_token_mask"].sum()) == 4
     reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
     assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_qwen_image_inputs_through_the_engine_equal_the_model_alone(family, tmp_path):
+    """Qwen-VL's multimodal rotary positions (M-RoPE, from each prompt's own image grid) and
+    Qwen3-VL's deepstack (visual features added inside early decoder layers): image requests
+    submitted with a text request run one per forward through the model's own ``forward``,
+    and every layer (what enters it, after the model's own additions) equals the plain model
+    alone. The inputs come from Qwen's image processor directly: its full processor needs
+    torchvision (for video), which this environment lacks."""
+    from transformers import Qwen2VLImageProcessor
+
+    from worker.engine.records import EngineRequest
+
+    model_dir = str(build_tiny_vlm(family, tmp_path / "model"))
+    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
+                                            temporal_patch_size=2)
+    prompts = []
+    for size in [(56, 28), (28, 28), (84, 56)]:
+        vision = image_processor(images=[Image.new("RGB", size, (90, 10, 160))], return_tensors="pt")
+        image_tokens = int(vision["image_grid_thw"].prod()) // 4
+        ids = [5, 6, 302, *[300] * image_tokens, 303, 7, 8, 9]
+        prompts.append((ids, {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
+                              "mm_token_type_ids": torch.tensor([[int(token == 300) for token in ids]])}))
+    assert len({len(ids) for ids, _ in prompts}) == 3
+    loaded = load_model(model_dir, name=family, device="cpu", dtype="float32")
+    layer_ids = [0, 1, 2]
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        requests = [EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs) for ids, inputs in prompts]
+        requests.append(EngineRequest(torch.tensor([5, 6, 7, 8]), layer_ids))
+        states = []
+        for future in engine.submit_many(requests):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    assert batches == [1, 1, 1, 1], batches
+    for (ids, inputs), got in zip(prompts, states):
+        reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
+        assert worst_token_relative_error(got, reference) <= TOLERANCE
