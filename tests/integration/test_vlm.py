@@ -238,10 +238,11 @@ def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
     assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5"])
 def test_qwen_image_inputs_through_the_engine_equal_the_model_alone(family, tmp_path):
-    """Qwen-VL's multimodal rotary positions (M-RoPE, from each prompt's own image grid) and
-    Qwen3-VL's deepstack (visual features added inside early decoder layers): image requests
+    """Qwen-VL's multimodal rotary positions (M-RoPE, from each prompt's own image grid),
+    Qwen3-VL's deepstack (visual features added inside early decoder layers) and Qwen3.5
+    (gated delta nets with Qwen3-VL's vision): image requests
     submitted with a text request run one per forward through the model's own ``forward``,
     and every layer (what enters it, after the model's own additions) equals the plain model
     alone. The inputs come from Qwen's image processor directly: its full processor needs
