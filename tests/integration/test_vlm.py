@@ -226,6 +226,7 @@ def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
                             run="queued-images", check=True)
         result = client.wait("queued-images", [job.job_id], timeout=300)[job.job_id]
     assert result.ok, result.error
+    assert f"image chats: Gemma3Processor, one per batch, paths under {images_root}" in worker.log_text()
     processor = AutoProcessor.from_pretrained(model_dir)
     template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
                      {"role": "assistant", "content": "the draft layer"}]
