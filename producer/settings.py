@@ -114,6 +114,8 @@ class Limits(BaseModel):
     #: tool_calls, token ids, metadata), checked before the job is validated, rendered or tokenized.
     max_job_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_topk: int = Field(default=256, gt=0)  # largest ``topk`` a job may ask for
+    max_images: int = Field(default=16, ge=0)  # images in one chat
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)  # bytes of one image (file or data URL)
 
 
 class TlsSettings(BaseModel):
@@ -168,6 +170,7 @@ class Settings(BaseSettings):
 
     redis_url: str | None = None  # None: localhost for worker/client, an embedded server for the demo
     storage_root: Path = Path("layertap-data")
+    images_root: Path | None = None  # image paths in chats are read under it (client and worker), nowhere else
     orphan_timeout: float = Field(default=60.0, gt=0)  # seconds until a dead worker's jobs are requeued
     max_attempts: int = Field(default=3, gt=0)  # starts of one job before it is dead-lettered
     # seconds a client (submit, enqueue) waits out a Redis that is away or refuses writes (maxmemory, READONLY)

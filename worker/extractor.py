@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from producer.protocol.images import with_image_digests
 from producer.protocol.layers import eagle3_layer_ids
 from producer.protocol.schema import Job, Result
 from producer.settings import Limits
@@ -29,13 +30,14 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
                     limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
                     max_padding: float = MAX_PADDING,
                     host_buffers: int = 3, writer_threads: int = 8, prepare_ahead: int = 2,
-                    compile_layers: bool = False,
+                    compile_layers: bool = False, images_root: Path | None = None,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
     The engine passes the batching self-check first (``worker.engine.self_check``), falling back
     to slower exact layouts where batching changes the states, or this raises
     :class:`~worker.model.batching.ModelRefused` and nothing is served."""
-    preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits)
+    preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
+                        images_root)
 
     def start_engine() -> Engine:
         return Engine(loaded, token_budget=token_budget, max_batch_jobs=max_batch_jobs,
@@ -55,15 +57,17 @@ class Extractor:
     def __init__(self, model: str | LoadedModel, *, layers: list[int] | None = None, device: str = "auto",
                  dtype: str = "auto", name: str | None = None, storage_root: str | Path = "layertap-data",
                  token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None,
-                 batching: str = "auto", batch_wait_ms: float = 2.0):
+                 batching: str = "auto", batch_wait_ms: float = 2.0, images_root: str | Path | None = None):
         """``batch_wait_ms``: how long the engine waits for more jobs before it runs a batch
-        that is not full (as the worker's setting)."""
+        that is not full (as the worker's setting). ``images_root``: where image paths in
+        chats are read (``settings.images_root``)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, name=name, device=device,
                                                                                dtype=dtype, batching=batching)
         self.processor = build_processor(self.loaded, storage_root=Path(storage_root).expanduser().resolve(),
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
                                          layers=layers, limits=limits or Limits(), token_budget=token_budget,
-                                         batch_wait_s=batch_wait_ms / 1000)
+                                         batch_wait_s=batch_wait_ms / 1000,
+                                         images_root=None if images_root is None else Path(images_root))
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="layertap-job")
 
     @property
@@ -71,7 +75,9 @@ class Extractor:
         return self.loaded.name
 
     def job(self, item: str | list[int] | Mapping[str, Any] | Job, run: str, **fields: Any) -> dict[str, Any]:
-        """Turn an input (prompt text, token ids, chat messages, job fields or Job) into job data."""
+        """Turn an input (prompt text, token ids, chat messages, job fields or Job) into job data;
+        image paths in chats get the sha256 of their file under ``images_root``, as the Client
+        does (:class:`~producer.protocol.images.ImageError` for one that cannot be read)."""
         if isinstance(item, Job):
             return item.model_dump(exclude_none=True)
         if isinstance(item, str):
@@ -82,7 +88,8 @@ class Extractor:
             data = {"messages": list(item)}
         else:
             data = {"token_ids": list(item)}
-        return {"model": self.name, "run": run, **fields, **data}
+        return with_image_digests({"model": self.name, "run": run, **fields, **data},
+                                  self.processor.preparer.images_root, self.processor.preparer.limits.max_image_bytes)
 
     def extract(self, inputs: Iterable[str | list[int] | Mapping[str, Any] | Job], out_dir: str | Path | None = None,
                 *, run: str = "offline", **fields: Any) -> list[Result]:

@@ -23,6 +23,7 @@ from producer.client.bundler import Bundler
 from producer.client.fleet import did_you_mean, live_workers, served_depths
 from producer.client.results import PAGE, entry_result, read_after
 from producer.protocol import keys
+from producer.protocol.images import load_images, with_image_digests
 from producer.protocol.layers import LayerIdError, resolve_layer_ids
 from producer.protocol.naming import served_model_name
 from producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
@@ -84,10 +85,12 @@ class Client:
     def prepare(self, job: Job | Mapping[str, Any], *, check: bool | None = None,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
         """The job validated, with its served model name and its id, and its JSON payload; raises
-        as :meth:`submit` does."""
-        limit = self.settings.limits.max_job_bytes
+        as :meth:`submit` does, and :class:`~producer.protocol.images.ImageError` for an image that
+        cannot be used (an image path gets the sha256 of its file under ``settings.images_root`` first)."""
+        limits, images_root = self.settings.limits, self.settings.images_root
+        limit = limits.max_job_bytes
         if not isinstance(job, Job):
-            data = {**job, **fields}
+            data = with_image_digests({**job, **fields}, images_root, limits.max_image_bytes)
             refuse_oversize(data, limit, f"job {data.get('job_id') or ''}".rstrip())
             job = Job.model_validate(data)
         elif fields:
@@ -95,6 +98,8 @@ class Client:
         if served_model_name(job.model) != job.model:
             job = job.model_copy(update={"model": served_model_name(job.model)})
         job = job.with_id()
+        if job.messages is not None:
+            load_images(job.messages, images_root, max_images=limits.max_images, max_bytes=limits.max_image_bytes)
         self._check_destination(job, check)
         payload = job.model_dump(mode="json", exclude_none=True)
         size = oversize(job, payload, limit)

@@ -13,12 +13,14 @@ for a writer's lock and, with ``verify``, checks the checksums):
   the order of ``layers`` when given, else the file's order
 * ``loss_mask``: int64 ``[T]``, 1 where a draft model learns (all 1 for a file without one)
 * every other per-token tensor of the file under its own name (``final_hidden_states``
-  ``[T, H]``, cast to ``dtype`` too; ``topk_logprobs``/``topk_ids`` ``[T, k]``, ...)
+  ``[T, H]``, cast to ``dtype`` too; ``topk_logprobs``/``topk_ids`` ``[T, k]``;
+  ``image_token_mask`` uint8 ``[T]`` in files of chats with images, ...)
 
 ``T`` is cut to ``max_length`` when given. Batch (:func:`collate`): every tensor padded
 to the longest ``T`` (``input_ids`` with ``pad_token_id``, the rest with 0), plus
 ``attention_mask`` int64 ``[B, T]`` (1 on real tokens), ``lengths`` int64 ``[B]`` and
-``job_ids``; ``loss_mask`` is 0 on padding.
+``job_ids``; ``loss_mask`` is 0 on padding. A batch that mixes files with and without
+``image_token_mask`` gets zeros for the files without (they have no image positions).
 
 :class:`~producer.files.streaming.StreamingHiddenStatesDataset` (importable from ``producer.dataset``) yields
 the same items from a live run's results stream, one pass, as the files are written.
@@ -40,6 +42,9 @@ def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str,
     import torch
     from torch.nn.utils.rnn import pad_sequence
 
+    if any(ff.IMAGE_TOKEN_MASK in item for item in batch):  # files of text chats have none: no image positions
+        batch = [item if ff.IMAGE_TOKEN_MASK in item else
+                 {**item, ff.IMAGE_TOKEN_MASK: torch.zeros_like(item["input_ids"], dtype=torch.uint8)} for item in batch]
     names = [name for name, value in batch[0].items() if isinstance(value, torch.Tensor)]
     for item in batch[1:]:
         if sorted(k for k, v in item.items() if isinstance(v, torch.Tensor)) != sorted(names):

@@ -49,6 +49,7 @@ FORMAT_VERSION = "2"
 HIDDEN_STATES = "hidden_states"
 TOKEN_IDS = "token_ids"
 LOSS_MASK = "loss_mask"
+IMAGE_TOKEN_MASK = "image_token_mask"  # [T] uint8, 1 at image positions (files of chats with images only)
 FINAL_HIDDEN_STATES = "final_hidden_states"
 TOPK_LOGPROBS = "topk_logprobs"
 TOPK_IDS = "topk_ids"
@@ -67,6 +68,7 @@ ALLOWED_DTYPES: dict[str, set[str]] = {
     FINAL_HIDDEN_STATES + SCALE_SUFFIX: {"F32"},
     TOKEN_IDS: {"I64"},
     LOSS_MASK: {"U8"},
+    IMAGE_TOKEN_MASK: {"U8"},
     TOPK_LOGPROBS: {"F32"},
     TOPK_IDS: {"I32"},
 }
@@ -389,7 +391,7 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
         if name in header and stored_as is not None and header[name]["dtype"] != stored_as:
             raise FileFormatError(f"{path}: tensor {name!r} is {header[name]['dtype']} but the header's dtype "
                                   f"is {meta[MetaKey.DTYPE]}")
-    expected = {LOSS_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[-1]]}
+    expected = {LOSS_MASK: hidden[:1], IMAGE_TOKEN_MASK: hidden[:1], FINAL_HIDDEN_STATES: [hidden[0], hidden[-1]]}
     for name, shape in expected.items():
         if name in header and header[name]["shape"] != shape:
             raise FileFormatError(f"{path}: tensor {name!r} has shape {header[name]['shape']}, expected {shape}")

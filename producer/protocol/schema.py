@@ -5,6 +5,9 @@ Invariants:
 * ``job_id`` defaults to a content hash of everything that decides the file's content
   (model, input, layers, options), so the same job enqueued twice has the same id;
 * ``run`` and ``job_id`` are safe path components (``naming.check_name``);
+* a message's ``content`` is text or a list of text and image parts (``producer.protocol.images``:
+  an image is a data URL or a path under the images root with the sha256 of its bytes, so
+  the content hash covers every image's bytes);
 * strings carry no NUL or other control characters (tab, newline, CR excepted) and are
   valid Unicode; unknown fields are refused;
 * a job's size is one byte limit over every part of it, ``tools`` included
@@ -34,6 +37,7 @@ from pydantic import (
 )
 
 from producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
+from producer.protocol.images import ContentPart, TextPart, image_parts, part_text
 from producer.protocol.naming import check_name, content_hash
 
 #: Control characters refused in text: all below U+0020 but tab, newline and carriage return.
@@ -130,13 +134,28 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
     reasoning_content: str | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
-    @field_validator("content", "reasoning_content", "name", "tool_call_id")
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        if isinstance(value, list):
+            for part in value:
+                if isinstance(part, TextPart):
+                    check_text(part.text, "message text")
+            return value
+        return None if value is None else check_text(value, "message text")
+
+    @property
+    def text(self) -> str:
+        """The message's text: its content, or its text parts joined."""
+        return part_text(self.content)
+
+    @field_validator("reasoning_content", "name", "tool_call_id")
     @classmethod
     def _text(cls, value: str | None) -> str | None:
         return None if value is None else check_text(value, "message text")
@@ -238,11 +257,15 @@ class Job(BaseModel):
         if self.token_ids is not None:
             tokens = len(self.token_ids)
         else:
-            chars = len(self.prompt or "") + sum(len(m.content or "") + len(m.reasoning_content or "")
+            chars = len(self.prompt or "") + sum(len(m.text) + len(m.reasoning_content or "")
                                                  for m in self.messages or [])
             tokens = chars // CHARS_PER_TOKEN
         tokens = max(1, tokens)
         return min(tokens, self.max_length) if self.max_length and self.truncate else tokens
+
+    def images(self) -> list[Any]:
+        """The image parts of the chat, in order (none for a prompt or token ids)."""
+        return [part for message in self.messages or [] for part in image_parts(message.content)]
 
     def with_id(self) -> Job:
         """This job with ``job_id`` set (the content hash, shortened, if none was given)."""
@@ -266,6 +289,8 @@ class ErrorType(str, Enum):
     too_long = "too_long"  # over max_length (truncate off) or the worker's token limit
     bad_token_ids = "bad_token_ids"  # token ids outside the vocabulary
     chat_template = "chat_template"  # the chat cannot be rendered with the template
+    bad_image = "bad_image"  # an image that cannot be read, is too big, does not decode or changed since submit
+    no_image_support = "no_image_support"  # the job has images and this worker's model takes none (or no processor)
     no_trainable_tokens = "no_trainable_tokens"  # a chat with no assistant token (after truncation)
     non_finite = "non_finite"  # NaN or Inf in the captured states; no file written
     out_of_memory = "out_of_memory"  # does not fit on the device even alone

@@ -46,7 +46,13 @@ def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int
     :func:`reference_states` without relying on ``output_hidden_states`` (which some
     families, such as Mamba, list shifted by one block)."""
     model, _ = load(model_dir)
-    layers = last_layer_module(model, every=True)
+    return hooked_block_states(last_layer_module(model, every=True), layer_ids,
+                               lambda: model(torch.tensor([token_ids]), use_cache=False))
+
+
+def hooked_block_states(layers, layer_ids: list[int], forward) -> torch.Tensor:
+    """``[T, len(layer_ids), H]``: what ``forward()`` (one prompt, no grad) feeds each of
+    ``layers`` (id ``i < L``) and what the last one returns (id ``L``), caught by hooks."""
     caught: dict[int, torch.Tensor] = {}
 
     tokens = len(token_ids)
@@ -67,7 +73,7 @@ def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int
     handles.append(layers[-1].register_forward_hook(last_hook))
     try:
         with torch.no_grad():
-            model(torch.tensor([token_ids]), use_cache=False)
+            forward()
     finally:
         for handle in handles:
             handle.remove()

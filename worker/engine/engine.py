@@ -245,10 +245,12 @@ class Engine:
                 if remaining <= 0 or not self._cond.wait(remaining):
                     break
             pending = list(self._pending)
-            head_dtype = pending[0].output_dtype
-            # a batch has one output dtype: requests of another wait for a later batch
+            head_dtype, alone = pending[0].output_dtype, pending[0].model_inputs is not None
+            # a batch has one output dtype: requests of another wait for a later batch; a request
+            # with images (extra model inputs) runs in a batch of its own
             chosen = self.policy.select([r.num_tokens for r in pending],
-                                        [r.output_dtype == head_dtype for r in pending])
+                                        [r.output_dtype == head_dtype and not alone and r.model_inputs is None
+                                         for r in pending])
             taken = set(chosen)
             self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
             batch = [pending[i] for i in chosen]

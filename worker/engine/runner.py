@@ -23,7 +23,11 @@ from worker.engine.output_dtype import non_finite_rows, to_output
 from worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
 from worker.engine.teacher import TeacherHead
 from worker.model.capture import StopForward
-from worker.model.loading import LoadedModel
+from worker.model.batching import layout_class
+from worker.model.loading import LoadedModel, transformers_attention
+
+#: The inputs of a chat with images: one row, no padding, run through the model's own forward.
+IMAGE_BATCH = layout_class("padded")("a chat with images runs alone through the model's own forward")
 
 
 def is_device_fatal(exc: BaseException) -> bool:
@@ -73,6 +77,17 @@ class DeviceClock:
                 self._busy_s += start.elapsed_time(end) / 1000.0
 
 
+def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, model_inputs: dict[str, torch.Tensor]) -> None:
+    """One prompt with images through the model's own ``forward`` (vision tower, merging,
+    its own positions such as M-RoPE, its own masks), on the attention implementation
+    transformers chose for it: the capture hooks see what enters each decoder layer."""
+    device = loaded.device
+    extras = {name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype)
+              for name, value in model_inputs.items()}
+    with transformers_attention(loaded):
+        loaded.model(input_ids=input_ids, **extras, use_cache=False)
+
+
 class BatchRunner:
     """Runs batches of requests on ``loaded``'s device into host buffers from ``staging``."""
 
@@ -90,8 +105,10 @@ class BatchRunner:
         host buffer: one holder per request. Raises what the forward raises (out of memory
         included); the host buffer is then free again."""
         loaded, device = self.loaded, self.loaded.device
-        inputs = loaded.batching.build_inputs([request.token_ids for request in batch], device,
-                                              pad_to=self._pad_to)
+        model_inputs = batch[0].model_inputs  # images: a batch of one (the engine's scheduler)
+        layout = loaded.batching if model_inputs is None else IMAGE_BATCH
+        inputs = layout.build_inputs([request.token_ids for request in batch], device,
+                                     pad_to=self._pad_to if model_inputs is None else 1)
         union = layer_union([request.layer_ids for request in batch])
         want_final = any(request.want_final for request in batch)
         topk_rows, topk = self._topk_rows(batch, inputs.bounds)
@@ -114,7 +131,10 @@ class BatchRunner:
                   loaded.capture.capture(union, inputs.total, want_final or topk_rows is not None,
                                          rows=inputs.rows) as (staging, final)):
                 try:
-                    inputs.run(loaded.decoder)
+                    if model_inputs is None:
+                        inputs.run(loaded.decoder)
+                    else:
+                        run_with_images(loaded, inputs.input_ids, model_inputs)
                 except StopForward:
                     pass
                 hidden, hidden_scale = to_output(staging, output_dtype)

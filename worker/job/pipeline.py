@@ -330,7 +330,8 @@ class JobProcessor:
         output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
         request = EngineRequest(torch.tensor(prepared.token_ids, dtype=torch.long), prepared.layer_ids,
                                 want_final=job.final_hidden_states, output_dtype=output_dtype,
-                                topk=job.topk or 0, topk_rows=prepared.topk_rows)
+                                topk=job.topk or 0, topk_rows=prepared.topk_rows,
+                                model_inputs=prepared.model_inputs)
         return _Started(job, target.path, target.identity, prepared, request, output_dtype)
 
     def _finish(self, started: _Started, future: Future, queued: float | None, attempt: int | None) -> Result:
@@ -373,6 +374,8 @@ class JobProcessor:
             tensors[ff.HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.hidden_scale
         if prepared.loss_mask is not None:
             tensors[ff.LOSS_MASK] = torch.tensor(prepared.loss_mask, dtype=torch.uint8)
+        if prepared.image_token_mask is not None:
+            tensors[ff.IMAGE_TOKEN_MASK] = torch.tensor(prepared.image_token_mask, dtype=torch.uint8)
         if job.final_hidden_states:
             tensors[ff.FINAL_HIDDEN_STATES] = captured.final_hidden_states  # type: ignore[assignment]
             if captured.final_scale is not None:

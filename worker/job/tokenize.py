@@ -16,14 +16,19 @@ import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from producer.protocol.images import ImageError, load_images
 from producer.protocol.layers import LayerIdError, resolve_layer_ids
 from producer.protocol.schema import ErrorType, Job
 from producer.settings import Limits
 from worker.engine.teacher import logit_transform
 from worker.job.chat import render_chat
 from worker.job.errors import JobError
+from worker.job.multimodal import ImageChat, model_image_token_id, render_image_chat
 from worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.
@@ -67,15 +72,19 @@ class PreparedInput:
     truncated_from: int | None  # original length when truncated
     topk_rows: list[int] | None = None  # positions for teacher top-k; None: all (or no top-k)
     warning: str | None = None  # what was changed to run the job (truncation), for its result
+    model_inputs: dict[str, torch.Tensor] | None = None  # a chat with images: pixel_values etc. for the forward
+    image_token_mask: list[int] | None = None  # a chat with images: 1 at its image positions
 
 
 class Preparer:
     """Tokenizes jobs for one model. Thread-safe (each call borrows a tokenizer from the pool)."""
 
-    def __init__(self, loaded: LoadedModel, default_layers: list[int], limits: Limits):
+    def __init__(self, loaded: LoadedModel, default_layers: list[int], limits: Limits,
+                 images_root: Path | None = None):
         self.loaded = loaded
         self.default_layers = default_layers
         self.limits = limits
+        self.images_root = images_root  # image paths in chats are read under it only
         self._tokenizers: queue.Queue[Any] = queue.Queue()
         if loaded.tokenizer is not None:
             for index in range(TOKENIZER_POOL):
@@ -87,13 +96,23 @@ class Preparer:
         layer_ids = self.layers_of(job)
         self._check_extras(job)
         loss_mask: list[int] | None = None
+        model_inputs: dict[str, torch.Tensor] | None = None
+        image_token_mask: list[int] | None = None
         if job.token_ids is not None:
             token_ids = self._check_token_ids(job.token_ids)
             loss_mask = job.loss_mask
         elif job.prompt is not None:
             token_ids = self._tokenize_prompt(job, job.prompt)
+        elif job.images():
+            chat = self._image_chat(job)
+            token_ids, loss_mask, model_inputs = chat.token_ids, chat.loss_mask, chat.model_inputs
+            image_token_mask = chat.image_token_mask
         else:
             token_ids, loss_mask = self._tokenize_chat(job)
+        if model_inputs is not None and len(token_ids) > min(job.max_length or self.limits.max_tokens,
+                                                             self.limits.max_tokens):
+            raise JobError(ErrorType.too_long, f"the chat with its images is {len(token_ids)} tokens, over the limit; "
+                                               "a chat with images is never truncated (it would cut an image)")
         token_ids, loss_mask, truncated_from = self._fit_length(job, token_ids, loss_mask)
         if loss_mask is not None and not any(loss_mask) and job.loss_on != "none":
             raise JobError(ErrorType.no_trainable_tokens,
@@ -104,7 +123,8 @@ class Preparer:
             _, source = self._length_limit(job)
             warning = (f"truncated from {truncated_from} to {len(token_ids)} tokens ({source}; "
                        "the job asked truncate=true)")
-        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask), warning)
+        return PreparedInput(token_ids, loss_mask, layer_ids, truncated_from, topk_rows(job, loss_mask), warning,
+                             model_inputs, image_token_mask)
 
     def _length_limit(self, job: Job) -> tuple[int, str]:
         """The most tokens the job may have, and which bound sets it: the job's ``max_length``, the
@@ -179,8 +199,11 @@ class Preparer:
             raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
         return token_ids
 
-    def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
-        messages = [m.model_dump(exclude_none=True) for m in job.messages or []]
+    def _checked_chat(self, job: Job) -> list[dict[str, Any]]:
+        """The chat's messages as template data (text parts joined), within the limits, with an
+        assistant turn unless ``loss_on="none"``; raises :class:`JobError`."""
+        messages = [{**m.model_dump(exclude_none=True), **({"content": m.text} if isinstance(m.content, list) else {})}
+                    for m in job.messages or []]
         if not messages:
             raise JobError(ErrorType.empty_input, "messages is empty")
         if len(messages) > self.limits.max_turns:
@@ -191,9 +214,29 @@ class Preparer:
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on "
                                                           "(loss_on='none' extracts it for analysis)")
         self._refuse_unfittable(job, chars)
+        return messages
+
+    def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
+        messages = self._checked_chat(job)
         with self._tokenizer() as tokenizer:
             return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on,
                                generation_prompt=bool(job.generation_prompt))
+
+    def _image_chat(self, job: Job) -> ImageChat:
+        """A chat with images through the model's processor: every image checked first
+        (``bad_image``), then ``no_image_support`` where the model has no processor."""
+        try:
+            images = load_images(job.messages or [], self.images_root, max_images=self.limits.max_images,
+                                 max_bytes=self.limits.max_image_bytes)
+        except ImageError as exc:
+            raise JobError(ErrorType.bad_image, str(exc)) from None
+        self._checked_chat(job)
+        processor = self.loaded.processor
+        if processor is None:
+            raise JobError(ErrorType.no_image_support, f"this worker serves text and token-id jobs only: "
+                                                       f"{self.loaded.processor_problem}")
+        with self._tokenizer() as tokenizer:
+            return render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config))
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
         limit, source = self._length_limit(job)

@@ -3,7 +3,10 @@
 Decoder layers are found structurally (the ``nn.ModuleList`` of ``num_hidden_layers``
 blocks inside the text decoder, alike or not: hybrids such as Jamba mix block classes),
 so Llama, Qwen, Mistral, Gemma, Phi, GPT-2/NeoX-style, hybrid and multimodal wrappers
-work without a table of attribute paths. The batching path is chosen here too
+work without a table of attribute paths. A vision-language checkpoint (one saved as
+``...ForConditionalGeneration``: Qwen-VL, Gemma 3, LLaVA, Llama 4, Qwen3.5...) loads as
+that class, vision tower included, and its text decoder (the innermost ``get_decoder()``)
+is what the engine runs for text and token-id jobs. The batching path is chosen here too
 (``worker.model.batching``), and the model switched to packed attention only when packing is
 exact for it; otherwise it keeps the attention implementation transformers gave it.
 
@@ -39,6 +42,7 @@ from worker.model.host_memory import LoadReport, peak_rss_bytes
 from worker.model.layouts.base import BatchLayout
 from worker.model.quant.fp8 import choose_compute
 from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
+from worker.model.classes import auto_class
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,8 @@ class LoadedModel:
     quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8" | FP8_DENSE_DEQUANT_EXPERTS
     load_report: LoadReport | None = None  # time and host memory that loading took (checkpoints only)
     experts: str | None = None  # mixture-of-experts models: transformers' experts implementation (grouped_mm, ...)
+    processor: Any | None = None  # a VLM's AutoProcessor (images -> model inputs), None for text models
+    processor_problem: str = ""  # why a VLM has no processor (said in its image jobs' errors)
 
     @property
     def architecture(self) -> str:
@@ -118,15 +124,28 @@ def resolve_dtype(spec: str, device: torch.device, config: Any | None = None) ->
     return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The innermost text decoder: ``get_decoder()`` followed down (a vision-language model's
+    returns its language model, which may itself be a causal LM wrapping the decoder, as
+    Llama 4's is), else ``base_model``."""
+    current: nn.Module = model
+    while hasattr(current, "get_decoder"):
+        inner = current.get_decoder()
+        if not isinstance(inner, nn.Module) or inner is current:
+            break
+        current = inner
+    return current if current is not model else getattr(model, "base_model", model)
+
+
 def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, nn.ModuleList]:
     """Return ``(decoder, layers)``: the text decoder module and its list of ``num_layers``
     blocks (the shallowest such list with weights in every block; the blocks may differ in
     class, as in hybrids). Raises :class:`ModelRefused` when there is none."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = text_decoder(model)
     base = getattr(model, "base_model", model)
-    # get_decoder() is the text decoder, unless a model names another part so (ModernBERT-decoder's output Linear)
-    scopes = [(decoder, decoder), (base, base), (model, base)] if isinstance(decoder, nn.Module) else [(base, base),
-                                                                                                      (model, base)]
+    # the innermost get_decoder() is the text decoder, unless a model names another part so (ModernBERT-decoder's
+    # output Linear): then its base model is searched
+    scopes = [(decoder, decoder), (base, base), (model, base)]
     for scope, runs in scopes:
         candidates = [
             (name, module) for name, module in scope.named_modules()
@@ -353,6 +372,29 @@ def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -
     return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
 
 
+#: Any of these in a model folder means it has a processor (images, not only text).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def load_processor(model: nn.Module, source: str, revision: str | None,
+                   trust_remote_code: bool) -> tuple[Any | None, str]:
+    """A vision-language model's ``AutoProcessor`` and '', or None and why there is none
+    (a text model, no processor files, or one that fails to load: its image jobs are refused
+    with that reason, its text jobs served)."""
+    if not type(model).__name__.endswith("ForConditionalGeneration"):
+        return None, f"{type(model).__name__} takes no images"
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).exists() for name in PROCESSOR_FILES):
+        return None, f"{source} has no processor files ({' or '.join(PROCESSOR_FILES)})"
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code), ""
+    except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
+        log.warning("%s: its processor does not load (%s); serving text and token_ids jobs only", source, exc)
+        return None, f"its processor does not load ({type(exc).__name__}: {str(exc).strip().splitlines()[0]})"
+
+
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False,
                chat_template: str | None = None, batching: str = "auto", quant_compute: str = "auto") -> LoadedModel:
@@ -365,7 +407,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
     the attention implementation transformers picks for it (SDPA where it has one, else
     its own), and is switched to packed attention only where packing is exact."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from worker.model.shapes import (
         SHAPE_PREFIX,
@@ -410,12 +452,12 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                        device_map="auto" if split else str(torch_device))
         try:
             try:
-                model = AutoModelForCausalLM.from_pretrained(source, **options)
+                model = auto_class(config).from_pretrained(source, **options)
             except ValueError as exc:
                 if "does not support an attention implementation" not in str(exc):
                     raise
                 log.warning("%s; loading it with transformers' eager attention instead", str(exc).split(". ")[0])
-                model = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", **options)
+                model = auto_class(config).from_pretrained(source, attn_implementation="eager", **options)
         except ValueError as exc:
             if "Unrecognized configuration class" in str(exc):
                 raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
@@ -426,6 +468,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     loaded = describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching,
                       fingerprint=fingerprint)
     loaded.load_report = report
+    loaded.processor, loaded.processor_problem = load_processor(model, source, revision, trust_remote_code)
     loaded.experts = experts_implementation(model)
     if loaded.experts is not None:
         log.info("experts: %s (grouped_mm: one grouped matmul per projection over the tokens each expert got; "

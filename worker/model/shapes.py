@@ -40,6 +40,17 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                         head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
                                         rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False)),
+    # Qwen2.5-VL-7B's shape (vision tower included): its text jobs measure the VLM's decoder
+    # (issue 25's text-only figure); its text decoder is found as for any VLM checkpoint.
+    "qwen2.5-vl-7b": ("qwen2_5_vl", dict(
+        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31]),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)),
     "qwen3-tiny": ("qwen3", dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                  max_position_embeddings=32768, tie_word_embeddings=False)),
@@ -69,11 +80,12 @@ def shape_parameters(name: str) -> int:
 
 
 def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """The shape's CausalLM with random weights, built on ``device`` in ``dtype``."""
-    from transformers import AutoModelForCausalLM
+    """The shape's model (a CausalLM, or a VLM's ``...ForConditionalGeneration``) with random
+    weights, built on ``device`` in ``dtype``."""
+    from worker.model.classes import auto_class
 
     config = shape_config(name)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_class(config).from_config(config, dtype=dtype)
     return model.eval()

@@ -1,0 +1,282 @@
+"""Vision-language checkpoints (saved as ``...ForConditionalGeneration``) serve text and
+token-id jobs exactly: batched the way the worker batches them, every language-model layer
+of every prompt equals the plain model's own ``forward`` on that prompt alone (fp32, 1e-5).
+
+Tiny random VLMs (``tests/support/vlm.py``), no hub. The weights-only folders have no
+tokenizer and no processor: token-id jobs need neither. Jobs with images run through the
+model's processor and its own ``forward``, one per batch (LLaVA here); without a processor,
+or with a bad image, they get typed results (``no_image_support``, ``bad_image``) and the
+worker goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import warnings
+
+import pytest
+import torch
+from PIL import Image
+
+from producer.client.client import Client, NoWorkerWarning
+from producer.files.dataset import collate, load_item
+from producer.files.reader import load_hidden_states
+from producer.protocol.images import ImageError
+from producer.protocol.schema import ErrorType
+from producer.settings import Settings
+from tests.support.vlm import TEXT_VOCAB, VLM_FAMILIES, build_tiny_vlm, vlm_block_states
+from worker.extractor import Extractor
+from worker.model.loading import load_model
+from worker.model.tiny_model import build_tokenizer
+
+LENGTHS = (3, 21, 9, 14)
+TOLERANCE = 1e-5
+
+
+def worst_token_relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    errors = (got.double() - reference.double()).norm(dim=-1) / reference.double().norm(dim=-1).clamp_min(1e-30)
+    return float(errors.max())
+
+
+@pytest.mark.parametrize("family", sorted(VLM_FAMILIES))
+def test_token_id_jobs_on_a_vlm_checkpoint_equal_its_own_forward(family, tmp_path):
+    model_dir = str(build_tiny_vlm(family, tmp_path / "model"))
+    loaded = load_model(model_dir, name=family, device="cpu", dtype="float32")
+    assert loaded.architecture.endswith("ForConditionalGeneration"), loaded.architecture
+    assert loaded.tokenizer is None
+    layer_ids = list(range(loaded.num_layers + 1))
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(3, TEXT_VOCAB, (n,), generator=generator).tolist() for n in LENGTHS]
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        results = extractor.extract(inputs, tmp_path / "files", run="vlm-text")
+    assert max(batches) >= 2, f"no two prompts were batched together: {batches}"
+    for ids, result in zip(inputs, results):
+        assert result.ok, result.error
+        states = load_hidden_states(result.path)
+        assert states["token_ids"].tolist() == ids
+        reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]))
+        assert states["hidden_states"].shape == reference.shape
+        error = worst_token_relative_error(states["hidden_states"], reference)
+        assert error <= TOLERANCE, f"{family}, {len(ids)} tokens: worst relative error {error}"
+
+
+def test_prompt_jobs_on_a_vlm_checkpoint_use_its_tokenizer(tmp_path):
+    """With a tokenizer beside the weights (no image processor), chat jobs render and equal the reference."""
+    model_dir = build_tiny_vlm("qwen2-vl", tmp_path / "model")
+    tokenizer = build_tokenizer("qwen3", vocab_size=TEXT_VOCAB)
+    tokenizer.save_pretrained(model_dir)
+    chats = [[{"role": "user", "content": "hello model"}, {"role": "assistant", "content": "the draft layer"}],
+             [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]]
+    with Extractor(str(model_dir), layers=[0, 2], device="cpu", dtype="float32") as extractor:
+        results = extractor.extract(chats, tmp_path / "files", run="vlm-chat")
+    for chat, result in zip(chats, results):
+        assert result.ok, result.error
+        states = load_hidden_states(result.path)
+        ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+        assert states["token_ids"].tolist() == ids
+        reference = vlm_block_states(str(model_dir), [0, 2], input_ids=torch.tensor([ids]))
+        assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
+def png_bytes(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (120, 40, 200)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_chat(part: dict) -> dict:
+    return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hello model"}]},
+                         {"role": "assistant", "content": "the draft layer"}]}
+
+
+def test_image_jobs_get_typed_results_and_the_worker_goes_on(tmp_path):
+    """A bad image is ``bad_image``; a good one ``no_image_support`` (the folder has no processor);
+    a chat of text parts renders as its text; the same extractor then serves the next jobs."""
+    model_dir = build_tiny_vlm("qwen2-vl", tmp_path / "model")
+    build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir)
+    images_root = tmp_path / "images"
+    images_root.mkdir()
+    (images_root / "ok.png").write_bytes(png_bytes(6, 4))
+    good_url = "data:image/png;base64," + base64.b64encode(png_bytes(4, 4)).decode()
+    bad_url = "data:image/png;base64," + base64.b64encode(b"these bytes are no image").decode()
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "model"}]},
+                  {"role": "assistant", "content": "the draft layer"}]
+    as_text = [{"role": "user", "content": "hello model"}, {"role": "assistant", "content": "the draft layer"}]
+    with Extractor(str(model_dir), layers=[0, 2], device="cpu", dtype="float32", images_root=images_root) as extractor:
+        job = extractor.job(image_chat({"type": "image", "image": "ok.png"}), run="images")
+        (images_root / "ok.png").write_bytes(png_bytes(7, 4))  # changed after the job was made
+        results = extractor.extract(
+            [image_chat({"type": "image_url", "image_url": {"url": bad_url}}), job,
+             image_chat({"type": "image_url", "image_url": {"url": good_url}}), text_parts, as_text],
+            tmp_path / "files", run="images")
+    assert [result.error_type for result in results[:3]] == [ErrorType.bad_image, ErrorType.bad_image,
+                                                           ErrorType.no_image_support], results
+    assert "does not decode" in results[0].error and "no longer has the bytes" in results[1].error
+    assert "text and token-id jobs only" in results[2].error and "has no processor files" in results[2].error
+    assert results[3].ok and results[4].ok, (results[3].error, results[4].error)
+    assert (load_hidden_states(results[3].path)["token_ids"].tolist()
+            == load_hidden_states(results[4].path)["token_ids"].tolist())
+
+
+def test_the_client_fills_image_digests_and_refuses_bad_images_before_sending(redis_server, tmp_path):
+    images_root = tmp_path / "images"
+    images_root.mkdir()
+    (images_root / "ok.png").write_bytes(png_bytes(5, 5))
+    (images_root / "broken.png").write_bytes(b"\x89PNG but not really")
+    settings = Settings(redis_url=redis_server.url, images_root=images_root)
+    with Client(settings) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)
+        job, payload = client.prepare(image_chat({"type": "image", "image": "ok.png"}), model="vlm", run="client-images")
+        part = payload["messages"][0]["content"][0]
+        assert part["sha256"] == hashlib.sha256(png_bytes(5, 5)).hexdigest()
+        for bad, reason in (("broken.png", "does not decode"), ("missing.png", "is not a file"),
+                            ("../ok.png", "plain relative path")):
+            with pytest.raises(ValueError, match=reason):
+                client.prepare(image_chat({"type": "image", "image": bad}), model="vlm", run="client-images")
+    with Client(Settings(redis_url=redis_server.url)) as client, pytest.raises(ImageError, match="no images root"):
+        client.prepare(image_chat({"type": "image", "image": "ok.png"}), model="vlm", run="client-images")
+
+
+def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
+    """``shape:qwen2.5-vl-7b`` (for the bench; built on the meta device here: no memory) is the
+    VLM class, vision tower included, and its 28 text layers and final norm are found."""
+    from worker.model.loading import find_decoder_layers, find_final_norm
+    from worker.model.shapes import build_random_model
+
+    model = build_random_model("qwen2.5-vl-7b", torch.device("meta"), torch.bfloat16)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    decoder, layers = find_decoder_layers(model, 28)
+    assert type(decoder).__name__ == "Qwen2_5_VLTextModel" and layers is decoder.layers
+    assert find_final_norm(decoder) is decoder.norm
+    assert 8.2e9 < sum(parameter.numel() for parameter in model.parameters()) < 8.4e9
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3"])
+def test_image_chats_batched_with_text_equal_the_model_alone(family, tmp_path):
+    """LLaVA, Gemma 3 (bidirectional attention over each image) and Idefics3 (images split into
+    tiles: token counts vary with the image) with their processors: chats with images of different sizes, sent with text chats,
+    run one per forward through the model's own ``forward``; each file holds the expanded
+    token ids (as the processor makes them), a loss mask with image positions 0, the
+    image_token_mask, and every layer within 1e-5 of the plain model run on the plain
+    processor's output alone; the dataset batches an image file with a text file."""
+    from transformers import AutoProcessor
+
+    from tests.support.vlm import add_processor
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    sizes = [(40, 24), (28, 28), (90, 20)]
+    urls = ["data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode() for size in sizes]
+    chats = [image_chat({"type": "image_url", "image_url": {"url": url}}) for url in urls]
+    text_chat = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]}
+    batches: list[int] = []
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32", batch_wait_ms=300) as extractor:
+        assert extractor.loaded.processor is not None, extractor.loaded.processor_problem
+        extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        results = extractor.extract([*chats, text_chat, text_chat | {"metadata": "again"}], tmp_path / "files",
+                                    run=f"{family}-images")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
+                     {"role": "assistant", "content": "the draft layer"}]
+    text = processor.apply_chat_template(template_chat, tokenize=False)
+    for size, result in zip(sizes, results):
+        assert result.ok, result.error
+        states = load_hidden_states(result.path)
+        inputs = processor(text=[text], images=[Image.open(io.BytesIO(png_bytes(*size)))], return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+        assert states["token_ids"].tolist() == ids
+        image_positions = [index for index, token in enumerate(ids) if token == 300]
+        assert len(image_positions) >= 3
+        mask = states["loss_mask"].tolist()
+        assert all(mask[index] == 0 for index in image_positions) and any(mask)
+        reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
+        error = worst_token_relative_error(states["hidden_states"], reference)
+        assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
+        assert states["image_token_mask"].tolist() == [int(token == 300) for token in ids]
+    assert all(result.ok for result in results[3:])
+    assert max(batches) >= 2, f"the text chats were not batched together: {batches}"
+    items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[3])]
+    assert "image_token_mask" not in items[1]  # a text chat's file is as before
+    batch = collate(items)
+    image_rows = batch["image_token_mask"]
+    assert image_rows[0, :len(items[0]["input_ids"])].tolist() == items[0]["image_token_mask"].tolist()
+    assert not image_rows[1].any()
+
+
+def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
+    """Client -> Redis -> a real worker process serving a Gemma 3 VLM: an image named by a path
+    under the images root (both sides' setting) is hashed by the client, read by the worker,
+    and its file equals the plain model on the plain processor's output alone."""
+    from transformers import AutoProcessor
+
+    from tests.support.vlm import add_processor
+
+    model_dir = add_processor("gemma3", build_tiny_vlm("gemma3", tmp_path / "model"))
+    images_root = tmp_path / "images"
+    (images_root / "set").mkdir(parents=True)
+    (images_root / "set" / "one.png").write_bytes(png_bytes(33, 21))
+    worker = make_worker("vlm@test", model_dir=model_dir, name="tiny-gemma3",
+                         extra_args=["--layers", "0,1,2"], env={"LAYERTAP_IMAGES_ROOT": str(images_root)})
+    settings = Settings(redis_url=worker.redis_url, images_root=images_root)
+    with Client(settings) as client:
+        job = client.submit(image_chat({"type": "image", "image": "set/one.png"}), model="tiny-gemma3",
+                            run="queued-images", check=True)
+        result = client.wait("queued-images", [job.job_id], timeout=300)[job.job_id]
+    assert result.ok, result.error
+    assert f"image chats: Gemma3Processor, one per batch, paths under {images_root}" in worker.log_text()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
+                     {"role": "assistant", "content": "the draft layer"}]
+    inputs = processor(text=[processor.apply_chat_template(template_chat, tokenize=False)],
+                       images=[Image.open(io.BytesIO(png_bytes(33, 21)))], return_tensors="pt")
+    states = load_hidden_states(result.path)
+    assert states["token_ids"].tolist() == inputs["input_ids"][0].tolist()
+    assert int(states["image_token_mask"].sum()) == 4
+    reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
+    assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5"])
+def test_qwen_image_inputs_through_the_engine_equal_the_model_alone(family, tmp_path):
+    """Qwen-VL's multimodal rotary positions (M-RoPE, from each prompt's own image grid),
+    Qwen3-VL's deepstack (visual features added inside early decoder layers) and Qwen3.5
+    (gated delta nets with Qwen3-VL's vision): image requests
+    submitted with a text request run one per forward through the model's own ``forward``,
+    and every layer (what enters it, after the model's own additions) equals the plain model
+    alone. The inputs come from Qwen's image processor directly: its full processor needs
+    torchvision (for video), which this environment lacks."""
+    from transformers import Qwen2VLImageProcessor
+
+    from worker.engine.records import EngineRequest
+
+    model_dir = str(build_tiny_vlm(family, tmp_path / "model"))
+    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
+                                            temporal_patch_size=2)
+    prompts = []
+    for size in [(56, 28), (28, 28), (84, 56)]:
+        vision = image_processor(images=[Image.new("RGB", size, (90, 10, 160))], return_tensors="pt")
+        image_tokens = int(vision["image_grid_thw"].prod()) // 4
+        ids = [5, 6, 302, *[300] * image_tokens, 303, 7, 8, 9]
+        prompts.append((ids, {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
+                              "mm_token_type_ids": torch.tensor([[int(token == 300) for token in ids]])}))
+    assert len({len(ids) for ids, _ in prompts}) == 3
+    loaded = load_model(model_dir, name=family, device="cpu", dtype="float32")
+    layer_ids = [0, 1, 2]
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        requests = [EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs) for ids, inputs in prompts]
+        requests.append(EngineRequest(torch.tensor([5, 6, 7, 8]), layer_ids))
+        states = []
+        for future in engine.submit_many(requests):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    assert batches == [1, 1, 1, 1], batches
+    for (ids, inputs), got in zip(prompts, states):
+        reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
+        assert worst_token_relative_error(got, reference) <= TOLERANCE

@@ -1,0 +1,160 @@
+"""Tiny random vision-language checkpoints of every VLM family the tests cover, and the
+plain-transformers reference for them (each prompt alone through the model's own
+``forward``, the input of each language-model block caught by a hook).
+
+Each family is ``(model_type, config fields)``, built with ``AutoConfig.for_model`` and
+``AutoModelForImageTextToText.from_config`` (2 text layers, hidden 32, vocabulary 320;
+a 2-block vision tower), saved with ``save_pretrained``. Image placeholder ids sit at
+300 and up, so prompts drawn from ``[3, TEXT_VOCAB)`` are text only, and a tokenizer
+trained to :data:`TEXT_VOCAB` entries (``worker.model.tiny_model.build_tokenizer``) fits.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.support.reference import hooked_block_states
+
+TEXT_VOCAB = 300  # prompts draw ids below this: none is an image placeholder
+TEXT: dict[str, Any] = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+              patch_size=14)
+QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
+                   spatial_merge_size=2, temporal_patch_size=2)
+MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+
+VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2-vl": ("qwen2_vl", dict(
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, type="mrope")),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302)),
+    "qwen2.5-vl": ("qwen2_5_vl", dict(
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, type="mrope")),
+        vision_config=dict(QWEN_VISION, fullatt_block_indexes=[1], window_size=56),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302)),
+    "qwen3-vl": ("qwen3_vl", dict(
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, mrope_interleaved=True)),
+        vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0, 1], num_position_embeddings=16),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302)),
+    "qwen3.5": ("qwen3_5", dict(
+        text_config=dict(TEXT, **GDN), vision_config=dict(QWEN_VISION, num_position_embeddings=16),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302)),
+    "gemma3": ("gemma3", dict(text_config=dict(TEXT), vision_config=SIGLIP, mm_tokens_per_image=4,
+                              image_token_index=300, boi_token_index=301, eoi_token_index=302)),
+    "llava": ("llava", dict(text_config=dict(TEXT, model_type="llama"),
+                            vision_config=dict(SIGLIP, model_type="clip_vision_model"), image_token_index=300)),
+    "llama4": ("llama4", dict(
+        text_config=dict(TEXT, num_local_experts=2, intermediate_size_mlp=64, attention_chunk_size=8),
+        vision_config=dict(SIGLIP, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
+        image_token_index=300)),
+    "idefics3": ("idefics3", dict(text_config=dict(TEXT, model_type="llama"),
+                                  vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
+}
+
+
+def build_tiny_vlm(family: str, out: Path, seed: int = 0) -> Path:
+    """Build the family's tiny VLM with random (seeded) float32 weights and save it to ``out``."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    model_type, fields = VLM_FAMILIES[family]
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+@lru_cache(maxsize=4)
+def load_reference(model_dir: str):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def language_layers(model) -> torch.nn.ModuleList:
+    """The language model's blocks, by the attribute paths transformers' VLM classes use."""
+    inner = getattr(model, "model", model)
+    for name in ("language_model", "text_model"):  # Idefics3 names it text_model
+        if hasattr(inner, name):
+            language_model = getattr(inner, name)
+            break
+    if hasattr(language_model, "model"):  # a causal LM wrapping its decoder (Llama 4)
+        language_model = language_model.model
+    return language_model.layers
+
+
+def is_llama4(model) -> bool:
+    return type(model).__name__ == "Llama4ForConditionalGeneration"
+
+
+def vlm_block_states(model_dir: str, layer_ids: list[int], **inputs: Any) -> torch.Tensor:
+    """``[T, len(layer_ids), H]``: the input of each language block ``i < L`` and the output of
+    the last (id ``L``), from the plain model's own ``forward`` on one prompt (``inputs``:
+    ``input_ids`` ``[1, T]`` and whatever else that forward takes, such as ``pixel_values``)."""
+    model = load_reference(model_dir)
+    layers = language_layers(model)
+    # transformers 5.24's Llama4ForConditionalGeneration.forward fails without pixel_values
+    # (it reads ``image_outputs`` off its language model's output); without images it is
+    # its language model's forward, so that runs.
+    forward = model.language_model if "pixel_values" not in inputs and is_llama4(model) else model
+    return hooked_block_states(layers, layer_ids, lambda: forward(**inputs, use_cache=False))
+
+
+#: A ChatML template that takes content parts (an image part renders as the processor's placeholder).
+def parts_template(image_placeholder: str) -> str:
+    return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + image_placeholder +
+            "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def add_processor(family: str, model_dir: Path) -> Path:
+    """Save a processor beside a tiny ``llava``, ``gemma3`` or ``idefics3`` VLM: a trained
+    tokenizer of :data:`TEXT_VOCAB` entries plus the family's image tokens at the ids its
+    config names (300 the image token; Gemma 3's begin/end of image 301/302), an image
+    processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
+    a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each), and a
+    template that puts the processor's placeholder where a chat's image part is."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        LlavaProcessor,
+    )
+
+    from worker.model.tiny_model import build_tokenizer
+
+    tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
+              "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                         "eoi_token": "<end_of_image>"}}[family]
+    build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
+    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302][:len(tokens)]
+    template = parts_template(tokens.get("boi_token", tokens["image_token"]))
+    tokenizer.chat_template = template
+    if family == "llava":
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+            tokenizer=tokenizer, chat_template=template, patch_size=14, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1)
+    elif family == "idefics3":
+        image_processor = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 28},
+                                                 do_image_splitting=True)
+        processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                                      image_seq_len=1)
+    else:
+        processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}),
+                                    tokenizer=tokenizer, chat_template=template, image_seq_length=4)
+    processor.save_pretrained(model_dir)
+    return model_dir
