@@ -34,4 +34,4 @@ redis-secret:
 	deploy/make-redis-secret
 
 clean:
-	rm -rf $(VENV) layertap-data .pytest_cache
+	rm -rf $(VENV) layertap-data layertap-demo .pytest_cache

@@ -113,7 +113,8 @@ def inspect(
 
 @app.command()
 def demo(
-    workdir: Optional[Path] = typer.Option(None, help="Keep the model and files here (default: a temp folder)."),
+    workdir: Path = typer.Option(Path("layertap-demo"), help="Where the model, Redis data and files go (kept "
+                                 "afterwards; emptied first when an earlier demo made it)."),
     redis_url: Optional[str] = typer.Option(None, help="Use this Redis instead of an embedded one."),
     timeout: float = typer.Option(300.0, help="Give up after this many seconds."),
 ) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,17 +61,34 @@ def _stop(process: subprocess.Popen | None) -> None:
         process.wait()
 
 
-def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, console: Console,
+#: A file the demo leaves in its folder: the folder is the demo's to empty on the next run.
+DEMO_MARKER = ".layertap-demo"
+
+
+def claim_workdir(workdir: Path) -> Path:
+    """``workdir`` (absolute) made the demo's: new, empty, or made by an earlier demo (whose Redis
+    data and files are removed, so its results are not taken for this run's). A folder holding
+    anything else is refused, never emptied."""
+    workdir = workdir.expanduser().resolve()
+    if workdir.exists() and any(workdir.iterdir()) and not (workdir / DEMO_MARKER).exists():
+        raise ValueError(f"--workdir {workdir} is not empty and was not made by layertap demo; give a new or "
+                         "empty folder")
+    for part in ("redis", "files", "model"):
+        shutil.rmtree(workdir / part, ignore_errors=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / DEMO_MARKER).touch()
+    return workdir
+
+
+def run_demo(settings: Settings, *, workdir: Path, timeout: float, console: Console,
              show_file: Callable[[dict[str, Any]], None]) -> None:
-    """The whole pipeline on an embedded Redis; ``show_file`` prints one file's description."""
+    """The whole pipeline on an embedded Redis; ``show_file`` prints one file's description. The
+    model and files stay in ``workdir``, and it ends with commands to run next on them."""
     from producer.files.file_stats import describe_file
 
     deadline = time.monotonic() + timeout
-    temporary = workdir is None
+    workdir = claim_workdir(workdir)
     with contextlib.ExitStack() as stack:
-        if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="layertap-demo-")))
-        workdir.mkdir(parents=True, exist_ok=True)
         if settings.redis_url is None:
             server = stack.enter_context(RedisServer(data_dir=workdir / "redis"))
             settings = settings.model_copy(update={"redis_url": server.url})
@@ -115,8 +132,7 @@ def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, consol
         tokens = sum(r.num_tokens or 0 for r in ok)  # type: ignore[attr-defined]
         console.print(f"\n[bold green]{len(ok)}/{len(results)} jobs ok[/bold green], {tokens} tokens in "
                       f"{elapsed:.2f}s ({tokens / elapsed:,.0f} tokens/s end to end)")
-        kept = " (a temporary folder, removed when the demo ends: --workdir DIR keeps it)" if temporary else ""
-        console.print(f"files under {storage / DEMO_RUN}{kept}", soft_wrap=True)
+        console.print(f"files under {storage / DEMO_RUN}", soft_wrap=True)
         failed = [r for r in results if not r.ok]  # type: ignore[attr-defined]
         for result in failed:
             console.print(f"[red]error[/red] {result.job_id}: {result.error}")  # type: ignore[attr-defined]
@@ -126,3 +142,10 @@ def run_demo(settings: Settings, *, workdir: Path | None, timeout: float, consol
         if failed:
             raise RuntimeError(f"{len(failed)} demo job(s) failed")
     console.print("[dim]worker and Redis stopped[/dim]")
+    console.print("\n[bold]next[/bold] (the model and files stay):", highlight=False)
+    for line in (f"layertap inspect {chat.path}",  # type: ignore[attr-defined]
+                 f"python -c \"from layertap import load_hidden_states; "
+                 f"print(load_hidden_states('{chat.path}')['hidden_states'].shape)\"",  # type: ignore[attr-defined]
+                 f"layertap worker --model {model_dir} --device cpu   # serve the tiny model on your own Redis",
+                 "README.md, 'Five minutes on a CPU': worker, enqueue, watch, results, load, step by step"):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)

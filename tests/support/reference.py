@@ -46,16 +46,14 @@ def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int
     :func:`reference_states` without relying on ``output_hidden_states`` (which some
     families, such as Mamba, list shifted by one block)."""
     model, _ = load(model_dir)
-    return hooked_block_states(last_layer_module(model, every=True), layer_ids,
+    return hooked_block_states(last_layer_module(model, every=True), layer_ids, len(token_ids),
                                lambda: model(torch.tensor([token_ids]), use_cache=False))
 
 
-def hooked_block_states(layers, layer_ids: list[int], forward) -> torch.Tensor:
-    """``[T, len(layer_ids), H]``: what ``forward()`` (one prompt, no grad) feeds each of
-    ``layers`` (id ``i < L``) and what the last one returns (id ``L``), caught by hooks."""
+def hooked_block_states(layers, layer_ids: list[int], tokens: int, forward) -> torch.Tensor:
+    """``[T, len(layer_ids), ...]``: what ``forward()`` (one prompt of ``tokens`` tokens, no grad)
+    feeds each of ``layers`` (id ``i < L``) and what the last one returns (id ``L``), caught by hooks."""
     caught: dict[int, torch.Tensor] = {}
-
-    tokens = len(token_ids)
 
     def token_major(hidden):
         """The one prompt's stream, tokens first: ``[1, T, ...]``, or AltUp's ``[copies, 1, T, H]``."""

@@ -105,7 +105,8 @@ def vlm_block_states(model_dir: str, layer_ids: list[int], **inputs: Any) -> tor
     # (it reads ``image_outputs`` off its language model's output); without images it is
     # its language model's forward, so that runs.
     forward = model.language_model if "pixel_values" not in inputs and is_llama4(model) else model
-    return hooked_block_states(layers, layer_ids, lambda: forward(**inputs, use_cache=False))
+    return hooked_block_states(layers, layer_ids, inputs["input_ids"].shape[-1],
+                               lambda: forward(**inputs, use_cache=False))
 
 
 #: A ChatML template that takes content parts (an image part renders as the processor's placeholder).
