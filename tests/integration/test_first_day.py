@@ -118,7 +118,7 @@ def test_runs_group_watch_rate_and_delete_removes_emptied_folders(day):
 
     run_folder = day.work / "files" / run
     assert len(list(run_folder.rglob("*.safetensors"))) == 2
-    deleted = day.layertap("runs", "delete", run, "--files", "--yes")
+    deleted = day.layertap("runs", "delete", run, "--files", "--yes", "--storage", str(day.work / "files"))
     assert deleted.returncode == 0 and "2 file(s)" in deleted.stdout, deleted.stderr
     assert not run_folder.exists()  # its fan-out folders went with their files
     assert (day.work / "files").is_dir()  # the storage root stays

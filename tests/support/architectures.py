@@ -24,9 +24,10 @@ PADDED = "padded"
 #: (Mamba's and RWKV's own loops), not its input: there only the per-block reference applies.
 SHIFTED_HIDDEN_STATES = frozenset({"mamba", "falcon_mamba", "mamba2", "rwkv"})
 
-#: Hand-made tiny models of three families, for the tests that force a layout on them.
+#: Hand-made tiny models, for the tests that force a layout on them or need a mixture of experts.
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str]] = {
     "gpt-oss-sinks": ("gpt_oss", dict(WINDOW, num_local_experts=4), PADDED),
+    "qwen3-moe": ("qwen3_moe", MOE, "packed"),  # the experts and quantized-experts tests
     "gemma2-softcap": ("gemma2", WINDOW, PADDED),
     "qwen3-next": ("qwen3_next", dict(GDN, **MOE, shared_expert_intermediate_size=16), PADDED),
 }
