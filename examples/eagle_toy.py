@@ -211,7 +211,8 @@ def main_online(workdir: Path, steps: int, max_inflight: int = ONLINE_MAX_INFLIG
                  "--quiet", "--max-inflight", str(max_inflight), "--inflight-until", "consumed"), env=env)
             print(f"enqueueing {steps * BATCH} conversations from {chats}, training as they arrive", flush=True)
             stream = StreamingHiddenStatesDataset(RUN, redis_url=redis_server.url, delete_after=True,
-                                                  shuffle_buffer=BATCH)
+                                                  shuffle_buffer=BATCH,
+                                                  settings=Settings(storage_root=storage))  # deletes only there
             tokens = 0
 
             def batches() -> Iterator[dict]:
