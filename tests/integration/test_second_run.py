@@ -17,13 +17,13 @@ import time
 from collections import Counter
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from producer.client import runs
 from producer.dataset import StreamingHiddenStatesDataset
 from producer.files.reader import load_hidden_states
 from producer.protocol import keys
 from producer.settings import Settings
+from tests.integration.test_file_identity import rewrite_checkpoint
 from tests.integration.test_streaming import files_under, token_jobs
 from tests.integration.test_trainers import TRAINER, trained_ids
 from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
@@ -32,16 +32,6 @@ from tests.support.reference import reference_states
 
 MODEL = "tiny-ck"
 LAYERS = [0, 2, 4]
-
-
-def rewrite_in_place(folder, seed: int) -> None:
-    """New weights saved over the checkpoint's own files (same names, same shapes)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    model.save_pretrained(folder)
 
 
 def latest_by(client, run: str, job_ids: list[str], worker: str, timeout: float) -> dict:
@@ -64,7 +54,7 @@ def test_a_second_run_through_every_fault_loses_nothing_and_serves_nothing_stale
     first.stop()
 
     # 1. The checkpoint is rewritten in place; the same jobs again: every file computed anew
-    rewrite_in_place(checkpoint, seed=22)
+    rewrite_checkpoint(checkpoint, seed=22)
     make_worker("second@localhost", model_dir=checkpoint, name=MODEL)
     for job in jobs:
         client.submit(job, model=MODEL, run=run_name)
