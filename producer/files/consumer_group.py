@@ -9,7 +9,8 @@ another consumer has held for ``claim_idle_s`` (``XAUTOCLAIM``: a live consumer'
 ``stream_group.Heartbeat``, resets their idle time). It queues what the group missed from the
 run's ledger once per trim (``producer.client.recovery.fill``), says when the run is complete
 or stalled, and finishes entries (``stream_group.GroupFinisher``). Its Redis state changes are
-the run ledger's (``producer.transport.ledger``: ``create_group``, ``ack``, ``finish``).
+the run ledger's (``producer.transport.ledger``: ``create_group``, ``read_group``, ``claim_idle``,
+``ack``, ``finish``).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class GroupReader:
         """Own pending entries, else entries claimed from a dead consumer (when due), else new ones."""
         options = self.options
         if self.history:
-            got = self.redis.xreadgroup(self.group, self.name, self.history, count=options.read_count)
+            got = ledger.read_group(self.redis, self.group, self.name, self.history, options.read_count)
             entries = self._entries(got)
             for stream, stream_entries in got or []:
                 if stream_entries:
@@ -150,8 +151,8 @@ class GroupReader:
             claimed = self._claim()
             if claimed:
                 return claimed
-        got = self.redis.xreadgroup(self.group, self.name, dict.fromkeys(self.streams, ">"), count=options.read_count,
-                                    block=options.block_ms if block else None)
+        got = ledger.read_group(self.redis, self.group, self.name, dict.fromkeys(self.streams, ">"), options.read_count,
+                                options.block_ms if block else None)
         return self._entries(got)
 
     def _claim(self) -> list[Entry]:
@@ -159,8 +160,8 @@ class GroupReader:
         self.next_claim = time.monotonic() + options.claim_idle_s / 2
         claimed = []
         for stream in self.streams:
-            reply = self.redis.xautoclaim(stream, self.group, self.name, min_idle_time=int(options.claim_idle_s * 1000),
-                                          start_id=self.claim_cursors[stream], count=options.read_count)
+            reply = ledger.claim_idle(self.redis, stream, self.group, self.name, int(options.claim_idle_s * 1000),
+                                      self.claim_cursors[stream], options.read_count)
             self.claim_cursors[stream] = reply[0]
             if reply[0] != "0-0":
                 self.next_claim = time.monotonic()  # more to look at: carry on next time

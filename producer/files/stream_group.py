@@ -111,8 +111,7 @@ class Heartbeat(threading.Thread):
                 held = {stream: sorted(ids) for stream, ids in self.held.items() if ids}
             for stream, ids in held.items():
                 try:
-                    kept = self.redis.xclaim(stream, self.group, self.consumer, min_idle_time=0, message_ids=ids,
-                                             justid=True)
+                    kept = ledger.keep_held(self.redis, stream, self.group, self.consumer, ids)
                 except redis.exceptions.RedisError as exc:  # Redis restarting: the next beat retries
                     log.warning("heartbeat of %s failed: %s", self.consumer, exc)
                     continue

@@ -16,8 +16,9 @@ operations, by the step of a job's life they record:
 * **lost**: the reconciler's :func:`head_delivery_tag`, :func:`restore_inflight`,
   :func:`note_suspects`, :func:`adopt_records`, :func:`forget_sent`;
 * **trim**: :func:`trim` (``trim_page.lua``, works at ``maxmemory``), :func:`forget_run` (delete);
-* **consume**: :func:`finish` (``finish.lua``), :func:`ack`, :func:`create_group`,
-  :func:`queue_recovered`, :func:`take_lock` / :func:`release_lock` (``release_lock.lua``).
+* **consume**: :func:`create_group`, :func:`read_group`, :func:`claim_idle`, :func:`keep_held`,
+  :func:`finish` (``finish.lua``), :func:`ack`, :func:`queue_recovered`, :func:`mark_recovered`,
+  :func:`take_lock` / :func:`release_lock` (``release_lock.lua``).
 
 The pending ledger: one record per message, written by its sender before sending.
 A record (``keys.PENDING_HASH``: JSON with the queue, the send time and, for a bundle, its
@@ -456,6 +457,23 @@ def finish(client: redis.Redis | Pipeline, stream: str, run: str, group: str, en
     while it is still the job's status), in one step (``finish.lua``); on a pipeline, queued."""
     _script(client, "finish")(keys=[stream, keys.run_consumed_hash(run, group), keys.run_status_hash(run)],
                               args=[group, entry_id, job_id, status.value])
+
+
+def read_group(client: redis.Redis, group: str, consumer: str, streams: Mapping[str, str], count: int,
+               block_ms: int | None = None) -> list[Any]:
+    """``XREADGROUP``: entries of ``streams`` (stream -> after id; ``>``: new ones) now held by ``consumer``."""
+    return client.xreadgroup(group, consumer, dict(streams), count=count, block=block_ms)
+
+
+def claim_idle(client: redis.Redis, stream: str, group: str, consumer: str, idle_ms: int, start: str,
+               count: int) -> list[Any]:
+    """``XAUTOCLAIM``: ``consumer`` takes over entries idle ``idle_ms`` (a dead consumer's), from cursor ``start``."""
+    return client.xautoclaim(stream, group, consumer, min_idle_time=idle_ms, start_id=start, count=count)
+
+
+def keep_held(client: redis.Redis, stream: str, group: str, consumer: str, entry_ids: Sequence[str]) -> list[Any]:
+    """Reset the idle time of entries ``consumer`` holds (``XCLAIM ... JUSTID``); the ids it still holds."""
+    return client.xclaim(stream, group, consumer, min_idle_time=0, message_ids=list(entry_ids), justid=True)
 
 
 def ack(client: redis.Redis, stream: str, group: str, entry_id: str) -> None:
