@@ -49,7 +49,6 @@ import redis
 from celery import Celery
 
 from producer.protocol import keys
-from producer.protocol.schema import Result
 from producer.transport import ledger
 from worker.queue.periodic import Periodic, take_turn
 from worker.queue.publisher import ResultPublisher
