@@ -13,7 +13,8 @@ OWNER = ROOT / "producer" / "transport" / "ledger"
 
 #: redis-py methods that change state.
 WRITES = {"hset", "hdel", "hincrby", "hsetnx", "hmset", "xadd", "xack", "xdel", "xtrim", "xgroup_create",
-          "xgroup_destroy", "xreadgroup", "xclaim", "xautoclaim", "incr", "incrby", "decr", "expire", "pexpire", "sadd", "srem",
+          "xgroup_destroy", "xreadgroup", "xclaim", "xautoclaim", "incr", "incrby", "decr", "expire", "pexpire",
+          "sadd", "srem",
           "zadd", "zrem", "lpush", "rpush", "lrem", "ltrim", "lmove", "set", "setnx", "getdel", "delete", "unlink",
           "rename", "publish", "eval", "evalsha", "register_script"}
 

@@ -1,7 +1,8 @@
 """The run ledger: every Redis state change of a job and a run, and nothing else, lives here.
 
 Its Lua sits beside it, one ``.lua`` file per server-side step (read with ``importlib.resources``,
-run through redis-py's ``register_script``: ``EVALSHA``, loaded again after a Redis restart). The
+run as redis-py's ``Script``: ``EVALSHA``, loaded again after a Redis restart; queued on a
+pipeline, as ``EVAL`` with the text). The
 operations, by the step of a job's life they record:
 
 * **submitted**: :func:`record_sent` (each job's latest send time in ``keys.run_submitted_hash``
@@ -49,7 +50,6 @@ from typing import Any, NamedTuple
 
 import redis
 from redis.client import Pipeline
-from redis.commands.core import Script
 
 from producer.protocol import keys
 from producer.protocol.naming import storage_root_of
@@ -65,8 +65,12 @@ def lua(name: str) -> str:
     return files(__name__).joinpath(f"{name}.lua").read_text()
 
 
-def _script(client: redis.Redis | Pipeline, name: str) -> Script:
-    return client.register_script(lua(name))
+def _run(client: redis.Redis | Pipeline, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+    """Run ``<name>.lua``: ``EVALSHA`` (loaded on ``NOSCRIPT``), or queued on a pipeline as ``EVAL``
+    with the text (redis-py would first ask ``SCRIPT EXISTS``, a round trip per publish)."""
+    if isinstance(client, Pipeline):
+        return client.eval(lua(name), len(keys), *keys, *args)
+    return client.register_script(lua(name))(keys=keys, args=args)
 
 
 # -- results ------------------------------------------------------------------------------
@@ -192,8 +196,8 @@ def count_starts(client: redis.Redis, jobs: Sequence[tuple[str, str]],
     return counts, {run for run, cancelled in zip(runs, replies[2 * len(jobs):]) if cancelled}
 
 
-def split_message(client: redis.Redis, jobs: Sequence[tuple[str, str]], halves: Sequence[tuple[str, list[tuple[str, str]]]],
-                  queue: str, task_id: str, now: float) -> None:
+def split_message(client: redis.Redis, jobs: Sequence[tuple[str, str]],
+                  halves: Sequence[tuple[str, list[tuple[str, str]]]], queue: str, task_id: str, now: float) -> None:
     """A bundle split in two: undo one start of each of its ``jobs``, record each half's message
     (``(task id, its jobs)``) and end this one's record, in one transaction."""
     pipe = client.pipeline(transaction=True)
@@ -238,10 +242,10 @@ def publish(client: redis.Redis, results: Sequence[Result], message: str | None,
     one's job in ``keys.run_cancelled_jobs_set``; with ``message``, the task id whose last
     results these are, end its pending record (its member of ``queue``'s sorted set too)."""
     pipe = client.pipeline(transaction=True)
-    index = _script(pipe, "xadd_and_index")
     for result in results:
         data, stream = result.model_dump_json(), keys.results_stream(result.run)
-        index(keys=[stream, keys.run_result_ids_hash(result.run)], args=[keys.RESULT_FIELD, data, result.job_id])
+        _run(pipe, "xadd_and_index", [stream, keys.run_result_ids_hash(result.run)],
+             [keys.RESULT_FIELD, data, result.job_id])
         pipe.publish(stream, data)
         pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
         if result.error_type is ErrorType.cancelled:
@@ -259,13 +263,12 @@ def publish_unless_ended(client: redis.Redis, results: Sequence[Result], message
     has a final result or was sent again (``publish_unless_ended.lua``), and end the message's
     pending record, in one transaction; whether each was published."""
     pipe = client.pipeline(transaction=True)
-    unless_ended = _script(pipe, "publish_unless_ended")
     for result in results:
-        unless_ended(keys=[keys.results_stream(result.run), keys.run_result_ids_hash(result.run),
-                           keys.run_status_hash(result.run), keys.run_submitted_hash(result.run),
-                           keys.run_cancelled_jobs_set(result.run)],
-                     args=[keys.RESULT_FIELD, result.model_dump_json(), result.job_id, repr(sent_at),
-                           result.status.value, int(result.error_type is ErrorType.cancelled)])
+        _run(pipe, "publish_unless_ended",
+             [keys.results_stream(result.run), keys.run_result_ids_hash(result.run), keys.run_status_hash(result.run),
+              keys.run_submitted_hash(result.run), keys.run_cancelled_jobs_set(result.run)],
+             [keys.RESULT_FIELD, result.model_dump_json(), result.job_id, repr(sent_at), result.status.value,
+              int(result.error_type is ErrorType.cancelled)])
     clear_pending(pipe, queue, message)
     return [bool(int(reply)) for reply in pipe.execute()[:len(results)]]
 
@@ -275,7 +278,7 @@ def cancel(client: redis.Redis, run: str) -> None:
     """Mark ``run`` cancelled (idempotent: the first cancel time stays; works at ``maxmemory``). A
     job not yet handed to a worker's engine then ends ``cancelled``; one already there ends as it
     would have."""
-    _script(client, "cancel")(keys=[keys.run_cancelled_key(run)], args=[time.time()])
+    _run(client, "cancel", [keys.run_cancelled_key(run)], [time.time()])
 
 
 def cancelled_runs(client: redis.Redis, runs: Sequence[str]) -> set[str]:
@@ -290,15 +293,15 @@ def cancelled_runs(client: redis.Redis, runs: Sequence[str]) -> set[str]:
 def head_delivery_tag(client: redis.Redis, queue: str) -> str | None:
     """The delivery tag of the message next in line in ``queue``: None if the queue is empty, ""
     if the message has none (``head_delivery_tag.lua``: only the tag leaves Redis)."""
-    tag = _script(client, "head_delivery_tag")(keys=[queue])
+    tag = _run(client, "head_delivery_tag", [queue])
     return None if tag is None else keys.as_text(tag)
 
 
 def restore_inflight(client: redis.Redis, task_id: str, queue: str) -> bool:
     """Move task ``task_id``'s message from ``queue``'s in-flight list back to the head of the queue
     (``restore_inflight.lua``); if it was there, clear its suspicion and count the recovery."""
-    restored = _script(client, "restore_inflight")(keys=[keys.inflight_list(queue), queue],
-                                                   args=[task_id, keys.DELIVERY_TAG_SEPARATOR])
+    restored = _run(client, "restore_inflight", [keys.inflight_list(queue), queue],
+                    [task_id, keys.DELIVERY_TAG_SEPARATOR])
     if restored:
         client.hdel(keys.SUSPECT_HASH, task_id)
         client.incr(keys.RECOVERED_COUNTER)
@@ -383,7 +386,6 @@ def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
     bounds = [value for value in (unconsumed_from(client, stream),
                                   None if before is None else f"{int(before * 1000)}-0") if value]
     end = f"({min(bounds, key=_entry_id)}" if bounds else "+"
-    page_script = _script(client, "trim_page")
     dropped = 0
     while True:
         entries = client.xrange(stream, min="-", max=end, count=TRIM_PAGE)
@@ -398,8 +400,8 @@ def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
             if root is not None:
                 roots.add(str(root))
         last = keys.as_text(entries[-1][0])
-        page_script(keys=[keys.run_result_ids_hash(run), stream, keys.run_roots_set(run), keys.run_trimmed_key(run)],
-                    args=[_after(last), len(roots), *sorted(roots), *pairs, last])
+        _run(client, "trim_page", [keys.run_result_ids_hash(run), stream, keys.run_roots_set(run),
+                                   keys.run_trimmed_key(run)], [_after(last), len(roots), *sorted(roots), *pairs, last])
         dropped += len(entries)
 
 
@@ -455,8 +457,8 @@ def finish(client: redis.Redis | Pipeline, stream: str, run: str, group: str, en
            status: Status) -> None:
     """Acknowledge ``group``'s entry and record its job as consumed with ``status`` (an error only
     while it is still the job's status), in one step (``finish.lua``); on a pipeline, queued."""
-    _script(client, "finish")(keys=[stream, keys.run_consumed_hash(run, group), keys.run_status_hash(run)],
-                              args=[group, entry_id, job_id, status.value])
+    _run(client, "finish", [stream, keys.run_consumed_hash(run, group), keys.run_status_hash(run)],
+         [group, entry_id, job_id, status.value])
 
 
 def read_group(client: redis.Redis, group: str, consumer: str, streams: Mapping[str, str], count: int,
@@ -500,5 +502,5 @@ def take_lock(client: redis.Redis, lock: str, token: str, ttl_ms: int) -> bool:
 
 def release_lock(client: redis.Redis, lock: str, token: str) -> None:
     """Delete ``lock`` only while ``token`` holds it (``release_lock.lua``)."""
-    _script(client, "release_lock")(keys=[lock], args=[token])
+    _run(client, "release_lock", [lock], [token])
 
