@@ -17,6 +17,7 @@ EXTRA_OF = {
     "prometheus_client": "worker", "pythonjsonlogger": "worker",
     "datasets": "data", "pyarrow": "data", "ijson": "data",
     "matplotlib": "plots",
+    "s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure", "fsspec": "s3",
 }
 #: What ``layertap worker``, ``make-tiny-model``, ``demo`` and ``bench`` load.
 WORKER_MODULES = ("torch", "transformers")

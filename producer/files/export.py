@@ -39,7 +39,7 @@ from typing import Any
 from producer.extras import need
 from producer.files.manifest import ManifestEntry
 from producer.protocol import fileformat as ff
-from producer.protocol.locking import shared_lock
+from producer.storage.locking import shared_lock
 
 HS_FOLDER = "hidden_states"
 LINK_FALLBACK_ERRORS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}

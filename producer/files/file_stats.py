@@ -19,7 +19,7 @@ from producer.protocol.fileformat import (
     verify_file,
 )
 from producer.protocol.fp8 import dequantize_array
-from producer.protocol.locking import shared_lock
+from producer.storage.locking import shared_lock
 
 
 def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
