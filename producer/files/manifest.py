@@ -21,6 +21,7 @@ from typing import Any
 
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import FileFormatError, MetaKey
+from producer.storage.registry import storage_for
 
 WRITE_BATCH = 10_000
 
@@ -57,11 +58,10 @@ class Skipped:
 
 
 def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, verify: bool = False) -> ManifestEntry:
-    """The manifest entry of one file, from its header. Raises ``FileFormatError`` or ``OSError``."""
-    parsed = ff.read_file_header(path)
+    """The manifest entry of one file (a path or URL), from its header. Raises ``FileFormatError`` or ``OSError``."""
+    storage = storage_for(path)
+    parsed = storage.verify(path) if verify else storage.read_header(path)
     header, meta = parsed.tensors, parsed.metadata
-    if verify:
-        ff.verify_file(path)
     if meta.get(MetaKey.JOB_ID) != job_id:
         raise FileFormatError(f"{path}: the file is of job {meta.get(MetaKey.JOB_ID)!r}, not {job_id!r}")
     if ff.HIDDEN_STATES not in header or ff.TOKEN_IDS not in header:

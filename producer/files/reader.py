@@ -8,7 +8,6 @@ exists, so it is read as it is. A path or URL names the storage (``s3://bucket/.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,15 +60,6 @@ def load_hidden_states(
         else:
             tensors = {name: header.array(name) for name in header.tensors}
     return fp8.dequantize(tensors) if dequantize else tensors
-
-
-def remove_emptied_folders(paths: Iterable[str | Path], run: str) -> int:
-    """Remove the fan-out folders of ``paths`` (files of ``run`` already removed), then the run's
-    folder, where each is left empty; returns how many went. Only folders of the file layout
-    (``naming.job_path``: ``<root>/<run>/<fan-out>``) are touched, never the storage root;
-    object stores have no folders."""
-    paths = [str(path) for path in paths]
-    return storage_for(paths[0]).prune(paths, run) if paths else 0
 
 
 def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False,

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from producer.protocol.naming import FILE_SUFFIX, is_safe_name, job_path, storage_root_of
+from producer.protocol.naming import FILE_SUFFIX, file_under_root, storage_root_of
 from producer.storage.base import Storage
 from producer.storage.locking import exclusive_lock, lock_path, shared_lock
 
@@ -91,12 +91,9 @@ class LocalStorage(Storage):
 
     def owned(self, address: str, run: str, job_id: str) -> str | None:
         """The real path of ``address`` if, every symlink resolved, it is exactly the file of
-        ``run``/``job_id`` under the root; None for anything else (a ``..`` component, a symlink
-        that leads out, another job's or run's file, an unsafe name)."""
-        if not (is_safe_name(run) and is_safe_name(job_id)) or ".." in Path(address).parts:
-            return None
-        real = os.path.realpath(address)
-        return real if Path(real) == job_path(os.path.realpath(self.root), run, job_id) else None
+        ``run``/``job_id`` under the root (``naming.file_under_root``)."""
+        found = file_under_root(address, self.root, run, job_id)
+        return None if found is None else str(found)
 
     @contextlib.contextmanager
     def lock(self, address: str) -> Iterator[None]:
