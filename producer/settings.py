@@ -203,6 +203,11 @@ class Settings(BaseSettings):
         toml = TomlConfigSettingsSource(settings_cls)
         return (init_settings, env_settings, dotenv_settings, toml, file_secret_settings)
 
+    @field_validator("storage_root", mode="before")
+    @classmethod
+    def _storage_root(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, os.PathLike) else value
+
     def storage(self) -> Storage:
         """The storage ``storage_root`` names (``producer.storage.registry``)."""
         from producer.storage.registry import storage_for

@@ -103,12 +103,12 @@ def register(app: typer.Typer) -> None:
             what = f"run {run}'s results and records" + (" and its files" if files else "")
             if not yes and not typer.confirm(f"Delete {what}?"):
                 raise typer.Exit(1)
-            store = client.settings.storage()
-            paths = runs.delete(client.redis, run, force=force, files_under=store if files else None,
+            store = client.settings.storage() if files else None
+            paths = runs.delete(client.redis, run, force=force, files_under=store,
                                 on_wait=lambda held: print(
                                     f"run {run}: waiting for {held} message(s) workers hold to end (cancelled)",
                                     flush=True))
-        if files:
+        if store is not None:
             for path in paths:
                 store.remove(path)
             store.prune(paths, run)

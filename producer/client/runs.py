@@ -24,7 +24,7 @@ hold to end, so nothing publishes into the deleted run and no file is left behin
 ``retention.results_s`` setting, applied by every worker's retention sweep) and their
 result-id fields. What stays is the compact ledger: the status and submitted hashes (resume,
 counts) and the storage roots of the dropped ok results (``keys.run_roots_set``), so a
-trimmed ok job is found on disk at ``naming.job_path`` and its file's header holds the rest
+trimmed ok job is found at ``naming.job_location`` and its file's header holds the rest
 (the job's ``metadata`` included). :func:`ok_files` and :func:`ledger_result` read it.
 """
 
@@ -43,7 +43,7 @@ from producer.client.results import entry_result, stream_results
 from producer.protocol import fileformat as ff
 from producer.protocol import keys
 from producer.protocol.fileformat import MetaKey
-from producer.protocol.naming import job_path, storage_root_of
+from producer.protocol.naming import job_location, storage_root_of
 from producer.protocol.schema import ErrorType, Result, Status
 from producer.storage.base import Storage
 from producer.storage.registry import storage_for
@@ -367,10 +367,10 @@ def storage_roots(client: redis.Redis, run: str) -> list[str]:
 def ledger_path(roots: list[str], run: str, job_id: str) -> str | None:
     """Where a trimmed ok job's file is: under the one storage root, or the first of several that
     holds it here (the first if this machine sees none); None without roots."""
-    paths = [job_path(root, run, job_id) for root in roots]
+    paths = [job_location(root, run, job_id) for root in roots]
     if len(paths) > 1:
-        paths.sort(key=lambda path: not path.exists())
-    return str(paths[0]) if paths else None
+        paths.sort(key=lambda path: not storage_for(path).exists(path))
+    return paths[0] if paths else None
 
 
 def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]:
@@ -404,7 +404,7 @@ def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Re
                             "(retention): `layertap enqueue` sends it again")
     path = ledger_path(storage_roots(client, run), run, job_id)
     try:
-        header = ff.read_file_header(path) if path else None
+        header = storage_for(path).read_header(path) if path else None
         meta = header.metadata if header is not None else {}
         if header is None or meta.get(MetaKey.JOB_ID) != job_id:
             return Result(job_id=job_id, run=run, status=Status.ok, path=path)

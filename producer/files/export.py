@@ -97,15 +97,18 @@ def check_entries(entries: Iterable[ManifestEntry], *, check_layers: bool = True
 
 
 def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, check_layers: bool = True,
-                       on_row: Callable[[ManifestEntry], None] | None = None) -> ExportReport:
-    """Write the speculators layout of ``entries`` to ``out`` (missing or empty); rows in entry order.
-    On any failure what was written is removed (``out`` is left as it was found)."""
+                       on_row: Callable[[ManifestEntry], None] | None = None,
+                       storage_options: dict[str, Any] | None = None) -> ExportReport:
+    """Write the speculators layout of ``entries`` to ``out`` (missing or empty); rows in entry order
+    (files in an object store are downloaded, with ``storage_options``). On any failure what was
+    written is removed (``out`` is left as it was found)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: export into a new folder")
     created = not out.exists()
     try:
-        return _write_speculators(entries, out, check_layers=check_layers, on_row=on_row)
+        return _write_speculators(entries, out, check_layers=check_layers, on_row=on_row,
+                                  storage_options=storage_options)
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -119,7 +122,8 @@ def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, che
 
 
 def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_layers: bool,
-                       on_row: Callable[[ManifestEntry], None] | None) -> ExportReport:
+                       on_row: Callable[[ManifestEntry], None] | None,
+                       storage_options: dict[str, Any] | None) -> ExportReport:
     datasets = need("datasets")
     hs_folder = out / HS_FOLDER
     hs_folder.mkdir(parents=True, exist_ok=True)
@@ -135,7 +139,7 @@ def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_lay
             if check_layers:
                 check_speculators_layers(entry, first)
             target = hs_folder / f"hs_{index}.safetensors"
-            linked = storage_for(entry.path).copy_to(entry.path, target)  # a hard link, else a copy or download
+            linked = storage_for(entry.path, storage_options).copy_to(entry.path, target)  # a hard link, else a copy or download
             token_ids, mask = read_tokens(target)
             report.rows, report.tokens = report.rows + 1, report.tokens + len(token_ids)
             report.linked, report.copied = report.linked + linked, report.copied + (not linked)
