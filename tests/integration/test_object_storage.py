@@ -114,6 +114,7 @@ def test_a_run_in_s3_is_read_back_everywhere_and_deleted(make_worker, private_cl
 
     deleted = layertap(env, "runs", "delete", run_name, "--files", "--yes")
     assert f"{len(jobs)} file(s)" in deleted.stdout
+    fs.invalidate_cache()
     assert fs.find(f"{root}/{run_name}") == [] and fs.exists(forged.path)
 
 
@@ -130,6 +131,7 @@ def test_a_delete_after_trainer_removes_each_object_once_trained_on(make_worker,
     trainer = StreamingHiddenStatesDataset(run_name, group="train", delete_after=True, time_limit_s=120,
                                            settings=settings)
     assert sorted(item["job_id"] for item in trainer) == sorted(job.job_id for job in jobs)
+    assert all(r.ok for r in private_client.wait(run_name, [job.job_id for job in jobs], timeout=60).values())
     assert s3fs_of(s3).find(f"{root}/{run_name}") == []
 
 
@@ -137,6 +139,7 @@ def test_the_file_protocol_holds_in_s3(tiny_models, s3, s3_env):
     """Through the Extractor (the worker's own processor) writing to ``s3://``: the same job again is
     answered from the object; a damaged object is replaced; one of other content under the job id
     is never overwritten (``job_id_conflict``)."""
+    from producer.files.reader import load_hidden_states
     from worker import Extractor
 
     root = "s3://layertap/protocol"
@@ -144,20 +147,21 @@ def test_the_file_protocol_holds_in_s3(tiny_models, s3, s3_env):
     with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu", storage_root=root) as extractor:
         first = extractor.extract(["the same job twice"], job_id="same")[0]
         assert first.ok and not first.cached and first.path.startswith(f"{root}/offline/")
-        good = fs.cat_file(first.path)
+        good, expected = fs.cat_file(first.path), load_hidden_states(first.path)
         again = extractor.extract(["the same job twice"], job_id="same")[0]
         assert again.ok and again.cached and fs.cat_file(first.path) == good
 
         damaged = bytearray(good)
         damaged[-3] ^= 0xFF
         fs.pipe_file(first.path, bytes(damaged))
-        from producer.files.reader import load_hidden_states
-
         with pytest.raises(ff.FileFormatError, match="checksum mismatch"):
             load_hidden_states(first.path)
         replaced = extractor.extract(["the same job twice"], job_id="same")[0]
-        assert replaced.ok and not replaced.cached and fs.cat_file(first.path) == good
+        assert replaced.ok and not replaced.cached
+        rewritten = load_hidden_states(first.path)
+        assert set(rewritten) == set(expected) and all(torch.equal(rewritten[k], expected[k]) for k in expected)
 
+        kept = fs.cat_file(first.path)
         conflict = extractor.extract(["other content, same job id"], job_id="same")[0]
         assert conflict.error_type == ErrorType.job_id_conflict, conflict.error
-        assert fs.cat_file(first.path) == good
+        assert fs.cat_file(first.path) == kept
