@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from producer.extras import need
+import fsspec
+
 from producer.storage.base import Storage, removing
 from producer.storage.local import HOST_TAG, TEMP_SUFFIX, sweep_temp_files
 
@@ -37,7 +38,7 @@ class FsspecStorage(Storage):
         super().__init__(str(root).rstrip("/"), options)
         fs_options = dict(self.options)
         self.spool_dir = Path(fs_options.pop("spool_dir", None) or Path(tempfile.gettempdir()) / "layertap-spool")
-        self.fs, _ = need("fsspec.core", f"storage at {self.root}").url_to_fs(self.root, **fs_options)
+        self.fs, _ = fsspec.core.url_to_fs(self.root, **fs_options)
 
     def _spool(self, address: str) -> Path:
         self.spool_dir.mkdir(parents=True, exist_ok=True)

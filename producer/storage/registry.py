@@ -12,12 +12,12 @@ from producer.extras import need
 from producer.protocol.naming import url_scheme
 from producer.storage.base import Storage
 
-#: scheme -> ("module:Class", the library it needs or "")
-BACKENDS: dict[str, tuple[str, str]] = {
-    "file": ("producer.storage.local:LocalStorage", ""),
-    "s3": ("producer.storage.fsspec_store:FsspecStorage", "s3fs"),
-    "gs": ("producer.storage.fsspec_store:FsspecStorage", "gcsfs"),
-    "az": ("producer.storage.fsspec_store:FsspecStorage", "adlfs"),
+#: scheme -> ("module:Class", the library it needs, the extra that installs it); "" where none
+BACKENDS: dict[str, tuple[str, str, str]] = {
+    "file": ("producer.storage.local:LocalStorage", "", ""),
+    "s3": ("producer.storage.fsspec_store:FsspecStorage", "s3fs", "s3"),
+    "gs": ("producer.storage.fsspec_store:FsspecStorage", "gcsfs", "gcs"),
+    "az": ("producer.storage.fsspec_store:FsspecStorage", "adlfs", "azure"),
 }
 
 
@@ -30,8 +30,8 @@ def storage_for(root: str | Path, options: dict[str, Any] | None = None) -> Stor
     if scheme not in BACKENDS:
         raise ValueError(f"no storage for {str(root)[:80]!r}: known schemes are {', '.join(sorted(BACKENDS))} "
                          "(or a local path)")
-    target, library = BACKENDS[scheme]
+    target, library, extra = BACKENDS[scheme]
     if library:
-        need(library, f"storage at {scheme}://")
+        need(library, f"storage at {scheme}://", extra)
     module, _, name = target.partition(":")
     return getattr(import_module(module), name)(root, options)

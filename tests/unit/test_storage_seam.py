@@ -26,6 +26,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 OS_CALLS = {"os.stat", "os.lstat", "os.unlink", "os.remove", "os.replace", "os.rename", "os.link",
             "os.path.getsize", "os.path.exists"}
@@ -137,3 +139,62 @@ def test_the_check_sees_what_it_bans(tmp_path):
                      "producer.protocol.fileformat.verify_file", "open", "os.path.getsize"}
     assert banned("producer/ingest/sample.py", module_calls(sample)) == {"import fcntl", "os.stat", ".unlink",
                                                                          "os.path.getsize"}
+
+
+def test_a_root_names_its_storage_by_scheme(tmp_path, monkeypatch):
+    """A bare path is local (made absolute); a URL's scheme picks the backend; an unknown scheme,
+    or a backend whose library is missing, is a one-line error naming what to do."""
+    from producer.extras import MissingExtra
+    from producer.storage import registry
+    from producer.storage.local import LocalStorage
+
+    monkeypatch.chdir(tmp_path)
+    local = registry.storage_for("files")
+    assert isinstance(local, LocalStorage) and local.root == str(tmp_path / "files")
+    assert local.locate("r", "j").startswith(f"{tmp_path}/files/r/")
+    with pytest.raises(ValueError, match="known schemes are az, file, gs, s3"):
+        registry.storage_for("ftp://host/x")
+    monkeypatch.setitem(registry.BACKENDS, "nope", ("producer.storage.local:LocalStorage", "layertap_absent", "nope"))
+    with pytest.raises(MissingExtra, match=r"pip install 'layertap\[nope\]'"):
+        registry.storage_for("nope://bucket")
+
+
+def test_an_object_address_is_owned_only_exactly(tmp_path):
+    """A forged result path never leads to another object: only the job's own key under the root."""
+    from producer.protocol.naming import storage_root_of
+    from producer.storage.fsspec_store import FsspecStorage
+
+    storage = FsspecStorage("s3://bucket/prefix/", {"spool_dir": str(tmp_path)})
+    own = storage.locate("run", "job")
+    assert own.startswith("s3://bucket/prefix/run/") and storage.owned(own, "run", "job") == own
+    assert storage_root_of(own, "run", "job") == "s3://bucket/prefix"
+    for forged in (own.replace("prefix", "other"), own.replace("/run/", "/run/../run/"), own + "x",
+                   storage.locate("run", "another")):
+        assert storage.owned(forged, "run", "job") is None
+    assert storage.owned(own, "run", "../job") is None
+
+
+def test_the_local_sweep_removes_dead_writers_temp_files_only(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from producer.storage.local import LocalStorage, temp_name
+
+    storage = LocalStorage(tmp_path)
+    final = tmp_path / "run" / "abc" / "job.safetensors"
+    final.parent.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours = temp_name(final)
+        theirs_dead = ours.with_name(ours.name.replace(f"-{os.getpid()}.", f"-{dead.stdout.strip()}."))
+        theirs_alive = ours.with_name(ours.name.replace(f"-{os.getpid()}.", f"-{alive.pid}."))
+        other_host = final.with_name(f".{final.name}.00000000-1.abcd1234.tmp")
+        for temp in (ours, theirs_dead, theirs_alive, other_host):
+            temp.write_bytes(b"partial")
+        assert storage.sweep_stale() == 2  # this process's (at start nothing is written yet) and the dead one's
+        assert sorted(p.name for p in final.parent.iterdir()) == sorted([theirs_alive.name, other_host.name])
+    finally:
+        alive.kill()
+        alive.wait()
