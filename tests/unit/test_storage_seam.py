@@ -24,6 +24,7 @@ a job file is either in ``producer/storage`` or listed here with its reason. A s
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,13 @@ def test_the_local_sweep_removes_dead_writers_temp_files_only(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_the_start_up_line_shows_no_storage_secret():
+    from producer.settings import Settings
+    from worker.startup import settings_line
+
+    line = json.loads(settings_line(Settings(storage_root="s3://b/p", storage_options={
+        "endpoint_url": "http://minio:9000", "key": "AKIA-visible-no-more", "secret": "s3cr3t"})))
+    assert line["storage_options"] == {"endpoint_url": "http://minio:9000", "key": "***", "secret": "***"}
+    assert line["storage_root"] == "s3://b/p"
