@@ -28,8 +28,9 @@ from worker.job.tokenize import Preparer
 from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
 
 
-def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, worker_name: str, layers: list[int] | None,
-                    limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
+def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, worker_name: str,
+                    layers: list[int] | None, limits: Limits, token_budget: int, max_batch_jobs: int = 256,
+                    batch_wait_s: float = 0.002,
                     max_padding: float = MAX_PADDING,
                     host_buffers: int = 3, writer_threads: int = 8, prepare_ahead: int = 2,
                     compile_layers: bool = False, images_root: Path | None = None,
@@ -51,7 +52,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     engine, report = check_with_fallback(loaded, start_engine)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
-    return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads, self_check=report)
+    return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,
+                        self_check=report)
 
 
 class Extractor:

@@ -87,7 +87,7 @@ def register(app: typer.Typer) -> None:
                                    "cancel the run, take its messages out of the queues, wait for those workers "
                                    "hold to end."),
         yes: bool = typer.Option(False, "--yes", help="Do not ask."),
-        storage: Optional[str] = typer.Option(None, help="The storage root, a folder or URL (setting storage_root): --files "
+        storage: Optional[str] = typer.Option(None, help="The storage root, folder or URL (storage_root): --files "
                                                "deletes only the run's own files under it, and nothing if a "
                                                "result names any other path."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),

@@ -8,7 +8,7 @@ Layout (``scripts/train.py --data-path OUT --hidden-states-path OUT/hidden_state
         seq_len    int64         len(input_ids)
         job_id     string        the layertap job of the row
     OUT/token_freq.pt            {token id: count} over loss_mask == 1 tokens (when torch is installed)
-    OUT/hidden_states/hs_{i}.safetensors   row i's layertap file: a hard link, or a copy (another filesystem, an object store)
+    OUT/hidden_states/hs_{i}.safetensors   row i's layertap file: a hard link, else a copy (or a download)
 
 speculators loads ``hs_{i}`` with safetensors, takes ``hidden_states[:, :-1]`` as the
 auxiliary layers and ``hidden_states[:, -1]`` as the verifier's last layer, and checks
@@ -139,7 +139,7 @@ def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_lay
             if check_layers:
                 check_speculators_layers(entry, first)
             target = hs_folder / f"hs_{index}.safetensors"
-            linked = storage_for(entry.path, storage_options).copy_to(entry.path, target)  # a hard link, else a copy or download
+            linked = storage_for(entry.path, storage_options).copy_to(entry.path, target)  # a link, or a copy
             token_ids, mask = read_tokens(target)
             report.rows, report.tokens = report.rows + 1, report.tokens + len(token_ids)
             report.linked, report.copied = report.linked + linked, report.copied + (not linked)

@@ -80,7 +80,8 @@ class Storage(ABC):
         """Whether a file is at ``address``."""
 
     def read_header(self, address: str) -> FileHeader:
-        """The file's header (``fileformat.parse_header``), read without its tensors."""
+        """The file's header (``fileformat.parse_header``), read without its tensors (its ``array``
+        reads a local path: for an object, take :meth:`local` first)."""
         with self.open(address) as handle:
             return parse_header(handle, address)
 

@@ -97,8 +97,8 @@ def test_a_run_in_s3_is_read_back_everywhere_and_deleted(make_worker, private_cl
     assert sorted(path.read_bytes() for path in exported) == sorted(fs.cat_file(p) for p in paths.values())
 
     # a forged result naming another object: delete --files refuses before anything goes
-    forged = Result(job_id="forged", run=run_name, status=Status.ok, path=f"s3://layertap/keep/{run_name}/x.safetensors",
-                    layers=[0], model=MODEL)
+    forged = Result(job_id="forged", run=run_name, status=Status.ok, layers=[0], model=MODEL,
+                    path=f"s3://layertap/keep/{run_name}/x.safetensors")
     fs.pipe_file(forged.path, b"keep me")
     entry = private_client.redis.xadd(keys.results_stream(run_name), {keys.RESULT_FIELD: forged.model_dump_json()})
     refused = subprocess.run(cli("runs", "delete", run_name, "--files", "--yes"), env={**os.environ, **env},
