@@ -129,8 +129,8 @@ class WorkerMetrics:
             elif result.path:
                 try:
                     self.bytes_written.inc(self.storage.size(result.path))
-                except OSError:  # removed by hand between write and count
-                    pass
+                except Exception:  # removed by hand, or an object store not answering (botocore's own
+                    pass           # errors are no OSError): the count is lost, never the publish
         else:
             self.failed.labels((result.error_type or ErrorType.internal).value).inc()
         timings = result.timings
