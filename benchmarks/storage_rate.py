@@ -14,6 +14,9 @@ figure is a floor set by the server, not the client: the client's own ceiling is
 ``--endpoint-url`` of a real store. Runs in a few minutes on a 16-core host, offline.
 
     python benchmarks/storage_rate.py [--processes 4] [--threads 8] [--files 16] [--endpoint-url URL]
+
+On the H200 host (16 cores; an 8-GPU host at full speed makes about 10 GB/s of bf16 files):
+``--processes 8 --threads 8 --files 16`` (128 files, 6.3 GB each way).
 """
 
 from __future__ import annotations
@@ -123,9 +126,10 @@ def main() -> None:
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
         if not fs.exists(args.bucket):
             fs.mkdir(args.bucket)
-        prefix = f"s3://{args.bucket}/bench-{uuid.uuid4().hex[:8]}"
-        s3_s, s3_bytes = measure(prefix, {**options, "spool_dir": f"{args.spool}/layertap-spool"}, args)
+        prefix, spool = f"s3://{args.bucket}/bench-{uuid.uuid4().hex[:8]}", f"{args.spool}/layertap-bench-spool"
+        s3_s, s3_bytes = measure(prefix, {**options, "spool_dir": spool}, args)
         fs.rm(prefix, recursive=True)
+        shutil.rmtree(spool, ignore_errors=True)
     finally:
         if server is not None:
             server.stop()
