@@ -16,7 +16,7 @@ figure is a floor set by the server, not the client: the client's own ceiling is
     python benchmarks/storage_rate.py [--processes 4] [--threads 8] [--files 16] [--endpoint-url URL]
 
 On the H200 host (16 cores; an 8-GPU host at full speed makes about 10 GB/s of bf16 files):
-``--processes 8 --threads 8 --files 16`` (128 files, 6.3 GB each way).
+``--processes 8 --threads 8 --files 8`` (64 files, 3.1 GB each way).
 """
 
 from __future__ import annotations
