@@ -227,6 +227,7 @@ class RunListing:
             if not runs.exists(client.redis, run):
                 raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
             self.results = ok_files(client.redis, run)
+            self.storage_options = client.settings.storage_options
         self.verify = verify
         self.skipped = self.tokens = self.passes = 0
 
@@ -236,7 +237,7 @@ class RunListing:
 
         first_pass, self.passes = self.passes == 0, self.passes + 1
         self.skipped = self.tokens = 0
-        for entry in collect(self.results, verify=self.verify):
+        for entry in collect(self.results, verify=self.verify, storage_options=self.storage_options):
             if isinstance(entry, Skipped):
                 self.skipped += 1
                 if first_pass and self.skipped <= MAX_REPORTED_ROWS:
@@ -280,6 +281,7 @@ def export(
     """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
     from producer.files.export import check_entries, export_speculators
     from producer.files.manifest import iter_manifest
+    from producer.settings import Settings
 
     if export_format != "speculators":
         raise fail(f"--format {export_format!r}: only 'speculators' is supported", 2)
@@ -294,7 +296,8 @@ def export(
         check_entries(entries(), check_layers=not any_layers)
     with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
         quiet_datasets()
-        report = export_speculators(counted(entries(), step), out, check_layers=not any_layers)
+        report = export_speculators(counted(entries(), step), out, check_layers=not any_layers,
+                                    storage_options=Settings().storage_options)
     freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
     err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "
                       f"{report.copied} copied{freq})", markup=False, highlight=False)
