@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
@@ -48,7 +49,7 @@ from worker.engine.host_buffers import HostStaging, slot_capacity
 from worker.engine.inputs import batch_policy
 from worker.engine.layout import place_jobs
 from worker.engine.records import EngineRequest, EngineStats, JobSlice
-from worker.engine.runner import BatchRunner, is_device_fatal
+from worker.engine.runner import BatchRunner, image_layout, is_device_fatal
 from worker.engine.scheduler import MAX_PADDING, BatchPolicy
 from worker.model.loading import LoadedModel
 
@@ -245,12 +246,12 @@ class Engine:
                 if remaining <= 0 or not self._cond.wait(remaining):
                     break
             pending = list(self._pending)
-            head_dtype, alone = pending[0].output_dtype, pending[0].model_inputs is not None
-            # a batch has one output dtype: requests of another wait for a later batch; a request
-            # with images (extra model inputs) runs in a batch of its own
-            chosen = self.policy.select([r.num_tokens for r in pending],
-                                        [r.output_dtype == head_dtype and not alone and r.model_inputs is None
-                                         for r in pending])
+            head_dtype, images = pending[0].output_dtype, pending[0].model_inputs is not None
+            # a batch has one output dtype: requests of another wait for a later batch; chats with
+            # images (extra model inputs, the model's own forward) batch only with each other
+            chosen = self._policy(images).select([r.num_tokens for r in pending],
+                                                 [r.output_dtype == head_dtype and (r.model_inputs is not None) == images
+                                                  for r in pending])
             taken = set(chosen)
             self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
             batch = [pending[i] for i in chosen]
@@ -258,12 +259,18 @@ class Engine:
             self._room.notify_all()
             return batch
 
+    def _policy(self, images: bool) -> BatchPolicy:
+        """The policy of a batch of text jobs, or of chats with images (their layout, the same limits)."""
+        if not images:
+            return self.policy
+        return replace(self.policy, layout=image_layout(self.loaded))
+
     def _take_together(self) -> list[EngineRequest]:
         """The first batch asked for as it is, or as much of it as the layout lets share a
         forward (under no budget); the rest stays first in line."""
         requests = self._together.popleft()
-        unlimited = BatchPolicy(self.loaded.batching, token_budget=sys.maxsize, max_jobs=len(requests),
-                                max_padding=1.0)
+        layout = image_layout(self.loaded) if requests[0].model_inputs is not None else self.loaded.batching
+        unlimited = BatchPolicy(layout, token_budget=sys.maxsize, max_jobs=len(requests), max_padding=1.0)
         chosen = set(unlimited.select([r.num_tokens for r in requests], [True] * len(requests)))
         rest = [r for i, r in enumerate(requests) if i not in chosen]
         if rest:
