@@ -7,12 +7,13 @@ Steps (each timed part is reported in tokens/s, tokens as the model sees them: i
 placeholders expanded):
 
 1. **checkpoint**: the shape built on the device with transformers' own random init (as
-   ``shape:<name>`` serves it) and saved, a byte-level BPE tokenizer trained here with Qwen's image tokens added (the config's image,
-   video and vision-start ids set to theirs), Qwen's image processor, a ChatML template that
-   puts ``<|vision_start|><|image_pad|><|vision_end|>`` where a chat's image part is;
+   ``shape:<name>`` serves it) and saved, a byte-level BPE tokenizer trained here with Qwen's
+   image tokens added (the config's image, video and vision-start ids set to theirs), Qwen's
+   image processor, a ChatML template that puts ``<|vision_start|><|image_pad|><|vision_end|>``
+   where a chat's image part is;
 2. **conversations**: ``--conversations`` chats, each one PNG of noise under ``<folder>/images``
-   sized in 28-pixel cells for about ``--image-tokens`` visual tokens (sizes vary by a cell
-   or two a side), a user text of about ``--text-tokens`` tokens and a short answer;
+   sized in 28-pixel cells for about ``--image-tokens`` visual tokens (each side varies by a
+   cell), a user text of about ``--text-tokens`` tokens and a short answer;
 3. **p**: plain transformers the usual batched way: the processor on batches of 8 chats
    (right-padded, attention mask), the model's ``forward`` with ``output_hidden_states``
    (logits included), each row's layers saved;
@@ -260,7 +261,8 @@ def main() -> None:
         "shape": args.shape, "layer_ids": layer_ids, "conversations": len(chats),
         "tokens_per_conversation": parts["d images"].tokens / len(chats),
         "parts": {key: vars(part) for key, part in parts.items()},
-        "ratios": {"d images / p": speed["d images"] / speed["p"], "d images / d text": speed["d images"] / speed["d text"]},
+        "ratios": {"d images / p": speed["d images"] / speed["p"],
+                   "d images / d text": speed["d images"] / speed["d text"]},
         "relative_error_vs_fp32_per_layer": {"plain HF bf16 alone": worst_per_layer(list(zip(plain_bf16, exact))),
                                              "layertap bf16 (queue)": worst_per_layer(
                                                  [(file["hidden_states"].float(), states)

@@ -5,12 +5,14 @@ tokenized request and block on its future. The engine thread takes pending reque
 in arrival order, fills a batch up to ``token_budget`` tokens (``scheduler``: the
 head of the queue always goes first), lays them out the way the model's batching layout
 says (``worker.model.layouts``: one packed row with restarting positions, a right-padded
-batch of similar lengths, or one prompt alone), and hands it to the ``runner``, which runs the decoder until the last
-wanted layer (through the final norm when a job wants ``final_hidden_states`` or teacher
-top-k, which is then computed on the device for only the asked positions), casts the
-states to the batch's output dtype (a batch has one: requests of another wait for the
-next batch), and on a GPU starts an asynchronous copy of the outputs to
-pinned host memory on a side stream, then goes straight on to the next batch. A job's
+batch of similar lengths, or one prompt alone; chats with images batch only with each
+other, in the layout ``worker.model.image_inputs`` gives the model), and hands it to the
+``runner``, which runs the decoder until the last wanted layer (through the final norm
+when a job wants ``final_hidden_states`` or teacher top-k, which is then computed on the
+device for only the asked positions), casts the states to the batch's output dtype (a
+batch has one: requests of another wait for the next batch), and on a GPU starts an
+asynchronous copy of the outputs to pinned host memory on a side stream, then goes straight
+on to the next batch. A job's
 :class:`JobSlice` waits for that copy only when its caller reads it, on the caller's
 thread. At most ``host_buffers`` batches are between the GPU and the writers at once, each
 in a host buffer allocated at start (``host_buffers``); when writers fall behind the engine
@@ -249,9 +251,8 @@ class Engine:
             head_dtype, images = pending[0].output_dtype, pending[0].model_inputs is not None
             # a batch has one output dtype: requests of another wait for a later batch; chats with
             # images (extra model inputs, the model's own forward) batch only with each other
-            chosen = self._policy(images).select([r.num_tokens for r in pending],
-                                                 [r.output_dtype == head_dtype and (r.model_inputs is not None) == images
-                                                  for r in pending])
+            compatible = [r.output_dtype == head_dtype and (r.model_inputs is not None) == images for r in pending]
+            chosen = self._policy(images).select([r.num_tokens for r in pending], compatible)
             taken = set(chosen)
             self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
             batch = [pending[i] for i in chosen]
