@@ -4,9 +4,10 @@ of every prompt equals the plain model's own ``forward`` on that prompt alone (f
 
 Tiny random VLMs (``tests/support/vlm.py``), no hub. The weights-only folders have no
 tokenizer and no processor: token-id jobs need neither. Jobs with images run through the
-model's processor and its own ``forward``, one per batch (LLaVA here); without a processor,
-or with a bad image, they get typed results (``no_image_support``, ``bad_image``) and the
-worker goes on.
+model's processor and its own ``forward``, several of different sizes in one padded
+forward where the family allows it (one per forward on Idefics3), and equal the plain model
+on each alone; without a processor, or with a bad image, they get typed results
+(``no_image_support``, ``bad_image``) and the worker goes on.
 """
 
 from __future__ import annotations
@@ -339,3 +340,25 @@ def test_qwen3_vl_files_say_which_layers_hold_deepstack_features(tmp_path):
     added = (states["hidden_states"][:, 1] - returned[0]).norm(dim=-1)
     image = states["image_token_mask"].bool()
     assert bool((added[image] > 1e-3).all()) and float(added[~image].max()) < 1e-5, added
+
+
+def test_image_chats_that_do_not_batch_fall_back_to_one_per_forward(monkeypatch, tmp_path):
+    """The load-time image self-check: Idefics3 wrongly listed as batching its image chats
+    (its pixel_values hold one row of tiles per prompt, and the probes' tile counts differ)
+    fails it, so its image chats run one per forward, with the reason, and stay exact."""
+    from worker.model import image_inputs
+
+    monkeypatch.setitem(image_inputs.BATCHED_FAMILIES, "idefics3", "listed here to fail the self-check")
+    model_dir = add_processor("idefics3", build_tiny_vlm("idefics3", tmp_path / "model"))
+    sizes = [(40, 24), (90, 20)]
+    chats = [image_chat({"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode()}}) for size in sizes]
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        layout = extractor.loaded.image_batching
+        results = extractor.extract(chats, tmp_path / "files", run="fallback")
+    assert layout.name == "single", layout.describe()
+    assert "batched image chats fail on the load-time self-check" in layout.reason, layout.reason
+    for size, result in zip(sizes, results):
+        assert result.ok, result.error
+        reference = vlm_block_states(str(model_dir), [0, 1, 2], **reference_inputs("idefics3", model_dir, size))
+        assert worst_token_relative_error(load_hidden_states(result.path)["hidden_states"], reference) <= TOLERANCE
