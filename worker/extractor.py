@@ -23,6 +23,7 @@ from producer.storage.registry import storage_for
 from worker.engine.engine import Engine
 from worker.engine.scheduler import MAX_PADDING
 from worker.engine.self_check import check_with_fallback
+from worker.job.image_check import check_image_batching
 from worker.job.pipeline import JobProcessor
 from worker.job.tokenize import Preparer
 from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
@@ -39,7 +40,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
     The engine passes the batching self-check first (``worker.engine.self_check``), falling back
     to slower exact layouts where batching changes the states, or this raises
-    :class:`~worker.model.batching.ModelRefused` and nothing is served."""
+    :class:`~worker.model.batching.ModelRefused` and nothing is served; then image chats get
+    theirs (``worker.job.image_check``: one per forward where batched ones differ)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 
@@ -50,6 +52,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                       on_fatal=on_fatal)
 
     engine, report = check_with_fallback(loaded, start_engine)
+    check_image_batching(engine, preparer)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
     return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,

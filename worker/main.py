@@ -94,9 +94,6 @@ def run_worker(settings: Settings) -> int:
     log.info("weights fingerprint %s (%s%s), tokenizer fingerprint %s", loaded.weights_fingerprint, loaded.source,
              f" @ {loaded.revision}" if loaded.revision else "", loaded.tokenizer_fingerprint or "-")
     log.info("batching: %s", loaded.batching.describe())
-    log.info("image chats: %s", f"{type(loaded.processor).__name__}, one per batch, paths under "
-             f"{settings.images_root or '(no images_root: data URLs only)'}" if loaded.processor is not None
-             else f"not served ({loaded.processor_problem})")
     log.info("model source %s, revision %s; settings in force: %s", loaded.source, ws.revision or "(default)",
              settings_line(settings))
     faults: list[BaseException] = []
@@ -113,6 +110,9 @@ def run_worker(settings: Settings) -> int:
                                 host_buffers=ws.host_buffers, writer_threads=ws.writer_threads,
                                 prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, images_root=settings.images_root, on_fatal=on_fatal)
+    log.info("image chats: %s", f"{type(loaded.processor).__name__}, {loaded.image_batching.describe()}, paths under "
+             f"{settings.images_root or '(no images_root: data URLs only)'}" if loaded.processor is not None
+             else f"not served ({loaded.processor_problem})")
     gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
                                                "gpus": gpus, "dtype": dtype}, storage)

@@ -123,7 +123,8 @@ def enqueue(
         total = None if source.total is None else len(prompts) + source.total
         converter = RowConverter(input_format, column=column, id_column=id_column)
         items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file),
-                                                            max_job_bytes=max_job_bytes))
+                                                   max_job_bytes=max_job_bytes, images_root=settings.images_root,
+                                                   limits=settings.limits))
     if limit is not None:
         items = itertools.islice(items, limit)
         total = None if total is None else min(total, limit)

@@ -99,6 +99,12 @@ class MetaKey:
     BATCHING = "batching"  # how the worker batched jobs: a layout's name (worker.model.batching.LAYOUTS)
     RESIDUAL_COPIES = "residual_copies"  # copies per token of a multi-copy stream: hidden_states [T, L, copies, H]
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
+    # Chats with images only: JSON saying where the model put its visual features into the stream the
+    # states are read from: {"captured": ..., "merged_at": "input embeddings", "deepstack_in_layers": [ids]}.
+    # Layer id i < L is what enters decoder layer i after the model's own additions (deepstack: Qwen3-VL
+    # adds visual features to the outputs of its first layers, so ids 1..k hold them); id L is the last
+    # layer's output.
+    IMAGE_FEATURES = "image_features"
     # Quantized checkpoints only: the weights' scheme as JSON ({"method", "weights", "granularity", "block",
     # "activations"}) and how the worker computed with them: "dequant" (exact on the dequantized weights)
     # or "fp8" (fp8 matmuls with e4m3 activations quantized on the fly, as serving engines do).

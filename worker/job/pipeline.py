@@ -57,6 +57,7 @@ from worker.engine.teacher import dense_topk
 from worker.job.errors import JobError
 from worker.job.tokenize import PreparedInput, Preparer
 from worker.job.writer import FileTaken, OnDisk, examine, write_job_file
+from worker.model.image_inputs import image_features_note
 from worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -411,6 +412,8 @@ class JobProcessor:
             options[MetaKey.PROVENANCE] = json.dumps(job.provenance, sort_keys=True)
         if loaded.capture.stream.copies > 1:
             options[MetaKey.RESIDUAL_COPIES] = str(loaded.capture.stream.copies)
+        if prepared.image_token_mask is not None:
+            options[MetaKey.IMAGE_FEATURES] = image_features_note(loaded.model, loaded.decoder, loaded.num_layers)
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.MODEL: loaded.name,
