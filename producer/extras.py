@@ -26,18 +26,19 @@ class MissingExtra(RuntimeError):
     """An optional dependency is not installed; the message says which extra to install."""
 
 
-def hint(module: str, what: str) -> str:
-    """``"<what> needs <module>: pip install 'layertap[<extra>]'"``."""
+def hint(module: str, what: str, extra: str | None = None) -> str:
+    """``"<what> needs <module>: pip install 'layertap[<extra>]'"`` (the extra from :data:`EXTRA_OF`
+    unless given)."""
     top = module.split(".")[0]
-    return f"{what} needs {top}, which is not installed: pip install 'layertap[{EXTRA_OF.get(top, 'worker')}]'"
+    return f"{what} needs {top}, which is not installed: pip install 'layertap[{extra or EXTRA_OF.get(top, 'worker')}]'"
 
 
-def need(module: str, what: str = "reading this input") -> Any:
+def need(module: str, what: str = "reading this input", extra: str | None = None) -> Any:
     """Import ``module`` (an optional dependency), or raise :class:`MissingExtra` saying how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingExtra(hint(module, what)) from None
+        raise MissingExtra(hint(module, what, extra)) from None
 
 
 def require(what: str, modules: tuple[str, ...] = WORKER_MODULES) -> None:

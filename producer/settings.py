@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
@@ -26,6 +26,9 @@ from pydantic_settings import (
 
 from producer.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
 from producer.protocol.keys import DEFAULT_CONSUMER_GROUP
+
+if TYPE_CHECKING:
+    from producer.storage.base import Storage
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: The default hang bound: this much time per batch, plus its tokens at the slowest prefill assumed.
@@ -172,7 +175,11 @@ class Settings(BaseSettings):
     )
 
     redis_url: str | None = None  # None: localhost for worker/client, an embedded server for the demo
-    storage_root: Path = Path("layertap-data")
+    # where files go: a folder (made absolute by the worker) or an object store URL (s3://bucket/prefix)
+    storage_root: str = "layertap-data"
+    # the object store's fsspec options (JSON in LAYERTAP_STORAGE_OPTIONS): endpoint_url, key, secret, ...;
+    # without them credentials and endpoint come from the standard places (AWS_* variables, ~/.aws)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
     images_root: Path | None = None  # image paths in chats are read under it (client and worker), nowhere else
     orphan_timeout: float = Field(default=60.0, gt=0)  # seconds until a dead worker's jobs are requeued
     max_attempts: int = Field(default=3, gt=0)  # starts of one job before it is dead-lettered
@@ -198,6 +205,17 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         toml = TomlConfigSettingsSource(settings_cls)
         return (init_settings, env_settings, dotenv_settings, toml, file_secret_settings)
+
+    @field_validator("storage_root", mode="before")
+    @classmethod
+    def _storage_root(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, os.PathLike) else value
+
+    def storage(self) -> Storage:
+        """The storage ``storage_root`` names (``producer.storage.registry``)."""
+        from producer.storage.registry import storage_for
+
+        return storage_for(self.storage_root, self.storage_options)
 
     @property
     def broker_url(self) -> str:

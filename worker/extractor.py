@@ -18,24 +18,30 @@ from producer.protocol.images import with_image_digests
 from producer.protocol.layers import eagle3_layer_ids
 from producer.protocol.schema import Job, Result
 from producer.settings import Limits
+from producer.storage.base import Storage
+from producer.storage.registry import storage_for
 from worker.engine.engine import Engine
 from worker.engine.scheduler import MAX_PADDING
 from worker.engine.self_check import check_with_fallback
+from worker.job.image_check import check_image_batching
 from worker.job.pipeline import JobProcessor
 from worker.job.tokenize import Preparer
 from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
 
 
-def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str, layers: list[int] | None,
-                    limits: Limits, token_budget: int, max_batch_jobs: int = 256, batch_wait_s: float = 0.002,
+def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, worker_name: str,
+                    layers: list[int] | None, limits: Limits, token_budget: int, max_batch_jobs: int = 256,
+                    batch_wait_s: float = 0.002,
                     max_padding: float = MAX_PADDING,
                     host_buffers: int = 3, writer_threads: int = 8, prepare_ahead: int = 2,
                     compile_layers: bool = False, images_root: Path | None = None,
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
-    """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor).
+    """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
+    files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
     The engine passes the batching self-check first (``worker.engine.self_check``), falling back
     to slower exact layouts where batching changes the states, or this raises
-    :class:`~worker.model.batching.ModelRefused` and nothing is served."""
+    :class:`~worker.model.batching.ModelRefused` and nothing is served; then image chats get
+    theirs (``worker.job.image_check``: one per forward where batched ones differ)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 
@@ -46,9 +52,11 @@ def build_processor(loaded: LoadedModel, *, storage_root: Path, worker_name: str
                       on_fatal=on_fatal)
 
     engine, report = check_with_fallback(loaded, start_engine)
+    check_image_batching(engine, preparer)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
-    return JobProcessor(loaded, engine, preparer, storage_root, worker_name, writer_threads, self_check=report)
+    return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,
+                        self_check=report)
 
 
 class Extractor:
@@ -63,7 +71,7 @@ class Extractor:
         chats are read (``settings.images_root``)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, name=name, device=device,
                                                                                dtype=dtype, batching=batching)
-        self.processor = build_processor(self.loaded, storage_root=Path(storage_root).expanduser().resolve(),
+        self.processor = build_processor(self.loaded, storage_root=storage_root,
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
                                          layers=layers, limits=limits or Limits(), token_budget=token_budget,
                                          batch_wait_s=batch_wait_ms / 1000,
@@ -96,8 +104,8 @@ class Extractor:
         """Extract every input; results come back in input order. ``fields`` apply to every job.
         Result paths are absolute (``out_dir`` is resolved against the working folder now)."""
         processor = self.processor
-        out_root = None if out_dir is None else Path(out_dir).expanduser().resolve()
-        if out_root is not None and out_root != processor.storage_root:
+        out_root = None if out_dir is None else storage_for(out_dir)
+        if out_root is not None and out_root.root != processor.storage_root:
             processor = processor.writing_to(out_root)
         jobs = [self.job(item, run, **fields) for item in inputs]
         return list(self._pool.map(processor.process, jobs))

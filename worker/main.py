@@ -24,7 +24,6 @@ from producer.transport.broker_transport import set_held_messages
 from producer.transport.celery_app import make_celery
 from producer.transport.redis_conn import connect
 from worker.extractor import build_processor
-from worker.job.writer import remove_stale_temp_files
 from worker.model.loading import load_model
 from worker.ops.gc_freeze import freeze_long_lived_objects
 from worker.ops.lifecycle import ServiceGroup
@@ -81,10 +80,10 @@ def run_worker(settings: Settings) -> int:
     check_model_source(ws.model)
     configure_logging(ws.loglevel, ws.log_format)
     node = ws.node_name or default_node_name()
-    storage_root = Path(settings.storage_root).expanduser().resolve()  # published paths are absolute
-    removed = remove_stale_temp_files(storage_root)
+    storage = settings.storage()  # a local root is made absolute: published paths are absolute
+    removed = storage.sweep_stale()
     if removed:
-        log.info("removed %d stale temp files under %s", removed, storage_root)
+        log.info("removed %d stale temp files of %s", removed, storage)
     report_phase(LOADING)
     loaded = load_model(ws.model, name=ws.served_model_name or served_model_name(ws.model), device=ws.device,
                         dtype=ws.dtype, revision=ws.revision, trust_remote_code=ws.trust_remote_code,
@@ -97,9 +96,6 @@ def run_worker(settings: Settings) -> int:
     log.info("weights fingerprint %s (%s%s), tokenizer fingerprint %s", loaded.weights_fingerprint, loaded.source,
              f" @ {loaded.revision}" if loaded.revision else "", loaded.tokenizer_fingerprint or "-")
     log.info("batching: %s", loaded.batching.describe())
-    log.info("image chats: %s", f"{type(loaded.processor).__name__}, one per batch, paths under "
-             f"{settings.images_root or '(no images_root: data URLs only)'}" if loaded.processor is not None
-             else f"not served ({loaded.processor_problem})")
     log.info("model source %s, revision %s; settings in force: %s", loaded.source, ws.revision or "(default)",
              settings_line(settings))
     faults: list[BaseException] = []
@@ -109,16 +105,19 @@ def run_worker(settings: Settings) -> int:
         faults.append(exc)
         os.kill(os.getpid(), signal.SIGTERM)  # warm shutdown: running tasks end (their jobs retry elsewhere)
 
-    processor = build_processor(loaded, storage_root=storage_root, worker_name=node, layers=ws.layers,
+    processor = build_processor(loaded, storage_root=storage, worker_name=node, layers=ws.layers,
                                 limits=settings.limits, token_budget=ws.token_budget,
                                 max_batch_jobs=ws.max_batch_jobs, batch_wait_s=ws.batch_wait_ms / 1000,
                                 max_padding=ws.max_padding,
                                 host_buffers=ws.host_buffers, writer_threads=ws.writer_threads,
                                 prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, images_root=settings.images_root, on_fatal=on_fatal)
+    log.info("image chats: %s", f"{type(loaded.processor).__name__}, {loaded.image_batching.describe()}, paths under "
+             f"{settings.images_root or '(no images_root: data URLs only)'}" if loaded.processor is not None
+             else f"not served ({loaded.processor_problem})")
     gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
-                                               "gpus": gpus, "dtype": dtype})
+                                               "gpus": gpus, "dtype": dtype}, storage)
     client = connect(settings)
     publisher = ResultPublisher(client, sinks=build_sinks(ws.result_sinks, SinkContext(node, metrics)))
     service = WorkerService(processor, client, publisher, settings.max_attempts,
@@ -136,7 +135,7 @@ def run_worker(settings: Settings) -> int:
         metrics.serve(ws.metrics_port)
     static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device), "dtype": dtype,
                    "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers, "pid": os.getpid(),
-                   "host": socket.gethostname(), "started": time.time(), "storage_root": str(storage_root),
+                   "host": socket.gethostname(), "started": time.time(), "storage_root": storage.root,
                    "gpus": gpus, "metrics_port": ws.metrics_port, "architecture": loaded.architecture,
                    "batching": loaded.batching.name, "batching_reason": loaded.batching.reason,
                    "weights_fingerprint": loaded.weights_fingerprint, "revision": loaded.revision,

@@ -41,8 +41,11 @@ def check_layers(layers: list[int] | None, num_layers: int) -> None:
 
 
 def settings_line(settings: Settings) -> str:
-    """The worker's effective settings as one JSON object (the Redis URL's password redacted;
-    the client-only groups ``enqueue`` and ``bundle`` left out), for its start-up log."""
+    """The worker's effective settings as one JSON object (the Redis URL's password and every
+    storage option but the endpoint and spool folder redacted; the client-only groups ``enqueue``
+    and ``bundle`` left out), for its start-up log."""
     data = settings.model_dump(mode="json", exclude={"enqueue", "bundle"})
     data["redis_url"] = redacted_url(settings.broker_url)
+    data["storage_options"] = {name: value if name in ("endpoint_url", "spool_dir") else "***"
+                               for name, value in settings.storage_options.items()}
     return json.dumps(data, sort_keys=True)

@@ -85,19 +85,20 @@ def results(
 
 @app.command()
 def inspect(
-    file: Path = typer.Argument(..., help="A layertap .safetensors file."),
+    file: str = typer.Argument(..., help="A layertap .safetensors file (a path, or a URL such as s3://...)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     verify: bool = typer.Option(True, help="Check shapes and checksums first."),
     plot: Optional[Path] = typer.Option(None, help="Also draw per-layer statistics to this PNG file."),
 ) -> None:
     """Show a file's tensors, metadata and per-layer statistics."""
     from producer.files.file_stats import describe_file
-    from producer.protocol.fileformat import FileFormatError, MetaKey, read_file_header
+    from producer.protocol.fileformat import FileFormatError, MetaKey
+    from producer.storage.registry import storage_for
 
     try:
         info = describe_file(file, verify=verify)
     except FileFormatError as exc:
-        if MetaKey.CHECKSUMS in read_file_header(file).metadata:
+        if MetaKey.CHECKSUMS in storage_for(file).read_header(file).metadata:
             raise  # a layertap file that fails its check: damaged, never to be waved through
         raise CliError(f"{exc}; it has no layertap checksums (a file vLLM wrote, say): "
                        "`layertap inspect --no-verify` reads it unchecked") from None

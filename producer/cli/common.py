@@ -30,7 +30,7 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
+def load_settings(*, redis_url: str | None = None, storage: str | Path | None = None,
                   **worker_fields: Any) -> Settings:
     """Settings from the environment, with the given flags (those not None) on top."""
     settings = Settings()
@@ -38,7 +38,7 @@ def load_settings(*, redis_url: str | None = None, storage: Path | None = None,
     if redis_url is not None:
         top["redis_url"] = redis_url
     if storage is not None:
-        top["storage_root"] = storage
+        top["storage_root"] = str(storage)
     changes = {key: value for key, value in worker_fields.items() if value is not None}
     if changes:  # validated like the environment is
         top["worker"] = type(settings.worker).model_validate({**settings.worker.model_dump(), **changes})

@@ -123,7 +123,8 @@ def enqueue(
         total = None if source.total is None else len(prompts) + source.total
         converter = RowConverter(input_format, column=column, id_column=id_column)
         items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file),
-                                                            max_job_bytes=max_job_bytes))
+                                                   max_job_bytes=max_job_bytes, images_root=settings.images_root,
+                                                   limits=settings.limits))
     if limit is not None:
         items = itertools.islice(items, limit)
         total = None if total is None else min(total, limit)
@@ -227,6 +228,7 @@ class RunListing:
             if not runs.exists(client.redis, run):
                 raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
             self.results = ok_files(client.redis, run)
+            self.storage_options = client.settings.storage_options
         self.verify = verify
         self.skipped = self.tokens = self.passes = 0
 
@@ -236,7 +238,7 @@ class RunListing:
 
         first_pass, self.passes = self.passes == 0, self.passes + 1
         self.skipped = self.tokens = 0
-        for entry in collect(self.results, verify=self.verify):
+        for entry in collect(self.results, verify=self.verify, storage_options=self.storage_options):
             if isinstance(entry, Skipped):
                 self.skipped += 1
                 if first_pass and self.skipped <= MAX_REPORTED_ROWS:
@@ -280,6 +282,7 @@ def export(
     """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
     from producer.files.export import check_entries, export_speculators
     from producer.files.manifest import iter_manifest
+    from producer.settings import Settings
 
     if export_format != "speculators":
         raise fail(f"--format {export_format!r}: only 'speculators' is supported", 2)
@@ -294,7 +297,8 @@ def export(
         check_entries(entries(), check_layers=not any_layers)
     with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
         quiet_datasets()
-        report = export_speculators(counted(entries(), step), out, check_layers=not any_layers)
+        report = export_speculators(counted(entries(), step), out, check_layers=not any_layers,
+                                    storage_options=Settings().storage_options)
     freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
     err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "
                       f"{report.copied} copied{freq})", markup=False, highlight=False)

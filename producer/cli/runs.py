@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Optional
 
 import typer
 
-from producer.files.reader import cleanup_hidden_states, remove_emptied_folders
 
 CANCEL_POLL_S = 0.5
 
@@ -89,7 +87,7 @@ def register(app: typer.Typer) -> None:
                                    "cancel the run, take its messages out of the queues, wait for those workers "
                                    "hold to end."),
         yes: bool = typer.Option(False, "--yes", help="Do not ask."),
-        storage: Optional[Path] = typer.Option(None, help="The storage root (setting storage_root): --files "
+        storage: Optional[str] = typer.Option(None, help="The storage root, folder or URL (storage_root): --files "
                                                "deletes only the run's own files under it, and nothing if a "
                                                "result names any other path."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
@@ -105,15 +103,15 @@ def register(app: typer.Typer) -> None:
             what = f"run {run}'s results and records" + (" and its files" if files else "")
             if not yes and not typer.confirm(f"Delete {what}?"):
                 raise typer.Exit(1)
-            paths = runs.delete(client.redis, run, force=force,
-                                files_under=client.settings.storage_root if files else None,
+            store = client.settings.storage() if files else None
+            paths = runs.delete(client.redis, run, force=force, files_under=store,
                                 on_wait=lambda held: print(
                                     f"run {run}: waiting for {held} message(s) workers hold to end (cancelled)",
                                     flush=True))
-        if files:
+        if store is not None:
             for path in paths:
-                cleanup_hidden_states(path)
-            remove_emptied_folders(paths, run)
+                store.remove(path)
+            store.prune(paths, run)
         print(f"deleted run {run}" + (f" and {len(paths)} file(s)" if files else ""))
 
     @runs_app.command("trim")

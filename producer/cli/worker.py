@@ -32,8 +32,9 @@ def worker(
     device: Optional[str] = typer.Option(None, help=f"auto | cpu | cuda | cuda:N ({worker_default('device')})."),
     dtype: Optional[str] = typer.Option(None, help="auto | bfloat16 | float16 | float32, or bf16 | fp16 | fp32 "
                                         f"({worker_default('dtype')}: bfloat16 on a GPU, float32 on the CPU)."),
-    storage: Optional[Path] = typer.Option(None, "--storage-root", "--storage", help="Storage root for files "
-                                           "(setting storage_root; default layertap-data, made absolute at start)."),
+    storage: Optional[str] = typer.Option(None, "--storage-root", "--storage", help="Storage root for files: a "
+                                          "folder or an object store URL such as s3://bucket/prefix (setting "
+                                          "storage_root; default layertap-data, made absolute at start)."),
     node_name: Optional[str] = typer.Option(None, help="Celery node name (default layertap-<pid>@<host>)."),
     token_budget: Optional[int] = typer.Option(None, help="Tokens per batch, padded batches counting their padding "
                                                f"({worker_default('token_budget')})."),

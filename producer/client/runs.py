@@ -28,7 +28,7 @@ hold to end, so nothing publishes into the deleted run and no file is left behin
 ``retention.results_s`` setting, applied by every worker's retention sweep) and their
 result-id fields. What stays is the compact ledger: the status and submitted hashes (resume,
 counts) and the storage roots of the dropped ok results (``keys.run_roots_set``), so a
-trimmed ok job is found on disk at ``naming.job_path`` and its file's header holds the rest
+trimmed ok job is found at ``naming.job_location`` and its file's header holds the rest
 (the job's ``metadata`` included). :func:`ok_files` and :func:`ledger_result` read it.
 """
 
@@ -47,8 +47,10 @@ from producer.client.results import stream_results
 from producer.protocol import fileformat as ff
 from producer.protocol import keys
 from producer.protocol.fileformat import MetaKey
-from producer.protocol.naming import file_under_root, job_path
+from producer.protocol.naming import job_location
 from producer.protocol.schema import Result, Status
+from producer.storage.base import Storage
+from producer.storage.registry import storage_for
 from producer.transport import ledger
 from producer.transport.ledger import cancel as cancel  # re-exported: the run's ledger changes
 from producer.transport.ledger import run_keys
@@ -180,7 +182,7 @@ def held_messages(client: redis.Redis, run: str) -> int:
     return sum(1 for tag in client.hkeys(keys.UNACKED_HASH) if keys.as_text(tag).startswith(prefix))
 
 
-def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: str | Path | None = None,
+def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: str | Path | Storage | None = None,
            held_wait_s: float = 120.0, on_wait: Callable[[int], None] = lambda held: None) -> list[str]:
     """Remove the run's keys; returns the ok results' file paths (for the caller to remove).
 
@@ -189,7 +191,7 @@ def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: s
     are waited for (``on_wait(held)`` each second; their jobs not yet computing end
     ``cancelled``), so that none publishes into the deleted run and every file is known before
     the keys go; ``RuntimeError`` if some are still held after ``held_wait_s``. With ``files_under``
-    (the storage root) the paths are returned resolved (``naming.file_under_root``), and a path
+    (the storage root, or its Storage) the paths are returned as it acts on them (``Storage.owned``), and a path
     that is not its job's file under that root raises ``ValueError`` before any key is removed."""
     found = summary(client, run)
     if found.finished < found.submitted and not force:
@@ -216,11 +218,12 @@ def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: s
     return paths
 
 
-def _file_under(root: str | Path, run: str, job_id: str, path: str) -> Path:
-    found = file_under_root(path, root, run, job_id)
+def _file_under(root: str | Path | Storage, run: str, job_id: str, path: str) -> str:
+    storage = storage_for(root)
+    found = storage.owned(path, run, job_id)
     if found is None:
         raise ValueError(f"job {job_id}'s result names {path!r}, which is not its file under the storage root "
-                         f"{root} (setting storage_root, --storage): nothing was deleted")
+                         f"{storage.root} (setting storage_root, --storage): nothing was deleted")
     return found
 
 
@@ -236,10 +239,10 @@ def storage_roots(client: redis.Redis, run: str) -> list[str]:
 def ledger_path(roots: list[str], run: str, job_id: str) -> str | None:
     """Where a trimmed ok job's file is: under the one storage root, or the first of several that
     holds it here (the first if this machine sees none); None without roots."""
-    paths = [job_path(root, run, job_id) for root in roots]
+    paths = [job_location(root, run, job_id) for root in roots]
     if len(paths) > 1:
-        paths.sort(key=lambda path: not path.exists())
-    return str(paths[0]) if paths else None
+        paths.sort(key=lambda path: not storage_for(path).exists(path))
+    return paths[0] if paths else None
 
 
 def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]:
@@ -273,7 +276,7 @@ def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Re
                             "(retention): `layertap enqueue` sends it again")
     path = ledger_path(storage_roots(client, run), run, job_id)
     try:
-        header = ff.read_file_header(path) if path else None
+        header = storage_for(path).read_header(path) if path else None
         meta = header.metadata if header is not None else {}
         if header is None or meta.get(MetaKey.JOB_ID) != job_id:
             return Result(job_id=job_id, run=run, status=Status.ok, path=path)

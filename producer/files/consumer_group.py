@@ -84,7 +84,7 @@ class GroupReader:
         for stream in self.streams:
             retrying(lambda stream=stream: ledger.create_group(self.redis, stream, self.group), REDIS_GIVE_UP_S)
         self.finisher = GroupFinisher(self.redis, run, self.group, delete_after=options.delete_after,
-                                      storage_root=settings.storage_root)
+                                      storage=settings.storage())
         self.heartbeat = Heartbeat(connect(settings, decode_responses=True), self.group, name, options.claim_idle_s / 4)
         self.heartbeat.start()
         self.history: dict[str, str] = dict.fromkeys(self.streams, "0")  # own pending entries first

@@ -69,13 +69,15 @@ class HiddenStatesDataset:
     collate = staticmethod(collate)
 
     def __init__(self, manifest: str | Path | Iterable[ManifestEntry], *, layers: Sequence[int] | None = None,
-                 dtype: Any = None, max_length: int | None = None, verify: bool = True):
+                 dtype: Any = None, max_length: int | None = None, verify: bool = True,
+                 storage_options: dict[str, Any] | None = None):
+        """``storage_options``: fsspec options for files in an object store (else the standard places)."""
         entries = iter_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest
         self.items = []
         self.layers = list(layers) if layers is not None else None
         self.dtype = dtype
         self.max_length = max_length
-        self.verify = verify
+        self.verify, self.storage_options = verify, storage_options
         first: ManifestEntry | None = None
         for entry in entries:
             first = first or entry
@@ -107,16 +109,17 @@ class HiddenStatesDataset:
     def __getitem__(self, index: int) -> dict[str, Any]:
         job_id, path, file_layers, _ = self.items[index]
         return load_item(job_id, path, file_layers, layers=self.layers, dtype=self.dtype,
-                         max_length=self.max_length, verify=self.verify)
+                         max_length=self.max_length, verify=self.verify, storage_options=self.storage_options)
 
 
 def load_item(job_id: str, path: str | Path, file_layers: Sequence[int], *, layers: Sequence[int] | None = None,
-              dtype: Any = None, max_length: int | None = None, verify: bool = True) -> dict[str, Any]:
+              dtype: Any = None, max_length: int | None = None, verify: bool = True,
+              storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """One job's file as a training item (the module doc says what it holds); ``file_layers``
     are the layer ids in the file's order and must include every one of ``layers``."""
     import torch
 
-    tensors = load_hidden_states(path, verify=verify)
+    tensors = load_hidden_states(path, verify=verify, storage_options=storage_options)
     cut = slice(0, max_length)
     hidden = tensors.pop(ff.HIDDEN_STATES)
     if layers is not None:

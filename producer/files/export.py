@@ -8,7 +8,7 @@ Layout (``scripts/train.py --data-path OUT --hidden-states-path OUT/hidden_state
         seq_len    int64         len(input_ids)
         job_id     string        the layertap job of the row
     OUT/token_freq.pt            {token id: count} over loss_mask == 1 tokens (when torch is installed)
-    OUT/hidden_states/hs_{i}.safetensors   row i's layertap file: a hard link, or a copy across filesystems
+    OUT/hidden_states/hs_{i}.safetensors   row i's layertap file: a hard link, else a copy (or a download)
 
 speculators loads ``hs_{i}`` with safetensors, takes ``hidden_states[:, :-1]`` as the
 auxiliary layers and ``hidden_states[:, -1]`` as the verifier's last layer, and checks
@@ -24,9 +24,7 @@ file gone meanwhile, a full disk) removes what it wrote, so the same command can
 
 from __future__ import annotations
 
-import errno
 import importlib.util
-import os
 import shutil
 import tempfile
 import uuid
@@ -39,10 +37,9 @@ from typing import Any
 from producer.extras import need
 from producer.files.manifest import ManifestEntry
 from producer.protocol import fileformat as ff
-from producer.protocol.locking import shared_lock
+from producer.storage.registry import storage_for
 
 HS_FOLDER = "hidden_states"
-LINK_FALLBACK_ERRORS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 @dataclass
@@ -54,24 +51,13 @@ class ExportReport:
     token_freq: bool = False
 
 
-def link_or_copy(source: str | Path, target: Path) -> bool:
-    """Hard-link ``source`` to ``target``; copy when the filesystem cannot link. True if linked."""
-    try:
-        os.link(source, target)
-        return True
-    except OSError as exc:
-        if exc.errno not in LINK_FALLBACK_ERRORS:
-            raise
-    shutil.copyfile(source, target)
-    return False
-
-
-def read_tokens(path: str) -> tuple[Any, Any]:
-    """``(token_ids, loss_mask)`` of a file as numpy arrays, under the reader's shared lock."""
+def read_tokens(path: Path) -> tuple[Any, Any]:
+    """``(token_ids, loss_mask)`` of an exported file (``hs_{i}``, a link or copy of a run's file
+    that only ever appeared complete) as numpy arrays."""
     import numpy as np
     from safetensors import safe_open
 
-    with shared_lock(path), safe_open(path, framework="numpy") as handle:
+    with safe_open(str(path), framework="numpy") as handle:
         token_ids = handle.get_tensor(ff.TOKEN_IDS).astype(np.int64)
         names = set(handle.keys())
         mask = handle.get_tensor(ff.LOSS_MASK).astype(np.int64) if ff.LOSS_MASK in names else np.ones_like(token_ids)
@@ -111,15 +97,18 @@ def check_entries(entries: Iterable[ManifestEntry], *, check_layers: bool = True
 
 
 def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, check_layers: bool = True,
-                       on_row: Callable[[ManifestEntry], None] | None = None) -> ExportReport:
-    """Write the speculators layout of ``entries`` to ``out`` (missing or empty); rows in entry order.
-    On any failure what was written is removed (``out`` is left as it was found)."""
+                       on_row: Callable[[ManifestEntry], None] | None = None,
+                       storage_options: dict[str, Any] | None = None) -> ExportReport:
+    """Write the speculators layout of ``entries`` to ``out`` (missing or empty); rows in entry order
+    (files in an object store are downloaded, with ``storage_options``). On any failure what was
+    written is removed (``out`` is left as it was found)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: export into a new folder")
     created = not out.exists()
     try:
-        return _write_speculators(entries, out, check_layers=check_layers, on_row=on_row)
+        return _write_speculators(entries, out, check_layers=check_layers, on_row=on_row,
+                                  storage_options=storage_options)
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -133,7 +122,8 @@ def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, che
 
 
 def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_layers: bool,
-                       on_row: Callable[[ManifestEntry], None] | None) -> ExportReport:
+                       on_row: Callable[[ManifestEntry], None] | None,
+                       storage_options: dict[str, Any] | None) -> ExportReport:
     datasets = need("datasets")
     hs_folder = out / HS_FOLDER
     hs_folder.mkdir(parents=True, exist_ok=True)
@@ -148,8 +138,9 @@ def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_lay
             refuse_float8(entry)
             if check_layers:
                 check_speculators_layers(entry, first)
-            token_ids, mask = read_tokens(entry.path)
-            linked = link_or_copy(entry.path, hs_folder / f"hs_{index}.safetensors")
+            target = hs_folder / f"hs_{index}.safetensors"
+            linked = storage_for(entry.path, storage_options).copy_to(entry.path, target)  # a link, or a copy
+            token_ids, mask = read_tokens(target)
             report.rows, report.tokens = report.rows + 1, report.tokens + len(token_ids)
             report.linked, report.copied = report.linked + linked, report.copied + (not linked)
             ids, counts = np.unique(token_ids[mask == 1], return_counts=True)

@@ -19,16 +19,16 @@ from producer.protocol.fileformat import (
     verify_file,
 )
 from producer.protocol.fp8 import dequantize_array
-from producer.protocol.locking import shared_lock
+from producer.storage.registry import storage_for
 
 
 def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
-    """A JSON-ready description of one file."""
-    path = Path(path)
-    with shared_lock(path):
+    """A JSON-ready description of one file (a path or URL)."""
+    storage = storage_for(path)
+    with storage.local(str(path)) as local:
         if verify:
-            verify_file(path)
-        header = read_file_header(path)
+            verify_file(local, name=path)
+        header = read_file_header(local, name=path)
         meta = header.metadata
         tensors = {name: {"shape": info["shape"], "dtype": info["dtype"]} for name, info in header.tensors.items()}
         layers = json.loads(meta.get(MetaKey.LAYERS, "[]"))
@@ -41,7 +41,7 @@ def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
                 stats.append({"layer": layer_id, "mean": float(values.mean()), "std": float(values.std()),
                               "min": float(values.min()), "max": float(values.max()),
                               "mean_token_norm": float(norms.mean()), "finite": bool(np.isfinite(values).all())})
-    return {"path": str(path), "bytes": path.stat().st_size, "tensors": tensors, "metadata": meta,
+    return {"path": str(path), "bytes": storage.size(str(path)), "tensors": tensors, "metadata": meta,
             "layer_stats": stats}
 
 
@@ -56,9 +56,8 @@ def hidden_states_float32(header: FileHeader) -> np.ndarray:
 
 def read_hidden_states(path: str | Path) -> tuple[list[int], np.ndarray]:
     """``(layer ids, hidden_states as float32 [T, num_layers, H])`` of a file, under its shared lock."""
-    path = Path(path)
-    with shared_lock(path):
-        header = read_file_header(path)
+    with storage_for(path).local(str(path)) as local:
+        header = read_file_header(local, name=path)
         if HIDDEN_STATES not in header.tensors:
             raise ValueError(f"{path} has no {HIDDEN_STATES} tensor")
         hidden = hidden_states_float32(header)

@@ -21,6 +21,7 @@ from typing import Any
 
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import FileFormatError, MetaKey
+from producer.storage.registry import storage_for
 
 WRITE_BATCH = 10_000
 
@@ -56,12 +57,13 @@ class Skipped:
     reason: str
 
 
-def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, verify: bool = False) -> ManifestEntry:
-    """The manifest entry of one file, from its header. Raises ``FileFormatError`` or ``OSError``."""
-    parsed = ff.read_file_header(path)
+def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, verify: bool = False,
+                    storage_options: dict[str, Any] | None = None) -> ManifestEntry:
+    """The manifest entry of one file (a path or URL; ``storage_options`` for an object store),
+    from its header. Raises ``FileFormatError`` or ``OSError``."""
+    storage = storage_for(path, storage_options)
+    parsed = storage.verify(path) if verify else storage.read_header(path)
     header, meta = parsed.tensors, parsed.metadata
-    if verify:
-        ff.verify_file(path)
     if meta.get(MetaKey.JOB_ID) != job_id:
         raise FileFormatError(f"{path}: the file is of job {meta.get(MetaKey.JOB_ID)!r}, not {job_id!r}")
     if ff.HIDDEN_STATES not in header or ff.TOKEN_IDS not in header:
@@ -76,11 +78,12 @@ def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, veri
     )
 
 
-def collect(results: dict[str, tuple[str, str | None]], *, verify: bool = False) -> Iterator[ManifestEntry | Skipped]:
+def collect(results: dict[str, tuple[str, str | None]], *, verify: bool = False,
+            storage_options: dict[str, Any] | None = None) -> Iterator[ManifestEntry | Skipped]:
     """An entry (or why not) for each ok result, in order."""
     for job_id, (path, metadata) in results.items():
         try:
-            yield entry_from_file(job_id, path, metadata, verify=verify)
+            yield entry_from_file(job_id, path, metadata, verify=verify, storage_options=storage_options)
         except (FileFormatError, OSError, KeyError, ValueError) as exc:
             yield Skipped(job_id, path, str(exc) if not isinstance(exc, KeyError) else f"header has no {exc}")
 

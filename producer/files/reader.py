@@ -1,27 +1,19 @@
-"""Reading files: vLLM's reader protocol, plus validation.
+"""Reading files: vLLM's reader protocol, plus validation, from any storage (``producer.storage``).
 
-Protocol (same as vLLM's ``load_hidden_states``): take the shared lock of
-``producer.protocol.locking`` (it waits out a writer), then load.
+Protocol (same as vLLM's ``load_hidden_states``): take the shared lock of the local lock
+protocol (it waits out a writer), then load; from an object store the object is whole once it
+exists, so it is read as it is. A path or URL names the storage (``s3://bucket/...``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 from producer.protocol import fp8
-from producer.protocol.fileformat import (
-    FileFormatError,
-    check_checksums,
-    read_file_header,
-    verify_file,
-)
-from producer.protocol.locking import lock_path, shared_lock
-from producer.protocol.naming import FILE_SUFFIX, storage_root_of
+from producer.protocol.fileformat import FileFormatError, check_checksums, read_file_header, verify_file
+from producer.storage.registry import storage_for
 
 
 def load_hidden_states(
@@ -31,10 +23,13 @@ def load_hidden_states(
     framework: Literal["pt", "np"] | None = None,
     device: str = "cpu",
     dequantize: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a job's tensors (``hidden_states``, ``token_ids``, ...) after the writer is done.
 
-    With ``verify`` (default) shapes, dtypes and checksums are checked and a damaged file
+    ``path`` is a local path or a URL (``s3://bucket/prefix/run/abc/job.safetensors``; its
+    fsspec options in ``storage_options``, else the standard places). With ``verify`` (default)
+    shapes, dtypes and checksums are checked and a damaged file
     raises ``FileFormatError`` saying what is wrong (structure first; into the CPU with torch,
     the checksums on the loaded bytes, so that the file is read once). Without it the header
     is still checked: a damaged header raises ``FileFormatError`` either way. ``framework="np"``
@@ -46,9 +41,9 @@ def load_hidden_states(
     """
     if framework is None:
         framework = "pt" if importlib.util.find_spec("torch") is not None else "np"
-    with shared_lock(path):
+    with storage_for(path, storage_options).local(str(path)) as local:
         in_place = verify and framework == "pt" and device == "cpu"  # checksums on the loaded bytes
-        header = verify_file(path, checksums=not in_place) if verify else read_file_header(path)
+        header = verify_file(local, checksums=not in_place, name=path) if verify else read_file_header(local, name=path)
         meta = header.metadata
         if framework == "pt":
             import torch
@@ -56,7 +51,7 @@ def load_hidden_states(
             from safetensors.torch import load_file as load_torch
 
             try:
-                tensors = load_torch(str(path), device=device)
+                tensors = load_torch(str(local), device=device)
             except SafetensorError as exc:
                 raise FileFormatError(f"{path}: {exc}") from None
             if in_place:
@@ -67,24 +62,7 @@ def load_hidden_states(
     return fp8.dequantize(tensors) if dequantize else tensors
 
 
-def remove_emptied_folders(paths: Iterable[str | Path], run: str) -> int:
-    """Remove the fan-out folders of ``paths`` (files of ``run`` already removed), then the run's
-    folder, where each is left empty; returns how many went. Only folders of the file layout
-    (``naming.job_path``: ``<root>/<run>/<fan-out>``) are touched, never the storage root."""
-    fanouts = set()
-    for path in map(Path, paths):
-        if storage_root_of(path, run, path.name.removesuffix(FILE_SUFFIX)) is not None:
-            fanouts.add(path.parent)
-    removed = 0
-    for folder in [*sorted(fanouts), *sorted({fanout.parent for fanout in fanouts})]:
-        with contextlib.suppress(OSError):  # not empty (another file, a temp file), or gone
-            folder.rmdir()
-            removed += 1
-    return removed
-
-
-def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False) -> None:
+def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False,
+                          storage_options: dict[str, Any] | None = None) -> None:
     """Remove a file's lock file and, unless ``keep_data``, the file itself (as vLLM's helper)."""
-    for target in ([lock_path(path)] if keep_data else [lock_path(path), str(path)]):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(target)
+    storage_for(path, storage_options).remove(str(path), keep_data=keep_data)

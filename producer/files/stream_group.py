@@ -15,15 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import redis
 
-from producer.files.reader import cleanup_hidden_states
 from producer.protocol import keys
-from producer.protocol.naming import file_under_root
 from producer.protocol.schema import Status
+from producer.storage.base import Storage
 from producer.transport import ledger
 from producer.transport.redis_conn import retrying
 
@@ -50,9 +48,9 @@ def peer_names(consumer: str, world_size: int, num_workers: int) -> set[str]:
 class GroupFinisher:
     """Finishes entries of ``run``'s consumer group ``group`` (module doc)."""
 
-    def __init__(self, client: redis.Redis, run: str, group: str, *, delete_after: bool, storage_root: str | Path):
+    def __init__(self, client: redis.Redis, run: str, group: str, *, delete_after: bool, storage: Storage):
         self.redis, self.run, self.group, self.delete_after = client, run, group, delete_after
-        self.storage_root = storage_root
+        self.storage = storage
         self.consumed_hash = keys.run_consumed_hash(run, group)
 
     def finish(self, stream: str, entry_id: str, job_id: str, status: Status) -> None:
@@ -78,12 +76,12 @@ class GroupFinisher:
 
     def delete(self, job_id: str, path: str) -> None:
         """Remove the job's file, only if ``path`` is that file under the storage root."""
-        own = file_under_root(path, self.storage_root, self.run, job_id)
+        own = self.storage.owned(path, self.run, job_id)
         if own is None:
             log.warning("job %s: %s is not its file under the storage root %s; not deleted",
-                        job_id, path, self.storage_root)
+                        job_id, path, self.storage.root)
         else:
-            cleanup_hidden_states(own)
+            self.storage.remove(own)
 
 
 class Heartbeat(threading.Thread):

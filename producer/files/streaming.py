@@ -64,7 +64,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -82,6 +81,7 @@ from producer.protocol.fileformat import FileFormatError
 from producer.protocol.naming import check_name
 from producer.protocol.schema import Result, Status
 from producer.settings import Settings
+from producer.storage.registry import storage_for
 from producer.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class StreamingLoader:
         ds = self.dataset
         client = connect(ds.settings, decode_responses=True)
         finisher = GroupFinisher(client, ds.run, ds.group, delete_after=ds.delete_after,
-                                 storage_root=ds.settings.storage_root)
+                                 storage=ds.settings.storage())
         try:
             for taken, batch in self.dataloader:
                 yield batch
@@ -260,7 +260,7 @@ class _Consumer:
             self.reader.ack(stream, entry_id)
             return False
         if result.layers is None:  # recovered from the ledger, and this process cannot read the file's header
-            gone = not result.path or not os.path.exists(result.path)
+            gone = not result.path or not storage_for(result.path, self.ds.settings.storage_options).exists(result.path)
             return self._skip(stream, entry_id, result, FileNotFoundError(result.path) if gone
                               else FileFormatError(f"{result.path}: its header does not read"))
         missing = [layer for layer in self.ds.layers or [] if layer not in result.layers]
@@ -268,7 +268,8 @@ class _Consumer:
             raise ValueError(f"job {result.job_id} has layers {result.layers}, not {missing}")
         try:
             item = load_item(result.job_id, result.path or "", result.layers, layers=self.ds.layers,
-                             dtype=self.ds.dtype, max_length=self.ds.max_length, verify=self.ds.verify)
+                             dtype=self.ds.dtype, max_length=self.ds.max_length, verify=self.ds.verify,
+                             storage_options=self.ds.settings.storage_options)
         except (FileFormatError, SafetensorError, OSError) as exc:
             return self._skip(stream, entry_id, result, exc)
         self.buffer.append((Taken(stream, entry_id, result.job_id, result.path or ""), item))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from enum import Enum
 from typing import Any
 
@@ -39,10 +40,11 @@ from producer.client.client import Client
 from producer.ingest.formats import RowConverter, UndetectableFormat
 from producer.ingest.sources import SourceRow
 from producer.protocol import keys
+from producer.protocol.images import ImageError, load_images, with_image_digests
 from producer.protocol.layers import LayerIdError
 from producer.protocol.naming import check_name
 from producer.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
-from producer.settings import InflightUntil
+from producer.settings import InflightUntil, Limits
 from producer.transport import ledger
 
 
@@ -69,31 +71,41 @@ class Outcome(str, Enum):
     bad = "bad"
 
 
-def job_from_data(data: Any, defaults: dict[str, Any], max_job_bytes: int | None = None) -> Job:
+def job_from_data(data: Any, defaults: dict[str, Any], max_job_bytes: int | None = None, *,
+                  images_root: Path | None = None, limits: Limits | None = None) -> Job:
     """A job from one row's data with ``defaults`` under it; raises ``ValueError`` saying why not
-    (:class:`JobTooLarge` over ``max_job_bytes``, checked before the data is validated)."""
+    (:class:`JobTooLarge` over ``max_job_bytes``, checked before the data is validated). Image
+    parts are checked as the Client checks them: a path is read under ``images_root`` only
+    (its sha256 filled in), and every image is within ``limits`` and decodes
+    (:class:`~producer.protocol.images.ImageError`)."""
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-    merged = {**defaults, **data}
+    limits = limits or Limits()
+    merged = with_image_digests({**defaults, **data}, images_root, limits.max_image_bytes)
     if max_job_bytes is not None:
         refuse_oversize(merged, max_job_bytes)
     try:
-        return Job.model_validate(merged).with_id()
+        job = Job.model_validate(merged).with_id()
     except ValidationError as exc:
         raise ValueError(describe_validation_error(exc, most=1)) from None
+    if job.messages is not None:
+        load_images(job.messages, images_root, max_images=limits.max_images, max_bytes=limits.max_image_bytes)
+    return job
 
 
 def plan_jobs(rows: Iterable[SourceRow], converter: RowConverter, defaults: dict[str, Any],
-              origin: str = "", max_job_bytes: int | None = None) -> Iterator[Planned | BadRow]:
-    """A :class:`Planned` job or a :class:`BadRow` per row, placed as ``"<origin> <where>"``.
-    Raises ``UndetectableFormat`` for the whole file."""
+              origin: str = "", max_job_bytes: int | None = None, *, images_root: Path | None = None,
+              limits: Limits | None = None) -> Iterator[Planned | BadRow]:
+    """A :class:`Planned` job or a :class:`BadRow` per row, placed as ``"<origin> <where>"``
+    (image parts checked by :func:`job_from_data`). Raises ``UndetectableFormat`` for the whole file."""
     for row in rows:
         where = f"{origin} {row.where}" if origin else row.where
         if row.error is not None:
             yield BadRow(where, row.error)
             continue
         try:
-            yield Planned(where, job_from_data(converter.job_data(row.data, row.where), defaults, max_job_bytes))
+            yield Planned(where, job_from_data(converter.job_data(row.data, row.where), defaults, max_job_bytes,
+                                               images_root=images_root, limits=limits))
         except UndetectableFormat as exc:
             raise UndetectableFormat(f"{origin}: {exc}" if origin else str(exc)) from None
         except ValueError as exc:
@@ -215,6 +227,6 @@ class Enqueuer:
             ledger.reopen(self.client.redis, job.run, job.job_id or "", self.group)
         try:
             self.bundler.add(job)
-        except (JobTooLarge, LayerIdError) as exc:
+        except (JobTooLarge, LayerIdError, ImageError) as exc:  # an image changed since its row was read
             return Outcome.bad, BadRow(item.where, str(exc))
         return Outcome.submitted, item

@@ -8,7 +8,9 @@ or raises :class:`RowError` saying what is wrong with it.
 Detection (``InputFormat.auto``) looks at the first row of a file and fixes the format for
 the whole file; see :func:`detect_format` for the rules. Every later row must fit it.
 Invariants: the same chat gives the same job data whatever format it came in (so the
-same job id); unknown roles and non-text content are refused, never guessed at. A chat row
+same job id); unknown roles and content other than text and image parts are refused, never
+guessed at (image parts are checked, and paths read under ``images_root``, when the job is made:
+``producer.ingest.enqueue.job_from_data``). A chat row
 that also carries ``token_ids`` (``layertap regenerate``'s output) becomes a job of those ids
 and their ``loss_mask``; a ``provenance`` object travels into the file header.
 """
@@ -21,6 +23,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
+from producer.protocol.images import IMAGE_PART_TYPES
 from producer.protocol.naming import is_safe_name
 from producer.protocol.schema import Job
 
@@ -122,22 +125,28 @@ def first_value(mapping: Mapping[str, Any], names: tuple[str, ...]) -> Any:
     return next((mapping[name] for name in names if mapping.get(name) is not None), None)
 
 
-def turn_text(content: Any, index: int) -> str | None:
-    """A turn's text: a string, null, or OpenAI-style content parts of type text (joined)."""
+def turn_content(content: Any, index: int) -> str | list[dict[str, Any]] | None:
+    """A turn's content: a string, null, or content parts: text parts only are joined into
+    a string; with image parts (``image_url`` or ``image``, checked when the job is made)
+    the parts are kept, in order, strings becoming text parts. Anything else is refused."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        parts: list[dict[str, Any]] = []
         for part in content:
             if isinstance(part, str):
-                texts.append(part)
+                parts.append({"type": "text", "text": part})
             elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
+            elif isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES:
+                parts.append(present(part))  # Arrow gives every part every field of the column's struct
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise RowError(f"turn {index} has non-text content ({kind}); layertap takes text chats")
-        return "".join(texts)
-    raise RowError(f"turn {index} content is a {type(content).__name__}, expected text")
+                raise RowError(f"turn {index} has content of type {kind}; layertap takes text and image parts")
+        if all(part["type"] == "text" for part in parts):
+            return "".join(part["text"] for part in parts)
+        return parts
+    raise RowError(f"turn {index} content is a {type(content).__name__}, expected text or content parts")
 
 
 def normalize_turn(turn: Any, index: int) -> dict[str, Any]:
@@ -148,12 +157,25 @@ def normalize_turn(turn: Any, index: int) -> dict[str, Any]:
     role = ROLE_NAMES.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
     if role is None:
         raise RowError(f"turn {index} has role {raw_role!r}; known roles: {', '.join(sorted(ROLE_NAMES))}")
-    message: dict[str, Any] = {"role": role, "content": turn_text(first_value(turn, ("content", "value")), index)}
+    message: dict[str, Any] = {"role": role, "content": turn_content(first_value(turn, ("content", "value")), index)}
     for field, aliases in TURN_FIELDS.items():
         value = first_value(turn, aliases)
         if value is not None:
             message[field] = value
     return message
+
+
+def job_row(fields: dict[str, Any]) -> dict[str, Any]:
+    """A layertap-job row as job data: its messages' content parts without null fields (Arrow
+    gives every part every field of the column's struct), the rest as it is."""
+    messages = fields.get("messages")
+    if not isinstance(messages, list):
+        return fields
+    cleaned = [{**message, "content": [present(part) if isinstance(part, Mapping) else part
+                                       for part in message["content"]]}
+               if isinstance(message, Mapping) and isinstance(message.get("content"), list) else message
+               for message in messages]
+    return {**fields, "messages": cleaned}
 
 
 def ultrachat_turns(value: list[Any]) -> list[dict[str, Any]]:
@@ -204,7 +226,7 @@ class RowConverter:
             raise RowError(f"expected a JSON object, got {type(row).__name__}")
         fields = present(row)
         if self.format is InputFormat.jobs:
-            return fields
+            return job_row(fields)
         value = self._input_value(fields)
         if self.format is InputFormat.prompt:
             if not isinstance(value, str):

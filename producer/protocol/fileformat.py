@@ -99,6 +99,12 @@ class MetaKey:
     BATCHING = "batching"  # how the worker batched jobs: a layout's name (worker.model.batching.LAYOUTS)
     RESIDUAL_COPIES = "residual_copies"  # copies per token of a multi-copy stream: hidden_states [T, L, copies, H]
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
+    # Chats with images only: JSON saying where the model put its visual features into the stream the
+    # states are read from: {"captured": ..., "merged_at": "input embeddings", "deepstack_in_layers": [ids]}.
+    # Layer id i < L is what enters decoder layer i after the model's own additions (deepstack: Qwen3-VL
+    # adds visual features to the outputs of its first layers, so ids 1..k hold them); id L is the last
+    # layer's output.
+    IMAGE_FEATURES = "image_features"
     # Quantized checkpoints only: the weights' scheme as JSON ({"method", "weights", "granularity", "block",
     # "activations"}) and how the worker computed with them: "dequant" (exact on the dequantized weights)
     # or "fp8" (fp8 matmuls with e4m3 activations quantized on the fly, as serving engines do).
@@ -177,34 +183,37 @@ class FileHeader:
         return array
 
 
-def read_file_header(path: str | Path) -> FileHeader:
-    """The header of the file at ``path``. Raises :class:`FileFormatError` or ``OSError``."""
+def read_file_header(path: str | Path, *, name: str | Path | None = None) -> FileHeader:
+    """The header of the file at ``path`` (``name``: what errors call it, by default ``path``).
+    Raises :class:`FileFormatError` or ``OSError``."""
     with open(path, "rb") as handle:
-        return parse_header(handle, path)
+        return parse_header(handle, path, name=name)
 
 
-def parse_header(handle: BinaryIO, path: str | Path = "") -> FileHeader:
-    """Parse the safetensors header at the start of ``handle``. Raises :class:`FileFormatError`."""
+def parse_header(handle: BinaryIO, path: str | Path = "", *, name: str | Path | None = None) -> FileHeader:
+    """Parse the safetensors header at the start of ``handle`` (the file at ``path``; ``name``: what
+    errors call it, by default ``path``). Raises :class:`FileFormatError`."""
+    label = path if name is None else name
     raw_len = handle.read(8)
     if len(raw_len) != 8:
-        raise FileFormatError(f"{path}: file is shorter than a safetensors header (truncated?)")
+        raise FileFormatError(f"{label}: file is shorter than a safetensors header (truncated?)")
     (header_len,) = struct.unpack("<Q", raw_len)
     if header_len > _MAX_HEADER:
-        raise FileFormatError(f"{path}: header length {header_len} is implausible (corrupt file?)")
+        raise FileFormatError(f"{label}: header length {header_len} is implausible (corrupt file?)")
     raw = handle.read(header_len)
     if len(raw) != header_len:
-        raise FileFormatError(f"{path}: header is truncated ({len(raw)} of {header_len} bytes)")
+        raise FileFormatError(f"{label}: header is truncated ({len(raw)} of {header_len} bytes)")
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FileFormatError(f"{path}: header is not valid JSON ({exc})") from None
+        raise FileFormatError(f"{label}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise FileFormatError(f"{path}: header is not a JSON object")
+        raise FileFormatError(f"{label}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise FileFormatError(f"{path}: header metadata is not an object of strings")
-    _check_entries(path, header)
-    _check_metadata(path, metadata, header)
+        raise FileFormatError(f"{label}: header metadata is not an object of strings")
+    _check_entries(label, header)
+    _check_metadata(label, metadata, header)
     return FileHeader(Path(path), header, dict(metadata), 8 + header_len)
 
 
@@ -281,62 +290,70 @@ def metadata_of(path: str | Path) -> dict[str, str]:
     return read_file_header(path).metadata
 
 
-def verify_file(path: str | Path, *, checksums: bool = True) -> FileHeader:
+def verify_file(path: str | Path, *, checksums: bool = True, name: str | Path | None = None) -> FileHeader:
     """Check a file's structure, tensor shapes/dtypes and checksums; return its header.
 
     Raises :class:`FileFormatError` naming the first problem found. ``checksums=False`` checks
     everything but the tensors' bytes, for a reader that loads them anyway and checks them there
     (:func:`check_checksums`), reading the file once instead of twice.
     """
-    path = Path(path)
     with open(path, "rb") as handle:
-        parsed = parse_header(handle, path)
-        header, meta, data_start = parsed.tensors, parsed.metadata, parsed.data_start
-        if meta.get(MetaKey.FORMAT) != FORMAT_NAME:
-            raise FileFormatError(f"{path}: not a layertap file (header metadata has no format={FORMAT_NAME!r})")
-        _check_required(path, meta)
-        _check_shapes(path, header, meta)
-        file_size = path.stat().st_size
-        recorded = _recorded_checksums(path, meta)
-        for name, info in header.items():
-            begin, end = info["data_offsets"]
-            if data_start + end > file_size:
-                raise FileFormatError(
-                    f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
-                    f"{file_size} bytes (truncated)"
-                )
-            expected = recorded.get(name)
-            if expected is None:
-                raise FileFormatError(f"{path}: no checksum recorded for tensor {name!r}")
-            if not checksums:
-                continue
-            handle.seek(data_start + begin)
-            crc, left = 0, end - begin
-            while left:
-                chunk = handle.read(min(_CHUNK, left))
-                if not chunk:
-                    raise FileFormatError(f"{path}: tensor {name!r} is truncated")
-                crc = zlib.crc32(chunk, crc)
-                left -= len(chunk)
-            _check_crc(path, name, expected, crc)
+        return verify_stream(handle, path, handle.seek(0, 2), checksums=checksums, name=name)
+
+
+def verify_stream(handle: BinaryIO, path: str | Path, file_size: int, *, checksums: bool = True,
+                  name: str | Path | None = None) -> FileHeader:
+    """:func:`verify_file` on an open, seekable binary ``handle`` of ``file_size`` bytes (a local
+    file or an object store's ranged reader) of the file at ``path``; ``name`` (by default
+    ``path``) is what errors call it."""
+    handle.seek(0)
+    parsed = parse_header(handle, path, name=name)
+    path = path if name is None else name
+    header, meta, data_start = parsed.tensors, parsed.metadata, parsed.data_start
+    if meta.get(MetaKey.FORMAT) != FORMAT_NAME:
+        raise FileFormatError(f"{path}: not a layertap file (header metadata has no format={FORMAT_NAME!r})")
+    _check_required(path, meta)
+    _check_shapes(path, header, meta)
+    recorded = _recorded_checksums(path, meta)
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        if data_start + end > file_size:
+            raise FileFormatError(
+                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
+                f"{file_size} bytes (truncated)"
+            )
+        expected = recorded.get(name)
+        if expected is None:
+            raise FileFormatError(f"{path}: no checksum recorded for tensor {name!r}")
+        if not checksums:
+            continue
+        handle.seek(data_start + begin)
+        crc, left = 0, end - begin
+        while left:
+            chunk = handle.read(min(_CHUNK, left))
+            if not chunk:
+                raise FileFormatError(f"{path}: tensor {name!r} is truncated")
+            crc = zlib.crc32(chunk, crc)
+            left -= len(chunk)
+        _check_crc(path, name, expected, crc)
     return parsed
 
 
 def check_checksums(path: str | Path, meta: dict[str, str], tensor_bytes: dict[str, Any]) -> None:
     """Check each loaded tensor's bytes (a buffer: ``{name: uint8 array}``) against the checksum
     that ``meta`` (from :func:`verify_file`) records for it; raises :class:`FileFormatError`."""
-    recorded = _recorded_checksums(Path(path), meta)
+    recorded = _recorded_checksums(path, meta)
     for name, data in tensor_bytes.items():
-        _check_crc(Path(path), name, recorded.get(name, ""), zlib.crc32(data))
+        _check_crc(path, name, recorded.get(name, ""), zlib.crc32(data))
 
 
-def _recorded_checksums(path: Path, meta: dict[str, str]) -> dict[str, str]:
+def _recorded_checksums(path: str | Path, meta: dict[str, str]) -> dict[str, str]:
     if MetaKey.CHECKSUMS not in meta:
         raise FileFormatError(f"{path}: header metadata has no 'checksums'")
     return _json_field(path, meta, MetaKey.CHECKSUMS)  # its type is checked by parse_header
 
 
-def _check_required(path: Path, meta: dict[str, str]) -> None:
+def _check_required(path: str | Path, meta: dict[str, str]) -> None:
     """The metadata of the file's format version is all there, and its identity is its own."""
     version = meta.get(MetaKey.FORMAT_VERSION, "")
     if not _is_decimal(version) or not 1 <= int(version) <= int(FORMAT_VERSION):
@@ -350,7 +367,7 @@ def _check_required(path: Path, meta: dict[str, str]) -> None:
         raise FileFormatError(f"{path}: header metadata 'content_id' does not match its identity fields")
 
 
-def _check_crc(path: Path, name: str, expected: str, crc: int) -> None:
+def _check_crc(path: str | Path, name: str, expected: str, crc: int) -> None:
     if f"{crc & 0xFFFFFFFF:08x}" != expected:
         raise FileFormatError(
             f"{path}: checksum mismatch in tensor {name!r} (expected {expected}, "
@@ -358,7 +375,7 @@ def _check_crc(path: Path, name: str, expected: str, crc: int) -> None:
         )
 
 
-def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> None:
+def _check_shapes(path: str | Path, header: dict[str, Any], meta: dict[str, str]) -> None:
     for name in REQUIRED_TENSORS:
         if name not in header:
             raise FileFormatError(f"{path}: tensor {name!r} is missing")
@@ -399,7 +416,7 @@ def _check_shapes(path: Path, header: dict[str, Any], meta: dict[str, str]) -> N
     _check_topk(path, header)
 
 
-def _check_scales(path: Path, header: dict[str, Any]) -> None:
+def _check_scales(path: str | Path, header: dict[str, Any]) -> None:
     """A float8 state tensor has a float32 scale per row; other tensors have none."""
     for name in STATE_TENSORS:
         scale = name + SCALE_SUFFIX
@@ -413,7 +430,7 @@ def _check_scales(path: Path, header: dict[str, Any]) -> None:
                                   f"{header[name]['shape'][:-1]} (one scale per row of {name!r})")
 
 
-def _check_topk(path: Path, header: dict[str, Any]) -> None:
+def _check_topk(path: str | Path, header: dict[str, Any]) -> None:
     """``topk_logprobs`` and ``topk_ids`` come together, both ``[T, k]``."""
     present = [name for name in (TOPK_LOGPROBS, TOPK_IDS) if name in header]
     if len(present) == 1:

@@ -90,13 +90,38 @@ def job_path(storage_root: str | Path, run: str, job_id: str) -> Path:
     return Path(storage_root) / run / fanout(job_id) / f"{job_id}{FILE_SUFFIX}"
 
 
-def storage_root_of(path: str | Path, run: str, job_id: str) -> Path | None:
-    """The storage root under which ``path`` is the :func:`job_path` of ``run``/``job_id``; None if it is none."""
+#: ``scheme://`` at the start of a storage root or file address (``s3://bucket/prefix``).
+URL_PATTERN = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(address: str | Path) -> str | None:
+    """The scheme of a URL (``s3``), lower-cased; None for a bare path (a local one)."""
+    found = URL_PATTERN.match(str(address))
+    return found.group(1).lower() if found else None
+
+
+def job_location(storage_root: str | Path, run: str, job_id: str) -> str:
+    """:func:`job_path` under a root that may be a URL: ``<root>/<run>/<fan-out>/<job_id>.safetensors``,
+    joined with ``/`` after a URL root, as a local path after a bare one."""
+    if url_scheme(storage_root) is None:
+        return str(job_path(storage_root, run, job_id))
+    check_name(run, "run")
+    check_name(job_id, "job_id")
+    return f"{str(storage_root).rstrip('/')}/{run}/{fanout(job_id)}/{job_id}{FILE_SUFFIX}"
+
+
+def storage_root_of(path: str | Path, run: str, job_id: str) -> str | None:
+    """The storage root (path or URL) under which ``path`` is the :func:`job_location` of ``run``/``job_id``;
+    None if it is none."""
+    if url_scheme(path) is not None:
+        tail = job_location("x://", run, job_id).removeprefix("x:")
+        root = str(path).removesuffix(tail)
+        return root if root != str(path) and url_scheme(root) and job_location(root, run, job_id) == path else None
     path = Path(path)
     if len(path.parents) < 3:
         return None
     root = path.parents[2]
-    return root if job_path(root, run, job_id) == path else None
+    return str(root) if job_path(root, run, job_id) == path else None
 
 
 def file_under_root(path: str | Path, storage_root: str | Path, run: str, job_id: str) -> Path | None:

@@ -133,7 +133,7 @@ def test_bad_rows_are_reported_with_their_place(redis_server, tmp_path, run_name
         (tmp_path / name).rename(parquet_dir / name)
     code, printed, stderr = enqueue(env, run_name + "-pq", parquet_dir, "--model", "tiny-nobody", "--no-check")
     assert code == 2 and len(printed) == 1
-    assert f"{parquet_dir} row 1: turn 0 has non-text content (image_url)" in stderr
+    assert f"{parquet_dir} row 1: image 'x' is a path, but no images root is configured" in stderr
 
 
 def test_undetectable_file_stops_early(redis_server, tmp_path, run_name):

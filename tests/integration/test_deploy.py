@@ -236,7 +236,7 @@ def test_dockerfile_builds_a_non_root_cuda_worker_image():
     assert base.startswith("pytorch/pytorch:") and "cuda" in base
     users = [value for kind, value in instructions if kind == "USER"]
     assert users and users[-1] not in ("root", "0")
-    assert ("RUN", 'pip install ".[worker]"') in instructions
+    assert ("RUN", 'pip install ".[worker,s3]"') in instructions
     assert json.loads(next(value for kind, value in instructions if kind == "ENTRYPOINT")) == ["layertap", "worker"]
     ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()}
     for kind, value in instructions:

@@ -4,9 +4,10 @@ of every prompt equals the plain model's own ``forward`` on that prompt alone (f
 
 Tiny random VLMs (``tests/support/vlm.py``), no hub. The weights-only folders have no
 tokenizer and no processor: token-id jobs need neither. Jobs with images run through the
-model's processor and its own ``forward``, one per batch (LLaVA here); without a processor,
-or with a bad image, they get typed results (``no_image_support``, ``bad_image``) and the
-worker goes on.
+model's processor and its own ``forward``, several of different sizes in one padded
+forward where the family allows it (one per forward on Idefics3), and equal the plain model
+on each alone; without a processor, or with a bad image, they get typed results
+(``no_image_support``, ``bad_image``) and the worker goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from producer.files.reader import load_hidden_states
 from producer.protocol.images import ImageError
 from producer.protocol.schema import ErrorType
 from producer.settings import Settings
-from tests.support.vlm import TEXT_VOCAB, VLM_FAMILIES, build_tiny_vlm, vlm_block_states
+from tests.support.vlm import QWEN_FAMILIES, TEXT_VOCAB, VLM_FAMILIES, add_processor, build_tiny_vlm, vlm_block_states
 from worker.extractor import Extractor
 from worker.model.loading import load_model
 from worker.model.tiny_model import build_tokenizer
@@ -158,50 +159,80 @@ def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
     assert 8.2e9 < sum(parameter.numel() for parameter in model.parameters()) < 8.4e9
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3"])
-def test_image_chats_batched_with_text_equal_the_model_alone(family, tmp_path):
-    """LLaVA, Gemma 3 (bidirectional attention over each image) and Idefics3 (images split into
-    tiles: token counts vary with the image) with their processors: chats with images of different sizes, sent with text chats,
-    run one per forward through the model's own ``forward``; each file holds the expanded
-    token ids (as the processor makes them), a loss mask with image positions 0, the
+TEMPLATE_CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
+                 {"role": "assistant", "content": "the draft layer"}]
+
+
+def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """What plain transformers' processor gives the model for the test chat with a ``size``
+    image. Qwen's (whose processor class needs torchvision here): its image processor, and
+    the template's one ``<|image_pad|>`` repeated once per merged 2x2 patch group, as
+    Qwen's processor does, with ``mm_token_type_ids`` 1 at the image tokens."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    image = Image.open(io.BytesIO(png_bytes(*size)))
+    if family not in QWEN_FAMILIES:
+        processor = AutoProcessor.from_pretrained(model_dir)
+        return dict(processor(text=[processor.apply_chat_template(TEMPLATE_CHAT, tokenize=False)], images=[image],
+                              return_tensors="pt"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
+    count = int(vision["image_grid_thw"].prod()) // 4
+    text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace("<|image_pad|>",
+                                                                                 "<|image_pad|>" * count)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
+            "mm_token_type_ids": (ids == 300).long()}
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", *QWEN_FAMILIES])
+def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
+    """Every family with a processor the tests can build (Qwen's through its image-only path:
+    no torchvision here): chats with images of different sizes, sent with text chats, run
+    through the model's own ``forward``, several image chats in one padded forward (each
+    with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional image
+    attention on Gemma 3), one per forward on Idefics3 (tiles). Each file holds the token
+    ids as the processor expands them, a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
     processor's output alone; the dataset batches an image file with a text file."""
-    from transformers import AutoProcessor
-
-    from tests.support.vlm import add_processor
-
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
-    sizes = [(40, 24), (28, 28), (90, 20)]
+    sizes = [(40, 24), (28, 28), (90, 20), (60, 60)]
     urls = ["data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode() for size in sizes]
     chats = [image_chat({"type": "image_url", "image_url": {"url": url}}) for url in urls]
     text_chat = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]}
     batches: list[int] = []
     with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32", batch_wait_ms=300) as extractor:
-        assert extractor.loaded.processor is not None, extractor.loaded.processor_problem
+        loaded = extractor.loaded
+        assert loaded.processor is not None, loaded.processor_problem
+        layout = loaded.image_batching
+        assert layout.name == ("single" if family == "idefics3" else "padded"), layout.describe()
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         results = extractor.extract([*chats, text_chat, text_chat | {"metadata": "again"}], tmp_path / "files",
                                     run=f"{family}-images")
-    processor = AutoProcessor.from_pretrained(model_dir)
-    template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
-                     {"role": "assistant", "content": "the draft layer"}]
-    text = processor.apply_chat_template(template_chat, tokenize=False)
+    lengths = set()
     for size, result in zip(sizes, results):
         assert result.ok, result.error
         states = load_hidden_states(result.path)
-        inputs = processor(text=[text], images=[Image.open(io.BytesIO(png_bytes(*size)))], return_tensors="pt")
+        inputs = reference_inputs(family, model_dir, size)
         ids = inputs["input_ids"][0].tolist()
+        lengths.add(len(ids))
         assert states["token_ids"].tolist() == ids
         image_positions = [index for index, token in enumerate(ids) if token == 300]
-        assert len(image_positions) >= 3
+        assert len(image_positions) >= 1
         mask = states["loss_mask"].tolist()
         assert all(mask[index] == 0 for index in image_positions) and any(mask)
         reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
         error = worst_token_relative_error(states["hidden_states"], reference)
         assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
         assert states["image_token_mask"].tolist() == [int(token == 300) for token in ids]
-    assert all(result.ok for result in results[3:])
-    assert max(batches) >= 2, f"the text chats were not batched together: {batches}"
-    items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[3])]
+    assert all(result.ok for result in results[4:])
+    if family == "idefics3":
+        assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
+    else:
+        assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
+    if family in QWEN_FAMILIES + ("idefics3",):
+        assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
+    items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
     batch = collate(items)
     image_rows = batch["image_token_mask"]
@@ -215,8 +246,6 @@ def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
     and its file equals the plain model on the plain processor's output alone."""
     from transformers import AutoProcessor
 
-    from tests.support.vlm import add_processor
-
     model_dir = add_processor("gemma3", build_tiny_vlm("gemma3", tmp_path / "model"))
     images_root = tmp_path / "images"
     (images_root / "set").mkdir(parents=True)
@@ -229,7 +258,7 @@ def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
                             run="queued-images", check=True)
         result = client.wait("queued-images", [job.job_id], timeout=300)[job.job_id]
     assert result.ok, result.error
-    assert f"image chats: Gemma3Processor, one per batch, paths under {images_root}" in worker.log_text()
+    assert "image chats: Gemma3Processor, padded (image chats of gemma3" in worker.log_text()
     processor = AutoProcessor.from_pretrained(model_dir)
     template_chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hello model"}]},
                      {"role": "assistant", "content": "the draft layer"}]
@@ -242,31 +271,20 @@ def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
     assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5"])
-def test_qwen_image_inputs_through_the_engine_equal_the_model_alone(family, tmp_path):
-    """Qwen-VL's multimodal rotary positions (M-RoPE, from each prompt's own image grid),
-    Qwen3-VL's deepstack (visual features added inside early decoder layers) and Qwen3.5
-    (gated delta nets with Qwen3-VL's vision): image requests
-    submitted with a text request run one per forward through the model's own ``forward``,
-    and every layer (what enters it, after the model's own additions) equals the plain model
-    alone. The inputs come from Qwen's image processor directly: its full processor needs
-    torchvision (for video), which this environment lacks."""
-    from transformers import Qwen2VLImageProcessor
-
+def test_llama4_image_inputs_batched_together_equal_the_model_alone(tmp_path):
+    """Llama 4 (chunked attention; its image processor needs torchvision, so the tiles are
+    made here): image requests of 1, 3 and 2 tiles (a token each at this size; 8-10 tokens) submitted
+    together run in one padded forward through the model's own ``forward`` and every layer
+    equals the plain model alone; a text request goes in a batch of its own."""
     from worker.engine.records import EngineRequest
 
-    model_dir = str(build_tiny_vlm(family, tmp_path / "model"))
-    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
-                                            temporal_patch_size=2)
-    prompts = []
-    for size in [(56, 28), (28, 28), (84, 56)]:
-        vision = image_processor(images=[Image.new("RGB", size, (90, 10, 160))], return_tensors="pt")
-        image_tokens = int(vision["image_grid_thw"].prod()) // 4
-        ids = [5, 6, 302, *[300] * image_tokens, 303, 7, 8, 9]
-        prompts.append((ids, {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
-                              "mm_token_type_ids": torch.tensor([[int(token == 300) for token in ids]])}))
-    assert len({len(ids) for ids, _ in prompts}) == 3
-    loaded = load_model(model_dir, name=family, device="cpu", dtype="float32")
+    model_dir = str(build_tiny_vlm("llama4", tmp_path / "model"))
+    generator = torch.Generator().manual_seed(0)
+    prompts = [([5, 6, *[300] * tiles, *range(7, 7 + extra)], {"pixel_values": torch.randn(tiles, 3, 28, 28,
+                                                                                          generator=generator)})
+               for tiles, extra in ((1, 5), (3, 4), (2, 6))]
+    loaded = load_model(model_dir, name="llama4", device="cpu", dtype="float32")
+    assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
     layer_ids = [0, 1, 2]
     batches: list[int] = []
     with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
@@ -279,7 +297,68 @@ def test_qwen_image_inputs_through_the_engine_equal_the_model_alone(family, tmp_
             captured = future.result().wait()
             states.append(captured.hidden_states.clone())
             captured.release()
-    assert batches == [1, 1, 1, 1], batches
+    assert batches == [3, 1], batches
     for (ids, inputs), got in zip(prompts, states):
         reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
         assert worst_token_relative_error(got, reference) <= TOLERANCE
+
+
+def test_qwen3_vl_files_say_which_layers_hold_deepstack_features(tmp_path):
+    """Qwen3-VL adds visual features (deepstack) to the outputs of its first layers (both of the
+    tiny model's 2): the file of an image chat holds what enters each layer after those
+    additions, and its header says so (``image_features``: ids 1..k, here 1; id L, the last
+    layer's output, is caught before the addition after it). Checked against the plain model:
+    the file's layer 1 minus what layer 0 itself returned is the addition, nonzero exactly at
+    the image positions. A text file has no such note."""
+    import json
+
+    from producer.protocol.fileformat import MetaKey, metadata_of
+    from tests.support.vlm import language_layers, load_reference
+
+    model_dir = add_processor("qwen3-vl", build_tiny_vlm("qwen3-vl", tmp_path / "model"))
+    chat = image_chat({"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png_bytes(56, 56)).decode()}})
+    text_chat = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]}
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        image_result, text_result = extractor.extract([chat, text_chat], tmp_path / "files", run="deepstack")
+    assert image_result.ok and text_result.ok, (image_result.error, text_result.error)
+    note = json.loads(metadata_of(image_result.path)[MetaKey.IMAGE_FEATURES])
+    assert note["deepstack_in_layers"] == [1] and note["merged_at"] == "input embeddings"
+    assert "after the model's own additions" in note["captured"]
+    assert MetaKey.IMAGE_FEATURES not in metadata_of(text_result.path)
+    states = load_hidden_states(image_result.path)
+    inputs = reference_inputs("qwen3-vl", model_dir, (56, 56))
+    model = load_reference(str(model_dir))
+    returned: list[torch.Tensor] = []
+    handle = language_layers(model)[0].register_forward_hook(
+        lambda module, args, output: returned.append((output[0] if isinstance(output, tuple) else output)[0].clone()))
+    try:
+        reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
+    finally:
+        handle.remove()
+    assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+    added = (states["hidden_states"][:, 1] - returned[0]).norm(dim=-1)
+    image = states["image_token_mask"].bool()
+    assert bool((added[image] > 1e-3).all()) and float(added[~image].max()) < 1e-5, added
+
+
+def test_image_chats_that_do_not_batch_fall_back_to_one_per_forward(monkeypatch, tmp_path):
+    """The load-time image self-check: Idefics3 wrongly listed as batching its image chats
+    (its pixel_values hold one row of tiles per prompt, and the probes' tile counts differ)
+    fails it, so its image chats run one per forward, with the reason, and stay exact."""
+    from worker.model import image_inputs
+
+    monkeypatch.setitem(image_inputs.BATCHED_FAMILIES, "idefics3", "listed here to fail the self-check")
+    model_dir = add_processor("idefics3", build_tiny_vlm("idefics3", tmp_path / "model"))
+    sizes = [(40, 24), (90, 20)]
+    chats = [image_chat({"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode()}}) for size in sizes]
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        layout = extractor.loaded.image_batching
+        results = extractor.extract(chats, tmp_path / "files", run="fallback")
+    assert layout.name == "single", layout.describe()
+    assert "batched image chats fail on the load-time self-check" in layout.reason, layout.reason
+    for size, result in zip(sizes, results):
+        assert result.ok, result.error
+        reference = vlm_block_states(str(model_dir), [0, 1, 2], **reference_inputs("idefics3", model_dir, size))
+        assert worst_token_relative_error(load_hidden_states(result.path)["hidden_states"], reference) <= TOLERANCE

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from producer.client.client import Client
 from producer.protocol import keys
-from producer.protocol.locking import exclusive_lock
+from producer.storage.locking import exclusive_lock
 from producer.protocol.naming import job_path
 from producer.protocol.schema import Job
 

@@ -53,7 +53,8 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                             vision_config=dict(SIGLIP, model_type="clip_vision_model"), image_token_index=300)),
     "llama4": ("llama4", dict(
         text_config=dict(TEXT, num_local_experts=2, intermediate_size_mlp=64, attention_chunk_size=8),
-        vision_config=dict(SIGLIP, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
+        vision_config=dict(SIGLIP, intermediate_size=128, vision_output_dim=32, projector_input_dim=32,
+                           projector_output_dim=32),
         image_token_index=300)),
     "idefics3": ("idefics3", dict(text_config=dict(TEXT, model_type="llama"),
                                   vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
@@ -105,8 +106,15 @@ def vlm_block_states(model_dir: str, layer_ids: list[int], **inputs: Any) -> tor
     # (it reads ``image_outputs`` off its language model's output); without images it is
     # its language model's forward, so that runs.
     forward = model.language_model if "pixel_values" not in inputs and is_llama4(model) else model
-    return hooked_block_states(layers, layer_ids, inputs["input_ids"].shape[-1],
-                               lambda: forward(**inputs, use_cache=False))
+
+    def run() -> None:
+        try:
+            forward(**inputs, use_cache=False)
+        except AttributeError as exc:  # 5.24's Llama 4 fails after its layers ran, building its output
+            if not (is_llama4(model) and "image_outputs" in str(exc)):
+                raise
+
+    return hooked_block_states(layers, layer_ids, inputs["input_ids"].shape[-1], run)
 
 
 #: A ChatML template that takes content parts (an image part renders as the processor's placeholder).
@@ -117,13 +125,31 @@ def parts_template(image_placeholder: str) -> str:
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
+QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
+               "vision_eos_token": "<|vision_end|>"}
+QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def qwen_image_processor():
+    """Qwen's image processor (transformers' PIL one: no torchvision here) at the tiny sizes:
+    images resized to 28x28 .. 112x112 pixels, patches of 14, 2x2 merged into a token."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
+                                    temporal_patch_size=2)
+
+
 def add_processor(family: str, model_dir: Path) -> Path:
-    """Save a processor beside a tiny ``llava``, ``gemma3`` or ``idefics3`` VLM: a trained
-    tokenizer of :data:`TEXT_VOCAB` entries plus the family's image tokens at the ids its
-    config names (300 the image token; Gemma 3's begin/end of image 301/302), an image
+    """Save a processor beside a tiny VLM: a trained tokenizer of :data:`TEXT_VOCAB` entries
+    plus the family's image tokens at the ids its config names (300 the image token; Gemma
+    3's begin/end of image 301/302; Qwen's video and vision start/end 301-303), an image
     processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
-    a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each), and a
-    template that puts the processor's placeholder where a chat's image part is."""
+    a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each; Qwen's
+    keeps the size within 28..112 pixels a side, a token per 28x28), and a template that puts
+    the processor's placeholder where a chat's image part is. A Qwen folder holds the
+    tokenizer and the image processor's files as a checkpoint does (its video processor
+    needs torchvision, which this environment lacks)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -138,12 +164,17 @@ def add_processor(family: str, model_dir: Path) -> Path:
 
     tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                         "eoi_token": "<end_of_image>"}}[family]
+                         "eoi_token": "<end_of_image>"}}.get(family, QWEN_TOKENS)
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
-    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302][:len(tokens)]
-    template = parts_template(tokens.get("boi_token", tokens["image_token"]))
+    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
+    template = parts_template(QWEN_PLACEHOLDER if family in QWEN_FAMILIES
+                              else tokens.get("boi_token", tokens["image_token"]))
     tokenizer.chat_template = template
+    if family in QWEN_FAMILIES:
+        tokenizer.save_pretrained(model_dir)
+        qwen_image_processor().save_pretrained(model_dir)
+        return model_dir
     if family == "llava":
         processor = LlavaProcessor(
             image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),

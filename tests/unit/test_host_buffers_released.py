@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,7 +71,7 @@ def test_a_failing_wait_gives_its_host_buffer_back(processor, monkeypatch):
 
 def test_failing_writes_give_their_host_buffers_back(processor):
     """A real write failure: a file sits where the run's folder must be."""
-    blocker = processor.storage_root / "unwritable"
+    blocker = Path(processor.storage_root) / "unwritable"
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a folder")
     failed = run_all(processor, [job(i, "unwritable") for i in range(FAILURES)])

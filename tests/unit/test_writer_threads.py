@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from producer.protocol.locking import exclusive_lock
+from producer.storage.locking import exclusive_lock
 from producer.protocol.naming import job_path
 from producer.protocol.schema import Job
 from producer.settings import Limits

@@ -16,8 +16,11 @@ from worker.bench.config import BenchConfig, PartResult
 from worker.bench.measure import dir_bytes
 
 
-def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path) -> PartResult:
-    """(d) Redis -> Celery worker process -> files -> results on the stream."""
+def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path, *,
+              jobs: list[dict[str, Any]] | None = None, images_root: Path | None = None) -> PartResult:
+    """(d) Redis -> Celery worker process -> files -> results on the stream. ``jobs``: job data
+    to send instead of ``prompts`` as token ids (chats with images, paths under ``images_root``
+    for client and worker); tokens are then counted from the results."""
     from producer.client.client import Client, NoWorkerWarning
     from producer.dev.redis_server import RedisServer
     from producer.settings import Settings
@@ -29,7 +32,8 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
            "LAYERTAP_WORKER__QUANT_COMPUTE": cfg.quant_compute,
            "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower(),
-           "LAYERTAP_WORKER__MAX_PADDING": str(cfg.max_padding)}
+           "LAYERTAP_WORKER__MAX_PADDING": str(cfg.max_padding),
+           **({"LAYERTAP_IMAGES_ROOT": str(images_root)} if images_root is not None else {})}
     log = open(out.parent / "bench-worker.log", "w")
     placement = ["--node-name", node, "--device", cfg.device] if not cfg.gpus else (
         ["--gpus", cfg.gpus] + (["--device", cfg.device] if cfg.device != "auto" else []))
@@ -44,12 +48,13 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     expected = len(cfg.gpus.split(",")) if cfg.gpus else 1
     run = f"bench-{int(time.time())}"
     try:
-        with Client(Settings(redis_url=url)) as client:
+        with Client(Settings(redis_url=url, images_root=images_root)) as client:
             deadline = time.monotonic() + 600
 
             def submit_all() -> list[str]:  # in bundles unless LAYERTAP_BUNDLE__MAX_JOBS=1
-                jobs = ({"token_ids": ids, "job_id": f"p{i}"} for i, ids in enumerate(prompts))
-                return [job.job_id for job in client.submit_many(jobs, model=name, run=run, layers=layer_ids,
+                data = jobs if jobs is not None else ({"token_ids": ids} for ids in prompts)
+                sent = ({**job, "job_id": f"p{i}"} for i, job in enumerate(data))
+                return [job.job_id for job in client.submit_many(sent, model=name, run=run, layers=layer_ids,
                                                                  check=False)]  # (a backlog: before its worker)
 
             def serving() -> dict[str, Any]:
@@ -88,14 +93,16 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     label = f"d: queue end to end, {expected} workers (--gpus {cfg.gpus})" if cfg.gpus else "d: queue end to end"
     if cfg.backlog:
         label += ", draining a backlog"
-    part = PartResult(label, seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out),
+    tokens = sum(map(len, prompts)) if jobs is None else sum(r.num_tokens or 0 for r in results.values())
+    count = len(prompts) if jobs is None else len(jobs)
+    part = PartResult(label, seconds, tokens, count, dir_bytes(out),
                       errors=len(errors), device_idle_share=max(0.0, 1 - busy / seconds))
     if errors:
         part.notes["first_error"] = errors[0].error
     finished = sorted(r.finished_at for r in results.values())
     if len(finished) > 1 and finished[-1] > finished[0]:  # the workers' own pace
         part.notes["jobs_per_s_first_to_last_result"] = round((len(finished) - 1) / (finished[-1] - finished[0]), 1)
-    part.notes["jobs_per_s"] = round(len(prompts) / seconds, 1)
+    part.notes["jobs_per_s"] = round(count / seconds, 1)
     # where the part's time goes outside the workers' pace: sending, the first result, the wait's return
     part.notes["submit_s"] = round(submitted_s, 3)
     if finished:
@@ -108,7 +115,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     # the engine thread's wait for a host buffer the writers had not given back yet
     part.notes["engine_buffer_wait_s"] = round(delta("engine", "buffer_wait_s") / expected, 3)
     # the worker processes' CPU per job, every thread: user (Python, torch's host side) and system (writes)
-    part.notes["worker_cpu_ms_per_job"] = {kind: round(delta("cpu", f"{kind}_s") / len(prompts) * 1e3, 3)
+    part.notes["worker_cpu_ms_per_job"] = {kind: round(delta("cpu", f"{kind}_s") / count * 1e3, 3)
                                            for kind in ("user", "system")}
     bundle = Settings().bundle
     part.notes["bundle"] = f"max_jobs={bundle.max_jobs} max_tokens={bundle.max_tokens}" if bundle.max_jobs > 1 \

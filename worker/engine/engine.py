@@ -5,12 +5,14 @@ tokenized request and block on its future. The engine thread takes pending reque
 in arrival order, fills a batch up to ``token_budget`` tokens (``scheduler``: the
 head of the queue always goes first), lays them out the way the model's batching layout
 says (``worker.model.layouts``: one packed row with restarting positions, a right-padded
-batch of similar lengths, or one prompt alone), and hands it to the ``runner``, which runs the decoder until the last
-wanted layer (through the final norm when a job wants ``final_hidden_states`` or teacher
-top-k, which is then computed on the device for only the asked positions), casts the
-states to the batch's output dtype (a batch has one: requests of another wait for the
-next batch), and on a GPU starts an asynchronous copy of the outputs to
-pinned host memory on a side stream, then goes straight on to the next batch. A job's
+batch of similar lengths, or one prompt alone; chats with images batch only with each
+other, in the layout ``worker.model.image_inputs`` gives the model), and hands it to the
+``runner``, which runs the decoder until the last wanted layer (through the final norm
+when a job wants ``final_hidden_states`` or teacher top-k, which is then computed on the
+device for only the asked positions), casts the states to the batch's output dtype (a
+batch has one: requests of another wait for the next batch), and on a GPU starts an
+asynchronous copy of the outputs to pinned host memory on a side stream, then goes straight
+on to the next batch. A job's
 :class:`JobSlice` waits for that copy only when its caller reads it, on the caller's
 thread. At most ``host_buffers`` batches are between the GPU and the writers at once, each
 in a host buffer allocated at start (``host_buffers``); when writers fall behind the engine
@@ -40,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
@@ -48,7 +51,7 @@ from worker.engine.host_buffers import HostStaging, slot_capacity
 from worker.engine.inputs import batch_policy
 from worker.engine.layout import place_jobs
 from worker.engine.records import EngineRequest, EngineStats, JobSlice
-from worker.engine.runner import BatchRunner, is_device_fatal
+from worker.engine.runner import BatchRunner, image_layout, is_device_fatal
 from worker.engine.scheduler import MAX_PADDING, BatchPolicy
 from worker.model.loading import LoadedModel
 
@@ -245,12 +248,11 @@ class Engine:
                 if remaining <= 0 or not self._cond.wait(remaining):
                     break
             pending = list(self._pending)
-            head_dtype, alone = pending[0].output_dtype, pending[0].model_inputs is not None
-            # a batch has one output dtype: requests of another wait for a later batch; a request
-            # with images (extra model inputs) runs in a batch of its own
-            chosen = self.policy.select([r.num_tokens for r in pending],
-                                        [r.output_dtype == head_dtype and not alone and r.model_inputs is None
-                                         for r in pending])
+            head_dtype, images = pending[0].output_dtype, pending[0].model_inputs is not None
+            # a batch has one output dtype: requests of another wait for a later batch; chats with
+            # images (extra model inputs, the model's own forward) batch only with each other
+            compatible = [r.output_dtype == head_dtype and (r.model_inputs is not None) == images for r in pending]
+            chosen = self._policy(images).select([r.num_tokens for r in pending], compatible)
             taken = set(chosen)
             self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
             batch = [pending[i] for i in chosen]
@@ -258,12 +260,18 @@ class Engine:
             self._room.notify_all()
             return batch
 
+    def _policy(self, images: bool) -> BatchPolicy:
+        """The policy of a batch of text jobs, or of chats with images (their layout, the same limits)."""
+        if not images:
+            return self.policy
+        return replace(self.policy, layout=image_layout(self.loaded))
+
     def _take_together(self) -> list[EngineRequest]:
         """The first batch asked for as it is, or as much of it as the layout lets share a
         forward (under no budget); the rest stays first in line."""
         requests = self._together.popleft()
-        unlimited = BatchPolicy(self.loaded.batching, token_budget=sys.maxsize, max_jobs=len(requests),
-                                max_padding=1.0)
+        layout = image_layout(self.loaded) if requests[0].model_inputs is not None else self.loaded.batching
+        unlimited = BatchPolicy(layout, token_budget=sys.maxsize, max_jobs=len(requests), max_padding=1.0)
         chosen = set(unlimited.select([r.num_tokens for r in requests], [True] * len(requests)))
         rest = [r for i, r in enumerate(requests) if i not in chosen]
         if rest:

@@ -24,10 +24,17 @@ from worker.engine.records import BatchOutput, EngineRequest, Holders, HostTenso
 from worker.engine.teacher import TeacherHead
 from worker.model.capture import StopForward
 from worker.model.batching import layout_class
+from worker.model.image_inputs import merge_image_inputs
+from worker.model.layouts.base import BatchLayout
 from worker.model.loading import LoadedModel, transformers_attention
 
-#: The inputs of a chat with images: one row, no padding, run through the model's own forward.
-IMAGE_BATCH = layout_class("padded")("a chat with images runs alone through the model's own forward")
+#: The layout of chats with images on a model that names none: one per forward.
+IMAGE_BATCH = layout_class("single")("a chat with images runs alone through the model's own forward")
+
+
+def image_layout(loaded: LoadedModel) -> BatchLayout:
+    """How ``loaded``'s chats with images share a forward (``worker.model.image_inputs``)."""
+    return loaded.image_batching or IMAGE_BATCH
 
 
 def is_device_fatal(exc: BaseException) -> bool:
@@ -77,13 +84,16 @@ class DeviceClock:
                 self._busy_s += start.elapsed_time(end) / 1000.0
 
 
-def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, model_inputs: dict[str, torch.Tensor]) -> None:
-    """One prompt with images through the model's own ``forward`` (vision tower, merging,
-    its own positions such as M-RoPE, its own masks), on the attention implementation
-    transformers chose for it: the capture hooks see what enters each decoder layer."""
+def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
+                    model_inputs: list[dict[str, torch.Tensor]]) -> None:
+    """Chats with images (``input_ids`` ``[B, T]`` right-padded, each chat's processor outputs in
+    batch order) through the model's own ``forward`` (vision tower, merging, its own
+    positions such as M-RoPE, its own masks), on the attention implementation transformers
+    chose for it: the capture hooks see what enters each decoder layer."""
     device = loaded.device
+    merged = merge_image_inputs(model_inputs, input_ids.shape[1])
     extras = {name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype)
-              for name, value in model_inputs.items()}
+              for name, value in merged.items()}
     with transformers_attention(loaded):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
@@ -105,10 +115,9 @@ class BatchRunner:
         host buffer: one holder per request. Raises what the forward raises (out of memory
         included); the host buffer is then free again."""
         loaded, device = self.loaded, self.loaded.device
-        model_inputs = batch[0].model_inputs  # images: a batch of one (the engine's scheduler)
-        layout = loaded.batching if model_inputs is None else IMAGE_BATCH
-        inputs = layout.build_inputs([request.token_ids for request in batch], device,
-                                     pad_to=self._pad_to if model_inputs is None else 1)
+        images = batch[0].model_inputs is not None  # the engine's scheduler never mixes text and images
+        layout = image_layout(loaded) if images else loaded.batching
+        inputs = layout.build_inputs([request.token_ids for request in batch], device, pad_to=self._pad_to)
         union = layer_union([request.layer_ids for request in batch])
         want_final = any(request.want_final for request in batch)
         topk_rows, topk = self._topk_rows(batch, inputs.bounds)
@@ -131,10 +140,10 @@ class BatchRunner:
                   loaded.capture.capture(union, inputs.total, want_final or topk_rows is not None,
                                          rows=inputs.rows) as (staging, final)):
                 try:
-                    if model_inputs is None:
-                        inputs.run(loaded.decoder)
+                    if images:
+                        run_with_images(loaded, inputs.input_ids, [request.model_inputs for request in batch])
                     else:
-                        run_with_images(loaded, inputs.input_ids, model_inputs)
+                        inputs.run(loaded.decoder)
                 except StopForward:
                     pass
                 hidden, hidden_scale = to_output(staging, output_dtype)

@@ -63,7 +63,15 @@ def relative_error_per_layer(got: torch.Tensor, reference: torch.Tensor) -> torc
     return errors.where(same_places, torch.inf)
 
 
-def _captured_states(futures: list[Future]) -> list[torch.Tensor]:
+def compare_states(batched: list[torch.Tensor], alone: list[torch.Tensor], dtype: torch.dtype) -> CheckReport:
+    """The worst layer's relative error of batched against alone states (per sequence), with
+    the tolerance of ``dtype``."""
+    errors = torch.stack([relative_error_per_layer(b, a) for b, a in zip(batched, alone)]).amax(dim=0)
+    worst_layer = int(errors.argmax())
+    return CheckReport(float(errors[worst_layer]), worst_layer, TOLERANCE.get(dtype, HALF_TOLERANCE))
+
+
+def captured_states(futures: list[Future]) -> list[torch.Tensor]:
     """The futures' states (float32 copies; the host buffers are released)."""
     states = []
     for future in futures:
@@ -84,19 +92,17 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     probes = [torch.randint(0, loaded.vocab_size, (n,), generator=generator) for n in PROBE_LENGTHS]
     path = loaded.batching.name
     try:
-        batched = _captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
+        batched = captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
                                                       together=True))
         with transformers_attention(loaded):
-            alone = [_captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0] for ids in probes]
+            alone = [captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0] for ids in probes]
     except EngineError as exc:
         raise ModelRefused(loaded.architecture, f"its forward fails with {path} batching on the load-time self-check "
                                                 f"({exc})") from None
     if not all(bool(states.isfinite().all()) for states in alone):
         log.warning("%s gives NaN/Inf hidden states on random inputs; jobs that meet them get non_finite errors",
                     loaded.architecture)
-    errors = torch.stack([relative_error_per_layer(b, a) for b, a in zip(batched, alone)]).amax(dim=0)
-    worst_layer = int(errors.argmax())
-    report = CheckReport(float(errors[worst_layer]), worst_layer, TOLERANCE.get(loaded.dtype, HALF_TOLERANCE))
+    report = compare_states(batched, alone, loaded.dtype)
     if not report.worst_relative_error <= report.tolerance:  # NaN fails too
         raise ModelRefused(
             loaded.architecture, f"{path} batching changes the hidden states on the load-time self-check "

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -37,7 +36,7 @@ from safetensors import SafetensorError
 from producer.protocol import fileformat as ff
 from producer.protocol.fileformat import MetaKey
 from producer.protocol.layers import CONVENTION
-from producer.protocol.naming import content_hash, is_safe_name, job_path
+from producer.protocol.naming import content_hash, is_safe_name
 from producer.protocol.schema import (
     ErrorType,
     Job,
@@ -48,6 +47,7 @@ from producer.protocol.schema import (
     describe_validation_error,
     refuse_oversize,
 )
+from producer.storage.base import Storage
 from worker.engine.engine import Engine
 from worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
 from worker.engine.output_dtype import recorded_name, resolve_output_dtype
@@ -57,6 +57,7 @@ from worker.engine.teacher import dense_topk
 from worker.job.errors import JobError
 from worker.job.tokenize import PreparedInput, Preparer
 from worker.job.writer import FileTaken, OnDisk, examine, write_job_file
+from worker.model.image_inputs import image_features_note
 from worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def identify(raw: Any, fallback_id: str | None) -> tuple[str, str]:
     return job_id, run
 
 
-def _conflict(job: Job, path: Path) -> JobError:
+def _conflict(job: Job, path: str) -> JobError:
     """The error of a job whose explicit id already names a valid file of other content in its run."""
     return JobError(ErrorType.job_id_conflict,
                     f"job_id {job.job_id!r} already names a file of other content in run {job.run!r} ({path}); "
@@ -118,7 +119,7 @@ class _Target:
     """A job for this worker's model with no valid file of its own yet: where it goes, and the
     identity metadata (``fileformat.IDENTITY_KEYS`` and ``content_id``) its file will have."""
 
-    path: Path
+    path: str
     identity: dict[str, str]
 
 
@@ -127,7 +128,7 @@ class _Started:
     """A job past its checks and tokenizer, for the engine to run."""
 
     job: Job
-    path: Path
+    path: str
     identity: dict[str, str]
     prepared: PreparedInput
     request: EngineRequest
@@ -137,24 +138,30 @@ class _Started:
 class JobProcessor:
     """Thread-safe; one per worker (or Extractor), sharing one engine."""
 
-    def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage_root: Path,
+    def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage: Storage,
                  worker_name: str, writer_threads: int = 8, self_check: CheckReport | None = None):
-        """``writer_threads``: files written at once, over all calls (each job's check, write and
+        """``storage``: where files go (the worker's own root: paths never come from jobs).
+        ``writer_threads``: files written at once, over all calls (each job's check, write and
         result run on one of them)."""
         self.loaded = loaded
         self.self_check = self_check  # the engine's batching self-check, passed before any job
         self.engine = engine
         self.preparer = preparer
-        self.storage_root = Path(storage_root)
+        self.storage = storage
         self.worker_name = worker_name
         self._writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="layertap-write")
         self._awaiting_engine = 0
         self._awaiting_lock = threading.Lock()
 
-    def writing_to(self, storage_root: Path) -> JobProcessor:
-        """This processor writing under another root (same engine, tokenizer and writer threads)."""
+    @property
+    def storage_root(self) -> str:
+        """The root files go under (a local folder or a URL)."""
+        return self.storage.root
+
+    def writing_to(self, storage: Storage) -> JobProcessor:
+        """This processor writing to another storage (same engine, tokenizer and writer threads)."""
         other = copy.copy(self)
-        other.storage_root = Path(storage_root)
+        other.storage = storage
         return other
 
     def close(self) -> None:
@@ -296,9 +303,9 @@ class JobProcessor:
         if job.model != self.loaded.name:
             raise JobError(ErrorType.unknown_model,
                            f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
-        path = job_path(self.storage_root, job.run, job.job_id)  # type: ignore[arg-type]
+        path = self.storage.locate(job.run, job.job_id)  # type: ignore[arg-type]
         identity = self._identity(job)
-        existing = examine(path, identity[MetaKey.SPEC_HASH], identity[MetaKey.CONTENT_ID])
+        existing = examine(path, identity[MetaKey.SPEC_HASH], identity[MetaKey.CONTENT_ID], self.storage)
         if existing.state is OnDisk.taken:
             raise _conflict(job, path)
         if existing.state is OnDisk.matches:
@@ -350,7 +357,7 @@ class JobProcessor:
             tensors = self._tensors(job, prepared, request, captured)
             write_start = time.perf_counter()
             try:
-                write_job_file(path, tensors, self._metadata(job, prepared, started.identity))
+                write_job_file(path, tensors, self._metadata(job, prepared, started.identity), self.storage)
             except FileTaken:
                 raise _conflict(job, path) from None
             except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
@@ -385,7 +392,7 @@ class JobProcessor:
                 request.num_tokens, prepared.topk_rows, captured.topk_logprobs, captured.topk_ids)
         return tensors
 
-    def _from_disk(self, job: Job, path: Path, header: ff.FileHeader, queued: float | None,
+    def _from_disk(self, job: Job, path: str, header: ff.FileHeader, queued: float | None,
                    attempt: int | None) -> Result:
         """The ok result of a verified file whose content identity is this job's on this worker."""
         result = self._ok(job, path, header.tensors[ff.TOKEN_IDS]["shape"][0], ff.layers_of(header),
@@ -405,6 +412,8 @@ class JobProcessor:
             options[MetaKey.PROVENANCE] = json.dumps(job.provenance, sort_keys=True)
         if loaded.capture.stream.copies > 1:
             options[MetaKey.RESIDUAL_COPIES] = str(loaded.capture.stream.copies)
+        if prepared.image_token_mask is not None:
+            options[MetaKey.IMAGE_FEATURES] = image_features_note(loaded.model, loaded.decoder, loaded.num_layers)
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.MODEL: loaded.name,
@@ -417,7 +426,7 @@ class JobProcessor:
             **options,
         }
 
-    def _ok(self, job: Job, path: Path, num_tokens: int, layers: list[int], dtype: str, timings: Timings,
+    def _ok(self, job: Job, path: str, num_tokens: int, layers: list[int], dtype: str, timings: Timings,
             attempt: int | None, *, warning: str | None = None) -> Result:
         return Result(job_id=job.job_id, run=job.run, status=Status.ok, path=str(path), num_tokens=num_tokens,
                       layers=layers, dtype=dtype, model=self.loaded.name, worker=self.worker_name, timings=timings,

@@ -28,7 +28,8 @@ from torch import nn
 
 
 class StopForward(Exception):
-    """Raised from a hook once every wanted layer is captured; caught by the engine."""
+    """Raised from a hook once every wanted layer (and the final norm's output, when asked) is
+    captured; caught by the engine."""
 
 
 class UncapturableStream(Exception):
@@ -168,6 +169,7 @@ class LayerCapture:
         if self._final is not None:
             hidden = _hidden_of(output)
             self._final.copy_(self._select_rows(hidden.reshape(-1, hidden.shape[-1])))
+            raise StopForward  # nothing after the final norm is read (a VLM's own forward would go on to logits)
 
     def _real_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """A block's stream -> ``[num_tokens, *per_token]``: the real tokens, in the captured layout."""

@@ -39,10 +39,12 @@ from worker.model.attention import set_attention
 from worker.model.batching import ModelRefused, plan_batching
 from worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from worker.model.host_memory import LoadReport, peak_rss_bytes
+from worker.model.image_inputs import plan_image_batching
 from worker.model.layouts.base import BatchLayout
 from worker.model.quant.fp8 import choose_compute
 from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
 from worker.model.classes import auto_class
+from worker.model.processors import load_processor
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class LoadedModel:
     experts: str | None = None  # mixture-of-experts models: transformers' experts implementation (grouped_mm, ...)
     processor: Any | None = None  # a VLM's AutoProcessor (images -> model inputs), None for text models
     processor_problem: str = ""  # why a VLM has no processor (said in its image jobs' errors)
+    image_batching: BatchLayout | None = None  # how chats with images share a forward (``image_inputs``)
 
     @property
     def architecture(self) -> str:
@@ -372,29 +375,6 @@ def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -
     return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
 
 
-#: Any of these in a model folder means it has a processor (images, not only text).
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
-
-def load_processor(model: nn.Module, source: str, revision: str | None,
-                   trust_remote_code: bool) -> tuple[Any | None, str]:
-    """A vision-language model's ``AutoProcessor`` and '', or None and why there is none
-    (a text model, no processor files, or one that fails to load: its image jobs are refused
-    with that reason, its text jobs served)."""
-    if not type(model).__name__.endswith("ForConditionalGeneration"):
-        return None, f"{type(model).__name__} takes no images"
-    folder = Path(source)
-    if folder.is_dir() and not any((folder / name).exists() for name in PROCESSOR_FILES):
-        return None, f"{source} has no processor files ({' or '.join(PROCESSOR_FILES)})"
-    from transformers import AutoProcessor
-
-    try:
-        return AutoProcessor.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code), ""
-    except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
-        log.warning("%s: its processor does not load (%s); serving text and token_ids jobs only", source, exc)
-        return None, f"its processor does not load ({type(exc).__name__}: {str(exc).strip().splitlines()[0]})"
-
-
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False,
                chat_template: str | None = None, batching: str = "auto", quant_compute: str = "auto") -> LoadedModel:
@@ -469,6 +449,8 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                       fingerprint=fingerprint)
     loaded.load_report = report
     loaded.processor, loaded.processor_problem = load_processor(model, source, revision, trust_remote_code)
+    if type(model).__name__.endswith("ForConditionalGeneration"):
+        loaded.image_batching = plan_image_batching(model)
     loaded.experts = experts_implementation(model)
     if loaded.experts is not None:
         log.info("experts: %s (grouped_mm: one grouped matmul per projection over the tokens each expert got; "

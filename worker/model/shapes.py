@@ -51,6 +51,15 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[7, 15, 23, 31]),
         image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)),
+    # The same family at a size a CPU runs in seconds (benchmarks/vlm.py's smoke test).
+    "qwen2.5-vl-tiny": ("qwen2_5_vl", dict(
+        text_config=dict(vocab_size=4608, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+                         tie_word_embeddings=False, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[1]),
+        image_token_id=4097, video_token_id=4098, vision_start_token_id=4099)),
     "qwen3-tiny": ("qwen3", dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                  max_position_embeddings=32768, tie_word_embeddings=False)),

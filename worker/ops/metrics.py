@@ -14,7 +14,6 @@ endpoint is opt-in. Invariants:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from wsgiref.simple_server import WSGIServer
 
@@ -32,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from producer.ops.throughput import RateWindow
 from producer.protocol.schema import ErrorType, Result
+from producer.storage.base import Storage
 from worker.engine.engine import Engine
 from worker.queue.sinks import ResultSink, SinkContext
 
@@ -84,8 +84,9 @@ class EngineCollector(Collector):
 class WorkerMetrics:
     """Thread-safe (prometheus-client metrics are). One per worker process."""
 
-    def __init__(self, engine: Engine, info: dict[str, str]):
-        self.engine = engine
+    def __init__(self, engine: Engine, info: dict[str, str], storage: Storage):
+        """``storage``: where the worker writes (``bytes_written`` is its files' sizes)."""
+        self.engine, self.storage = engine, storage
         self.registry = CollectorRegistry()
         self.token_rate = RateWindow(TOKEN_RATE_WINDOW_S)
         self._server: WSGIServer | None = None
@@ -126,9 +127,9 @@ class WorkerMetrics:
                 self.cached.inc()
             elif result.path:
                 try:
-                    self.bytes_written.inc(os.stat(result.path).st_size)
-                except OSError:  # removed by hand between write and count
-                    pass
+                    self.bytes_written.inc(self.storage.size(result.path))
+                except Exception:  # removed by hand, or an object store not answering (botocore's own
+                    pass           # errors are no OSError): the count is lost, never the publish
         else:
             self.failed.labels((result.error_type or ErrorType.internal).value).inc()
         timings = result.timings

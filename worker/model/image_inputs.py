@@ -1,0 +1,98 @@
+"""How chats with images share a forward: the layout for a model's image chats and the
+merging of several chats' processor outputs into one batch's model inputs.
+
+Image chats run through the model's own ``forward`` (vision tower, merging, its own
+positions and masks), never through the text decoder alone. Several run together only where
+the model's inputs for a batch are exactly its processor's inputs for each chat, stacked:
+
+* tensors with one entry per image (``pixel_values``, ``image_grid_thw``...) concatenated
+  along dim 0 in batch order, as the processor itself does for a batch of texts;
+* per-token tensors (:data:`PER_TOKEN`, ``[1, T]``) right-padded with 0 to the batch's
+  ``[B, T]``, the ids right-padded as for text (a real token never sees the padding after
+  it; the model derives each row's positions, M-RoPE included, from that row alone).
+
+:data:`BATCHED_FAMILIES` lists the model types where that holds, with why; any other model
+runs its image chats one per forward (:data:`SINGLE_REASONS` says why for the known ones).
+The load-time self-check (``worker.job.image_check``) then compares batched with alone on
+the real device and dtype and falls back to one per forward where they differ.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from worker.model.batching import layout_class
+from worker.model.layouts.base import BatchLayout
+
+#: Processor outputs with one entry per token of the chat (``[1, T]``).
+PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids"})
+
+_ROPE = "each row's M-RoPE positions come from its own ids and image grids"
+#: Model types whose image chats batch (padded), and why that is exact.
+BATCHED_FAMILIES: dict[str, str] = {
+    "qwen2_vl": f"patches and grids concatenated per image; {_ROPE}",
+    "qwen2_5_vl": f"patches and grids concatenated per image (windowed vision attention within each image); {_ROPE}",
+    "qwen3_vl": f"patches and grids concatenated per image; {_ROPE}; deepstack adds at each row's image positions",
+    "qwen3_5": f"patches and grids concatenated per image; {_ROPE}; gated delta nets carry state along a row only",
+    "gemma3": "one pixel tensor per image; bidirectional image attention is per row (token_type_ids)",
+    "llava": "one pixel tensor per image, projected and placed at each row's image tokens",
+    "llama4": "one pixel tensor per tile, projected and placed at each row's image tokens; chunked attention per row",
+}
+#: Model types whose image chats run one per forward, and why.
+SINGLE_REASONS: dict[str, str] = {
+    "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "
+                 "that the model drops by value (a real all-zero tile would be dropped too)"),
+}
+
+
+def plan_image_batching(model: nn.Module) -> BatchLayout:
+    """The layout of ``model``'s image chats: padded for :data:`BATCHED_FAMILIES` (falling back
+    to one per forward), else one per forward with the reason."""
+    model_type = getattr(model.config, "model_type", "")
+    if model_type in BATCHED_FAMILIES:
+        return layout_class("padded")(f"image chats of {model_type}: {BATCHED_FAMILIES[model_type]}",
+                                      alternatives=("single",))
+    return one_per_forward(model, SINGLE_REASONS.get(model_type, "its image inputs are not known to batch exactly"))
+
+
+def one_per_forward(model: nn.Module, reason: str) -> BatchLayout:
+    """One image chat per forward for ``model``, because of ``reason``."""
+    return layout_class("single")(f"image chats of {getattr(model.config, 'model_type', '') or type(model).__name__}: "
+                                  f"{reason}")
+
+
+def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
+    """One batch's model inputs from each chat's (in batch order): :data:`PER_TOKEN` tensors
+    right-padded with 0 to ``[B, width]``, the rest concatenated along dim 0. Every chat must
+    have the same names (one model's processor)."""
+    merged = {}
+    for name in inputs[0]:
+        values = [chat[name] for chat in inputs]
+        if name in PER_TOKEN:
+            padded = values[0].new_zeros((len(values), width))
+            for row, value in enumerate(values):
+                padded[row, :value.shape[-1]] = value.reshape(-1)
+            merged[name] = padded
+        else:
+            merged[name] = torch.cat(values, dim=0)
+    return merged
+
+
+#: What a file's states of an image chat are (``fileformat.MetaKey.IMAGE_FEATURES``).
+CAPTURED = "what enters each decoder layer, after the model's own additions; the last id: the last layer's output"
+
+
+def image_features_note(model: nn.Module, decoder: nn.Module, num_layers: int) -> str:
+    """The header note of a file of an image chat: visual features replace the image tokens'
+    input embeddings and, where the text decoder adds deepstack features to the outputs of
+    its first ``k`` layers (Qwen3-VL), the layer ids whose states hold them: ``1..k`` (the
+    inputs of layers ``1..k``; none is the last id ``L``, the last layer's output, which is
+    caught before any addition after it)."""
+    vision = getattr(model.config, "vision_config", None)
+    levels = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    deepstack = list(range(1, min(levels, num_layers - 1) + 1)) if hasattr(decoder, "_deepstack_process") else []
+    return json.dumps({"captured": CAPTURED, "merged_at": "input embeddings", "deepstack_in_layers": deepstack})
