@@ -54,10 +54,12 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     storage = Path(cfg.storage)
     claim_storage(storage)
     loaded = load_model(cfg.model, name="bench-model", device=cfg.device, dtype=cfg.dtype,
-                        quant_compute=cfg.quant_compute)
+                        quant_compute=cfg.quant_compute, stages=cfg.split_stages, token_budget=cfg.token_budget,
+                        captured_layers=len(cfg.layers) if cfg.layers else None)
     load = {**(loaded.load_report.as_json() if loaded.load_report else {}),
             "quantization": loaded.quantization.describe() if loaded.quantization else None,
-            "quant_compute": loaded.quant_compute or None, "experts": loaded.experts}
+            "quant_compute": loaded.quant_compute or None, "experts": loaded.experts,
+            "split": loaded.split.describe() if loaded.split is not None else None}
     layer_ids = resolve_layer_ids(eagle3_layer_ids(loaded.num_layers) if cfg.layers is None else cfg.layers,
                                   loaded.num_layers)
     if cfg.file:

@@ -1,0 +1,100 @@
+"""A model split over layers into stages writes the same files, bit for bit, as the model on one
+device (issue 28). On the CPU the stages share the device: the split's placement, accelerate's
+hooks on every stage and the capture on each layer's stage all run, as they do over GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from worker.model.loading import load_model
+
+PROMPTS = [
+    "hello the model is fast",
+    "explain why the residual stream is a good place to read " * 9,
+    "a",
+    "what is the capital of a small city near a river? tell me about it. " * 4,
+]
+EARLY = [0, 2]  # the forward stops after layer 1 (stage 0 of 2): the second stage never runs
+EVERY = [0, 1, 2, 3, 4]  # through the last layer's output, on the last stage
+TRAINING = {"final_hidden_states": True, "topk": 3, "topk_on": "all"}  # the final norm and the head too
+
+
+def tensors(results) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for result in results:
+        assert result.ok, result.error
+        out.append(load_file(result.path))
+    return out
+
+
+def assert_same_files(split, whole) -> None:
+    for ours, theirs in zip(split, whole, strict=True):
+        assert sorted(ours) == sorted(theirs)
+        for key in theirs:
+            assert ours[key].dtype == theirs[key].dtype, key
+            assert torch.equal(ours[key], theirs[key]), f"{key} differs between the split and the whole model"
+
+
+def extract(loaded, out, layers, **fields):
+    """Every prompt in one batch: the engine waits long enough for all of them (on the CPU a matmul's
+    bits depend on how many rows it has, so both sides must batch alike)."""
+    from worker import Extractor
+
+    with Extractor(loaded, layers=layers, storage_root=out, batch_wait_ms=1500) as extractor:
+        return tensors(extractor.extract(PROMPTS, out, **fields))
+
+
+@pytest.mark.parametrize("arch, batching, stages", [
+    ("qwen3", "auto", 2),  # packed: one row, positions restarting, varlen attention per stage
+    ("llama", "auto", 4),  # one layer per stage
+    ("qwen3", "padded", 2),  # padded: a mask and the real tokens' rows picked on each stage
+    ("gpt2", "auto", 3),
+])
+def test_split_files_equal_the_whole_models(arch, batching, stages, tiny_models, tmp_path):
+    folder = str(tiny_models[arch])
+    whole = load_model(folder, device="cpu", batching=batching)
+    split = load_model(folder, device="cpu", batching=batching, stages=stages)
+    assert split.split is not None and len(split.split.stages) == stages
+    assert split.batching.name == whole.batching.name
+    assert [stage.plan.start for stage in split.split.stages[1:]] == [stage.plan.stop for stage in split.split.stages[:-1]]
+    assert split.split.stages[-1].plan.stop == 4 and all(stage.plan.layers >= 1 for stage in split.split.stages)
+    assert all(hasattr(layer, "_hf_hook") for layer in split.layers)  # accelerate moves each layer's inputs
+    for name, layers, fields in [("early", EARLY, {}), ("every", EVERY, TRAINING)]:
+        assert_same_files(extract(split, tmp_path / f"split-{name}", layers, **fields),
+                          extract(whole, tmp_path / f"whole-{name}", layers, **fields))
+
+
+def test_device_map_places_every_weight_and_the_tail_on_the_last_stage(tiny_models):
+    from worker.model.loading import empty_model, split_plan
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_models["llama"])
+    model = empty_model(config, trust_remote_code=False)
+    plans, placement = split_plan(model, ["cuda:0", "cuda:1"], token_budget=16, captured_layers=2,
+                                  dtype=torch.bfloat16)
+    assert [(p.start, p.stop) for p in plans] == [(0, 2), (2, 4)]
+    for name, _ in [*model.named_parameters(), *model.named_buffers()]:
+        prefix = name
+        while prefix and prefix not in placement:
+            prefix = prefix.rpartition(".")[0]
+        assert prefix, f"{name} has no device"
+    assert placement["model.layers.0"] == placement["model.layers.1"] == placement["model.embed_tokens"] == "cuda:0"
+    assert placement["model.layers.2"] == placement["model.layers.3"] == placement["model.norm"] == "cuda:1"
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert placement["lm_head"] == ("cuda:0" if tied else "cuda:1")  # a tied head stays with its embedding
+
+
+def test_a_split_worker_writes_the_files_of_a_whole_model(make_worker, private_client, tiny_models, tmp_path):
+    """Through the real queue: a worker started with --split-stages 2 (a Celery worker, Redis, files)."""
+    worker = make_worker("split@localhost", extra_args=["--split-stages", "2"],
+                         env={"LAYERTAP_WORKER__BATCH_WAIT_MS": "1500"})  # one batch, as the Extractor's
+    assert "split over 2 stages: stage 0: layers 0-" in worker.log_text()
+    run = "split-worker"
+    jobs = private_client.submit_many([{"prompt": p} for p in PROMPTS], model="tiny-qwen3", run=run, layers=EVERY,
+                                      **TRAINING)
+    results = private_client.wait(run, [job.job_id for job in jobs], timeout=120)
+    whole = load_model(str(tiny_models["qwen3"]), device="cpu")
+    assert_same_files(tensors([results[job.job_id] for job in jobs]),
+                      extract(whole, tmp_path / "whole", EVERY, **TRAINING))
