@@ -17,14 +17,14 @@ past it, the final norm and lm_head never run.
 
 A model split over devices (``worker.model.split``) is captured where each layer runs: the
 hook hands the layer's stream to the first device's *gather stream*, which waits for the
-layer's own stream, copies it over (peer to peer) and picks the real tokens there, so the
-first device's compute stream never waits for a later stage.
+layer's own stream, receives it (from another GPU, over the split's transfer stream) and picks
+the real tokens there, so the first device's compute stream never waits for a later stage.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +143,7 @@ class LayerCapture:
         self._stop_at: int | None = None
         self._rows: torch.Tensor | None = None
         self.gather: torch.cuda.Stream | None = None  # a split model on a GPU: its gather stream
+        self.send: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None  # ... and its copy between GPUs
         for index, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True)
         layers[-1].register_forward_hook(self._last_layer_hook)
@@ -183,10 +184,12 @@ class LayerCapture:
             target.copy_(self._select_rows(flat))
             return
         gather.wait_stream(torch.cuda.current_stream(flat.device))
-        if flat.device == self.device:
-            flat.record_stream(gather)  # made on a stage's stream, read on the gather stream
         with torch.cuda.stream(gather):
-            target.copy_(self._select_rows(flat.to(self.device, non_blocking=True)))
+            if flat.device == self.device:
+                flat.record_stream(gather)  # made on a stage's stream, read on the gather stream
+            else:
+                flat = self.send(flat, self.device)  # type: ignore[misc]
+            target.copy_(self._select_rows(flat))
 
     def _select_rows(self, flat: torch.Tensor) -> torch.Tensor:
         return flat if self._rows is None else flat.index_select(0, self._rows)

@@ -506,17 +506,18 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
 
 
 def split_devices(device: torch.device, stages: int) -> list[str]:
-    """The device of each stage, one entry when the model is not split. ``stages`` 0: one per
-    visible GPU when ``device`` is ``cuda`` without an index (one worker over ``--gpus-per-worker``
-    GPUs), else 1; more stages than devices share them in order (``--split-stages 2`` on one GPU,
-    or on the CPU)."""
+    """The device of each stage, one entry when the model is not split. ``device`` ``cuda`` without
+    an index means the visible GPUs (one worker over ``--gpus-per-worker`` of them); ``stages`` 0:
+    one per visible GPU, fewer: the first that many GPUs, more: they share the devices in order
+    (``--split-stages 2`` on one GPU, or on the CPU)."""
     from worker.model.split.placement import stage_devices
 
     if device.type == "cuda" and device.index is None:
-        visible = [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+        visible = [f"cuda:{index}" for index in range(max(1, torch.cuda.device_count()))]
     else:
         visible = [str(device)]
-    return stage_devices(visible, stages or len(visible))
+    stages = stages or len(visible)
+    return stage_devices(visible[:stages], stages)
 
 
 def empty_model(config: Any, trust_remote_code: bool) -> nn.Module:
@@ -546,7 +547,7 @@ def with_split(loaded: LoadedModel, plans: list | None) -> LoadedModel:
     if plans is None:
         return loaded
     loaded.split = ModelSplit(plans, loaded.decoder, loaded.layers)
-    loaded.capture.gather = loaded.split.gather
+    loaded.capture.gather, loaded.capture.send = loaded.split.gather, loaded.split.send
     log.info("split over %d stages: %s", len(plans), loaded.split.describe())
     return loaded
 

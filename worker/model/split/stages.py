@@ -1,8 +1,10 @@
 """A model split over layers at run time: its device map, its stages' streams, its memory line.
 
 The weights are placed by accelerate (``from_pretrained(device_map=...)`` for a checkpoint,
-``accelerate.dispatch_model`` for a model built in memory): its hooks move each layer's inputs
-(hidden states, position embeddings, masks, keyword arguments) to the layer's device. Nothing in
+``accelerate.dispatch_model`` for a model built in memory): its hooks move the inputs of the modules
+(what the decoder calls outside the layers: the final norm, the head). Each layer's inputs
+(hidden states, position embeddings, masks, keyword arguments) reach its device before
+accelerate's hook sees them, moved by :class:`ModelSplit` on a transfer stream. Nothing in
 the forward waits for the host, so the engine thread queues batch ``b + 1``'s first stage while
 the next device still runs batch ``b``: the GPUs overlap batches by themselves. What would tie
 them together is the capture, so every captured layer is copied into the batch's staging tensor on the first
@@ -15,6 +17,10 @@ on their own CUDA stream each: the first layer of such a stage switches the devi
 stream to the stage's (after waiting for the previous stage), and :class:`ModelSplit`
 (a hook on the decoder) joins them back at the end of every forward, early exit included. On
 the CPU the stages run in order on the engine thread.
+
+Tensors go from one GPU to the next on the source's *transfer stream* (:meth:`ModelSplit.send`),
+never on its compute stream: a copy between GPUs makes the stream it runs on wait for the
+destination's, which would hold the first GPU back until the last had caught up.
 
 Invariant: every decoder layer runs on exactly one device, in order, on the same inputs as on
 one device, so captured states are the same bits as the unsplit model's.
@@ -96,8 +102,10 @@ def plan_split(model: nn.Module, layers: nn.ModuleList, final_norm: nn.Module | 
 
 
 class ModelSplit:
-    """The stages of one split model. Installs, once, the stream switches of stages that share a
-    device and, on ``decoder``, their join at the end of every forward (early exit included)."""
+    """The stages of one split model. Installs, once, on every layer past the first stage the move
+    of its inputs to its device on a transfer stream, on the first layer of a stage that shares a
+    device the switch to its stream, and on ``decoder`` what resets both at the end of every
+    forward (early exit included)."""
 
     def __init__(self, plans: list[StagePlan], decoder: nn.Module, layers: nn.ModuleList):
         seen: set[torch.device] = set()
@@ -110,14 +118,18 @@ class ModelSplit:
         self.home = self.stages[0].device
         #: on a GPU: where captured layers are gathered and the batch is cast and copied out
         self.gather = torch.cuda.Stream(self.home) if self.home.type == "cuda" else None
+        #: per source GPU: the stream its tensors leave on for a later stage's device
+        self._transfer = {device: torch.cuda.Stream(device) for device in seen if device.type == "cuda"}
         self._side = sorted({stage.device for stage in self.stages if stage.stream is not None}, key=str)
         self._before: list[dict[torch.device, torch.cuda.Stream]] = []  # per forward in progress (nested)
-        if self._side:
-            for stage in self.stages:
-                if stage.stream is not None:
-                    layers[stage.plan.start].register_forward_pre_hook(self._enter(stage), prepend=True)
-            decoder.register_forward_pre_hook(self._save)
-            decoder.register_forward_hook(self._join, always_call=True)
+        self._moved: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's moves
+        for stage in self.stages[1:]:
+            for index in range(stage.plan.start, stage.plan.stop):  # registered first, so run after the switch
+                layers[index].register_forward_pre_hook(self._mover(stage.device), with_kwargs=True, prepend=True)
+            if stage.stream is not None:
+                layers[stage.plan.start].register_forward_pre_hook(self._enter(stage), prepend=True)
+        decoder.register_forward_pre_hook(self._save)
+        decoder.register_forward_hook(self._join, always_call=True)
 
     @staticmethod
     def _enter(stage: Stage):
@@ -127,16 +139,56 @@ class ModelSplit:
             torch.cuda.set_stream(stream)  # type: ignore[arg-type]
         return hook
 
+    def _mover(self, device: torch.device):
+        """A pre-hook moving a layer's tensor inputs (hidden states, position embeddings, masks,
+        position ids) to ``device``, each tensor once per forward, before accelerate's hook sees them
+        (it then moves nothing). Why not let accelerate move them: torch copies between GPUs on the
+        source's *current* stream after it waits for the destination's, so the first GPU's compute
+        stream would wait for the last one at every layer, and batches would not overlap."""
+        def move(value: object) -> object:
+            if isinstance(value, torch.Tensor):
+                if value.device == device:
+                    return value
+                key = (id(value), device)
+                moved = self._moved.get(key)
+                if moved is None or moved[0] is not value:
+                    moved = (value, self.send(value, device))
+                    self._moved[key] = moved
+                return moved[1]
+            if isinstance(value, (tuple, list)):
+                return type(value)(move(item) for item in value)
+            if isinstance(value, dict):
+                return {key: move(item) for key, item in value.items()}
+            return value
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return move(args), move(kwargs)  # type: ignore[return-value]
+        return hook
+
+    def send(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``tensor`` on ``device``, copied on its device's transfer stream (after the work that made it)."""
+        stream = self._transfer.get(tensor.device)
+        if stream is None:  # from or to the CPU
+            return tensor.to(device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            moved = tensor.to(device, non_blocking=True)
+        tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        return moved
+
     def _save(self, module: nn.Module, args: tuple) -> None:
         self._before.append({device: torch.cuda.current_stream(device) for device in self._side})
 
     def _join(self, module: nn.Module, args: tuple, output: object) -> None:
-        """Each device's stream from before the forward waits for the side stream it ended on, and is current again."""
+        """Each device's stream from before the forward waits for the side stream it ended on, and is
+        current again; this forward's moved tensors are let go."""
         for device, stream in self._before.pop().items():
             current = torch.cuda.current_stream(device)
             if current != stream:
                 stream.wait_stream(current)
                 torch.cuda.set_stream(stream)
+        if not self._before:
+            self._moved.clear()
 
     def describe(self) -> str:
         """One line: each stage's layers, device and bytes, and the memory each GPU holds now."""
