@@ -98,3 +98,11 @@ def test_a_split_worker_writes_the_files_of_a_whole_model(make_worker, private_c
     whole = load_model(str(tiny_models["qwen3"]), device="cpu")
     assert_same_files(tensors([results[job.job_id] for job in jobs]),
                       extract(whole, tmp_path / "whole", EVERY, **TRAINING))
+
+
+def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split():
+    from worker.model.loading import split_devices
+
+    assert split_devices(torch.device("cpu"), 3) == ["cpu", "cpu", "cpu"]
+    assert split_devices(torch.device("cpu"), 0) == ["cpu"]
+    assert split_devices(torch.device("cpu"), 1) == ["cpu"]
