@@ -106,3 +106,22 @@ def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split():
     assert split_devices(torch.device("cpu"), 3) == ["cpu", "cpu", "cpu"]
     assert split_devices(torch.device("cpu"), 0) == ["cpu"]
     assert split_devices(torch.device("cpu"), 1) == ["cpu"]
+
+
+def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():
+    """``shape:`` models split over GPUs are built on the meta device and each weight made on its
+    stage's device (never the whole model on one); here the map is all on the CPU."""
+    from worker.model.loading import empty_model, split_plan
+    from worker.model.shapes import build_random_model, fill_random, shape_config
+
+    model = empty_model(shape_config("qwen3-tiny"), trust_remote_code=False)
+    _, placement = split_plan(model, ["cpu", "cpu"], token_budget=16, captured_layers=2, dtype=torch.float32)
+    fill_random(model, placement, torch.float32)
+    assert not any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
+    built = build_random_model("qwen3-tiny", torch.device("cpu"), torch.float32)
+    for (name, ours), (_, theirs) in zip(model.named_buffers(), built.named_buffers(), strict=True):
+        assert torch.equal(ours, theirs), name  # rotary tables as the model computes them
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    with torch.inference_mode():
+        logits = model(input_ids=torch.arange(3, 40)[None]).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0

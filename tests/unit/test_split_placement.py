@@ -22,27 +22,29 @@ def test_eight_stages_of_an_uneven_count_hold_at_most_one_layer_more_than_anothe
     assert max(counts) - min(counts) == 1
 
 
-def test_the_embedding_and_capture_buffers_take_layers_off_the_first_stage():
-    # 36 layers of 100; the first stage also holds 400 (embedding + staging): 16 + 4 = 20 = the second's 20
-    assert balance_layers([100] * 36, 2, first_extra=400) == [16, 20]
+def test_the_work_is_balanced_first_and_the_extras_only_break_ties():
+    # 36 layers of 100: 18 + 18 is the balanced work, whatever the embedding and buffers add to stage 0
+    assert balance_layers([100] * 36, 2, first_extra=400) == [18, 18]
+    # Qwen3-8B's sizes on 8 GPUs (layers 0.39 GB; embedding + staging 1.77 GB; norm + head 1.24 GB):
+    # 5 layers at most on any GPU (ceil(36 / 8)), and of those splits, the lightest fullest GPU
+    assert balance_layers([390] * 36, 8, first_extra=1770, last_extra=1240) == [2, 5, 5, 5, 5, 5, 5, 4]
+    assert balance_layers([390] * 36, 4, first_extra=1770, last_extra=1240) == [9, 9, 9, 9]
 
 
-def test_the_head_takes_layers_off_the_last_stage():
-    counts = balance_layers([100] * 36, 4, last_extra=300)  # 3900 bytes: no stage can hold less than 1000
-    assert sum(counts) == 36
-    assert counts[-1] * 100 + 300 <= 1000 and max(counts) * 100 <= 1000
-    assert counts[-1] < min(counts[1:-1])
+def test_the_embedding_and_capture_buffers_take_layers_off_a_full_first_stage():
+    # a GPU holds 2000: 18 + 18 would put 2200 on the first; the least unbalanced split that fits is 16 + 20
+    assert balance_layers([100] * 36, 2, first_extra=400, capacity=2000) == [16, 20]
 
 
-def test_embedding_and_head_both_count_on_eight_stages():
-    counts = balance_layers([100] * 64, 8, first_extra=250, last_extra=250)
-    loads = [count * 100 for count in counts]
-    loads[0] += 250
-    loads[-1] += 250
-    assert sum(counts) == 64
-    assert counts[0] < 8 and counts[-1] < 8  # the middle stages carry more layers
-    # the best possible: 6900 bytes over 8 stages is 863 at least, so 900 (the middle stages grow in steps of 100)
-    assert max(loads) == 900
+def test_the_head_takes_layers_off_a_full_last_stage():
+    counts = balance_layers([100] * 36, 4, last_extra=300, capacity=1000)
+    assert sum(counts) == 36 and counts[-1] == 7  # 700 + 300 fits; the others hold 9 or 10 layers
+    assert max(counts) == 10
+
+
+def test_when_nothing_fits_the_fullest_stage_is_made_as_small_as_can_be():
+    counts = balance_layers([100] * 36, 2, first_extra=400, capacity=1000)  # 4000 bytes cannot fit in 2 x 1000
+    assert counts == [16, 20]
 
 
 def test_one_stage_carries_both_extras():
@@ -73,7 +75,7 @@ def test_stages_spread_over_devices_in_order_and_share_them_when_more():
 
 
 def test_plan_stages_gives_ranges_devices_and_bytes():
-    plans = plan_stages([100] * 10, ["cuda:0", "cuda:1"], 2, first_extra=200, last_extra=50)
+    plans = plan_stages([100] * 10, ["cuda:0", "cuda:1"], 2, first_extra=200, last_extra=50, capacity=650)
     assert [(p.device, p.start, p.stop) for p in plans] == [("cuda:0", 0, 4), ("cuda:1", 4, 10)]
     assert [p.bytes for p in plans] == [600, 650]
     assert plans[1].layers == 6

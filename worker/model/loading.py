@@ -424,6 +424,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     from worker.model.shapes import (
         SHAPE_PREFIX,
         build_random_model,
+        fill_random,
         is_shape,
         shape_config,
     )
@@ -434,12 +435,18 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         shape = source.removeprefix(SHAPE_PREFIX)
         devices = split_devices(torch_device, stages)
-        model = build_random_model(shape, torch.device(devices[0]),
-                                   resolve_dtype(dtype, torch_device, shape_config(shape)))
+        shape_dtype = resolve_dtype(dtype, torch_device, shape_config(shape))
         plans = None
-        if len(devices) > 1:
-            plans, placed = split_plan(model, devices, token_budget, captured_layers)
+        if len(set(devices)) > 1:  # over several GPUs: each stage's weights made on its GPU
+            model = empty_model(shape_config(shape), trust_remote_code=False)
+            plans, placed = split_plan(model, devices, token_budget, captured_layers, shape_dtype)
+            fill_random(model, placed, shape_dtype)
             place(model, placed)
+        else:
+            model = build_random_model(shape, torch.device(devices[0]), shape_dtype)
+            if len(devices) > 1:  # stages sharing one device
+                plans, placed = split_plan(model, devices, token_budget, captured_layers)
+                place(model, placed)
         return with_split(describe(model, None, name=name or source, source=source, batching=batching), plans)
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, torch_device, config)

@@ -89,3 +89,35 @@ def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed
     with torch.device(device):
         model = auto_class(config).from_config(config, dtype=dtype)
     return model.eval()
+
+
+def fill_random(model, placement: dict[str, str], dtype: torch.dtype, seed: int = 0) -> None:
+    """Give a model built with empty weights (``accelerate.init_empty_weights``: parameters on the
+    meta device, buffers real) random weights, each made on the device ``placement`` (an accelerate
+    device map) names for it: a shape too big for one GPU is never whole on one. Matrices are
+    normal with the config's ``initializer_range``, norm weights ones, other vectors zeros (the
+    values ``from_config`` would draw differ; speed does not depend on them)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    def device_of(name: str) -> str:
+        prefix = name
+        while prefix not in placement:
+            if not prefix:
+                raise ValueError(f"the device map places no prefix of {name}")
+            prefix = prefix.rpartition(".")[0]
+        return placement[prefix]
+
+    std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
+    torch.manual_seed(seed)
+    for name, parameter in list(model.named_parameters()):
+        value = torch.empty(parameter.shape, dtype=dtype, device=device_of(name))
+        if parameter.dim() > 1:
+            value.normal_(0.0, std)
+        else:
+            value.fill_(1.0 if "norm" in name.rpartition(".")[0].rpartition(".")[2] else 0.0)
+        set_module_tensor_to_device(model, name, device_of(name), value=value)
+    for name, buffer in list(model.named_buffers()):
+        set_module_tensor_to_device(model, name, device_of(name), value=buffer)
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    model.eval()

@@ -33,9 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from worker.model.split.placement import StagePlan, plan_stages
+from worker.model.split.placement import StagePlan, plan_stages, stage_devices
 
 GB = 1e9
+#: The share of a GPU's memory a stage's weights and capture buffers may take (the rest: activations, CUDA context).
+USABLE_MEMORY = 0.85
 
 
 @dataclass
@@ -91,13 +93,25 @@ def tail_modules(model: nn.Module, final_norm: nn.Module | None) -> list[nn.Modu
     return [module for module in (final_norm, None if tied else head) if module is not None]
 
 
+def stage_capacity(devices: list[str]) -> int | None:
+    """Bytes a stage may hold: :data:`USABLE_MEMORY` of the smallest GPU's, when every stage has a
+    GPU of its own (None otherwise: stages sharing a device, or on the CPU, are not bounded)."""
+    if (len(set(devices)) < len(devices) or not all(device.startswith("cuda") for device in devices)
+            or not torch.cuda.is_available()):  # (a plan for GPUs made on a host without: no bound)
+        return None
+    return int(min(torch.cuda.get_device_properties(device).total_memory for device in devices) * USABLE_MEMORY)
+
+
 def plan_split(model: nn.Module, layers: nn.ModuleList, final_norm: nn.Module | None, dtype: torch.dtype,
                devices: list[str], stages: int, capture_bytes: int = 0) -> tuple[list[StagePlan], dict[str, str]]:
-    """The stages of ``model`` (meta tensors will do) over ``devices``, balanced by bytes with the
-    capture buffers on the first stage, and the accelerate device map that places them."""
+    """The stages of ``model`` (meta tensors will do) over ``devices``: the layers' work balanced
+    within each GPU's memory, the embedding and capture buffers counted on the first stage and the
+    head on the last (``placement.balance_layers``); and the accelerate device map that places them."""
     tail = tail_modules(model, final_norm)
     per_layer, before, after = placement_bytes(model, layers, tail, dtype)
-    plans = plan_stages(per_layer, devices, stages, first_extra=before + capture_bytes, last_extra=after)
+    stage_device = stage_devices(devices, stages)
+    plans = plan_stages(per_layer, devices, stages, first_extra=before + capture_bytes, last_extra=after,
+                        capacity=stage_capacity(stage_device))
     return plans, device_map(model, layers, tail, plans)
 
 
