@@ -73,10 +73,12 @@ def exact(args: argparse.Namespace) -> int:
                for n in torch.randint(args.min_len, args.max_len, (args.per_batch,), generator=generator)]
               for _ in range(args.batches)]
     reference, whole_s = capture_all(whole, groups, args.compile)
+    weights = {name: tensor.cpu() for name, tensor in whole.model.state_dict().items()}
     del whole
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     split = load_model(args.model, device=args.device, stages=args.stages)
+    split.model.load_state_dict(weights)  # a shape over several GPUs is drawn stage by stage: same weights
     print("split:", split.split.describe() if split.split else "none")
     ours, split_s = capture_all(split, groups, args.compile)
     tokens = sum(int(ids.shape[0]) for group in groups for ids in group)
