@@ -100,12 +100,16 @@ def test_a_split_worker_writes_the_files_of_a_whole_model(make_worker, private_c
                       extract(whole, tmp_path / "whole", EVERY, **TRAINING))
 
 
-def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split():
+def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split(tiny_models, tmp_path):
+    from worker import Extractor
     from worker.model.loading import split_devices
 
     assert split_devices(torch.device("cpu"), 3) == ["cpu", "cpu", "cpu"]
     assert split_devices(torch.device("cpu"), 0) == ["cpu"]
     assert split_devices(torch.device("cpu"), 1) == ["cpu"]
+    with Extractor(str(tiny_models["qwen3"]), device="cpu", stages=2, storage_root=tmp_path) as extractor:
+        assert [stage.device.type for stage in extractor.loaded.split.stages] == ["cpu", "cpu"]
+    assert load_model(str(tiny_models["qwen3"]), device="cpu").split is None
 
 
 def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():

@@ -40,6 +40,13 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                         head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
                                         rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False)),
+    # Qwen3-235B-A22B: 94 layers, 128 experts, 8 chosen per token; 470 GB in bf16, so split over GPUs
+    # (--gpus-per-worker 8, or the bench's --split-stages 8), each stage's weights made on its GPU.
+    "qwen3-235b-a22b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                          moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                                          num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                          head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                                          rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False)),
     # Qwen2.5-VL-7B's shape (vision tower included): its text jobs measure the VLM's decoder
     # (issue 25's text-only figure); its text decoder is found as for any VLM checkpoint.
     "qwen2.5-vl-7b": ("qwen2_5_vl", dict(
