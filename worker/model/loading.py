@@ -438,7 +438,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         shape_dtype = resolve_dtype(dtype, torch_device, shape_config(shape))
         plans = None
         if len(set(devices)) > 1:  # over several GPUs: each stage's weights made on its GPU
-            model = empty_model(shape_config(shape), trust_remote_code=False)
+            model = empty_model(shape_config(shape), trust_remote_code=False, dtype=shape_dtype)
             plans, placed = split_plan(model, devices, token_budget, captured_layers, shape_dtype)
             fill_random(model, placed, shape_dtype)
             place(model, placed)
@@ -527,12 +527,14 @@ def split_devices(device: torch.device, stages: int) -> list[str]:
     return stage_devices(visible[:stages], stages)
 
 
-def empty_model(config: Any, trust_remote_code: bool) -> nn.Module:
-    """The checkpoint's model class built on the meta device (no memory): its module tree and sizes."""
+def empty_model(config: Any, trust_remote_code: bool, dtype: torch.dtype | None = None) -> nn.Module:
+    """The checkpoint's model class with its parameters on the meta device (no memory; buffers
+    real): its module tree and sizes."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        return auto_class(config).from_config(config, trust_remote_code=trust_remote_code)
+        return auto_class(config).from_config(config, trust_remote_code=trust_remote_code,
+                                              **({"dtype": dtype} if dtype is not None else {}))
 
 
 def split_plan(model: nn.Module, devices: list[str], token_budget: int, captured_layers: int | None,
