@@ -129,3 +129,13 @@ def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():
     with torch.inference_mode():
         logits = model(input_ids=torch.arange(3, 40)[None]).logits
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_a_quantized_checkpoint_is_refused_a_split_and_loads_whole_by_default(tiny_models, tmp_path):
+    from tests.support.quantized import FORMATS, write_quantized
+    from worker.model.batching import ModelRefused
+
+    folder = write_quantized(tiny_models["qwen3"], tmp_path / "quantized", next(iter(FORMATS)))
+    with pytest.raises(ModelRefused, match="not split over stages yet"):
+        load_model(str(folder), device="cpu", stages=2)
+    assert load_model(str(folder), device="cpu").split is None

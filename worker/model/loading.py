@@ -455,18 +455,18 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         tokenizer.chat_template = chat_template
-    devices = split_devices(torch_device, stages)
+    scheme = quantization_scheme(config)
+    devices = split_devices(torch_device, stages or (1 if scheme is not None else 0))  # quantized: split if asked
+    if scheme is not None and len(devices) > 1:
+        raise ModelRefused(type(config).__name__, f"{scheme.describe()}: a quantized checkpoint is not split over "
+                           "stages yet (serve it on one device: --split-stages 1)")
     plans, placement = None, str(torch_device)
     if len(devices) > 1:
         plans, placement = split_plan(empty_model(config, trust_remote_code), devices, token_budget, captured_layers,
                                       torch_dtype)
     folder = checkpoint_folder(source, revision)  # fingerprinted before the weights are read: a rewrite
     fingerprint = weights_fingerprint(folder) if folder is not None else None  # during the load costs a recompute
-    scheme = quantization_scheme(config)
     rss_before, started = peak_rss_bytes(), time.monotonic()
-    if scheme is not None and plans is not None:
-        raise ModelRefused(type(config).__name__, f"{scheme.describe()}: a quantized checkpoint is not split over "
-                           "stages (serve it on one device)")
     if scheme is not None:
         model, quantized, quantized_experts = load_quantized_checkpoint(source, config, scheme, torch_device,
                                                                         torch_dtype)
