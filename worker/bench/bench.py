@@ -26,6 +26,7 @@ settings in ``config``, the report table in ``report``. This module runs them in
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 from dataclasses import asdict
@@ -101,6 +102,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     if "d" in cfg.parts:
         if loaded.device.type == "cuda":
             del loaded
+            gc.collect()  # a split model's hooks hold cycles (accelerate's module -> forward -> module)
             torch.cuda.empty_cache()
         parts["d"] = run_queue(cfg, prompts, layer_ids, storage / "d")
         shutil.rmtree(storage / "d", ignore_errors=True)
