@@ -37,13 +37,14 @@ def assert_same_files(split, whole) -> None:
             assert torch.equal(ours[key], theirs[key]), f"{key} differs between the split and the whole model"
 
 
-def extract(loaded, out, layers, **fields):
-    """Every prompt in one batch: the engine waits long enough for all of them (on the CPU a matmul's
-    bits depend on how many rows it has, so both sides must batch alike)."""
+def extract(loaded, out, runs):
+    """Each run (layers, job fields) one batch of every prompt: the engine waits long enough for all
+    of them (on the CPU a matmul's bits depend on how many rows it has, so both sides must batch alike)."""
     from worker import Extractor
 
-    with Extractor(loaded, layers=layers, storage_root=out, batch_wait_ms=1500) as extractor:
-        return tensors(extractor.extract(PROMPTS, out, **fields))
+    with Extractor(loaded, storage_root=out, batch_wait_ms=1000) as extractor:
+        return [tensors(extractor.extract(PROMPTS, out / str(index), layers=layers, **fields))
+                for index, (layers, fields) in enumerate(runs)]
 
 
 @pytest.mark.parametrize("arch, batching, stages", [
@@ -61,9 +62,10 @@ def test_split_files_equal_the_whole_models(arch, batching, stages, tiny_models,
     assert [stage.plan.start for stage in split.split.stages[1:]] == [stage.plan.stop for stage in split.split.stages[:-1]]
     assert split.split.stages[-1].plan.stop == 4 and all(stage.plan.layers >= 1 for stage in split.split.stages)
     assert all(hasattr(layer, "_hf_hook") for layer in split.layers)  # accelerate moves each layer's inputs
-    for name, layers, fields in [("early", EARLY, {}), ("every", EVERY, TRAINING)]:
-        assert_same_files(extract(split, tmp_path / f"split-{name}", layers, **fields),
-                          extract(whole, tmp_path / f"whole-{name}", layers, **fields))
+    runs = [(EARLY, {}), (EVERY, TRAINING)]
+    for ours, theirs in zip(extract(split, tmp_path / "split", runs), extract(whole, tmp_path / "whole", runs),
+                            strict=True):
+        assert_same_files(ours, theirs)
 
 
 def test_device_map_places_every_weight_and_the_tail_on_the_last_stage(tiny_models):
@@ -97,7 +99,7 @@ def test_a_split_worker_writes_the_files_of_a_whole_model(make_worker, private_c
     results = private_client.wait(run, [job.job_id for job in jobs], timeout=120)
     whole = load_model(str(tiny_models["qwen3"]), device="cpu")
     assert_same_files(tensors([results[job.job_id] for job in jobs]),
-                      extract(whole, tmp_path / "whole", EVERY, **TRAINING))
+                      extract(whole, tmp_path / "whole", [(EVERY, TRAINING)])[0])
 
 
 def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split(tiny_models, tmp_path):
