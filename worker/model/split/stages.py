@@ -225,8 +225,8 @@ def place(model: nn.Module, placement: dict[str, str], dispatched: bool = False)
 
     skip = getattr(model, "_skip_keys_device_placement", None)
     if len(set(placement.values())) > 1:
-        if not dispatched:
-            dispatch_model(model, placement, skip_keys=skip)
+        if not dispatched:  # the model's own forward (images) starts on the first stage's device
+            dispatch_model(model, placement, main_device=torch.device(next(iter(placement.values()))), skip_keys=skip)
         return
     attach_align_device_hook_on_blocks(model, execution_device=dict(placement), offload=dict.fromkeys(placement, False),
                                        skip_keys=skip)
