@@ -109,6 +109,8 @@ class BatchRunner:
         self._cuda = loaded.device.type == "cuda"
         self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
+        #: a split model: the cast and copy-out go on its gather stream, after its captures (``worker.model.split``)
+        self._gather = loaded.split.gather if loaded.split is not None else None
 
     def run(self, batch: list[EngineRequest]) -> tuple[BatchOutput, Holders]:
         """The batch's outputs (all requests share its ``output_dtype``) and who holds their
@@ -146,18 +148,23 @@ class BatchRunner:
                         inputs.run(loaded.decoder)
                 except StopForward:
                     pass
-                hidden, hidden_scale = to_output(staging, output_dtype)
-                flags = non_finite_rows(staging, hidden)
-                final_out = final_scale = final_flags = None
-                if want_final:
-                    final_out, final_scale = to_output(final, output_dtype)
-                    final_flags = non_finite_rows(final, final_out)
-                logprobs = topk_ids = None
-                if topk_rows is not None:
-                    logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
-                outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags, final_flags)
-                host = tuple(self._host_buffer(slot, tensor) for tensor in outputs)
-                ready = self._copy_out(events, *zip(outputs, host))
+                if self._gather is not None:  # its captures are queued there: the compute stream goes on
+                    self._gather.wait_stream(torch.cuda.current_stream(device))
+                    if topk_rows is not None:
+                        topk_rows.record_stream(self._gather)
+                with torch.cuda.stream(self._gather):  # None (not split): no change of stream
+                    hidden, hidden_scale = to_output(staging, output_dtype)
+                    flags = non_finite_rows(staging, hidden)
+                    final_out = final_scale = final_flags = None
+                    if want_final:
+                        final_out, final_scale = to_output(final, output_dtype)
+                        final_flags = non_finite_rows(final, final_out)
+                    logprobs = topk_ids = None
+                    if topk_rows is not None:
+                        logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
+                    outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags, final_flags)
+                    host = tuple(self._host_buffer(slot, tensor) for tensor in outputs)
+                    ready = self._copy_out(events, *zip(outputs, host))
         except BaseException:
             self._staging.release(slot)
             raise
