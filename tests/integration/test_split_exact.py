@@ -62,6 +62,9 @@ def test_split_files_equal_the_whole_models(arch, batching, stages, tiny_models,
     assert [stage.plan.start for stage in split.split.stages[1:]] == [stage.plan.stop for stage in split.split.stages[:-1]]
     assert split.split.stages[-1].plan.stop == 4 and all(stage.plan.layers >= 1 for stage in split.split.stages)
     assert all(hasattr(layer, "_hf_hook") for layer in split.layers)  # accelerate moves each layer's inputs
+    # stages sharing a device move nothing between them: no hook of the split's own on any layer
+    assert [len(layer._forward_pre_hooks) for layer in split.layers] == \
+        [len(layer._forward_pre_hooks) for layer in whole.layers]
     runs = [(EARLY, {}), (EVERY, TRAINING)]
     for ours, theirs in zip(extract(split, tmp_path / "split", runs), extract(whole, tmp_path / "whole", runs),
                             strict=True):

@@ -15,9 +15,9 @@ has no one input to name, so the probe refuses the model.
 Once the last wanted layer is copied, :class:`StopForward` ends the forward: layers
 past it, the final norm and lm_head never run.
 
-A model split over devices (``worker.model.split``) is captured where each layer runs: the
-hook hands the layer's stream to the first device's *gather stream*, which waits for the
-layer's own stream, receives it (from another GPU, over the split's transfer stream) and picks
+A model split over several devices (``worker.model.split``) is captured where each layer runs:
+the hook hands the layer's output to the first device's *gather stream*, which waits for the
+compute stream of the layer's device, receives it (from another GPU, over the split's transfer stream) and picks
 the real tokens there, so the first device's compute stream never waits for a later stage.
 """
 
@@ -143,7 +143,7 @@ class LayerCapture:
         self._final: torch.Tensor | None = None
         self._stop_at: int | None = None
         self._rows: torch.Tensor | None = None
-        self.gather: torch.cuda.Stream | None = None  # a split model on a GPU: its gather stream
+        self.gather: torch.cuda.Stream | None = None  # a model split over GPUs: its gather stream
         self.send: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None  # ... and its copy between GPUs
         for index, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True)
@@ -188,7 +188,7 @@ class LayerCapture:
         gather.wait_stream(torch.cuda.current_stream(flat.device))
         with torch.cuda.stream(gather):
             if flat.device == self.device:
-                flat.record_stream(gather)  # made on a stage's stream, read on the gather stream
+                flat.record_stream(gather)  # made on the compute stream, read on the gather stream
             else:
                 flat = self.send(flat, self.device)  # type: ignore[misc]
             target.copy_(self._select_rows(flat))

@@ -1,4 +1,4 @@
-"""A model split over layers at run time: its device map, its stages' streams, its memory line.
+"""A model split over layers at run time: its device map, its transfer streams, its memory line.
 
 The weights are placed by accelerate (``from_pretrained(device_map=...)`` for a checkpoint,
 ``accelerate.dispatch_model`` for a model built in memory): its hooks move the inputs of the modules
@@ -12,11 +12,12 @@ device on its *gather stream* (``worker.model.capture``), and the runner casts a
 batch out on that stream too (``worker.engine.runner``), so the first device's compute stream
 never waits for a later device.
 
-Stages that share a device (``--split-stages 2`` on one GPU, or stages on the CPU in tests) run
-on their own CUDA stream each: the first layer of such a stage switches the device's current
-stream to the stage's (after waiting for the previous stage), and :class:`ModelSplit`
-(a hook on the decoder) joins them back at the end of every forward, early exit included. On
-the CPU the stages run in order on the engine thread.
+Stages that share a device (``--split-stages 2`` on one GPU, or stages on the CPU in tests) are
+consecutive and run one after the other on that device's current (compute) stream: nothing moves
+between them (no copy, no event, no mover hook), and a split whose stages all share one device
+has no gather stream either, so it queues the same kernels on the same stream as the unsplit model
+(accelerate's hooks stay on, moving nothing: the CPU tests run them as a split over GPUs does).
+Two streams on one GPU would only make the stages' kernels compete for it.
 
 Tensors go from one GPU to the next on the source's *transfer stream* (:meth:`ModelSplit.send`),
 never on its compute stream: a copy between GPUs makes the stream it runs on wait for the
@@ -44,7 +45,6 @@ USABLE_MEMORY = 0.85
 class Stage:
     plan: StagePlan
     device: torch.device
-    stream: torch.cuda.Stream | None  # a side stream: a CUDA stage sharing its device with an earlier one
 
 
 def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
@@ -116,42 +116,29 @@ def plan_split(model: nn.Module, layers: nn.ModuleList, final_norm: nn.Module | 
 
 
 class ModelSplit:
-    """The stages of one split model. Installs, once, on every layer past the first stage the move
-    of its inputs to its device on a transfer stream, on the first layer of a stage that shares a
-    device the switch to its stream, and on ``decoder`` what resets both at the end of every
-    forward (early exit included)."""
+    """The stages of one split model. Installs, once, on every layer of a stage whose inputs come
+    from another device the move of its inputs to its device on a transfer stream, and on
+    ``decoder`` what lets this forward's moved tensors go at its end (early exit included)."""
 
     def __init__(self, plans: list[StagePlan], decoder: nn.Module, layers: nn.ModuleList):
-        seen: set[torch.device] = set()
-        self.stages: list[Stage] = []
-        for plan in plans:
-            device = torch.device(plan.device)
-            shared = device in seen and device.type == "cuda"
-            self.stages.append(Stage(plan, device, torch.cuda.Stream(device) if shared else None))
-            seen.add(device)
+        self.stages = [Stage(plan, torch.device(plan.device)) for plan in plans]
         self.home = self.stages[0].device
-        #: on a GPU: where captured layers are gathered and the batch is cast and copied out
-        self.gather = torch.cuda.Stream(self.home) if self.home.type == "cuda" else None
-        #: per source GPU: the stream its tensors leave on for a later stage's device
-        self._transfer = {device: torch.cuda.Stream(device) for device in seen if device.type == "cuda"}
-        self._side = sorted({stage.device for stage in self.stages if stage.stream is not None}, key=str)
-        self._before: list[dict[torch.device, torch.cuda.Stream]] = []  # per forward in progress (nested)
+        devices = {stage.device for stage in self.stages}
+        gpus = {device for device in devices if device.type == "cuda"} if len(devices) > 1 else set()
+        #: on a split over GPUs: where captured layers are gathered and the batch is cast and copied
+        #: out, on the first GPU (None on one device: no later device to keep the compute stream from)
+        self.gather = torch.cuda.Stream(self.home) if self.home in gpus else None
+        #: per source GPU of a split over several devices: the stream its tensors leave on for another
+        self._transfer = {device: torch.cuda.Stream(device) for device in gpus}
+        self._depth = 0  # forwards in progress (nested)
         self._moved: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's moves
-        for stage in self.stages[1:]:
-            for index in range(stage.plan.start, stage.plan.stop):  # registered first, so run after the switch
+        for number, stage in enumerate(self.stages):
+            if all(earlier.device == stage.device for earlier in self.stages[:number]):
+                continue  # its inputs (the decoder's and the previous stage's) are on its device already
+            for index in range(stage.plan.start, stage.plan.stop):
                 layers[index].register_forward_pre_hook(self._mover(stage.device), with_kwargs=True, prepend=True)
-            if stage.stream is not None:
-                layers[stage.plan.start].register_forward_pre_hook(self._enter(stage), prepend=True)
-        decoder.register_forward_pre_hook(self._save)
-        decoder.register_forward_hook(self._join, always_call=True)
-
-    @staticmethod
-    def _enter(stage: Stage):
-        def hook(module: nn.Module, args: tuple) -> None:
-            stream = stage.stream
-            stream.wait_stream(torch.cuda.current_stream(stage.device))  # type: ignore[union-attr]
-            torch.cuda.set_stream(stream)  # type: ignore[arg-type]
-        return hook
+        decoder.register_forward_pre_hook(self._enter_forward)
+        decoder.register_forward_hook(self._leave_forward, always_call=True)
 
     def _mover(self, device: torch.device):
         """A pre-hook moving a layer's tensor inputs (hidden states, position embeddings, masks,
@@ -190,24 +177,19 @@ class ModelSplit:
         tensor.record_stream(stream)  # its memory is not reused before the copy has read it
         return moved
 
-    def _save(self, module: nn.Module, args: tuple) -> None:
-        self._before.append({device: torch.cuda.current_stream(device) for device in self._side})
+    def _enter_forward(self, module: nn.Module, args: tuple) -> None:
+        self._depth += 1
 
-    def _join(self, module: nn.Module, args: tuple, output: object) -> None:
-        """Each device's stream from before the forward waits for the side stream it ended on, and is
-        current again; this forward's moved tensors are let go."""
-        for device, stream in self._before.pop().items():
-            current = torch.cuda.current_stream(device)
-            if current != stream:
-                stream.wait_stream(current)
-                torch.cuda.set_stream(stream)
-        if not self._before:
+    def _leave_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        """This forward's moved tensors are let go (at the end of the outermost one)."""
+        self._depth -= 1
+        if not self._depth:
             self._moved.clear()
 
     def describe(self) -> str:
         """One line: each stage's layers, device and bytes, and the memory each GPU holds now."""
         parts = [f"stage {stage.plan.index}: layers {stage.plan.start}-{stage.plan.stop - 1} on {stage.device} "
-                 f"({stage.plan.bytes / GB:.2f} GB planned{', own stream' if stage.stream is not None else ''})"
+                 f"({stage.plan.bytes / GB:.2f} GB planned)"
                  for stage in self.stages]
         gpus = sorted({stage.device for stage in self.stages if stage.device.type == "cuda"}, key=str)
         memory = [f"{device} {torch.cuda.memory_allocated(device) / GB:.2f} GB allocated of "
