@@ -94,9 +94,9 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
     call per layer on a GPU, ``worker.model.vision_attention``): the capture hooks see what
     enters each decoder layer."""
     device = loaded.device
-    merged = merge_image_inputs(model_inputs, input_ids.shape[1])
-    extras = {name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype)
-              for name, value in merged.items()}
+    on_device = [{name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
+                  for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
+    extras = merge_image_inputs(on_device, input_ids.shape[1])
     with transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
