@@ -34,7 +34,7 @@ from vlm import conversations, template_chat, write_model
 from worker.bench.measure import sync
 from worker.engine.runner import run_with_images
 from worker.model.image_inputs import staged_inputs
-from worker.model.loading import load_model
+from worker.model.loading import load_model, transformers_attention
 from worker.model.processors import load_processor
 from worker.model.vision_attention import vision_attention
 
@@ -136,7 +136,7 @@ def main() -> None:
             run_with_images(loaded, input_ids, inputs)
 
     def tower(name: str | None) -> Any:
-        with torch.inference_mode(), vision_attention(loaded.model, name):
+        with torch.inference_mode(), transformers_attention(loaded), vision_attention(loaded.model, name):
             return visual(pixels, grid_thw=grid).pooler_output
 
     forwards = {"tokens": int(sum(len(p["input_ids"]) for p in batch)), "patches": int(pixels.shape[0])}
