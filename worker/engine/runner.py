@@ -27,6 +27,7 @@ from worker.model.batching import layout_class
 from worker.model.image_inputs import merge_image_inputs
 from worker.model.layouts.base import BatchLayout
 from worker.model.loading import LoadedModel, transformers_attention
+from worker.model.vision_attention import vision_attention
 
 #: The layout of chats with images on a model that names none: one per forward.
 IMAGE_BATCH = layout_class("single")("a chat with images runs alone through the model's own forward")
@@ -89,12 +90,14 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
     """Chats with images (``input_ids`` ``[B, T]`` right-padded, each chat's processor outputs in
     batch order) through the model's own ``forward`` (vision tower, merging, its own
     positions such as M-RoPE, its own masks), on the attention implementation transformers
-    chose for it: the capture hooks see what enters each decoder layer."""
+    chose for it (a vision tower that cuts its patches by ``cu_seqlens``: one varlen flash
+    call per layer on a GPU, ``worker.model.vision_attention``): the capture hooks see what
+    enters each decoder layer."""
     device = loaded.device
-    merged = merge_image_inputs(model_inputs, input_ids.shape[1])
-    extras = {name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype)
-              for name, value in merged.items()}
-    with transformers_attention(loaded):
+    on_device = [{name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
+                  for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
+    extras = merge_image_inputs(on_device, input_ids.shape[1])
+    with transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
 

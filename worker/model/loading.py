@@ -47,6 +47,7 @@ from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, sche
 from worker.model.classes import auto_class
 from worker.model.processors import load_processor
 from worker.model.split.stages import ModelSplit, place, plan_split
+from worker.model.vision_attention import choose_vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class LoadedModel:
     processor_problem: str = ""  # why a VLM has no processor (said in its image jobs' errors)
     image_batching: BatchLayout | None = None  # how chats with images share a forward (``image_inputs``)
     split: ModelSplit | None = None  # a model split over layers into stages (``worker.model.split``)
+    vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
 
     @property
     def architecture(self) -> str:
@@ -318,6 +320,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     except UncapturableStream as exc:
         raise ModelRefused(type(model).__name__, str(exc)) from None
     native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    vision = choose_vision_attention(model, parameter.device, parameter.dtype)  # before the switch below
     if plan.attention is not None:
         set_attention(model, plan.attention)
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -331,7 +334,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
         weights_fingerprint=fingerprint or (weights_fingerprint(Path(source)) if Path(source).is_dir()
                                             else parameters_fingerprint(model)),
-        capture=capture,
+        capture=capture, vision_attention=vision,
     )
 
 
