@@ -69,7 +69,10 @@ class WorkerSettings(BaseModel):
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
     gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
-    gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process (model split with device_map)
+    gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process: one model split over them (worker.model.split)
+    # stages the model's layers are split into: 0 = one per visible GPU (device "cuda"); more than the GPUs
+    # share them (2 on one GPU: the split's own cost), or run in turn on the CPU
+    split_stages: int = Field(default=0, ge=0)
     loglevel: str = "INFO"
     log_format: LogFormat = LogFormat.text
     metrics_port: int = Field(default=0, ge=0, le=65535)  # Prometheus /metrics; 0 = off (supervised: +i per child)

@@ -65,12 +65,15 @@ class Extractor:
     def __init__(self, model: str | LoadedModel, *, layers: list[int] | None = None, device: str = "auto",
                  dtype: str = "auto", name: str | None = None, storage_root: str | Path = "layertap-data",
                  token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None,
-                 batching: str = "auto", batch_wait_ms: float = 2.0, images_root: str | Path | None = None):
+                 batching: str = "auto", batch_wait_ms: float = 2.0, images_root: str | Path | None = None,
+                 stages: int = 0):
         """``batch_wait_ms``: how long the engine waits for more jobs before it runs a batch
         that is not full (as the worker's setting). ``images_root``: where image paths in
-        chats are read (``settings.images_root``)."""
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, name=name, device=device,
-                                                                               dtype=dtype, batching=batching)
+        chats are read (``settings.images_root``). ``stages``: the model split over layers
+        (as the worker's ``split_stages``; 0: one stage per visible GPU for ``device`` ``cuda``)."""
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, name=name, device=device, dtype=dtype, batching=batching, stages=stages,
+            token_budget=token_budget, captured_layers=len(layers) if layers else None)
         self.processor = build_processor(self.loaded, storage_root=storage_root,
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
                                          layers=layers, limits=limits or Limits(), token_budget=token_budget,

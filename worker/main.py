@@ -88,7 +88,8 @@ def run_worker(settings: Settings) -> int:
     loaded = load_model(ws.model, name=ws.served_model_name or served_model_name(ws.model), device=ws.device,
                         dtype=ws.dtype, revision=ws.revision, trust_remote_code=ws.trust_remote_code,
                         chat_template=read_chat_template(ws.chat_template), batching=ws.batching,
-                        quant_compute=ws.quant_compute)
+                        quant_compute=ws.quant_compute, stages=ws.split_stages, token_budget=ws.token_budget,
+                        captured_layers=len(ws.layers) if ws.layers else None)
     check_layers(ws.layers, loaded.num_layers)
     log.info("serving %s (%s, %d layers, hidden %d) on %s as %s; queue %s; jobs use --model %s", loaded.name,
              loaded.architecture, loaded.num_layers, loaded.hidden_size, loaded.device,

@@ -49,8 +49,12 @@ def worker(
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the decoder layers "
                                            f"({worker_default('compile')})."),
     gpus: Optional[str] = typer.Option(None, help="all | 0,1,...: one supervised worker process per GPU."),
-    gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process (model split across them; "
-                                                  f"{worker_default('gpus_per_worker')})."),
+    gpus_per_worker: Optional[int] = typer.Option(None, help="GPUs per worker process: one model split over "
+                                                  "them by layers, every GPU busy "
+                                                  f"({worker_default('gpus_per_worker')})."),
+    split_stages: Optional[int] = typer.Option(None, help="Stages the layers are split into (0: one per visible "
+                                               "GPU; 2 on one GPU measures the split's own cost; "
+                                               f"{worker_default('split_stages')})."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (default $LAYERTAP_REDIS_URL or localhost)."),
     loglevel: Optional[str] = typer.Option(None, help=f"DEBUG | INFO | WARNING ({worker_default('loglevel')})."),
     log_format: Optional[LogFormat] = typer.Option(None, help="json: one object per line, with job_id and run "
@@ -66,7 +70,8 @@ def worker(
                              token_budget=token_budget, batching=batching, quant_compute=quant_compute,
                              concurrency=concurrency, compile=compile,
                              loglevel=loglevel,
-                             gpus=gpus, gpus_per_worker=gpus_per_worker, chat_template=chat_template,
+                             gpus=gpus, gpus_per_worker=gpus_per_worker, split_stages=split_stages,
+                             chat_template=chat_template,
                              log_format=log_format, metrics_port=metrics_port)
     if settings.worker.gpus:
         raise typer.Exit(supervise(settings))
@@ -157,6 +162,10 @@ def bench(
     memory_check: bool = typer.Option(False, help="Also report peak GPU memory for 1x16k and 64x2k prompts."),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the decoder layers in (b), (c), (d)."),
     gpus: Optional[str] = typer.Option(None, help="For (d): one worker per GPU, e.g. 0,1 (default: one worker)."),
+    gpus_per_worker: int = typer.Option(1, min=1, help="For (d) with --gpus: one worker per group of this many "
+                                        "GPUs, the model split over them."),
+    split_stages: int = typer.Option(1, min=0, help="Split the model's layers into this many stages (b, c, d; "
+                                     "2 on one GPU: the split's own cost against 1; 0: one per visible GPU)."),
     backlog: bool = typer.Option(False, "--backlog", help="For (d): enqueue every job before the worker "
                                  "starts, then time how fast it drains the queue (no client sharing the CPU)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis for (d) (default: an embedded one)."),
@@ -171,7 +180,7 @@ def bench(
                          storage=str(storage), token_budget=token_budget, max_padding=max_padding,
                          parts=tuple(p.strip() for p in parts.split(",") if p.strip()), redis_url=redis_url,
                          concurrency=concurrency, memory_check=memory_check, compile=compile, gpus=gpus,
-                         backlog=backlog)
+                         backlog=backlog, split_stages=split_stages, gpus_per_worker=gpus_per_worker)
     report = run_bench(config, log=lambda line: console.print(line, markup=False, highlight=False))
     console.print(format_table(report), markup=False, highlight=False)
     if report_out:

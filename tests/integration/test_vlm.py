@@ -362,3 +362,34 @@ def test_image_chats_that_do_not_batch_fall_back_to_one_per_forward(monkeypatch,
         assert result.ok, result.error
         reference = vlm_block_states(str(model_dir), [0, 1, 2], **reference_inputs("idefics3", model_dir, size))
         assert worst_token_relative_error(load_hidden_states(result.path)["hidden_states"], reference) <= TOLERANCE
+
+
+def test_a_bundle_of_image_chats_is_prepared_side_by_side_in_order(tmp_path):
+    """One call with several chats with images (a bundle: prepared on the preparer threads
+    together), a bad image and a text chat among them: each result in its place, the bad
+    image ``bad_image``, every image chat's layers within 1e-5 of the plain model alone
+    (Qwen2.5-VL: windowed vision attention, M-RoPE)."""
+    family = "qwen2.5-vl"
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    sizes = [(40, 24), (90, 20), (28, 28), (60, 60), (56, 84)]
+    chats = [image_chat({"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                   + base64.b64encode(png_bytes(*size)).decode()}})
+             for size in sizes]
+    bad = image_chat({"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                + base64.b64encode(b"no image").decode()}})
+    text_chat = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]}
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        processor = extractor.processor.writing_to(tmp_path / "files")
+        jobs = [processor.parse(extractor.job(item, run="bundle"))
+                for item in [chats[0], chats[1], bad, chats[2], text_chat, chats[3], chats[4]]]
+        results = processor.process_many(jobs)
+    assert [result.job_id for result in results] == [job.job_id for job in jobs]
+    assert results[2].error_type == ErrorType.bad_image and results[4].ok, results
+    for size, result in zip(sizes, [results[0], results[1], results[3], results[5], results[6]]):
+        assert result.ok, result.error
+        states = load_hidden_states(result.path)
+        inputs = reference_inputs(family, model_dir, size)
+        assert states["token_ids"].tolist() == inputs["input_ids"][0].tolist()
+        error = worst_token_relative_error(states["hidden_states"], vlm_block_states(str(model_dir), [0, 1, 2],
+                                                                                     **inputs))
+        assert error <= TOLERANCE, f"image {size}: worst relative error {error}"

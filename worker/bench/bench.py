@@ -26,6 +26,7 @@ settings in ``config``, the report table in ``report``. This module runs them in
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 from dataclasses import asdict
@@ -54,10 +55,12 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     storage = Path(cfg.storage)
     claim_storage(storage)
     loaded = load_model(cfg.model, name="bench-model", device=cfg.device, dtype=cfg.dtype,
-                        quant_compute=cfg.quant_compute)
+                        quant_compute=cfg.quant_compute, stages=cfg.split_stages, token_budget=cfg.token_budget,
+                        captured_layers=len(cfg.layers) if cfg.layers else None)
     load = {**(loaded.load_report.as_json() if loaded.load_report else {}),
             "quantization": loaded.quantization.describe() if loaded.quantization else None,
-            "quant_compute": loaded.quant_compute or None, "experts": loaded.experts}
+            "quant_compute": loaded.quant_compute or None, "experts": loaded.experts,
+            "split": loaded.split.describe() if loaded.split is not None else None}
     layer_ids = resolve_layer_ids(eagle3_layer_ids(loaded.num_layers) if cfg.layers is None else cfg.layers,
                                   loaded.num_layers)
     if cfg.file:
@@ -99,6 +102,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     if "d" in cfg.parts:
         if loaded.device.type == "cuda":
             del loaded
+            gc.collect()  # a split model's hooks hold cycles (accelerate's module -> forward -> module)
             torch.cuda.empty_cache()
         parts["d"] = run_queue(cfg, prompts, layer_ids, storage / "d")
         shutil.rmtree(storage / "d", ignore_errors=True)

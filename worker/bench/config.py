@@ -35,6 +35,8 @@ class BenchConfig:
     gpus: str | None = None  # for (d): start `layertap worker --gpus ...` (one worker per GPU)
     backlog: bool = False  # for (d): enqueue every job before the worker starts, then time the drain
     quant_compute: str = "auto"  # quantized checkpoints: auto | dequant | fp8 (the worker of (d) too)
+    split_stages: int = 1  # the model's layers in this many stages (b, c and the worker of d; 0: one per GPU)
+    gpus_per_worker: int = 1  # for (d) with gpus: one worker per group of this many GPUs, the model split over them
 
 
 @dataclass

@@ -32,7 +32,8 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     env = {**os.environ, "LAYERTAP_REDIS_URL": url, "LAYERTAP_STORAGE_ROOT": str(out),
            "LAYERTAP_WORKER__QUANT_COMPUTE": cfg.quant_compute,
            "LAYERTAP_WORKER__CONCURRENCY": str(cfg.concurrency), "LAYERTAP_WORKER__COMPILE": str(cfg.compile).lower(),
-           "LAYERTAP_WORKER__MAX_PADDING": str(cfg.max_padding),
+           "LAYERTAP_WORKER__MAX_PADDING": str(cfg.max_padding), "LAYERTAP_WORKER__SPLIT_STAGES": str(cfg.split_stages),
+           "LAYERTAP_WORKER__GPUS_PER_WORKER": str(cfg.gpus_per_worker),
            **({"LAYERTAP_IMAGES_ROOT": str(images_root)} if images_root is not None else {})}
     log = open(out.parent / "bench-worker.log", "w")
     placement = ["--node-name", node, "--device", cfg.device] if not cfg.gpus else (
@@ -45,7 +46,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
              "--dtype", cfg.dtype, "--layers", ",".join(map(str, layer_ids)), "--token-budget",
              str(cfg.token_budget), "--loglevel", "WARNING"), env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    expected = len(cfg.gpus.split(",")) if cfg.gpus else 1
+    expected = len(cfg.gpus.split(",")) // cfg.gpus_per_worker if cfg.gpus else 1
     run = f"bench-{int(time.time())}"
     try:
         with Client(Settings(redis_url=url, images_root=images_root)) as client:

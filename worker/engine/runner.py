@@ -27,6 +27,7 @@ from worker.model.batching import layout_class
 from worker.model.image_inputs import merge_image_inputs
 from worker.model.layouts.base import BatchLayout
 from worker.model.loading import LoadedModel, transformers_attention
+from worker.model.vision_attention import vision_attention
 
 #: The layout of chats with images on a model that names none: one per forward.
 IMAGE_BATCH = layout_class("single")("a chat with images runs alone through the model's own forward")
@@ -89,12 +90,14 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
     """Chats with images (``input_ids`` ``[B, T]`` right-padded, each chat's processor outputs in
     batch order) through the model's own ``forward`` (vision tower, merging, its own
     positions such as M-RoPE, its own masks), on the attention implementation transformers
-    chose for it: the capture hooks see what enters each decoder layer."""
+    chose for it (a vision tower that cuts its patches by ``cu_seqlens``: one varlen flash
+    call per layer on a GPU, ``worker.model.vision_attention``): the capture hooks see what
+    enters each decoder layer."""
     device = loaded.device
-    merged = merge_image_inputs(model_inputs, input_ids.shape[1])
-    extras = {name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype)
-              for name, value in merged.items()}
-    with transformers_attention(loaded):
+    on_device = [{name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
+                  for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
+    extras = merge_image_inputs(on_device, input_ids.shape[1])
+    with transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
 
@@ -109,6 +112,8 @@ class BatchRunner:
         self._cuda = loaded.device.type == "cuda"
         self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
+        #: a model split over GPUs: the cast and copy-out go on its gather stream, after its captures (``worker.model.split``)
+        self._gather = loaded.split.gather if loaded.split is not None else None
 
     def run(self, batch: list[EngineRequest]) -> tuple[BatchOutput, Holders]:
         """The batch's outputs (all requests share its ``output_dtype``) and who holds their
@@ -146,18 +151,23 @@ class BatchRunner:
                         inputs.run(loaded.decoder)
                 except StopForward:
                     pass
-                hidden, hidden_scale = to_output(staging, output_dtype)
-                flags = non_finite_rows(staging, hidden)
-                final_out = final_scale = final_flags = None
-                if want_final:
-                    final_out, final_scale = to_output(final, output_dtype)
-                    final_flags = non_finite_rows(final, final_out)
-                logprobs = topk_ids = None
-                if topk_rows is not None:
-                    logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
-                outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags, final_flags)
-                host = tuple(self._host_buffer(slot, tensor) for tensor in outputs)
-                ready = self._copy_out(events, *zip(outputs, host))
+                if self._gather is not None:  # its captures are queued there: the compute stream goes on
+                    self._gather.wait_stream(torch.cuda.current_stream(device))
+                    if topk_rows is not None:
+                        topk_rows.record_stream(self._gather)
+                with torch.cuda.stream(self._gather):  # None (not split): no change of stream
+                    hidden, hidden_scale = to_output(staging, output_dtype)
+                    flags = non_finite_rows(staging, hidden)
+                    final_out = final_scale = final_flags = None
+                    if want_final:
+                        final_out, final_scale = to_output(final, output_dtype)
+                        final_flags = non_finite_rows(final, final_out)
+                    logprobs = topk_ids = None
+                    if topk_rows is not None:
+                        logprobs, topk_ids = self._teacher.topk(final, topk_rows, topk)  # type: ignore[union-attr]
+                    outputs = (hidden, hidden_scale, final_out, final_scale, logprobs, topk_ids, flags, final_flags)
+                    host = tuple(self._host_buffer(slot, tensor) for tensor in outputs)
+                    ready = self._copy_out(events, *zip(outputs, host))
         except BaseException:
             self._staging.release(slot)
             raise

@@ -5,7 +5,8 @@ Steps per job: validate -> check the model -> answer from disk if the file at th
 verifies and has the ``content_id`` this worker would write (``fileformat.IDENTITY_KEYS``: the
 job's fields, resolved layers and dtypes, model weights, tokenizer, format version); refuse the
 job if that name holds a valid file of other job content (``job_id_conflict``) -> tokenize
-(caller's thread) -> engine -> non-finite check -> write -> result. The jobs of one call
+(caller's thread; a call's chats with images on preparer threads side by side) -> engine ->
+non-finite check -> write -> result. The jobs of one call
 (:meth:`JobProcessor.process_many`: a bundle) that are not answered from disk are prepared and
 submitted inside the engine's ``preparing`` block (just ahead of the engine, a few callers at
 once; disk answers come before it and take no place there), go to the engine at once and are
@@ -55,7 +56,7 @@ from worker.engine.records import Captured, EngineRequest
 from worker.engine.self_check import CheckReport
 from worker.engine.teacher import dense_topk
 from worker.job.errors import JobError
-from worker.job.tokenize import PreparedInput, Preparer
+from worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
 from worker.job.writer import FileTaken, OnDisk, examine, write_job_file
 from worker.model.image_inputs import image_features_note
 from worker.model.loading import LoadedModel
@@ -150,6 +151,8 @@ class JobProcessor:
         self.storage = storage
         self.worker_name = worker_name
         self._writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="layertap-write")
+        # a bundle's chats with images are prepared side by side (as many as the preparer has tokenizers)
+        self._preparers = ThreadPoolExecutor(max_workers=TOKENIZER_POOL, thread_name_prefix="layertap-prepare")
         self._awaiting_engine = 0
         self._awaiting_lock = threading.Lock()
 
@@ -168,6 +171,7 @@ class JobProcessor:
         """Finish what is queued, then stop the engine and the writer threads."""
         self.engine.stop()
         self._writers.shutdown(wait=True)
+        self._preparers.shutdown(wait=True)
 
     def awaiting_engine(self) -> int:
         """Jobs submitted to the engine whose batch has not come back yet (the watchdog reads it)."""
@@ -230,11 +234,14 @@ class JobProcessor:
         with self.engine.preparing():
             queued = _queued(submitted_at)  # waiting to prepare counts as time in the queue
             stopped = stopped_runs({jobs[index].run for index, _ in targets}) if stopped_runs else {}
+            starting = []
             for index, target in targets:
                 if jobs[index].run in stopped:
                     results[index] = self.refused(jobs[index], stopped[jobs[index].run])
-                    continue
-                outcome = self._guarded(jobs[index], queued, attempts[index], partial(self._start, jobs[index], target))
+                else:
+                    starting.append((index, partial(self._guarded, jobs[index], queued, attempts[index],
+                                                    partial(self._start, jobs[index], target))))
+            for index, outcome in self._prepare(jobs, starting):
                 if isinstance(outcome, _Started):
                     started.append((index, outcome))
                 else:
@@ -243,6 +250,14 @@ class JobProcessor:
         if futures:
             self._finish_all(jobs, started, futures, results, queued, attempts)
         return results  # type: ignore[return-value]
+
+    def _prepare(self, jobs: list[Job], starting: list[tuple[int, Callable[[], Any]]]) -> list[tuple[int, Any]]:
+        """Each ``(index, start)``'s outcome, in order. Where two or more are chats with images
+        (decoding and the image processor: tens of milliseconds each, mostly outside the GIL),
+        all run on the preparer threads side by side; else on this thread."""
+        if sum(1 for index, _ in starting if jobs[index].images()) < 2:
+            return [(index, start()) for index, start in starting]
+        return list(zip((index for index, _ in starting), self._preparers.map(lambda item: item[1](), starting)))
 
     def _submit(self, jobs: list[Job], started: list[tuple[int, _Started]], results: list[Result | None],
                 queued: float | None, attempts: list[int | None]) -> list[Future]:

@@ -29,6 +29,7 @@ from worker.engine.teacher import logit_transform
 from worker.job.chat import render_chat
 from worker.job.errors import JobError
 from worker.job.multimodal import ImageChat, model_image_token_id, render_image_chat
+from worker.model.image_inputs import staged_inputs
 from worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.
@@ -236,7 +237,9 @@ class Preparer:
             raise JobError(ErrorType.no_image_support, f"this worker serves text and token-id jobs only: "
                                                        f"{self.loaded.processor_problem}")
         with self._tokenizer() as tokenizer:
-            return render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config))
+            chat = render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config))
+        chat.model_inputs = staged_inputs(chat.model_inputs, self.loaded.dtype, self.loaded.device)
+        return chat
 
     def _fit_length(self, job: Job, token_ids: list[int], loss_mask: list[int] | None):
         limit, source = self._length_limit(job)

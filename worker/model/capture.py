@@ -14,12 +14,17 @@ load-time :func:`probe_stream` finds the layout, and those are captured whole, a
 has no one input to name, so the probe refuses the model.
 Once the last wanted layer is copied, :class:`StopForward` ends the forward: layers
 past it, the final norm and lm_head never run.
+
+A model split over several devices (``worker.model.split``) is captured where each layer runs:
+the hook hands the layer's output to the first device's *gather stream*, which waits for the
+compute stream of the layer's device, receives it (from another GPU, over the split's transfer stream) and picks
+the real tokens there, so the first device's compute stream never waits for a later stage.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +143,8 @@ class LayerCapture:
         self._final: torch.Tensor | None = None
         self._stop_at: int | None = None
         self._rows: torch.Tensor | None = None
+        self.gather: torch.cuda.Stream | None = None  # a model split over GPUs: its gather stream
+        self.send: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None  # ... and its copy between GPUs
         for index, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True)
         layers[-1].register_forward_hook(self._last_layer_hook)
@@ -150,7 +157,7 @@ class LayerCapture:
                 return
             slot = self._slots.get(index)
             if slot is not None:
-                self._staging[:, slot].copy_(self._real_tokens(_block_input(args, kwargs)))
+                self._store(self._staging[:, slot], self.stream.tokens(_block_input(args, kwargs)))
             if self._stop_at == index:
                 raise StopForward
 
@@ -161,19 +168,30 @@ class LayerCapture:
             return
         slot = self._slots.get(self.num_layers)
         if slot is not None:
-            self._staging[:, slot].copy_(self._real_tokens(_hidden_of(output)))
+            self._store(self._staging[:, slot], self.stream.tokens(_hidden_of(output)))
         if self._stop_at == self.num_layers:
             raise StopForward
 
     def _final_norm_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._final is not None:
             hidden = _hidden_of(output)
-            self._final.copy_(self._select_rows(hidden.reshape(-1, hidden.shape[-1])))
+            self._store(self._final, hidden.reshape(-1, hidden.shape[-1]))
             raise StopForward  # nothing after the final norm is read (a VLM's own forward would go on to logits)
 
-    def _real_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A block's stream -> ``[num_tokens, *per_token]``: the real tokens, in the captured layout."""
-        return self._select_rows(self.stream.tokens(hidden))
+    def _store(self, target: torch.Tensor, flat: torch.Tensor) -> None:
+        """Copy the real tokens of ``flat`` (``[B * T, ...]``, on the device that ran the layer) into
+        ``target`` (on :attr:`device`): directly, or on the gather stream of a split model."""
+        gather = self.gather
+        if gather is None:
+            target.copy_(self._select_rows(flat))
+            return
+        gather.wait_stream(torch.cuda.current_stream(flat.device))
+        with torch.cuda.stream(gather):
+            if flat.device == self.device:
+                flat.record_stream(gather)  # made on the compute stream, read on the gather stream
+            else:
+                flat = self.send(flat, self.device)  # type: ignore[misc]
+            target.copy_(self._select_rows(flat))
 
     def _select_rows(self, flat: torch.Tensor) -> torch.Tensor:
         return flat if self._rows is None else flat.index_select(0, self._rows)
@@ -192,6 +210,10 @@ class LayerCapture:
         self._slots = {layer_id: slot for slot, layer_id in enumerate(layer_ids)}
         self._stop_at = None if final else max(layer_ids)
         self._staging, self._final, self._rows = staging, final_out, rows
+        if self.gather is not None:  # written and read on the gather stream, freed by the engine thread
+            for tensor in (staging, final_out, rows):
+                if tensor is not None:
+                    tensor.record_stream(self.gather)
         try:
             yield staging, final_out
         finally:

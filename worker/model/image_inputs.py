@@ -65,6 +65,16 @@ def one_per_forward(model: nn.Module, reason: str) -> BatchLayout:
                                   f"{reason}")
 
 
+def staged_inputs(inputs: dict[str, torch.Tensor], dtype: torch.dtype,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """One chat's processor outputs as the engine copies them to ``device``: floating ones
+    cast to the model's ``dtype`` here (the cast the model's forward would do; done on a
+    task thread, off the engine's), all pinned where ``device`` is a GPU (the copy is then
+    asynchronous)."""
+    staged = {name: value.to(dtype) if value.is_floating_point() else value for name, value in inputs.items()}
+    return {name: value.pin_memory() for name, value in staged.items()} if device.type == "cuda" else staged
+
+
 def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
     """One batch's model inputs from each chat's (in batch order): :data:`PER_TOKEN` tensors
     right-padded with 0 to ``[B, width]``, the rest concatenated along dim 0. Every chat must

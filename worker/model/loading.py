@@ -35,6 +35,7 @@ from torch import nn
 
 from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
 from producer.protocol.fileformat import MetaKey
+from producer.protocol.layers import eagle3_layer_ids
 from worker.model.attention import set_attention
 from worker.model.batching import ModelRefused, plan_batching
 from worker.model.capture import LayerCapture, UncapturableStream, probe_stream
@@ -45,6 +46,8 @@ from worker.model.quant.fp8 import choose_compute
 from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
 from worker.model.classes import auto_class
 from worker.model.processors import load_processor
+from worker.model.split.stages import ModelSplit, place, plan_split
+from worker.model.vision_attention import choose_vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,8 @@ class LoadedModel:
     processor: Any | None = None  # a VLM's AutoProcessor (images -> model inputs), None for text models
     processor_problem: str = ""  # why a VLM has no processor (said in its image jobs' errors)
     image_batching: BatchLayout | None = None  # how chats with images share a forward (``image_inputs``)
+    split: ModelSplit | None = None  # a model split over layers into stages (``worker.model.split``)
+    vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
 
     @property
     def architecture(self) -> str:
@@ -315,6 +320,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     except UncapturableStream as exc:
         raise ModelRefused(type(model).__name__, str(exc)) from None
     native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    vision = choose_vision_attention(model, parameter.device, parameter.dtype)  # before the switch below
     if plan.attention is not None:
         set_attention(model, plan.attention)
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -328,7 +334,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
         weights_fingerprint=fingerprint or (weights_fingerprint(Path(source)) if Path(source).is_dir()
                                             else parameters_fingerprint(model)),
-        capture=capture,
+        capture=capture, vision_attention=vision,
     )
 
 
@@ -357,10 +363,14 @@ def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
 def compile_decoder_layers(loaded: LoadedModel) -> None:
     """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
     MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
-    and the capture hooks stay outside (they run in ``Module.__call__``). Identical layers
+    and the capture hooks stay outside (they run in ``Module.__call__``), as do accelerate's
+    (a split model's: the layer's own forward is compiled, under them). Identical layers
     share one compiled graph; the engine's warm-up pays the compile time."""
     for layer in loaded.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        if hasattr(layer, "_old_forward"):  # accelerate's hook calls it
+            layer._old_forward = torch.compile(layer._old_forward, dynamic=True)
+        else:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any | None:
@@ -377,7 +387,8 @@ def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -
 
 def load_model(source: str, *, name: str | None = None, device: str = "auto", dtype: str = "auto",
                revision: str | None = None, trust_remote_code: bool = False,
-               chat_template: str | None = None, batching: str = "auto", quant_compute: str = "auto") -> LoadedModel:
+               chat_template: str | None = None, batching: str = "auto", quant_compute: str = "auto",
+               stages: int = 0, token_budget: int = 0, captured_layers: int | None = None) -> LoadedModel:
     """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
     build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.model.shapes``).
     Weights go from the checkpoint to the device tensor by tensor (``device_map``), never
@@ -386,12 +397,17 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     by ``quant_compute`` (auto | dequant | fp8).
     ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
     the attention implementation transformers picks for it (SDPA where it has one, else
-    its own), and is switched to packed attention only where packing is exact."""
+    its own), and is switched to packed attention only where packing is exact.
+    ``stages``: split the layers into that many stages over the devices (:func:`split_devices`;
+    0: one stage per visible GPU when ``device`` is ``cuda`` and several are visible, else none);
+    ``token_budget`` x ``captured_layers`` (default EAGLE-3's count): the states a batch stages,
+    counted on the first stage when the layers are balanced."""
     from transformers import AutoConfig
 
     from worker.model.shapes import (
         SHAPE_PREFIX,
         build_random_model,
+        fill_random,
         is_shape,
         shape_config,
     )
@@ -401,8 +417,20 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         if chat_template is not None:
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         shape = source.removeprefix(SHAPE_PREFIX)
-        model = build_random_model(shape, torch_device, resolve_dtype(dtype, torch_device, shape_config(shape)))
-        return describe(model, None, name=name or source, source=source, batching=batching)
+        devices = split_devices(torch_device, stages)
+        shape_dtype = resolve_dtype(dtype, torch_device, shape_config(shape))
+        plans = None
+        if len(set(devices)) > 1:  # over several GPUs: each stage's weights made on its GPU
+            model = empty_model(shape_config(shape), trust_remote_code=False, dtype=shape_dtype)
+            plans, placed = split_plan(model, devices, token_budget, captured_layers, shape_dtype)
+            fill_random(model, placed, shape_dtype)
+            place(model, placed)
+        else:
+            model = build_random_model(shape, torch.device(devices[0]), shape_dtype)
+            if len(devices) > 1:  # stages sharing one device
+                plans, placed = split_plan(model, devices, token_budget, captured_layers)
+                place(model, placed)
+        return with_split(describe(model, None, name=name or source, source=source, batching=batching), plans)
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     torch_dtype = resolve_dtype(dtype, torch_device, config)
     tokenizer = load_tokenizer(source, revision, trust_remote_code)
@@ -410,10 +438,17 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         if tokenizer is None:
             raise ValueError(f"{source} has no tokenizer, so a chat template cannot be used with it")
         tokenizer.chat_template = chat_template
-    split = torch_device.type == "cuda" and torch_device.index is None and torch.cuda.device_count() > 1
+    scheme = quantization_scheme(config)
+    devices = split_devices(torch_device, stages or (1 if scheme is not None else 0))  # quantized: split if asked
+    if scheme is not None and len(devices) > 1:
+        raise ModelRefused(type(config).__name__, f"{scheme.describe()}: a quantized checkpoint is not split over "
+                           "stages yet (serve it on one device: --split-stages 1)")
+    plans, placement = None, str(torch_device)
+    if len(devices) > 1:
+        plans, placement = split_plan(empty_model(config, trust_remote_code), devices, token_budget, captured_layers,
+                                      torch_dtype)
     folder = checkpoint_folder(source, revision)  # fingerprinted before the weights are read: a rewrite
     fingerprint = weights_fingerprint(folder) if folder is not None else None  # during the load costs a recompute
-    scheme = quantization_scheme(config)
     rss_before, started = peak_rss_bytes(), time.monotonic()
     if scheme is not None:
         model, quantized, quantized_experts = load_quantized_checkpoint(source, config, scheme, torch_device,
@@ -427,9 +462,9 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                  choice.describe(), "; experts dequantized layer by layer just in time" if quantized_experts else "")
     else:
         # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
-        # several visible GPUs (--gpus-per-worker): "auto" spreads the layers over them.
+        # a split (--gpus-per-worker, --split-stages) places each stage's layers on its device.
         options = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-                       device_map="auto" if split else str(torch_device))
+                       device_map=placement)
         try:
             try:
                 model = auto_class(config).from_pretrained(source, **options)
@@ -443,10 +478,12 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                 raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
                                    "transformers has no causal LM class for it, so it has no decoder to read") from None
             raise
+    if plans is not None:
+        place(model, placement, dispatched=True)  # type: ignore[arg-type]
     report = LoadReport(time.monotonic() - started, rss_before, peak_rss_bytes(), weights_bytes(model))
     log.info("%s: %s", source, report.describe())
-    loaded = describe(model, tokenizer, name=name or source, source=source, revision=revision, batching=batching,
-                      fingerprint=fingerprint)
+    loaded = with_split(describe(model, tokenizer, name=name or source, source=source, revision=revision,
+                                 batching=batching, fingerprint=fingerprint), plans)
     loaded.load_report = report
     loaded.processor, loaded.processor_problem = load_processor(model, source, revision, trust_remote_code)
     if type(model).__name__.endswith("ForConditionalGeneration"):
@@ -457,6 +494,55 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                  "an expert no token chose costs nothing)", loaded.experts)
     if scheme is not None:
         loaded.quantization, loaded.quant_compute = scheme, compute
+    return loaded
+
+
+def split_devices(device: torch.device, stages: int) -> list[str]:
+    """The device of each stage, one entry when the model is not split. ``device`` ``cuda`` without
+    an index means the visible GPUs (one worker over ``--gpus-per-worker`` of them); ``stages`` 0:
+    one per visible GPU, fewer: the first that many GPUs, more: they share the devices in order
+    (``--split-stages 2`` on one GPU, or on the CPU)."""
+    from worker.model.split.placement import stage_devices
+
+    if device.type == "cuda" and device.index is None:
+        visible = [f"cuda:{index}" for index in range(max(1, torch.cuda.device_count()))]
+    else:
+        visible = [str(device)]
+    stages = stages or len(visible)
+    return stage_devices(visible[:stages], stages)
+
+
+def empty_model(config: Any, trust_remote_code: bool, dtype: torch.dtype | None = None) -> nn.Module:
+    """The checkpoint's model class with its parameters on the meta device (no memory; buffers
+    real): its module tree and sizes."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return auto_class(config).from_config(config, trust_remote_code=trust_remote_code,
+                                              **({"dtype": dtype} if dtype is not None else {}))
+
+
+def split_plan(model: nn.Module, devices: list[str], token_budget: int, captured_layers: int | None,
+               dtype: torch.dtype | None = None) -> tuple[list, dict[str, str]]:
+    """Stages of ``model`` (built, or on the meta device) over ``devices`` and the device map placing
+    them; the first stage also holds a batch's staging tensor (``token_budget`` tokens of
+    ``captured_layers``, default EAGLE-3's count). ``dtype``: the weights' once loaded (default: the model's)."""
+    config = model.config.get_text_config()
+    decoder, layers = find_decoder_layers(model, block_count(model, config))
+    dtype = dtype or next(model.parameters()).dtype
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    captured = captured_layers or len(eagle3_layer_ids(len(layers)))
+    return plan_split(model, layers, find_final_norm(decoder), dtype, devices, len(devices),
+                      token_budget * captured * hidden * dtype.itemsize)
+
+
+def with_split(loaded: LoadedModel, plans: list | None) -> LoadedModel:
+    """``loaded`` with its stages installed (``plans`` None: not split); logs them and each GPU's memory."""
+    if plans is None:
+        return loaded
+    loaded.split = ModelSplit(plans, loaded.decoder, loaded.layers)
+    loaded.capture.gather, loaded.capture.send = loaded.split.gather, loaded.split.send
+    log.info("split over %d stages: %s", len(plans), loaded.split.describe())
     return loaded
 
 

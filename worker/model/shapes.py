@@ -40,6 +40,13 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                         head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
                                         rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False)),
+    # Qwen3-235B-A22B: 94 layers, 128 experts, 8 chosen per token; 470 GB in bf16, so split over GPUs
+    # (--gpus-per-worker 8, or the bench's --split-stages 8), each stage's weights made on its GPU.
+    "qwen3-235b-a22b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                          moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+                                          num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                          head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                                          rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False)),
     # Qwen2.5-VL-7B's shape (vision tower included): its text jobs measure the VLM's decoder
     # (issue 25's text-only figure); its text decoder is found as for any VLM checkpoint.
     "qwen2.5-vl-7b": ("qwen2_5_vl", dict(
@@ -98,3 +105,35 @@ def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed
     with torch.device(device):
         model = auto_class(config).from_config(config, dtype=dtype)
     return model.eval()
+
+
+def fill_random(model, placement: dict[str, str], dtype: torch.dtype, seed: int = 0) -> None:
+    """Give a model built with empty weights (``accelerate.init_empty_weights``: parameters on the
+    meta device, buffers real) random weights, each made on the device ``placement`` (an accelerate
+    device map) names for it: a shape too big for one GPU is never whole on one. Matrices are
+    normal with the config's ``initializer_range``, norm weights ones, other vectors zeros (the
+    values ``from_config`` would draw differ; speed does not depend on them)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    def device_of(name: str) -> str:
+        prefix = name
+        while prefix not in placement:
+            if not prefix:
+                raise ValueError(f"the device map places no prefix of {name}")
+            prefix = prefix.rpartition(".")[0]
+        return placement[prefix]
+
+    std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
+    torch.manual_seed(seed)
+    for name, parameter in list(model.named_parameters()):
+        value = torch.empty(parameter.shape, dtype=dtype, device=device_of(name))
+        if parameter.dim() > 1:
+            value.normal_(0.0, std)
+        else:
+            value.fill_(1.0 if "norm" in name.rpartition(".")[0].rpartition(".")[2] else 0.0)
+        set_module_tensor_to_device(model, name, device_of(name), value=value)
+    for name, buffer in list(model.named_buffers()):
+        set_module_tensor_to_device(model, name, device_of(name), value=buffer)
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    model.eval()

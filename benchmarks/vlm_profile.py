@@ -1,0 +1,177 @@
+"""Where the time of image chats goes, on the checkpoint and images ``benchmarks/vlm.py`` writes:
+
+    python3 benchmarks/vlm_profile.py --folder /dev/shm/layertap-vlm --out $OUT/vlm-profile.json
+
+1. **processing**: each chat's image decoded and run through the model's processor with its
+   text, then staged (cast, pinned) as a worker's task thread does: ms per chat on one thread,
+   and chats/s on ``--threads`` threads side by side; where the image processor is the
+   torchvision one, also its ``device=`` form (the image processed on the GPU);
+2. **forward**: one batch of ``--batch`` chats through ``worker.engine.runner.run_with_images``
+   (vision tower, merging, M-RoPE, language model; with its logits, which a worker's capture
+   stops before) and the vision tower alone, each with the
+   vision tower's varlen flash attention (``worker.model.vision_attention``) and with
+   transformers' per-window SDPA; the tower's outputs of the two compared;
+3. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
+   by device time and the top operators by host time.
+
+``--shape qwen2.5-vl-tiny --device cpu --image-tokens 16 --text-tokens 40`` runs on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vlm import conversations, template_chat, write_model
+from worker.bench.measure import sync
+from worker.engine.runner import run_with_images
+from worker.model.image_inputs import staged_inputs
+from worker.model.loading import load_model, transformers_attention
+from worker.model.processors import load_processor
+from worker.model.vision_attention import vision_attention
+
+
+def process(processor: Any, chat: dict[str, Any], images: Path, loaded: Any, **image_options: Any) -> dict:
+    """One chat as a task thread prepares it: ``input_ids`` and the staged model inputs."""
+    data = (images / chat["messages"][0]["content"][0]["image"]).read_bytes()
+    picture = Image.open(io.BytesIO(data)).convert("RGB")
+    text = processor.tokenizer.apply_chat_template(template_chat(chat), tokenize=False)
+    outputs = processor(text=[text], images=[picture], return_tensors="pt", add_special_tokens=False,
+                        **image_options)
+    inputs = {name: value for name, value in outputs.items()
+              if name not in ("input_ids", "attention_mask") and isinstance(value, torch.Tensor)}
+    if not image_options:
+        inputs = staged_inputs(inputs, loaded.dtype, loaded.device)
+    return {"input_ids": outputs["input_ids"][0], "inputs": inputs}
+
+
+def timed(device: torch.device, step: Any, repeats: int = 3) -> float:
+    """Seconds of one ``step()``, the best of ``repeats`` after a warm-up."""
+    step()
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folder", type=Path, default=Path("/dev/shm/layertap-vlm"))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--shape", default="qwen2.5-vl-7b")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--chats", type=int, default=32, help="chats for the processing figures")
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--image-tokens", type=int, default=1000)
+    parser.add_argument("--text-tokens", type=int, default=480)
+    parser.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
+    args = parser.parse_args()
+    from worker.model.loading import resolve_device
+
+    device = resolve_device(args.device)
+    model_dir = write_model(args.shape, args.folder / args.shape, device)
+    loaded = load_model(str(model_dir), device=str(device), dtype="bfloat16")
+    processor, problem = load_processor(loaded.model, str(model_dir), None, False)
+    assert processor is not None, problem
+    report: dict[str, Any] = {"device": str(device), "shape": args.shape,
+                              "image_processor": type(processor.image_processor).__name__,
+                              "vision_attention": loaded.vision_attention}
+    profile_folder = args.folder / "profile"
+    chats = conversations(profile_folder, max(args.chats, args.batch), args.image_tokens, args.text_tokens,
+                          processor.tokenizer)
+    images = profile_folder / "images"
+
+    # 1. processing
+    start = time.perf_counter()
+    prepared = [process(processor, chat, images, loaded) for chat in chats]
+    serial = (time.perf_counter() - start) / len(chats)
+    with ThreadPoolExecutor(args.threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda chat: process(processor, chat, images, loaded), chats))
+        threaded = len(chats) / (time.perf_counter() - start)
+    report["processing"] = {"ms_per_chat_one_thread": 1e3 * serial, "threads": args.threads,
+                            "chats_per_s_threads": threaded,
+                            "tokens_per_chat": sum(len(p["input_ids"]) for p in prepared) / len(prepared)}
+    if device.type == "cuda":  # torchvision image processors take device=; others refuse it
+        try:
+            process(processor, chats[0], images, loaded, device=device)
+            sync(device)
+            start = time.perf_counter()
+            for chat in chats:
+                process(processor, chat, images, loaded, device=device)
+            sync(device)
+            report["processing"]["ms_per_chat_on_device"] = 1e3 * (time.perf_counter() - start) / len(chats)
+        except Exception as exc:  # noqa: BLE001 - a figure we report as missing, with why
+            report["processing"]["on_device_error"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(report, indent=2), flush=True)
+
+    # 2. forward
+    batch = prepared[:args.batch]
+    width = max(len(p["input_ids"]) for p in batch)
+    input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, chat in enumerate(batch):
+        input_ids[row, :len(chat["input_ids"])] = chat["input_ids"]
+    input_ids = input_ids.to(device)
+    inputs = [chat["inputs"] for chat in batch]
+    pixels = torch.cat([chat["pixel_values"] for chat in inputs]).to(device)
+    grid = torch.cat([chat["image_grid_thw"] for chat in inputs]).to(device)
+    visual = loaded.model.model.visual
+    chosen = loaded.vision_attention
+
+    def forward() -> None:
+        with torch.inference_mode():
+            run_with_images(loaded, input_ids, inputs)
+
+    def tower(name: str | None) -> Any:
+        with torch.inference_mode(), transformers_attention(loaded), vision_attention(loaded.model, name):
+            return visual(pixels, grid_thw=grid).pooler_output
+
+    forwards = {"tokens": int(sum(len(p["input_ids"]) for p in batch)), "patches": int(pixels.shape[0])}
+    for label, name in [("per-window SDPA", None)] + ([("vision varlen flash", chosen)] if chosen else []):
+        loaded.vision_attention = name
+        forwards[f"batch ms ({label})"] = 1e3 * timed(device, forward)
+        forwards[f"tower ms ({label})"] = 1e3 * timed(device, lambda: tower(name))
+    loaded.vision_attention = chosen
+    if chosen is not None:
+        fast, plain = tower(chosen).float(), tower(None).float()
+        forwards["tower output relative difference (flash vs per-window SDPA)"] = float(
+            (fast - plain).norm() / plain.norm())
+    batch_ms = forwards.get("batch ms (vision varlen flash)", forwards["batch ms (per-window SDPA)"])
+    forwards["tokens_per_s (forward alone)"] = forwards["tokens"] / (batch_ms / 1e3)
+    forwards["processing share of a chat's time (one thread)"] = serial / (serial + batch_ms / 1e3 / len(batch))
+    report["forward"] = forwards
+    print(json.dumps(forwards, indent=2), flush=True)
+
+    # 3. profile
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        forward()
+        sync(device)
+    averages = profiler.key_averages()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    tables = {"by device time": averages.table(sort_by=sort, row_limit=args.rows),
+              "by host self time": averages.table(sort_by="self_cpu_time_total", row_limit=args.rows)}
+    for title, table in tables.items():
+        print(f"\n== one batch of {len(batch)} chats, {title}\n{table}", flush=True)
+    report["profile"] = tables
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

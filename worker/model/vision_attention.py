@@ -1,0 +1,133 @@
+"""Attention for vision towers that cut their patches into sequences by ``cu_seqlens``
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): one variable-length flash call per layer.
+
+Registered with transformers' ``AttentionInterface`` under :data:`VISION_ATTENTION_NAME`,
+and set on the vision sub-config only. These towers test their implementation's name with
+``is_flash_attention_requested`` (a substring test for ``"flash"``): on a flash name they
+hand the attention function every image's (Qwen2.5-VL: every window's) boundaries as
+``cu_seq_lens_q``/``max_length_q``; on any other name they split q/k/v per sequence and call
+the function once per image or window (Qwen2.5-VL's windowed layers: about 60 calls per
+1,000-token image per layer, thousands of small kernels per batch). Two ways to attend,
+both bidirectional within a sequence and blind across sequences:
+
+* on a GPU that runs flash attention (bf16/fp16, compute capability 8.0+): one
+  non-causal variable-length flash call (aten's ``_flash_attention_forward``, as
+  ``worker.model.attention`` does for text), the boundaries as given;
+* otherwise exactly what transformers does under ``"sdpa"``: the same split, the same
+  ``sdpa_attention_forward`` call per sequence, the same concatenation (the same numbers).
+
+:func:`choose_vision_attention` picks it at load time for towers on a GPU in bf16/fp16 whose
+own implementation is ``"sdpa"``; :func:`vision_attention` applies it around a forward with
+images (the whole-model attention switches of ``worker.model.loading`` reset sub-configs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.model.attention import varlen_flash_usable
+
+#: Contains "flash": what makes the towers pass ``cu_seq_lens_q`` (see the module docstring).
+VISION_ATTENTION_NAME = "layertap_vision_varlen_flash"
+#: The only implementation it stands in for (its fallback).
+REPLACED = "sdpa"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@torch.compiler.disable
+def vision_varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query``/``key``/``value`` ``[1, heads, T, dim]`` holding the sequences that
+    ``cu_seq_lens_q`` bounds (int32 ``[n + 1]``); returns ``[1, T, heads, dim]``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa_attention_forward = ALL_ATTENTION_FUNCTIONS[REPLACED]  # what the tower calls under "sdpa"
+    options = dict(attention_mask=attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if cu_seq_lens_q is None:  # an attention that names no sequences: plain SDPA over all of it
+        return sdpa_attention_forward(module, query, key, value, **options)
+    if (varlen_flash_usable(query) and attention_mask is None and not is_causal and not dropout
+            and cu_seq_lens_k is cu_seq_lens_q and query.shape == key.shape == value.shape
+            and max_length_q is not None and cu_seq_lens_q.dtype == torch.int32):
+        # [1, H, T, D] -> [T, H, D]: views of what the tower transposed from [T, H, D].
+        q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
+        output = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens_q, cu_seq_lens_q, int(max_length_q),
+                                                         int(max_length_q), 0.0, False, False, scale=scaling)[0]
+        return output[None], None
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    splits = [torch.split(tensor, lengths, dim=2) for tensor in (query, key, value)]
+    outputs = [sdpa_attention_forward(module, q, k, v, **options)[0] for q, k, v in zip(*splits)]
+    return torch.cat(outputs, dim=1), None
+
+
+def register() -> None:
+    """Make :data:`VISION_ATTENTION_NAME` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VISION_ATTENTION_NAME, vision_varlen_attention)
+
+
+def vision_config(model: nn.Module) -> Any | None:
+    """The config of ``model``'s vision tower where its attention takes ``cu_seqlens`` (the
+    towers this module serves), else None."""
+    config = getattr(getattr(model, "config", None), "vision_config", None)
+    if config is None:
+        return None
+    for module in model.modules():
+        if getattr(module, "config", None) is config and "cu_seqlens" in _parameters(module):
+            return config
+    return None
+
+
+def _parameters(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def choose_vision_attention(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
+    """:data:`VISION_ATTENTION_NAME` for ``model``'s vision tower where it pays (a tower that
+    takes ``cu_seqlens``, on a GPU, in bf16/fp16, whose implementation is ``"sdpa"``), else
+    None (the tower keeps transformers' choice). Call before any whole-model switch."""
+    config = vision_config(model)
+    if config is None or device.type != "cuda" or dtype not in FLASH_DTYPES:
+        return None
+    if getattr(config, "_attn_implementation", None) != REPLACED:
+        return None
+    register()
+    return VISION_ATTENTION_NAME
+
+
+@contextlib.contextmanager
+def vision_attention(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Within the block ``model``'s vision tower runs ``name`` (from :func:`choose_vision_attention`;
+    nothing changes for None); after it, what it ran before."""
+    config = getattr(model.config, "vision_config", None) if name is not None else None
+    if config is None:
+        yield
+        return
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
