@@ -76,6 +76,9 @@ class WorkerSettings(BaseModel):
     loglevel: str = "INFO"
     log_format: LogFormat = LogFormat.text
     metrics_port: int = Field(default=0, ge=0, le=65535)  # Prometheus /metrics; 0 = off (supervised: +i per child)
+    # Where results go besides the run's stream: sink name (worker.queue.sinks.SINKS) or "module:Class" ->
+    # its options; every result a worker publishes passes them. Listing sinks replaces the default.
+    result_sinks: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"metrics": {}})
     progress_interval_s: float = Field(default=10.0, ge=0)  # a progress line (tokens/s, jobs/s, queue, memory); 0 = off
     # Seconds jobs may wait on the engine with no batch finished before the worker counts as hung
     # and exits (its jobs go to other workers); None: see hang_bound_s.

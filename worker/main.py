@@ -28,14 +28,16 @@ from worker.model.loading import load_model
 from worker.ops.gc_freeze import freeze_long_lived_objects
 from worker.ops.lifecycle import ServiceGroup
 from worker.ops.logs import configure_logging
-from worker.ops.metrics import MeteredPublisher, WorkerMetrics
+from worker.ops.metrics import WorkerMetrics
 from worker.ops.progress import ProgressLine
 from worker.ops.phase import LOADING, SERVING, report_phase
 from worker.ops.watchdog import EngineWatchdog, start_deadline
 from worker.queue.handler import WorkerService
 from worker.queue.lease import LeaseKeeper, held_delivery_tags
+from worker.queue.publisher import ResultPublisher
 from worker.queue.reconciler import Reconciler
 from worker.queue.retention import RetentionSweep
+from worker.queue.sinks import SinkContext, build_sinks
 from worker.queue.task_events import batch_task_events
 from worker.queue.tasks import register_bundle_task, register_extract_task
 from worker.startup import check_layers, check_model_source, settings_line
@@ -118,7 +120,8 @@ def run_worker(settings: Settings) -> int:
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
                                                "gpus": gpus, "dtype": dtype}, storage)
     client = connect(settings)
-    service = WorkerService(processor, client, MeteredPublisher(client, metrics), settings.max_attempts,
+    publisher = ResultPublisher(client, sinks=build_sinks(ws.result_sinks, SinkContext(node, metrics)))
+    service = WorkerService(processor, client, publisher, settings.max_attempts,
                             storage_retry_s=settings.worker.storage_retry_s)
     app = make_celery(settings)
     set_held_messages(held_delivery_tags)  # a broker channel closing after an error leaves these held
@@ -146,7 +149,8 @@ def run_worker(settings: Settings) -> int:
                                                 "tokens_per_s": round(metrics.tokens_per_second(), 1),
                                                 "cpu": _process_cpu()},
                          settings.orphan_timeout)
-    reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout)
+    reconciler = Reconciler(client, app, node, interval=settings.orphan_timeout, grace=settings.orphan_timeout,
+                            publisher=publisher)
     retention = RetentionSweep(client, node, settings.retention.results_s, settings.retention.sweep_interval_s)
 
     hang_bound = ws.hang_bound_s(settings.limits.max_tokens)

@@ -28,8 +28,8 @@ from producer.protocol.layers import LayerIdError, resolve_layer_ids
 from producer.protocol.naming import served_model_name
 from producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
 from producer.settings import Settings
+from producer.transport import ledger
 from producer.transport.celery_app import make_celery, send_extract
-from producer.transport.pending import record_pending
 from producer.transport.redis_conn import connect, retrying
 
 
@@ -112,10 +112,10 @@ class Client:
         """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
         (each job's latest send time: a pending record older than it no longer covers the job,
-        ``producer.transport.pending``) and every message's pending record are written first, in
+        ``producer.transport.ledger``) and every message's pending record are written first, in
         one round trip."""
         now = time.time()
-        sends = []
+        sends, sent = [], []
         for jobs in messages:
             first = jobs[0][0]
             if len(jobs) == 1:
@@ -124,18 +124,10 @@ class Client:
                 task, task_id = keys.EXTRACT_BUNDLE_TASK, keys.bundle_task_id(first.run, uuid.uuid4().hex)
                 args = [[payload for _, payload in jobs]]
             sends.append((task, args, {"submitted_at": now}, keys.model_queue(first.model), task_id))
-
-        def record() -> None:
-            pipe = self.redis.pipeline(transaction=True)
-            for jobs, (task, args, kwargs, queue, task_id) in zip(messages, sends):
-                for job, _ in jobs:
-                    pipe.hset(keys.run_submitted_hash(job.run), job.job_id, now)  # type: ignore[arg-type]
-                bundle_jobs = [(job.run, job.job_id) for job, _ in jobs] if task == keys.EXTRACT_BUNDLE_TASK else None
-                record_pending(pipe, queue, task_id, now, bundle_jobs)  # type: ignore[arg-type]
-            pipe.execute()
-
+            sent.append(ledger.SentMessage(keys.model_queue(first.model), task_id,
+                                           [(job.run, job.job_id or "") for job, _ in jobs], len(jobs) > 1))
         wait_s = self.settings.redis_wait_s
-        retrying(record, wait_s)
+        retrying(lambda: ledger.record_sent(self.redis, sent, now), wait_s)
         for task, args, kwargs, queue, task_id in sends:
             retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task), wait_s)
 
@@ -192,9 +184,7 @@ class Client:
     def seal(self, run: str, sealed: bool = True) -> None:
         """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer
         (``producer.files.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
-        key = keys.run_sealed_key(run)
-        retrying(lambda: self.redis.set(key, time.time()) if sealed else self.redis.delete(key),
-                 self.settings.redis_wait_s)
+        retrying(lambda: ledger.seal(self.redis, run, sealed), self.settings.redis_wait_s)
 
     # -- reading results ---------------------------------------------------------------
     def results(self, run: str, *, follow: bool = False, since: str = "0",

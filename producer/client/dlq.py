@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.client.client import Client
-from producer.protocol import keys
+from producer.transport import ledger
 
 
 @dataclass
@@ -36,7 +36,7 @@ class DeadLetter:
 
 def list_dead(client: Client, count: int | None = None) -> list[DeadLetter]:
     """Dead letters, oldest first."""
-    entries = client.redis.xrange(keys.DEAD_LETTER_STREAM, count=count)
+    entries = ledger.dead_letters(client.redis, count)
     return [DeadLetter.from_entry(entry_id, fields) for entry_id, fields in entries]
 
 
@@ -47,17 +47,13 @@ def requeue(client: Client, entry_ids: list[str] | None = None) -> list[str]:
     for letter in list_dead(client):
         if wanted is not None and letter.entry_id not in wanted:
             continue
-        client.redis.delete(keys.attempts_key(letter.run, letter.job_id))
+        ledger.clear_attempts(client.redis, letter.run, letter.job_id)
         client.submit(letter.job)
-        client.redis.xdel(keys.DEAD_LETTER_STREAM, letter.entry_id)
+        ledger.remove_dead_letters(client.redis, [letter.entry_id])
         requeued.append(letter.job_id)
     return requeued
 
 
 def purge(client: Client, entry_ids: list[str] | None = None) -> int:
     """Delete dead letters (all, or the given entries); returns how many."""
-    if entry_ids:
-        return int(client.redis.xdel(keys.DEAD_LETTER_STREAM, *entry_ids))
-    count = int(client.redis.xlen(keys.DEAD_LETTER_STREAM))
-    client.redis.delete(keys.DEAD_LETTER_STREAM)
-    return count
+    return ledger.remove_dead_letters(client.redis, entry_ids)

@@ -30,6 +30,7 @@ import redis
 from producer.client import runs
 from producer.protocol import keys
 from producer.protocol.schema import Result, Status
+from producer.transport import ledger
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +40,6 @@ LOCK_MS = 300_000
 PAGE = 1000
 #: Job ids named in the log of jobs that cannot be trained.
 LOGGED_IDS = 20
-
-#: KEYS[1]: lock. ARGV[1]: token. Delete the lock only while this filler holds it.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
 
 @dataclass
 class Recovery:
@@ -70,13 +62,13 @@ def fill(client: redis.Redis, run: str, group: str) -> Recovery | None:
     if marker is None or client.get(keys.run_recovered_key(run, group)) == marker:
         return Recovery()  # never trimmed, or filled since the last trim
     lock, token = keys.run_recovery_lock(run, group), uuid.uuid4().hex
-    if not client.set(lock, token, nx=True, px=LOCK_MS):
+    if not ledger.take_lock(client, lock, token, LOCK_MS):
         return None
     try:
         found = _fill(client, run, group)
-        client.set(keys.run_recovered_key(run, group), marker)
+        ledger.mark_recovered(client, run, group, marker)
     finally:
-        client.eval(_RELEASE, 1, lock, token)
+        ledger.release_lock(client, lock, token)
     if found.queued:
         log.warning("run %s, consumer group %s: %d ok and %d error result(s) were trimmed from the results stream "
                     "before the group read them; recovered from the run's ledger", run, group, found.ok, found.errors)
@@ -123,11 +115,11 @@ def _queue_missed(client: redis.Redis, run: str, group: str, page: list[tuple[st
     pipe.hmget(keys.run_result_ids_hash(run), job_ids)
     pipe.hmget(keys.run_consumed_hash(run, group), job_ids)
     indexed, consumed = pipe.execute()
-    writes = client.pipeline(transaction=False)
+    missed: list[str] = []
     for (job_id, status), entry_id, taken in zip(page, indexed, consumed, strict=True):
         if entry_id is not None or taken is not None or job_id in queued:
             continue
-        writes.xadd(keys.run_recovery_stream(run, group), {keys.RECOVERY_JOB_FIELD: job_id})
+        missed.append(job_id)
         queued.add(job_id)
         if status == Status.ok.value:
             found.ok += 1
@@ -136,7 +128,7 @@ def _queue_missed(client: redis.Redis, run: str, group: str, page: list[tuple[st
                 found.without_file.append(job_id)
         else:
             found.errors += 1
-    writes.execute()
+    ledger.queue_recovered(client, run, group, missed)
 
 
 def recovered_result(client: redis.Redis, run: str, job_id: str) -> Result | None:

@@ -5,11 +5,12 @@ after a stream id (``"0"``: from the start), so following a run costs O(new entr
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from producer.protocol import keys
 from producer.protocol.schema import Result
+from producer.transport.ledger import entry_result as entry_result  # the one parser of an entry
 
 if TYPE_CHECKING:
     import redis
@@ -17,11 +18,6 @@ if TYPE_CHECKING:
 #: Entries per read.
 PAGE = 1000
 START = "0"
-
-
-def entry_result(fields: Mapping[str, str]) -> Result:
-    """The result of one stream entry. Raises ``KeyError`` (no result field) or ``ValidationError``."""
-    return Result.model_validate_json(fields[keys.RESULT_FIELD])
 
 
 def read_after(client: redis.Redis, run: str, after: str = START, *, count: int = PAGE,

@@ -1,5 +1,9 @@
 """A run's lifecycle: list runs, see whether one is complete, cancel it, delete it.
 
+This module reads the run's ledger and orders its changes; every change itself (cancel, trim,
+the keys a delete removes) is made by ``producer.transport.ledger``, the one writer of job and
+run state, from which :func:`cancel`, :func:`trim` and :func:`run_names` come.
+
 A run exists once the Client has recorded a job in its submitted hash (or a worker has
 published a result to its stream). Its progress is the length of that hash against the
 length of its status hash (one entry per job with a final result).
@@ -39,34 +43,20 @@ from pathlib import Path
 
 import redis
 
-from producer.client.results import entry_result, stream_results
+from producer.client.results import stream_results
 from producer.protocol import fileformat as ff
 from producer.protocol import keys
 from producer.protocol.fileformat import MetaKey
-from producer.protocol.naming import job_location, storage_root_of
-from producer.protocol.schema import ErrorType, Result, Status
+from producer.protocol.naming import job_location
+from producer.protocol.schema import Result, Status
 from producer.storage.base import Storage
 from producer.storage.registry import storage_for
+from producer.transport import ledger
+from producer.transport.ledger import cancel as cancel  # re-exported: the run's ledger changes
+from producer.transport.ledger import run_keys
+from producer.transport.ledger import run_names as run_names
+from producer.transport.ledger import trim as trim
 
-#: One page of :func:`trim`, atomic: add the storage roots ARGV[3..2+n] (n = ARGV[2]) of the
-#: dropped ok results to KEYS[3]; for each (job id, stream id) pair after them, delete the job's
-#: field in KEYS[1] if it still names that entry (a later duplicate's entry keeps its field); drop
-#: the stream KEYS[2]'s entries before ARGV[1] (``XTRIM MINID``, exact); and mark the run trimmed
-#: (KEYS[4] = the last entry dropped). It runs at ``maxmemory`` (``allow-oom``: a ``MULTI`` holding
-#: a write is refused there, and trimming is what frees memory); its only growing writes are a
-#: root not yet recorded and the marker's fixed-size value, everything else frees.
-TRIM_PAGE_SCRIPT = """#!lua flags=allow-oom
-local roots = tonumber(ARGV[2])
-for i = 3, 2 + roots do
-  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then redis.call('SADD', KEYS[3], ARGV[i]) end
-end
-for i = 3 + roots, #ARGV - 1, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
-end
-redis.call('XTRIM', KEYS[2], 'MINID', ARGV[1])
-redis.call('SET', KEYS[4], ARGV[#ARGV])
-"""
-TRIM_PAGE = 1000
 HELD_POLL_S = 1.0
 
 
@@ -151,12 +141,6 @@ def is_complete(client: redis.Redis, run: str) -> bool:
     return found.submitted > 0 and found.finished >= found.submitted
 
 
-def run_names(client: redis.Redis) -> list[str]:
-    """Every run the Client has submitted to, by name."""
-    return sorted({keys.run_of_submitted_hash(keys.as_text(key))
-                   for key in client.scan_iter(match=keys.RUN_SUBMITTED_PATTERN, count=1000)})
-
-
 def list_runs(client: redis.Redis) -> list[RunSummary]:
     """Every run the Client has submitted to, by name, with its bytes in Redis."""
     found = []
@@ -164,14 +148,6 @@ def list_runs(client: redis.Redis) -> list[RunSummary]:
         listed = summary(client, run, count_cancelled=True)
         listed.redis_bytes = redis_bytes(client, run)
         found.append(listed)
-    return found
-
-
-def run_keys(client: redis.Redis, run: str) -> list[str]:
-    """Every key of ``run``: its results stream, its ``layertap:run:<run>:*`` keys, its attempt counters."""
-    found = [keys.results_stream(run)] if client.exists(keys.results_stream(run)) else []
-    for pattern in (keys.run_keys_pattern(run), keys.attempts_pattern(run)):
-        found.extend(keys.as_text(key) for key in client.scan_iter(match=pattern, count=1000))
     return found
 
 
@@ -200,39 +176,6 @@ def is_cancelled(client: redis.Redis, run: str) -> bool:
     return bool(client.exists(keys.run_cancelled_key(run)))
 
 
-#: ``SET KEYS[1] ARGV[1] NX``, also at ``maxmemory`` (a run is cancelled, or deleted, most when Redis is full).
-CANCEL_SCRIPT = """#!lua flags=allow-oom
-return redis.call('SET', KEYS[1], ARGV[1], 'NX')
-"""
-
-
-def cancel(client: redis.Redis, run: str) -> None:
-    """Mark ``run`` cancelled (idempotent: the first cancel time stays; works at ``maxmemory``). A
-    job not yet handed to a worker's engine then ends ``cancelled``; one already there ends as it
-    would have."""
-    client.eval(CANCEL_SCRIPT, 1, keys.run_cancelled_key(run), time.time())
-
-
-def cancelled_error(run: str) -> str:
-    """The error message of a job of ``run`` not run because the run was cancelled."""
-    return f"run {run} was cancelled (layertap runs cancel); this job was not run"
-
-
-def cancelled_result(run: str, job_id: str, *, worker: str | None, model: str | None = None,
-                     metadata: str | None = None) -> Result:
-    """The final result of a job of a cancelled run that was not run."""
-    return Result(job_id=job_id, run=run, status=Status.error, error_type=ErrorType.cancelled,
-                  error=cancelled_error(run), model=model, worker=worker, metadata=metadata)
-
-
-def lost_result(run: str, job_id: str, *, worker: str | None, model: str | None = None) -> Result:
-    """The final result of a job whose message is gone before any worker held it (the reconciler's)."""
-    return Result(job_id=job_id, run=run, status=Status.error, error_type=ErrorType.lost,
-                  error=f"job {job_id}'s message was lost before a worker took it (the queue was purged, or the "
-                        "client died before sending it); this job was not run: `layertap enqueue` sends it again",
-                  model=model, worker=worker)
-
-
 def held_messages(client: redis.Redis, run: str) -> int:
     """Messages of ``run`` that workers hold now (their ``unacked`` records): O(messages in flight)."""
     prefix = keys.task_id(run, "")
@@ -255,12 +198,12 @@ def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: s
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
                            f"`layertap runs cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
-    prefix = keys.task_id(run, "")
     if force:
         cancel(client, run)
+        prefix = keys.task_id(run, "")
         queues = {json.loads(record)["queue"] for _, record in client.hscan_iter(keys.PENDING_HASH, match=f"{prefix}*")}
         for queue in sorted(queues):
-            _remove_queued(client, queue, prefix)
+            ledger.remove_queued(client, queue, run)
         deadline = time.monotonic() + held_wait_s
         while held := held_messages(client, run):
             if time.monotonic() > deadline:
@@ -271,19 +214,7 @@ def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: s
             time.sleep(HELD_POLL_S)
     paths = [path if files_under is None else str(_file_under(files_under, run, job_id, path))
              for job_id, (path, _) in ok_files(client, run).items()]
-    pipe = client.pipeline(transaction=False)
-    for pending in (keys.PENDING_HASH, keys.SUSPECT_HASH):
-        task_ids = [keys.as_text(task_id) for task_id, _ in client.hscan_iter(pending, match=f"{prefix}*")]
-        if task_ids:
-            pipe.hdel(pending, *task_ids)
-    for queue in map(keys.as_text, client.smembers(keys.PENDING_QUEUES_SET)):
-        sent = keys.pending_sent_zset(queue)
-        task_ids = [keys.as_text(task_id) for task_id, _ in client.zscan_iter(sent, match=f"{prefix}*")]
-        if task_ids:
-            pipe.zrem(sent, *task_ids)
-    for key in run_keys(client, run):
-        pipe.delete(key)
-    pipe.execute()
+    ledger.forget_run(client, run)
     return paths
 
 
@@ -294,65 +225,6 @@ def _file_under(root: str | Path | Storage, run: str, job_id: str, path: str) ->
         raise ValueError(f"job {job_id}'s result names {path!r}, which is not its file under the storage root "
                          f"{storage.root} (setting storage_root, --storage): nothing was deleted")
     return found
-
-
-def _entry_id(value: str) -> tuple[int, int]:
-    milliseconds, _, sequence = value.partition("-")
-    return int(milliseconds), int(sequence or 0)
-
-
-def _after(entry_id: str) -> str:
-    """The smallest stream id after ``entry_id``."""
-    milliseconds, sequence = _entry_id(entry_id)
-    return f"{milliseconds}-{sequence + 1}"
-
-
-def unconsumed_from(client: redis.Redis, stream: str) -> str | None:
-    """The first stream id some consumer group of ``stream`` has not acknowledged (an entry
-    pending in it, or the first it has not read); None when no group holds any back."""
-    try:
-        groups = client.xinfo_groups(stream)
-    except redis.exceptions.ResponseError:  # no such stream
-        return None
-    bounds = []
-    for group in groups:
-        bounds.append(_after(keys.as_text(group["last-delivered-id"])))
-        pending = client.xpending(stream, group["name"])
-        if pending["pending"]:
-            bounds.append(keys.as_text(pending["min"]))
-    return min(bounds, key=_entry_id) if bounds else None
-
-
-def trim(client: redis.Redis, run: str, *, before: float | None = None) -> int:
-    """Drop the run's stream entries published before ``before`` (Unix time; None: every one so
-    far) that no consumer group still needs; returns how many were dropped.
-
-    Safe while workers publish: entries are read, then dropped up to the last one read
-    (``XTRIM MINID``, exact), and a job's result-id field goes only while it still names a
-    dropped entry. The storage roots of dropped ok results go to ``keys.run_roots_set`` first,
-    in the same script (:data:`TRIM_PAGE_SCRIPT`, which works at ``maxmemory``). The status
-    and submitted hashes are not touched."""
-    stream = keys.results_stream(run)
-    bounds = [value for value in (unconsumed_from(client, stream),
-                                  None if before is None else f"{int(before * 1000)}-0") if value]
-    end = f"({min(bounds, key=_entry_id)}" if bounds else "+"
-    dropped = 0
-    while True:
-        entries = client.xrange(stream, min="-", max=end, count=TRIM_PAGE)
-        if not entries:
-            return dropped
-        pairs: list[str] = []
-        roots: set[str] = set()
-        for entry_id, fields in entries:
-            result = entry_result({keys.as_text(name): value for name, value in fields.items()})
-            pairs += [result.job_id, keys.as_text(entry_id)]
-            root = storage_root_of(result.path, run, result.job_id) if result.ok and result.path else None
-            if root is not None:
-                roots.add(str(root))
-        last = keys.as_text(entries[-1][0])
-        client.eval(TRIM_PAGE_SCRIPT, 4, keys.run_result_ids_hash(run), stream, keys.run_roots_set(run),
-                    keys.run_trimmed_key(run), _after(last), len(roots), *sorted(roots), *pairs, last)
-        dropped += len(entries)
 
 
 def was_trimmed(client: redis.Redis, run: str) -> bool:
@@ -414,16 +286,3 @@ def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Re
                       metadata=meta.get(MetaKey.JOB_METADATA))
     except (ff.FileFormatError, OSError, KeyError, ValueError):
         return Result(job_id=job_id, run=run, status=Status.ok, path=path)
-
-
-def _remove_queued(client: redis.Redis, queue: str, task_prefix: str) -> None:
-    """Remove the messages of tasks ``<run>:...`` from ``queue`` (a Celery queue: a Redis list)."""
-    for raw in client.lrange(queue, 0, -1):
-        try:
-            task_id = json.loads(raw)["headers"]["id"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(task_id, str) and task_id.startswith(task_prefix):
-            client.lrem(queue, 1, raw)
-
-

@@ -5,7 +5,7 @@ An entry is named by ``(stream, entry id)``: a consumer reads the run's results 
 group's recovery stream (``producer.client.recovery``) through the same group. Finishing a
 trained entry removes its file first (``delete_after``; only the job's own file under the storage
 root, since a result entry is data anyone who can write to Redis could forge), then acknowledges the entry and records
-the job in the group's consumed hash in one step (``FINISH``); any process may finish an entry
+the job in the group's consumed hash in one step (``producer.transport.ledger.finish``); any process may finish an entry
 (``XACK`` does not care which consumer holds it), so a trainer's main process finishes the
 entries its DataLoader workers read.
 """
@@ -22,23 +22,13 @@ import redis
 from producer.protocol import keys
 from producer.protocol.schema import Status
 from producer.storage.base import Storage
+from producer.transport import ledger
 from producer.transport.redis_conn import retrying
 
 log = logging.getLogger(__name__)
 
 #: Seconds a consumer waits out an unreachable Redis (a restart) before it raises.
 REDIS_GIVE_UP_S = 300.0
-
-#: KEYS: stream, consumed hash, status hash. ARGV: group, entry id, job id, "error"|"ok".
-#: Acknowledge the entry and record the job as consumed with its status; an error only while
-#: it is still the job's status (an enqueue that sent the job again cleared it).
-FINISH = """
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if ARGV[4] == 'ok' or redis.call('HGET', KEYS[3], ARGV[3]) == 'error' then
-  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
-end
-"""
-
 
 class Taken(NamedTuple):
     """A yielded item's entry: what finishing it needs."""
@@ -62,12 +52,11 @@ class GroupFinisher:
         self.redis, self.run, self.group, self.delete_after = client, run, group, delete_after
         self.storage = storage
         self.consumed_hash = keys.run_consumed_hash(run, group)
-        self.script = client.register_script(FINISH)
 
     def finish(self, stream: str, entry_id: str, job_id: str, status: Status) -> None:
         """Acknowledge an entry that yields nothing to train on, recording its job as consumed."""
-        retrying(lambda: self.script(keys=[stream, self.consumed_hash, keys.run_status_hash(self.run)],
-                                     args=[self.group, entry_id, job_id, status.value]), REDIS_GIVE_UP_S)
+        retrying(lambda: ledger.finish(self.redis, stream, self.run, self.group, entry_id, job_id, status),
+                 REDIS_GIVE_UP_S)
 
     def finish_trained(self, taken: Sequence[Taken]) -> None:
         """Finish yielded items once trained on: files first (``delete_after``), then one round trip."""
@@ -80,8 +69,7 @@ class GroupFinisher:
         def send() -> None:
             pipe = self.redis.pipeline(transaction=False)
             for item in taken:
-                self.script(keys=[item.stream, self.consumed_hash, keys.run_status_hash(self.run)],
-                            args=[self.group, item.entry_id, item.job_id, Status.ok.value], client=pipe)
+                ledger.finish(pipe, item.stream, self.run, self.group, item.entry_id, item.job_id, Status.ok)
             pipe.execute()
 
         retrying(send, REDIS_GIVE_UP_S)
@@ -121,8 +109,7 @@ class Heartbeat(threading.Thread):
                 held = {stream: sorted(ids) for stream, ids in self.held.items() if ids}
             for stream, ids in held.items():
                 try:
-                    kept = self.redis.xclaim(stream, self.group, self.consumer, min_idle_time=0, message_ids=ids,
-                                             justid=True)
+                    kept = ledger.keep_held(self.redis, stream, self.group, self.consumer, ids)
                 except redis.exceptions.RedisError as exc:  # Redis restarting: the next beat retries
                     log.warning("heartbeat of %s failed: %s", self.consumer, exc)
                     continue

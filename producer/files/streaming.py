@@ -6,7 +6,9 @@ beside the extraction and, with ``delete_after``, each file lives only until it 
 With DataLoader workers, iterate :meth:`StreamingHiddenStatesDataset.loader` (a DataLoader whose
 main process finishes each batch once it is trained on).
 
-Protocol, per consumer (one per DataLoader worker of each torch.distributed rank, named
+The group's reading, claiming and acknowledging is torch-free, in
+``producer.files.consumer_group.GroupReader``; this module adds loading files, the shuffle
+buffer and the DataLoader. Protocol, per consumer (one per DataLoader worker of each torch.distributed rank, named
 ``<consumer>.r<rank>.w<worker>``), over one Redis consumer group ``group`` on two streams: the
 run's results stream ``keys.results_stream(run)`` and the group's recovery stream
 ``keys.run_recovery_stream(run, group)`` (each created at its start if missing):
@@ -28,7 +30,7 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    came within ``block_ms``, so a buffer larger than the in-flight limit cannot stall);
 4. a yielded item is finished once trained on: its file and lock are removed
    (``delete_after``), then in one step the entry is acknowledged and the job recorded in the
-   group's ``keys.run_consumed_hash`` (``stream_group.FINISH``; what the enqueue's back-pressure
+   group's ``keys.run_consumed_hash`` (``producer.transport.ledger.finish``; what the enqueue's back-pressure
    with ``--inflight-until consumed --consumer-group G`` counts). "Trained on" means: asked for
    the next item, in the process that trains; under :meth:`~StreamingHiddenStatesDataset.loader`
    the main process finishes a batch when the next batch is asked for (the DataLoader worker
@@ -65,18 +67,15 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import redis
 import torch
-from pydantic import ValidationError
 from safetensors import SafetensorError
 
-from producer.client import recovery
-from producer.client.results import entry_result
+from producer.files.consumer_group import GroupOptions, GroupReader
+from producer.files.consumer_group import StreamCounts as StreamCounts  # the public name, kept here
 from producer.files.dataset import collate, load_item
-from producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Heartbeat, Taken, peer_names
+from producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Taken, peer_names
 from producer.protocol import keys
 from producer.protocol.fileformat import FileFormatError
 from producer.protocol.naming import check_name
@@ -89,20 +88,6 @@ log = logging.getLogger(__name__)
 
 #: The item key that carries a yielded item's entry to the main process under ``loader()``.
 TAKEN_KEY = "_layertap_taken"
-
-
-@dataclass
-class StreamCounts:
-    """What one consumer did with the entries it took."""
-
-    yielded: int = 0
-    errors: int = 0  # error results, skipped
-    duplicates: int = 0  # results of a job already consumed (or in this consumer's buffer)
-    missing: int = 0  # ok results whose file is gone
-    damaged: int = 0  # ok results whose file does not load
-    claimed: int = 0  # entries taken over from a dead consumer
-    recovered: int = 0  # jobs this consumer queued from the ledger (trimmed before the group read them)
-    unrecoverable: int = 0  # of those, ok jobs whose file is gone (also counted in ``missing`` when taken)
 
 
 def current_rank() -> int:
@@ -213,54 +198,31 @@ class StreamingLoader:
             client.close()
 
 
-@dataclass
-class _RunState:
-    complete: bool  # sealed (unless not waited for) and every submitted job has a final result
-    stalled: bool  # every submitted job is final and the group consumed fewer
-
-
 class _Consumer:
-    """One consumer's pass over the group (the module doc's protocol)."""
+    """One consumer's pass over the group (the module doc's protocol): the group's reading is
+    :class:`~producer.files.consumer_group.GroupReader`'s; this adds loading, the shuffle buffer
+    and when to stop."""
 
     def __init__(self, dataset: StreamingHiddenStatesDataset, name: str, peers: set[str]):
-        self.ds, self.name, self.peers, self.counts = dataset, name, peers, dataset.counts
-        self.results_stream = keys.results_stream(dataset.run)
-        self.recovery_stream = keys.run_recovery_stream(dataset.run, dataset.group)
-        self.streams = (self.results_stream, self.recovery_stream)
-        self.redis = connect(dataset.settings, decode_responses=True)
-        for stream in self.streams:
-            retrying(lambda stream=stream: self._create_group(stream), REDIS_GIVE_UP_S)
-        self.finisher = GroupFinisher(self.redis, dataset.run, dataset.group, delete_after=dataset.delete_after,
-                                      storage=dataset.settings.storage())
-        self.heartbeat = Heartbeat(connect(dataset.settings, decode_responses=True), dataset.group, name,
-                                   dataset.claim_idle_s / 4)
-        self.heartbeat.start()
+        self.ds, self.name, self.counts = dataset, name, dataset.counts
+        options = GroupOptions(dataset.group, wait_for_seal=dataset.wait_for_seal, claim_idle_s=dataset.claim_idle_s,
+                               read_count=dataset.read_count, block_ms=dataset.block_ms,
+                               delete_after=dataset.delete_after)
+        self.reader = GroupReader(dataset.settings, dataset.run, name, peers, options, dataset.counts)
+        self.finisher = self.reader.finisher
         self.rng = random.Random(f"{dataset.seed}:{name}")
         self.buffer: list[tuple[Taken, dict[str, Any]]] = []
         self.buffered_jobs: set[str] = set()
-        self.history: dict[str, str] = dict.fromkeys(self.streams, "0")  # own pending entries first
-        self.claim_cursors = dict.fromkeys(self.streams, "0-0")
-        self.next_claim = time.monotonic() + dataset.claim_idle_s / 2
-        self.recovered_through: str | None = None  # the trim marker of this consumer's last fill
-        self.next_recovery = 0.0
-
-    def _create_group(self, stream: str) -> None:
-        try:
-            self.redis.xgroup_create(stream, self.ds.group, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
 
     def close(self) -> None:
-        self.heartbeat.close()
-        self.redis.close()
+        self.reader.close()
 
     def items(self) -> Iterator[dict[str, Any]]:
-        ds, deadline = self.ds, time.monotonic() + self.ds.time_limit_s
-        retrying(self._recover, REDIS_GIVE_UP_S)
+        ds, reader, deadline = self.ds, self.reader, time.monotonic() + self.ds.time_limit_s
+        retrying(reader.recover, REDIS_GIVE_UP_S)
         while self.counts.yielded < ds.max_items and time.monotonic() < deadline:
-            state = retrying(self._run_state, REDIS_GIVE_UP_S)
-            entries = retrying(lambda: self._next_entries(block=not state.complete), REDIS_GIVE_UP_S)
+            state = retrying(reader.run_state, REDIS_GIVE_UP_S)
+            entries = retrying(lambda: reader.next_entries(block=not state.complete), REDIS_GIVE_UP_S)
             for stream, entry_id, fields in entries:
                 if self._take(stream, entry_id, fields) and len(self.buffer) >= max(1, ds.shuffle_buffer):
                     yield from self._emit()
@@ -271,120 +233,31 @@ class _Consumer:
             if self.buffer:
                 yield from self._emit()
             elif state.complete:
-                if retrying(self._recover, REDIS_GIVE_UP_S):
+                if retrying(reader.recover, REDIS_GIVE_UP_S):
                     time.sleep(ds.block_ms / 1000)  # queued jobs to read, or another consumer is queuing them
-                elif not retrying(self._held_elsewhere, REDIS_GIVE_UP_S):
+                elif not retrying(reader.held_elsewhere, REDIS_GIVE_UP_S):
                     return
                 else:  # a consumer outside this trainer holds entries: wait, or take them over once idle
                     time.sleep(ds.block_ms / 1000)
-            elif state.stalled and time.monotonic() >= self.next_recovery:
-                retrying(self._recover, REDIS_GIVE_UP_S)
-
-    def _recover(self) -> bool:
-        """Queue what the group missed (``recovery.fill``) once per trim of the stream; True when
-        there is something to look at again (jobs queued, or another consumer is queuing)."""
-        marker = self.redis.get(keys.run_trimmed_key(self.ds.run))
-        if marker is None or marker == self.recovered_through:
-            return False
-        self.next_recovery = time.monotonic() + self.ds.claim_idle_s / 2
-        found = recovery.fill(self.redis, self.ds.run, self.ds.group)
-        if found is None:
-            return True
-        self.recovered_through = marker
-        self.counts.recovered += found.queued
-        self.counts.unrecoverable += len(found.without_file)
-        return found.queued > 0
-
-    def _held_elsewhere(self) -> bool:
-        """A consumer of the group outside this trainer holds an entry."""
-        for stream in self.streams:
-            for consumer in self.redis.xpending(stream, self.ds.group)["consumers"]:
-                if consumer["pending"] and keys.as_text(consumer["name"]) not in self.peers:
-                    return True
-        return False
-
-    def _run_state(self) -> _RunState:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.exists(keys.run_sealed_key(self.ds.run))
-        pipe.hlen(keys.run_submitted_hash(self.ds.run))
-        pipe.hlen(keys.run_status_hash(self.ds.run))
-        pipe.hlen(self.finisher.consumed_hash)
-        sealed, submitted, final, consumed = pipe.execute()
-        all_final = submitted > 0 and final >= submitted
-        return _RunState(complete=all_final and (bool(sealed) or not self.ds.wait_for_seal),
-                         stalled=all_final and consumed < final)
-
-    def _next_entries(self, block: bool) -> list[tuple[str, str, dict[str, str] | None]]:
-        """Own pending entries, else entries claimed from a dead consumer (when due), else new ones."""
-        ds = self.ds
-        if self.history:
-            got = self.redis.xreadgroup(ds.group, self.name, self.history, count=ds.read_count)
-            entries = self._entries(got)
-            for stream, stream_entries in got or []:
-                if stream_entries:
-                    self.history[stream] = stream_entries[-1][0]
-                else:
-                    self.history.pop(stream, None)
-            if entries:
-                return entries
-        if time.monotonic() >= self.next_claim:
-            claimed = self._claim()
-            if claimed:
-                return claimed
-        got = self.redis.xreadgroup(ds.group, self.name, dict.fromkeys(self.streams, ">"), count=ds.read_count,
-                                    block=ds.block_ms if block else None)
-        return self._entries(got)
-
-    def _claim(self) -> list[tuple[str, str, dict[str, str] | None]]:
-        ds = self.ds
-        self.next_claim = time.monotonic() + ds.claim_idle_s / 2
-        claimed = []
-        for stream in self.streams:
-            reply = self.redis.xautoclaim(stream, ds.group, self.name, min_idle_time=int(ds.claim_idle_s * 1000),
-                                          start_id=self.claim_cursors[stream], count=ds.read_count)
-            self.claim_cursors[stream] = reply[0]
-            if reply[0] != "0-0":
-                self.next_claim = time.monotonic()  # more to look at: carry on next time
-            claimed += self._entries([(stream, reply[1])])
-        if claimed:
-            self.counts.claimed += len(claimed)
-            log.warning("consumer %s took over %d entries idle for %.0fs", self.name, len(claimed), ds.claim_idle_s)
-        return claimed
-
-    def _entries(self, got: list[Any] | None) -> list[tuple[str, str, dict[str, str] | None]]:
-        """The entries of an XREADGROUP/XAUTOCLAIM reply as (stream, entry id, fields), now held."""
-        entries = [(keys.as_text(stream), entry_id, fields) for stream, stream_entries in got or []
-                   for entry_id, fields in stream_entries]
-        for stream, entry_id, _ in entries:
-            self.heartbeat.hold(stream, entry_id)
-        return entries
-
-    def _result(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> Result | None:
-        """The entry's result (a recovery entry's from the ledger); None when there is none to take."""
-        try:
-            if stream == self.recovery_stream:
-                return recovery.recovered_result(self.redis, self.ds.run, (fields or {})[keys.RECOVERY_JOB_FIELD])
-            return entry_result(fields or {})
-        except (KeyError, ValidationError) as exc:  # trimmed away, or not a result: nothing to train on
-            log.warning("entry %s of %s is not a result (%s); skipped", entry_id, stream, exc)
-            return None
+            elif state.stalled and reader.recovery_due():
+                retrying(reader.recover, REDIS_GIVE_UP_S)
 
     def _take(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> bool:
         """Load an entry's item into the buffer (True), or finish the entry without one (False)."""
-        result = retrying(lambda: self._result(stream, entry_id, fields), REDIS_GIVE_UP_S)
+        result = retrying(lambda: self.reader.result(stream, entry_id, fields), REDIS_GIVE_UP_S)
         if result is None:
-            self._ack(stream, entry_id)
+            self.reader.ack(stream, entry_id)
             return False
         if result.status is Status.error:
             self.counts.errors += 1
-            self._finish(stream, entry_id, result.job_id, Status.error)
+            self.reader.finish(stream, entry_id, result.job_id, Status.error)
             return False
-        consumed = retrying(lambda: self.redis.hget(self.finisher.consumed_hash, result.job_id), REDIS_GIVE_UP_S)
+        consumed = retrying(lambda: self.reader.consumed(result.job_id), REDIS_GIVE_UP_S)
         if result.job_id in self.buffered_jobs or consumed == Status.ok.value:
             self.counts.duplicates += 1
             if self.ds.delete_after and result.job_id not in self.buffered_jobs and result.path:
                 self.finisher.delete(result.job_id, result.path)  # a re-run of a consumed job wrote its file again
-            self._ack(stream, entry_id)
+            self.reader.ack(stream, entry_id)
             return False
         if result.layers is None:  # recovered from the ledger, and this process cannot read the file's header
             gone = not result.path or not storage_for(result.path, self.ds.settings.storage_options).exists(result.path)
@@ -411,7 +284,7 @@ class _Consumer:
         else:
             self.counts.damaged += 1
             log.warning("job %s: its file does not load (%s); skipped", result.job_id, exc)
-        self._finish(stream, entry_id, result.job_id, Status.ok)
+        self.reader.finish(stream, entry_id, result.job_id, Status.ok)
         return False
 
     def _emit(self) -> Iterator[dict[str, Any]]:
@@ -430,12 +303,4 @@ class _Consumer:
         yield item
         self.counts.yielded += 1
         self.finisher.finish_trained([taken])
-        self.heartbeat.release(taken.stream, taken.entry_id)
-
-    def _finish(self, stream: str, entry_id: str, job_id: str, status: Status) -> None:
-        self.finisher.finish(stream, entry_id, job_id, status)
-        self.heartbeat.release(stream, entry_id)
-
-    def _ack(self, stream: str, entry_id: str) -> None:
-        retrying(lambda: self.redis.xack(stream, self.ds.group, entry_id), REDIS_GIVE_UP_S)
-        self.heartbeat.release(stream, entry_id)
+        self.reader.heartbeat.release(taken.stream, taken.entry_id)

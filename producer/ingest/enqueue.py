@@ -45,6 +45,7 @@ from producer.protocol.layers import LayerIdError
 from producer.protocol.naming import check_name
 from producer.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
 from producer.settings import InflightUntil, Limits
+from producer.transport import ledger
 
 
 @dataclass
@@ -223,10 +224,7 @@ class Enqueuer:
         job = item.job
         self.limiter.acquire(job.run)
         if reopen:  # sent before: clear its old (error) status; sending marks it sent by this enqueue
-            pipe = self.client.redis.pipeline(transaction=True)
-            pipe.hdel(keys.run_status_hash(job.run), job.job_id)  # type: ignore[arg-type]
-            pipe.hdel(keys.run_consumed_hash(job.run, self.group), job.job_id)  # type: ignore[arg-type]
-            pipe.execute()
+            ledger.reopen(self.client.redis, job.run, job.job_id or "", self.group)
         try:
             self.bundler.add(job)
         except (JobTooLarge, LayerIdError, ImageError) as exc:  # an image changed since its row was read

@@ -23,7 +23,7 @@ from producer.protocol.naming import job_path
 from producer.protocol.schema import ErrorType, Job
 from producer.settings import Limits, Settings
 from producer.transport.celery_app import send_extract
-from producer.transport.pending import record_pending
+from producer.transport.ledger import record_pending
 from tests.support.blocking import POISON_TOKEN, crash_env
 from tests.support.jobs import hold_lock, wait_for
 from tests.support.processes import cli

@@ -20,7 +20,7 @@ from producer.ingest.enqueue import Enqueuer, Planned
 from producer.protocol import keys
 from producer.protocol.schema import ErrorType, Job, Status
 from producer.settings import BundleSettings, Settings
-from producer.transport.pending import record_pending
+from producer.transport.ledger import record_pending
 from producer.transport.redis_conn import refuses_writes
 from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
 from tests.support.processes import cli

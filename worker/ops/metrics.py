@@ -3,7 +3,7 @@
 Metrics are always kept (the heartbeat's ``tokens_per_s`` comes from them); the HTTP
 endpoint is opt-in. Invariants:
 
-* a job is counted once, when its final result is published (:class:`MeteredPublisher`):
+* a job is counted once, when its final result is published (:class:`MetricsSink`):
   retries in between are not results;
 * engine counters (tokens, batches, busy seconds) are read from the engine at scrape
   time, so they are never out of step with ``engine.stats``;
@@ -14,10 +14,9 @@ endpoint is opt-in. Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from wsgiref.simple_server import WSGIServer
 
-import redis
 import torch
 from prometheus_client import (
     CollectorRegistry,
@@ -34,7 +33,7 @@ from producer.ops.throughput import RateWindow
 from producer.protocol.schema import ErrorType, Result
 from producer.storage.base import Storage
 from worker.engine.engine import Engine
-from worker.queue.publisher import ResultPublisher
+from worker.queue.sinks import ResultSink, SinkContext
 
 log = logging.getLogger(__name__)
 TOKEN_RATE_WINDOW_S = 30.0
@@ -157,21 +156,18 @@ class WorkerMetrics:
             self._server = None
 
 
-class MeteredPublisher(ResultPublisher):
-    """A :class:`ResultPublisher` that counts each result just before publishing it (every
-    publish goes through ``publish_many``).
+class MetricsSink(ResultSink):
+    """The result sink ``metrics`` (``worker.queue.sinks``): counts each result just before it
+    is published (``before_publish``).
 
     Invariant: a consumer that has seen a result also sees it in the metrics (counting
     after publishing raced with a scrape made on the result's arrival). A publish that
     fails leaves the job to be redelivered and answered again, so it may count twice.
     """
 
-    def __init__(self, client: redis.Redis, metrics: WorkerMetrics):
-        super().__init__(client)
-        self.metrics = metrics
+    def __init__(self, context: SinkContext):
+        self.metrics: WorkerMetrics = context.metrics
 
-    def publish_many(self, results: list[Result], message: str | None, queue: str | None,
-                     also_delete: tuple[str, ...] | list[str] = ()) -> None:
+    def before_publish(self, results: Sequence[Result]) -> None:
         for result in results:
             self.metrics.observe_result(result)
-        super().publish_many(results, message, queue, also_delete)

@@ -1,6 +1,8 @@
 """What the Celery task does around the processor: attempts, retries, dead letters, publishing.
 
 Invariants:
+* every Redis state change here (attempts, cancelled runs, splits, dead letters) is the run
+  ledger's (``producer.transport.ledger``), and every result goes out through the one publisher;
 * a job of a cancelled run (``producer.client.runs``) is not run: it gets a ``cancelled`` error
   result, published like any other final result; the run is checked when the message starts
   and again just before its jobs go to the engine (``JobProcessor.process_many``'s
@@ -53,19 +55,17 @@ from typing import Any
 import redis
 from celery import Celery
 
-from producer.client import runs
 from producer.protocol import keys
 from producer.protocol.schema import ErrorType, Job, Result, Status
 from producer.transport.backoff import Backoff
+from producer.transport import ledger
 from producer.transport.celery_app import send_extract
-from producer.transport.pending import clear_pending, record_pending
 from worker.job.errors import JobError
 from worker.job.pipeline import STORAGE_FAULT, JobProcessor
 from worker.queue.publisher import ResultPublisher, wait_out_redis
 
 log = logging.getLogger(__name__)
 TRANSIENT_ERRORS = {ErrorType.internal, ErrorType.write_failed}
-ATTEMPTS_TTL_S = 7 * 24 * 3600
 RETRY_MAX_S = 60.0
 RETRY_BACKOFF = Backoff(first_s=1.0, max_s=RETRY_MAX_S)  # countdowns of transient failures' retries
 
@@ -152,28 +152,16 @@ class WorkerService:
     def _count_attempts(self, jobs: list[Job]) -> tuple[list[int], set[str]]:
         """Count one start of each job (one round trip); their counts, and which of their runs are cancelled."""
         run_names = sorted({job.run for job in jobs})
-
-        def count() -> tuple[list[int], set[str]]:
-            pipe = self.redis.pipeline(transaction=False)
-            for job in jobs:
-                attempts = keys.attempts_key(job.run, job.job_id)  # type: ignore[arg-type]
-                pipe.incr(attempts)
-                pipe.expire(attempts, ATTEMPTS_TTL_S)
-            for run in run_names:
-                pipe.exists(keys.run_cancelled_key(run))
-            replies = pipe.execute()
-            counts = [int(value) for value in replies[0:2 * len(jobs):2]]
-            return counts, {run for run, cancelled in zip(run_names, replies[2 * len(jobs):]) if cancelled}
-
+        pairs = [(job.run, job.job_id or "") for job in jobs]
         what = f"counting an attempt of {jobs[0].job_id}" if len(jobs) == 1 else f"counting {len(jobs)} attempts"
-        return wait_out_redis(count, what, self.publisher.give_up_s)
+        return wait_out_redis(lambda: ledger.count_starts(self.redis, pairs, run_names), what, self.publisher.give_up_s)
 
     def handle_bundle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, queue: str | None,
                       refusal: str | None = None) -> dict[str, int]:
         """Run one bundle message (see the module doc); returns how many results it published and
         how many of them are ok (the results themselves are on the runs' streams). May raise
         :class:`RetryLater` (for the jobs that failed transiently)."""
-        if not wait_out_redis(lambda: self.redis.hexists(keys.PENDING_HASH, task_id), f"reading bundle {task_id}",
+        if not wait_out_redis(lambda: ledger.is_pending(self.redis, task_id), f"reading bundle {task_id}",
                               self.publisher.give_up_s):
             log.info("bundle %s is handled already (its results are published, or it was split); not run again",
                      task_id)
@@ -217,7 +205,7 @@ class WorkerService:
         to_run: list[int] = []
         for index, job in enumerate(jobs):
             if job.run in cancelled_runs:
-                finished.append(runs.cancelled_result(job.run, ids[index], worker=self.processor.worker_name,
+                finished.append(ledger.cancelled_result(job.run, ids[index], worker=self.processor.worker_name,
                                                       model=job.model, metadata=job.metadata))
             elif len(jobs) == 1 and own[index] > self.max_attempts:
                 finished.append(self.dead_letter(job, counts[index] - 1, ErrorType.internal,
@@ -271,14 +259,11 @@ class WorkerService:
         the error their jobs end with; none while Redis cannot say (the jobs run)."""
         order = sorted(run_names)
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for run in order:
-                pipe.exists(keys.run_cancelled_key(run))
-            flags = pipe.execute()
+            cancelled = ledger.cancelled_runs(self.redis, order)
         except redis.exceptions.RedisError as exc:
             log.warning("could not check for cancelled runs before computing (%s); running the jobs", exc)
             return {}
-        return {run: JobError(ErrorType.cancelled, runs.cancelled_error(run)) for run, flag in zip(order, flags) if flag}
+        return {run: JobError(ErrorType.cancelled, ledger.cancelled_error(run)) for run in order if run in cancelled}
 
     def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
                task_id: str, queue: str | None) -> None:
@@ -292,17 +277,10 @@ class WorkerService:
             halves.append((keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex), [payloads[part]],
                            {**kwargs, "counted": counted, "excused": counted},
                            [(job.run, job.job_id or "") for job in jobs[part]]))
-
-        def record() -> None:
-            pipe = self.redis.pipeline(transaction=True)
-            for job in jobs:
-                pipe.decr(keys.attempts_key(job.run, job.job_id))  # type: ignore[arg-type]
-            for half_id, _, _, half_jobs in halves:
-                record_pending(pipe, queue, half_id, now, half_jobs)  # type: ignore[arg-type]
-            clear_pending(pipe, queue, task_id)
-            pipe.execute()
-
-        wait_out_redis(record, f"splitting bundle {task_id}", self.publisher.give_up_s)
+        pairs = [(job.run, job.job_id or "") for job in jobs]
+        records = [(half_id, half_jobs) for half_id, _, _, half_jobs in halves]
+        wait_out_redis(lambda: ledger.split_message(self.redis, pairs, records, queue, task_id, now),
+                       f"splitting bundle {task_id}", self.publisher.give_up_s)
         for half_id, args, half_kwargs, _ in halves:
             send_extract(self.app, args, half_kwargs, queue, half_id, keys.EXTRACT_BUNDLE_TASK)
         log.warning("bundle %s of %d jobs started before and did not finish (its worker died?): sent it again "
@@ -313,7 +291,7 @@ class WorkerService:
         entry = {"job": json.dumps(job.model_dump(mode="json", exclude_none=True)), "run": job.run,
                  "job_id": job.job_id or "", "attempts": str(attempts), "error_type": last_type.value,
                  "error": last_error, "at": str(time.time()), "worker": self.processor.worker_name}
-        self.redis.xadd(keys.DEAD_LETTER_STREAM, entry)
+        ledger.dead_letter(self.redis, entry)
         log.error("job %s dead-lettered after %d attempts: %s", job.job_id, attempts, last_error)
         return Result(job_id=job.job_id, run=job.run, status=Status.error, error_type=ErrorType.dead_letter,
                       error=f"failed {attempts} time(s); last error ({last_type.value}): {last_error}",

@@ -1,4 +1,5 @@
-"""Publishing a final result: the run's Stream (durable), its pub/sub channel (instant), the
+"""Publishing a final result (the state change itself: ``producer.transport.ledger.publish``;
+then the result sinks, ``worker.queue.sinks``): the run's Stream (durable), its pub/sub channel (instant), the
 run's status hash (one entry per job), the entry's stream id in the run's result-ids hash
 (``keys.run_result_ids_hash``), a ``cancelled`` result's job in the run's cancelled set
 (``keys.run_cancelled_jobs_set``) and the end of the job's pending record (see
@@ -15,16 +16,17 @@ send it again).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import redis
 
 from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Result
+from producer.protocol.schema import Result
+from producer.transport import ledger
 from producer.transport.backoff import Backoff, retry_while
-from producer.transport.pending import clear_pending
 from producer.transport.redis_conn import UNREACHABLE, refuses_writes
+from worker.queue.sinks import ResultSink, tell
 
 log = logging.getLogger(__name__)
 PUBLISH_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
@@ -32,13 +34,6 @@ PUBLISH_GIVE_UP_S = 300.0  # how long publishing waits out a Redis that is away 
 
 
 T = TypeVar("T")
-
-#: XADD KEYS[1] field ARGV[1] = ARGV[2], and record the new entry's id under job ARGV[3] in KEYS[2].
-XADD_AND_INDEX = """
-local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[3], id)
-return id
-"""
 
 
 def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
@@ -56,9 +51,15 @@ def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
 
 
 class ResultPublisher:
-    def __init__(self, client: redis.Redis, give_up_s: float = PUBLISH_GIVE_UP_S):
+    """The one way a worker publishes final results (its jobs' and the reconciler's): the
+    ledger's publish, waited out while Redis is away, with the result sinks around it
+    (``worker.queue.sinks``)."""
+
+    def __init__(self, client: redis.Redis, give_up_s: float = PUBLISH_GIVE_UP_S,
+                 sinks: Sequence[ResultSink] = ()):
         self.redis = client
         self.give_up_s = give_up_s
+        self.sinks = list(sinks)
 
     def publish(self, result: Result, also_delete: tuple[str, ...] | list[str] = ()) -> None:
         """Publish the final result of a job sent alone (and delete ``also_delete`` keys in the
@@ -73,23 +74,20 @@ class ResultPublisher:
         member of ``queue``'s sorted set too)."""
         if not results and message is None and not also_delete:
             return
-
-        def send() -> None:
-            pipe = self.redis.pipeline(transaction=True)
-            for result in results:
-                data, stream = result.model_dump_json(), keys.results_stream(result.run)
-                pipe.eval(XADD_AND_INDEX, 2, stream, keys.run_result_ids_hash(result.run), keys.RESULT_FIELD, data,
-                          result.job_id)
-                pipe.publish(stream, data)
-                pipe.hset(keys.run_status_hash(result.run), result.job_id, result.status.value)
-                if result.error_type is ErrorType.cancelled:
-                    pipe.sadd(keys.run_cancelled_jobs_set(result.run), result.job_id)
-            if message is not None:
-                clear_pending(pipe, queue, message)
-            if also_delete:
-                pipe.delete(*also_delete)
-            pipe.execute()
-
         what = f"publishing the result of {results[0].job_id}" if len(results) == 1 else \
             f"publishing {len(results)} results of {message}"
-        wait_out_redis(send, what, self.give_up_s)
+        tell(self.sinks, "before_publish", results)
+        wait_out_redis(lambda: ledger.publish(self.redis, results, message, queue, also_delete), what, self.give_up_s)
+        tell(self.sinks, "after_publish", results)
+
+    def publish_unless_ended(self, results: list[Result], message: str, queue: str, sent_at: float) -> int:
+        """The reconciler's publish: each of ``results`` (jobs of the lost message ``message``, sent
+        at ``sent_at``) unless its job has a final result or was sent again, and the message's
+        pending record ended, in one transaction; returns how many were published. The sinks see
+        only those, after the commit."""
+        flags = wait_out_redis(lambda: ledger.publish_unless_ended(self.redis, results, message, queue, sent_at),
+                               f"ending the jobs of lost message {message}", self.give_up_s)
+        published = [result for result, flag in zip(results, flags) if flag]
+        tell(self.sinks, "before_publish", published)
+        tell(self.sinks, "after_publish", published)
+        return len(published)

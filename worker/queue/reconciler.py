@@ -4,7 +4,7 @@ A worker fetches a message atomically into its queue's in-flight list and moves 
 there into kombu's ``unacked`` record in one transaction (``producer.transport.broker_transport``),
 so a message is always queued, in flight, or held. A fetcher that dies (or loses its
 connection) between the two leaves the message in the in-flight list. To find it, the Client
-records every message it sends (one job, or a bundle: ``producer.transport.pending``) as
+records every message it sends (one job, or a bundle: ``producer.transport.ledger``) as
 *pending* and the worker that publishes the message's last final result removes the record
 in the same transaction. Below, a "job" is a message: a bundle's task id stands for all its jobs.
 Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the pending records: a job is
@@ -19,9 +19,10 @@ purged by hand, Redis lost writes) gets an error result of type ``lost`` (``laye
 enqueue`` sends it again), or ``cancelled`` if its run is cancelled (``producer.client.runs``):
 every job still ends with exactly one result. A job of that message that already has a final
 result, or was sent again after it (its submitted-hash time is later than the record's:
-``producer.transport.pending``; the resend has its own record), gets none: the check and the
-publishing are one server-side step (:data:`PUBLISH_UNLESS_ENDED`), so a job that ended ok is
-never turned ``lost``.
+``producer.transport.ledger``; the resend has its own record), gets none: the check and the
+publishing are one server-side step (the ledger's ``publish_unless_ended.lua``), so a job that
+ended ok is never turned ``lost``; those results go out through the worker's one publisher, so
+the result sinks see them too. Every state change of a sweep is the ledger's.
 
 A sweep reads ids and times, never a message body, and never the backlog: the held task
 ids are the keys of ``unacked`` (delivery tags carry the task id, ``keys.delivery_tag``),
@@ -47,60 +48,12 @@ from typing import Any
 import redis
 from celery import Celery
 
-from producer.client import runs
 from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Result
-from producer.transport.pending import clear_pending, message_jobs
+from producer.transport import ledger
 from worker.queue.periodic import Periodic, take_turn
-from worker.queue.publisher import PUBLISH_GIVE_UP_S, wait_out_redis
+from worker.queue.publisher import ResultPublisher
 
 log = logging.getLogger(__name__)
-
-#: The delivery tag of the message next in line in KEYS[1] (false if the queue is empty, "" if
-#: it has none): the only part of the message that leaves Redis. A tag is a property of the
-#: message (kombu's JSON); the body is base64 and the headers' reprs escape quotes, so the
-#: first match is the tag.
-HEAD_DELIVERY_TAG = """
-local message = redis.call('LINDEX', KEYS[1], -1)
-if not message then return false end
-return string.match(message, '"delivery_tag": *"([^"]*)"') or ''
-"""
-
-
-#: Move the message of task ARGV[1] (delivery tag ``<task id>ARGV[2]<uuid>``) from the in-flight
-#: list KEYS[1] back to the head of its queue KEYS[2]; 1 if it was there, else 0. Only the
-#: answer leaves Redis.
-RESTORE_INFLIGHT = """
-local prefix = ARGV[1] .. ARGV[2]
-for _, message in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
-  local tag = string.match(message, '"delivery_tag": *"([^"]*)"')
-  if tag and string.sub(tag, 1, #prefix) == prefix and not string.find(tag, ARGV[2], #prefix + 1, true) then
-    if redis.call('LREM', KEYS[1], 1, message) == 1 then
-      redis.call('RPUSH', KEYS[2], message)
-      return 1
-    end
-  end
-end
-return 0
-"""
-
-
-#: Publish a reconciler's result (ARGV[2], under field ARGV[1]) of job ARGV[3] to its run's stream
-#: KEYS[1] (indexed in KEYS[2], status ARGV[5] in KEYS[3], in the cancelled set KEYS[5] if ARGV[6]
-#: is 1), unless the job has a final result in KEYS[3] or was sent again after ARGV[4] (its time
-#: in the submitted hash KEYS[4]); 1 if published.
-PUBLISH_UNLESS_ENDED = """
-if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return 0 end
-local sent = redis.call('HGET', KEYS[4], ARGV[3])
-if sent and tonumber(sent) > tonumber(ARGV[4]) then return 0 end
-local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[3], id)
-redis.call('HSET', KEYS[3], ARGV[3], ARGV[5])
-if ARGV[6] == '1' then redis.call('SADD', KEYS[5], ARGV[3]) end
-redis.call('PUBLISH', KEYS[1], ARGV[2])
-return 1
-"""
-
 
 def _held_task_id(unacked_entry: bytes | str) -> str | None:
     """Task id of an ``unacked`` hash value (kombu stores ``[message, exchange, routing_key]``)."""
@@ -129,14 +82,14 @@ def _submitted_at_of(raw_message: bytes | str) -> float | None:
 class Reconciler:
     """A background thread in every worker; at most one sweeps at a time."""
 
-    def __init__(self, client: redis.Redis, app: Celery, node: str, interval: float, grace: float):
+    def __init__(self, client: redis.Redis, app: Celery, node: str, interval: float, grace: float,
+                 publisher: ResultPublisher | None = None):
         self.redis = client
         self.app = app
         self.node = node
         self.interval = interval
         self.grace = grace
-        self._head_tag = client.register_script(HEAD_DELIVERY_TAG)
-        self._restore_inflight = client.register_script(RESTORE_INFLIGHT)
+        self.publisher = publisher or ResultPublisher(client)  # the worker's own, sinks and all
         self._ticker = Periodic("reconcile sweep", interval, self.sweep)
 
     def start(self) -> Reconciler:
@@ -158,14 +111,8 @@ class Reconciler:
         missing: set[str] = set()
         for queue in sorted(queues):
             missing.update(self._missing_from(queue, held, now))
-        pipe = self.redis.pipeline(transaction=False)
         cleared = [task_id for task_id in suspects if task_id not in missing]
-        if cleared:
-            pipe.hdel(keys.SUSPECT_HASH, *cleared)
-        found = {task_id: now for task_id in missing if task_id not in suspects}
-        if found:
-            pipe.hset(keys.SUSPECT_HASH, mapping=found)
-        pipe.execute()
+        ledger.note_suspects(self.redis, cleared, {task_id: now for task_id in missing if task_id not in suspects})
         due = sorted(task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace)
         return sum(self._resend(task_id) for task_id in due)
 
@@ -180,13 +127,7 @@ class Reconciler:
         records, *members = pipe.execute()
         if records <= sum(members):
             return queues
-        for task_id, info in self.redis.hscan_iter(keys.PENDING_HASH, count=1000):
-            record = json.loads(info)
-            pipe.zadd(keys.pending_sent_zset(record["queue"]), {keys.as_text(task_id): float(record["submitted_at"])},
-                      nx=True)
-            pipe.sadd(keys.PENDING_QUEUES_SET, record["queue"])
-            queues.add(record["queue"])
-        pipe.execute()
+        queues |= ledger.adopt_records(self.redis)
         log.info("gave %d pending record(s) of an older client their send-time entries", records - sum(members))
         return queues
 
@@ -215,17 +156,15 @@ class Reconciler:
         for task_id in candidates:
             pipe.hexists(keys.PENDING_HASH, task_id)
         recorded = pipe.execute() if candidates else []
-        finished = [task_id for task_id, exists in zip(candidates, recorded) if not exists]
-        if finished:
-            self.redis.zrem(sent, *finished)
+        ledger.forget_sent(self.redis, queue, [task_id for task_id, exists in zip(candidates, recorded) if not exists])
         return [task_id for task_id, exists in zip(candidates, recorded) if exists]
 
     def _oldest_queued(self, queue: str) -> float | None:
         """Send time of the message next in line in ``queue``: +inf if empty, None if unknown."""
-        tag = self._head_tag(keys=[queue])
+        tag = ledger.head_delivery_tag(self.redis, queue)
         if tag is None:
             return float("inf")
-        task_id = keys.task_id_of_delivery_tag(keys.as_text(tag))
+        task_id = keys.task_id_of_delivery_tag(tag)
         sent_at = self.redis.zscore(keys.pending_sent_zset(queue), task_id) if task_id else None
         if sent_at is not None:
             return sent_at
@@ -239,41 +178,20 @@ class Reconciler:
             return False
         pending = json.loads(record)
         queue = pending["queue"]
-        if self._restore_inflight(keys=[keys.inflight_list(queue), queue], args=[task_id, keys.DELIVERY_TAG_SEPARATOR]):
-            self.redis.hdel(keys.SUSPECT_HASH, task_id)
-            self.redis.incr(keys.RECOVERED_COUNTER)
+        if ledger.restore_inflight(self.redis, task_id, queue):
             log.warning("message %s was fetched by a worker that died before holding it; put it back in its queue",
                         task_id)
             return True
-        found = message_jobs(task_id, pending)
+        found = ledger.message_jobs(task_id, pending)
         if found is None:
             return False
         model = keys.queue_model(queue)
-        cancelled = {run for run in {run for run, _ in found} if runs.is_cancelled(self.redis, run)}
-        results = [runs.cancelled_result(run, job_id, worker=self.node, model=model) if run in cancelled
-                   else runs.lost_result(run, job_id, worker=self.node, model=model) for run, job_id in found]
-        published = self._end_nowhere(task_id, queue, float(pending["submitted_at"]), results)
+        cancelled = ledger.cancelled_runs(self.redis, sorted({run for run, _ in found}))
+        results = [ledger.cancelled_result(run, job_id, worker=self.node, model=model) if run in cancelled
+                   else ledger.lost_result(run, job_id, worker=self.node, model=model) for run, job_id in found]
+        published = self.publisher.publish_unless_ended(results, task_id, queue, float(pending["submitted_at"]))
         log.log(logging.INFO if cancelled or not published else logging.ERROR,
                 "message %s (%d job(s)) is nowhere (not queued, in flight or held): published %d `lost` or "
                 "`cancelled` error result(s); the other jobs have a final result or were sent again",
                 task_id, len(found), published)
         return False
-
-    def _end_nowhere(self, task_id: str, queue: str, sent_at: float, results: list[Result]) -> int:
-        """Publish ``results`` of the jobs of message ``task_id`` (sent at ``sent_at``) that have no
-        final result and were not sent again (:data:`PUBLISH_UNLESS_ENDED`), and end its pending
-        record, in one transaction; returns how many were published."""
-        def send() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=True)
-            for result in results:
-                stream = keys.results_stream(result.run)
-                pipe.eval(PUBLISH_UNLESS_ENDED, 5, stream, keys.run_result_ids_hash(result.run),
-                          keys.run_status_hash(result.run), keys.run_submitted_hash(result.run),
-                          keys.run_cancelled_jobs_set(result.run), keys.RESULT_FIELD, result.model_dump_json(),
-                          result.job_id, repr(sent_at), result.status.value,
-                          int(result.error_type is ErrorType.cancelled))
-            clear_pending(pipe, queue, task_id)
-            return pipe.execute()
-
-        replies = wait_out_redis(send, f"ending the jobs of lost message {task_id}", PUBLISH_GIVE_UP_S)
-        return sum(int(reply) for reply in replies[:len(results)])

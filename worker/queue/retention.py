@@ -1,6 +1,6 @@
 """The retention sweep: a background thread in every worker; at most one sweeps at a time
 (``SET NX`` lock). Each sweep trims every run's results stream to the last
-``retention.results_s`` seconds (``producer.client.runs.trim``: entries a consumer group has
+``retention.results_s`` seconds (``producer.transport.ledger.trim``: entries a consumer group has
 not acknowledged stay, and so does the run's compact ledger that manifest, resume, ``runs``
 and ``Client.wait`` read once an entry is gone). ``results_s = 0`` keeps streams whole. The
 sweep, its lock included, works while Redis is at ``maxmemory``: it is what frees memory there.
@@ -13,8 +13,8 @@ import time
 
 import redis
 
-from producer.client import runs
 from producer.protocol import keys
+from producer.transport import ledger
 from worker.queue.periodic import Periodic, take_turn
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class RetentionSweep:
         if not take_turn(self.redis, keys.RETENTION_LOCK, self.node, self.interval, at_maxmemory=True):
             return 0
         before = time.time() - self.retention_s
-        dropped = sum(runs.trim(self.redis, run, before=before) for run in runs.run_names(self.redis))
+        dropped = sum(ledger.trim(self.redis, run, before=before) for run in ledger.run_names(self.redis))
         if dropped:
             log.info("retention: dropped %d result stream entries older than %.0fs", dropped, self.retention_s)
         return dropped
