@@ -27,6 +27,7 @@ from tests.support.jobs import ORPHAN_TIMEOUT, RELIABILITY_ENV
 from tests.support.processes import WorkerProcess
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test``: ``--dist loadgroup``), the tests of a module with a
     module-scoped fixture (a worker, a server, a model built once) run in one process, so the
