@@ -119,7 +119,7 @@ def run_blocks(document: str, workdir: Path, env: dict[str, str]) -> dict[Block,
         for needle, command in BEFORE.items():
             if needle in block.code:
                 done = subprocess.run(["bash", "-e", "-c", command], cwd=workdir, env=env, capture_output=True,
-                                      text=True, timeout=180)
+                                      text=True, timeout=450)
                 assert done.returncode == 0, f"before {block.where}: {command}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
         command = [sys.executable, "-c", block.code] if block.language == "python" else ["bash", "-e", "-c", block.code]
         process = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -128,7 +128,7 @@ def run_blocks(document: str, workdir: Path, env: dict[str, str]) -> dict[Block,
             beside = (block, process)
             continue
         for ran, started in [(block, process), *([beside] if beside else [])]:
-            stdout, stderr = started.communicate(timeout=180)
+            stdout, stderr = started.communicate(timeout=450)
             assert started.returncode == 0, f"{ran.where}\n{ran.code}\n{stdout[-2000:]}\n{stderr[-3000:]}"
             outputs[ran] = stdout
         beside = None
