@@ -8,6 +8,10 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 STAMP := $(VENV)/.layertap-installed
 PYTEST_ARGS ?=
+# `make test` runs the suite in pytest-xdist processes, each with its own Redis, workers and
+# temporary folders; the tests mostly wait on other processes, so there are more of them than
+# cores. TEST_PROCESSES=0 runs it in one process.
+TEST_PROCESSES ?= 4
 
 .PHONY: demo test test-unit install clean redis-secret
 
@@ -24,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/layertap demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 
 # The edit loop: no Redis, no processes, under a minute.
 test-unit: $(STAMP)

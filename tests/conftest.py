@@ -7,6 +7,7 @@ restartable), models are built with ``make-tiny-model`` and loaded back with
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,6 +27,19 @@ from tests.support.jobs import ORPHAN_TIMEOUT, RELIABILITY_ENV
 from tests.support.processes import WorkerProcess
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``: ``--dist loadgroup``), the tests of a module with a
+    module-scoped fixture (a worker, a server, a model built once) run in one process, so the
+    fixture is built once; every other test goes wherever a process is free. Each process has
+    its own session fixtures (Redis on a free port, tiny models, workers) and temporary folders."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures and any(definition.scope == "module" for definitions in fixtures.name2fixturedefs.values()
+                            for definition in definitions):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     with RedisServer(data_dir=tmp_path_factory.mktemp("redis")) as server:
@@ -34,11 +48,23 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny float32 models of three architectures (4 layers, hidden 64), built on the fly."""
+    """Tiny float32 models of three architectures (4 layers, hidden 64), built on the fly: once
+    per run, shared by the pytest-xdist processes (the tests only read them; a test that changes
+    a model changes a copy)."""
     from worker.model.tiny_model import make_tiny_model
 
-    root = tmp_path_factory.mktemp("models")
-    return {arch: make_tiny_model(root / arch, arch) for arch in ARCHES}
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.mktemp("models")
+        return {arch: make_tiny_model(root / arch, arch) for arch in ARCHES}
+    root = tmp_path_factory.getbasetemp().parent / "models"  # the run's folder, above each process's own
+    root.mkdir(exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first process builds them, the others wait
+        if not (root / ".built").exists():
+            for arch in ARCHES:
+                make_tiny_model(root / arch, arch)
+            (root / ".built").touch()
+    return {arch: root / arch for arch in ARCHES}
 
 
 @pytest.fixture(scope="session")

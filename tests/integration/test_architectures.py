@@ -138,7 +138,7 @@ def worker_start(model_dir: str, *extra: str) -> subprocess.CompletedProcess:
     """``layertap worker`` on a model that cannot be served: it must exit before reaching Redis."""
     env = {**os.environ, "LAYERTAP_REDIS_URL": "redis://127.0.0.1:1/0"}  # nothing listens: never reached
     return subprocess.run(cli("worker", "--model", model_dir, "--device", "cpu", *extra), env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=450)
 
 
 def test_worker_refuses_at_start_with_one_line(tmp_path):

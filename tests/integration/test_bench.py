@@ -52,7 +52,7 @@ def test_bench_refuses_a_folder_it_did_not_make(tmp_path):
     data.mkdir()
     (data / "keep.safetensors").write_bytes(b"precious")
     out = subprocess.run(cli("bench", "--model", "shape:qwen3-tiny", "--device", "cpu", "--prompts", "2",
-                             "--storage", str(data)), capture_output=True, text=True, timeout=120)
+                             "--storage", str(data)), capture_output=True, text=True, timeout=450)
     assert out.returncode == 1
     assert "is not empty and was not made by layertap bench" in out.stderr
     assert (data / "keep.safetensors").read_bytes() == b"precious"
@@ -72,7 +72,7 @@ def test_bench_on_a_cpu_defaults_layers_and_its_ceiling_is_a_ceiling(tmp_path):
 
 def test_bench_refuses_a_big_shape_on_a_cpu_before_building_it(tmp_path):
     out = subprocess.run(cli("bench", "--device", "cpu", "--storage", str(tmp_path / "files")),
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=450)
     assert out.returncode == 1
     assert out.stderr.strip() == ("error: --model shape:qwen3-8b has 8.2B parameters (33 GB of float32 weights): too "
                                   "big for a CPU bench; use --model shape:qwen3-tiny on a CPU, or --device cuda")

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -195,6 +196,33 @@ def test_log_lines_inside_a_task_carry_its_job(redis_server):
         logger.removeHandler(handler)
     assert [(r.getMessage(), r.run, r.job_id) for r in records] == [
         ("inside the task", "run-a", "job-b"), ("outside any task", None, None)]
+
+
+WARN_FROM_TRANSFORMERS = """
+from producer.settings import LogFormat
+from transformers.utils import logging as transformers_logging
+from worker.ops.logs import configure_logging
+
+configure_logging("INFO", LogFormat(FORMAT))
+transformers_logging.get_logger("transformers.modeling_utils").warning("a warning from transformers")
+"""
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+@pytest.mark.parametrize("ci", [None, "true"])
+def test_a_transformers_warning_is_logged_once_in_the_workers_format(log_format, ci):
+    """transformers has a handler of its own, and with ``CI`` set it also propagates: the worker's
+    logging (what ``layertap worker`` sets up) prints each of its warnings once, in its own format."""
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": ci} if ci else {})
+    out = subprocess.run([sys.executable, "-c", WARN_FROM_TRANSFORMERS.replace("FORMAT", repr(log_format))],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "a warning from transformers" in line]
+    assert len(lines) == 1, lines
+    if log_format == "json":
+        assert json.loads(lines[0])["logger"] == "transformers.modeling_utils"
+    else:
+        assert " WARNING transformers.modeling_utils: a warning from transformers" in lines[0]
 
 
 def test_status_and_progress_of_a_run_waiting_in_the_queue(ops_worker, client, cli_env, run_name):

@@ -69,4 +69,10 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
     root.handlers = [handler]
     root.setLevel(level.upper())
     logging.captureWarnings(True)  # warnings become records too (one JSON line each)
+    # transformers logs through a handler of its own, and with CI set also propagates to ours:
+    # each of its warnings came out twice, once not in our format. Ours alone now, at its level.
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
     signals.setup_logging.connect(_leave_logging_alone, weak=False)
