@@ -8,7 +8,7 @@ Prints tasks/s from the first message taken to the last one acknowledged (result
 stored before the ack). Compare with
 ``layertap bench ... --parts d --backlog``: the difference is layertap's own per-job work
 (validate, engine, file, results). ``--kombu-transport`` uses kombu's stock Redis
-transport instead of ``producer.transport.broker_transport``; ``--no-batched-events`` leaves
+transport instead of ``layertap.producer.transport.broker_transport``; ``--no-batched-events`` leaves
 Celery's per-turn event publishing as it is.
 """
 
@@ -22,8 +22,8 @@ import time
 
 import redis
 
-from producer.settings import Settings
-from producer.transport.celery_app import make_celery
+from layertap.producer.settings import Settings
+from layertap.producer.transport.celery_app import make_celery
 
 NOOP_TASK = "layertap.bench.noop"
 QUEUE = "layertap-bench-noop"
@@ -36,7 +36,7 @@ def build_app():
     if os.environ.get("NOOP_KOMBU_TRANSPORT"):
         app.conf.broker_transport = None
     if not os.environ.get("NOOP_PLAIN_EVENTS"):
-        from worker.queue.task_events import batch_task_events
+        from layertap.worker.queue.task_events import batch_task_events
 
         batch_task_events(app)
 

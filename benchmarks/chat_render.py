@@ -1,7 +1,7 @@
 """How long a chat takes to prepare (render, mask, tokenize) by its number of turns, and how
 long small jobs sent beside a 4,096-turn chat wait (issue 13: one long chat stalled a worker).
 
-Runs ``worker.job.tokenize.Preparer`` in-process on a tiny Qwen3 model built on the fly (its chat
+Runs ``layertap.worker.job.tokenize.Preparer`` in-process on a tiny Qwen3 model built on the fly (its chat
 template is Qwen's ChatML); prints one JSON object.
 
     python benchmarks/chat_render.py
@@ -15,12 +15,12 @@ import threading
 import time
 from pathlib import Path
 
-from producer.protocol.schema import Job
-from producer.settings import Limits
-from worker.job.chat import ChatRenderer
-from worker.job.tokenize import Preparer
-from worker.model.loading import load_model
-from worker.model.tiny_model import make_tiny_model
+from layertap.producer.protocol.schema import Job
+from layertap.producer.settings import Limits
+from layertap.worker.job.chat import ChatRenderer
+from layertap.worker.job.tokenize import Preparer
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.tiny_model import make_tiny_model
 
 TURNS = (256, 1024, 2048, 4095)
 SMALL_JOBS = 10

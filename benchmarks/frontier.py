@@ -1,5 +1,5 @@
 """Issue 24's figures on one GPU, in one command: quantized and big checkpoints, random weights
-written to a local folder (``worker.bench.checkpoints``, shard by shard), each measured with
+written to a local folder (``layertap.worker.bench.checkpoints``, shard by shard), each measured with
 ``layertap bench``'s parts and then deleted (so the host needs room for one at a time).
 
     python benchmarks/frontier.py --folder /dev/shm/layertap-frontier --out benchmarks/h200-frontier.json
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.bench.bench import run_bench
-from worker.bench.checkpoints import write_checkpoint
-from worker.bench.config import BenchConfig
+from layertap.worker.bench.bench import run_bench
+from layertap.worker.bench.checkpoints import write_checkpoint
+from layertap.worker.bench.config import BenchConfig
 
 CASES = ("8b", "70b", "30b")
 #: case -> [(label, shape, checkpoint format, parts, quant_compute)]

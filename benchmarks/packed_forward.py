@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import worker.model.attention as packed
-from worker.model.loading import load_model
+import layertap.worker.model.attention as packed
+from layertap.worker.model.loading import load_model
 
 
 def masked_row(query, key, value, output, bounds, scaling, sliding_window, gqa) -> None:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import redis
 
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.protocol.schema import CHARS_PER_TOKEN
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import CHARS_PER_TOKEN
 
 MODEL = "bench-producer"
 RUN = "producer-rate"

@@ -3,9 +3,9 @@
     python benchmarks/reconciler_reads.py --held 64 --queued 64 --tokens 2000
 
 Starts a private Redis, submits ``held + queued`` real jobs of ``tokens`` token ids with
-:class:`producer.client.client.Client`, takes ``held`` of them off the queue through kombu's own
+:class:`layertap.producer.client.client.Client`, takes ``held`` of them off the queue through kombu's own
 Redis channel without acknowledging them (so they sit in kombu's ``unacked`` records as a
-worker's would), then runs :meth:`worker.queue.reconciler.Reconciler.sweep` and reports
+worker's would), then runs :meth:`layertap.worker.queue.reconciler.Reconciler.sweep` and reports
 ``total_net_output_bytes`` of the server across the sweep (what the reconciler read),
 the number of commands it sent, and both per held message. No worker is started.
 """
@@ -18,11 +18,11 @@ import warnings
 
 import redis
 
-from producer.client.client import Client, NoWorkerWarning
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.settings import Settings
-from worker.queue.reconciler import Reconciler
+from layertap.producer.client.client import Client, NoWorkerWarning
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.settings import Settings
+from layertap.worker.queue.reconciler import Reconciler
 
 MODEL = "bench-reconciler"
 

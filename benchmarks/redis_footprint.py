@@ -34,11 +34,11 @@ from pathlib import Path
 
 import redis
 
-from producer.client import runs
-from producer.client.client import Client
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.settings import Settings
+from layertap.producer.client import runs
+from layertap.producer.client.client import Client
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.settings import Settings
 
 RUN = "footprint"
 MODEL = "tiny-qwen3"
@@ -86,7 +86,7 @@ def queued_footprint(client: Client, raw: redis.Redis, jobs: int, tokens: int) -
     """Print the bytes per queued job by key family, then remove those jobs."""
     import warnings
 
-    from producer.client.client import NoWorkerWarning
+    from layertap.producer.client.client import NoWorkerWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoWorkerWarning)
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--queued", type=int, default=100, help="jobs left queued for a model no worker serves")
     parser.add_argument("--queued-tokens", type=int, default=2000, help="token ids in each queued job")
     args = parser.parse_args()
-    from worker.model.tiny_model import make_tiny_model
+    from layertap.worker.model.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as scratch, RedisServer(appendonly=False) as server:
         model_dir = make_tiny_model(Path(scratch) / "model", "qwen3")

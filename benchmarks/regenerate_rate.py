@@ -24,13 +24,13 @@ from pathlib import Path
 
 import httpx2
 
-from producer.command import layertap_argv
-from producer.ingest.enqueue import plan_jobs
-from producer.ingest.formats import RowConverter
-from producer.ingest.sources import open_source
-from producer.regen.endpoint import ChatEndpoint
-from producer.regen.runner import Regenerator, conversations
-from producer.regen.store import OutputStore
+from layertap.producer.command import layertap_argv
+from layertap.producer.ingest.enqueue import plan_jobs
+from layertap.producer.ingest.formats import RowConverter
+from layertap.producer.ingest.sources import open_source
+from layertap.producer.regen.endpoint import ChatEndpoint
+from layertap.producer.regen.runner import Regenerator, conversations
+from layertap.producer.regen.store import OutputStore
 from tests.support.chat_server import small_server
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from worker.model.tiny_model import make_tiny_model
+    from layertap.worker.model.tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="regen-bench-"))
     model = str(make_tiny_model(work / "model", "qwen3"))

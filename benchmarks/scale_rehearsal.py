@@ -37,15 +37,15 @@ from pathlib import Path
 
 import redis
 
-from producer.client.client import Client
-from producer.client.results import stream_results
-from producer.command import layertap_argv
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.protocol.fileformat import MetaKey, read_file_header
-from producer.settings import Settings
-from worker.model.tiny_model import make_tiny_model
-from worker.queue.reconciler import Reconciler
+from layertap.producer.client.client import Client
+from layertap.producer.client.results import stream_results
+from layertap.producer.command import layertap_argv
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.fileformat import MetaKey, read_file_header
+from layertap.producer.settings import Settings
+from layertap.worker.model.tiny_model import make_tiny_model
+from layertap.worker.queue.reconciler import Reconciler
 
 NAME = "rehearsal-qwen3"
 RUN = "rehearsal"

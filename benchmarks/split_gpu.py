@@ -31,9 +31,9 @@ LAYERS = [2, 18, 33, 36]
 
 
 def capture_all(loaded, groups: list[list[torch.Tensor]], compile_layers: bool) -> tuple[list[dict], float]:
-    from worker.engine.engine import Engine
-    from worker.engine.records import EngineRequest
-    from worker.model.loading import compile_decoder_layers
+    from layertap.worker.engine.engine import Engine
+    from layertap.worker.engine.records import EngineRequest
+    from layertap.worker.model.loading import compile_decoder_layers
 
     if compile_layers:
         compile_decoder_layers(loaded)
@@ -65,7 +65,7 @@ def capture_all(loaded, groups: list[list[torch.Tensor]], compile_layers: bool) 
 
 
 def exact(args: argparse.Namespace) -> int:
-    from worker.model.loading import load_model
+    from layertap.worker.model.loading import load_model
 
     generator = torch.Generator().manual_seed(0)
     whole = load_model(args.model, device=args.device, stages=1)

@@ -1,5 +1,5 @@
 """Upload rate of job files to an S3 endpoint against writing them to ``/dev/shm``, through the
-worker's own writer (``worker.job.writer.write_job_file``: examine, write, commit) and storage.
+worker's own writer (``layertap.worker.job.writer.write_job_file``: examine, write, commit) and storage.
 
 Files are realistic: ``hidden_states [--tokens, --layers, --hidden]`` bf16 plus ``token_ids``
 (1,500 x 4 x 4096: 49 MB each). ``--processes`` writer processes (as one worker per GPU) each
@@ -8,7 +8,7 @@ first to ``/dev/shm`` (local storage: lock, temp, fsync, rename), then to ``s3:/
 ``--spool`` and uploaded on commit). Prints MB/s of each and their ratio.
 
 The S3 endpoint is ``--endpoint-url`` (MinIO, real S3: credentials from ``AWS_*``), or by
-default moto's standalone server started here (``producer.dev.s3_server``; needs
+default moto's standalone server started here (``layertap.producer.dev.s3_server``; needs
 ``moto[server]`` and ``s3fs``). moto is one Python process holding objects in memory, so its
 figure is a floor set by the server, not the client: the client's own ceiling is read from the
 ``--endpoint-url`` of a real store. Runs in a few minutes on a 16-core host, offline.
@@ -41,7 +41,7 @@ def tensors_of(tokens: int, layers: int, hidden: int, seed: int) -> dict[str, An
 
 
 def metadata_of(job_id: str, run: str, layers: int) -> dict[str, str]:
-    from producer.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
+    from layertap.producer.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
 
     meta = {MetaKey.FORMAT: FORMAT_NAME, MetaKey.FORMAT_VERSION: FORMAT_VERSION, MetaKey.MODEL: "bench",
             MetaKey.LAYERS: json.dumps(list(range(layers))), MetaKey.NUM_LAYERS: str(layers),
@@ -55,8 +55,8 @@ def writer_process(args: tuple[str, dict[str, Any], int, int, int, tuple[int, in
     root, options, index, files, threads, tokens_layers_hidden, start, ready = args
     from concurrent.futures import ThreadPoolExecutor
 
-    from producer.storage.registry import storage_for
-    from worker.job.writer import write_job_file
+    from layertap.producer.storage.registry import storage_for
+    from layertap.worker.job.writer import write_job_file
 
     tokens, layers, hidden = tokens_layers_hidden
     storage = storage_for(root, options)
@@ -112,7 +112,7 @@ def main() -> None:
 
     server = None
     if args.endpoint_url is None:
-        from producer.dev.s3_server import S3Server
+        from layertap.producer.dev.s3_server import S3Server
 
         server = S3Server().start()
         options = server.storage_options

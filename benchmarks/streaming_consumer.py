@@ -41,13 +41,13 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from producer.client.client import Client
-from producer.command import layertap_argv
-from producer.dataset import StreamingHiddenStatesDataset, collate
-from producer.dev.redis_server import RedisServer
-from producer.settings import Settings
-from worker.bench.prompts import random_prompts
-from worker.model.shapes import SHAPE_PREFIX, is_shape, shape_config
+from layertap.producer.client.client import Client
+from layertap.producer.command import layertap_argv
+from layertap.producer.dataset import StreamingHiddenStatesDataset, collate
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.settings import Settings
+from layertap.worker.bench.prompts import random_prompts
+from layertap.worker.model.shapes import SHAPE_PREFIX, is_shape, shape_config
 
 NAME = "stream-bench"
 
@@ -139,7 +139,7 @@ def vocab_size(model: str) -> int:
 def run_bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = args.model
     if model == "tiny":
-        from worker.model.tiny_model import make_tiny_model
+        from layertap.worker.model.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(work / "tiny-model", "qwen3"))
     prompts = random_prompts(args.prompts, args.min_len, args.max_len, vocab_size(model), args.seed)

@@ -18,7 +18,7 @@ import random
 import torch
 from torch.nn.attention import sdpa_kernel
 
-import worker.model.attention as packed
+import layertap.worker.model.attention as packed
 
 
 def rows(budget: int, count: int, seed: int) -> list[list[int]]:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import MetaKey, verify_file
-from worker.job.writer import write_job_file
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import MetaKey, verify_file
+from layertap.worker.job.writer import write_job_file
 
 
 def two_passes(path: Path) -> dict[str, torch.Tensor]:

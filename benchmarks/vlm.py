@@ -42,13 +42,13 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from worker.bench.config import BenchConfig, PartResult
-from worker.bench.measure import dir_bytes, sync
-from worker.bench.queue_part import run_queue
-from worker.bench.report import device_name, software_versions
-from worker.engine.self_check import relative_error_per_layer
-from worker.model.shapes import build_random_model
-from worker.model.tiny_model import build_tokenizer, corpus
+from layertap.worker.bench.config import BenchConfig, PartResult
+from layertap.worker.bench.measure import dir_bytes, sync
+from layertap.worker.bench.queue_part import run_queue
+from layertap.worker.bench.report import device_name, software_versions
+from layertap.worker.engine.self_check import relative_error_per_layer
+from layertap.worker.model.shapes import build_random_model
+from layertap.worker.model.tiny_model import build_tokenizer, corpus
 
 PLAIN_BATCH = 8
 VOCAB = 4096
@@ -84,7 +84,7 @@ def write_model(shape: str, folder: Path, device: torch.device) -> Path:
 
         Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                             video_processor=Qwen2VLVideoProcessor(), chat_template=TEMPLATE).save_pretrained(folder)
-    else:  # the worker loads it without its video processor (worker.model.processors)
+    else:  # the worker loads it without its video processor (layertap.worker.model.processors)
         tokenizer.save_pretrained(folder)
         image_processor.save_pretrained(folder)
     return folder
@@ -209,9 +209,9 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForImageTextToText
 
-    from producer.protocol.layers import eagle3_layer_ids
-    from worker.model.loading import resolve_device
-    from worker.model.processors import load_processor
+    from layertap.producer.protocol.layers import eagle3_layer_ids
+    from layertap.worker.model.loading import resolve_device
+    from layertap.worker.model.processors import load_processor
 
     device = resolve_device(args.device)
     started = time.monotonic()

@@ -6,10 +6,10 @@
    text, then staged (cast, pinned) as a worker's task thread does: ms per chat on one thread,
    and chats/s on ``--threads`` threads side by side; where the image processor is the
    torchvision one, also its ``device=`` form (the image processed on the GPU);
-2. **forward**: one batch of ``--batch`` chats through ``worker.engine.runner.run_with_images``
+2. **forward**: one batch of ``--batch`` chats through ``layertap.worker.engine.runner.run_with_images``
    (vision tower, merging, M-RoPE, language model; with its logits, which a worker's capture
    stops before) and the vision tower alone, each with the
-   vision tower's varlen flash attention (``worker.model.vision_attention``) and with
+   vision tower's varlen flash attention (``layertap.worker.model.vision_attention``) and with
    transformers' per-window SDPA; the tower's outputs of the two compared;
 3. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
    by device time and the top operators by host time.
@@ -31,12 +31,12 @@ import torch
 from PIL import Image
 
 from vlm import conversations, template_chat, write_model
-from worker.bench.measure import sync
-from worker.engine.runner import run_with_images
-from worker.model.image_inputs import staged_inputs
-from worker.model.loading import load_model, transformers_attention
-from worker.model.processors import load_processor
-from worker.model.vision_attention import vision_attention
+from layertap.worker.bench.measure import sync
+from layertap.worker.engine.runner import run_with_images
+from layertap.worker.model.image_inputs import staged_inputs
+from layertap.worker.model.loading import load_model, transformers_attention
+from layertap.worker.model.processors import load_processor
+from layertap.worker.model.vision_attention import vision_attention
 
 
 def process(processor: Any, chat: dict[str, Any], images: Path, loaded: Any, **image_options: Any) -> dict:
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=480)
     parser.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
     args = parser.parse_args()
-    from worker.model.loading import resolve_device
+    from layertap.worker.model.loading import resolve_device
 
     device = resolve_device(args.device)
     model_dir = write_model(args.shape, args.folder / args.shape, device)

@@ -3,7 +3,7 @@
     python benchmarks/wait_latency.py --results 200000
 
 Starts a private Redis and publishes ``results`` ok results of one run with the worker's own
-:class:`worker.queue.publisher.ResultPublisher` (stream entry, pub/sub, status hash, pending
+:class:`layertap.worker.queue.publisher.ResultPublisher` (stream entry, pub/sub, status hash, pending
 records, in one transaction each, as a worker does), then times ``Client.wait(run, [job])``
 for the last job published, for one in the middle, and for a job whose result is published
 from another thread while ``wait`` waits. Prints the times in milliseconds (best of
@@ -17,12 +17,12 @@ import json
 import threading
 import time
 
-from producer.client.client import Client
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.protocol.schema import Result, Status, Timings
-from producer.settings import Settings
-from worker.queue.publisher import ResultPublisher
+from layertap.producer.client.client import Client
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import Result, Status, Timings
+from layertap.producer.settings import Settings
+from layertap.worker.queue.publisher import ResultPublisher
 
 RUN = "bench-wait"
 

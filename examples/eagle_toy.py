@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from producer.client.client import Client
-from producer.command import layertap_argv
-from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
-from producer.dev.redis_server import RedisServer
-from producer.settings import Settings
+from layertap.producer.client.client import Client
+from layertap.producer.command import layertap_argv
+from layertap.producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.settings import Settings
 
 MODEL = "tiny-qwen3"
 RUN = "eagle-toy"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from producer import __all__ as _producer_names
-from producer import __version__
+from layertap.producer import __all__ as _producer_names
+from layertap.producer import __version__
 
 #: public name -> the package that holds it (the client side's names, and the worker's Extractor)
 _EXPORTS = {**{name: "producer" for name in _producer_names if name != "__version__"}, "Extractor": "worker"}

@@ -14,16 +14,16 @@ __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 
 #: public name -> the module that holds it
 _EXPORTS = {
-    "Client": "producer.client.client",
-    "FileFormatError": "producer.protocol.fileformat",
-    "cleanup_hidden_states": "producer.files.reader",
-    "load_hidden_states": "producer.files.reader",
-    "ChatMessage": "producer.protocol.schema",
-    "ErrorType": "producer.protocol.schema",
-    "Job": "producer.protocol.schema",
-    "Result": "producer.protocol.schema",
-    "Status": "producer.protocol.schema",
-    "Settings": "producer.settings",
+    "Client": "layertap.producer.client.client",
+    "FileFormatError": "layertap.producer.protocol.fileformat",
+    "cleanup_hidden_states": "layertap.producer.files.reader",
+    "load_hidden_states": "layertap.producer.files.reader",
+    "ChatMessage": "layertap.producer.protocol.schema",
+    "ErrorType": "layertap.producer.protocol.schema",
+    "Job": "layertap.producer.protocol.schema",
+    "Result": "layertap.producer.protocol.schema",
+    "Status": "layertap.producer.protocol.schema",
+    "Settings": "layertap.producer.settings",
 }
 
 __all__ = ["__version__", *_EXPORTS]

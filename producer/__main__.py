@@ -1,5 +1,5 @@
 """``python -m producer``: the ``layertap`` command."""
 
-from producer.cli.app import main
+from layertap.producer.cli.app import main
 
 main()

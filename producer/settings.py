@@ -24,11 +24,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from producer.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
-from producer.protocol.keys import DEFAULT_CONSUMER_GROUP
+from layertap.producer.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
+from layertap.producer.protocol.keys import DEFAULT_CONSUMER_GROUP
 
 if TYPE_CHECKING:
-    from producer.storage.base import Storage
+    from layertap.producer.storage.base import Storage
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: The default hang bound: this much time per batch, plus its tokens at the slowest prefill assumed.
@@ -56,7 +56,7 @@ class WorkerSettings(BaseModel):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: WorkerDtype = AUTO  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
-    batching: str = "auto"  # auto, or a layout to force (worker.model.batching.LAYOUTS; checked at load)
+    batching: str = "auto"  # auto, or a layout to force (layertap.worker.model.batching.LAYOUTS; checked at load)
     # quantized checkpoints: auto (fp8 matmuls where the device has them, else dequantize layer by layer) | dequant | fp8
     quant_compute: Literal["auto", "dequant", "fp8"] = "auto"
     max_batch_jobs: int = Field(default=256, gt=0)
@@ -69,14 +69,14 @@ class WorkerSettings(BaseModel):
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
     gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
-    gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process: one model split over them (worker.model.split)
+    gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process: one model split over them (layertap.worker.model.split)
     # stages the model's layers are split into: 0 = one per visible GPU (device "cuda"); more than the GPUs
     # share them (2 on one GPU: the split's own cost), or run in turn on the CPU
     split_stages: int = Field(default=0, ge=0)
     loglevel: str = "INFO"
     log_format: LogFormat = LogFormat.text
     metrics_port: int = Field(default=0, ge=0, le=65535)  # Prometheus /metrics; 0 = off (supervised: +i per child)
-    # Where results go besides the run's stream: sink name (worker.queue.sinks.SINKS) or "module:Class" ->
+    # Where results go besides the run's stream: sink name (layertap.worker.queue.sinks.SINKS) or "module:Class" ->
     # its options; every result a worker publishes passes them. Listing sinks replaces the default.
     result_sinks: dict[str, dict[str, Any]] = Field(default_factory=lambda: {"metrics": {}})
     progress_interval_s: float = Field(default=10.0, ge=0)  # a progress line (tokens/s, jobs/s, queue, memory); 0 = off
@@ -102,7 +102,7 @@ class WorkerSettings(BaseModel):
     @classmethod
     def _layers(cls, value: Any) -> Any:
         if isinstance(value, str):
-            from producer.protocol.layers import parse_layer_list
+            from layertap.producer.protocol.layers import parse_layer_list
 
             return json.loads(value) if value.strip().startswith("[") else parse_layer_list(value)
         return value
@@ -137,7 +137,7 @@ class TlsSettings(BaseModel):
 
 
 #: When a job stops counting as in flight for ``enqueue.max_inflight``: once it has a final
-#: result, or once a streaming consumer acknowledged that result (``producer.files.streaming``).
+#: result, or once a streaming consumer acknowledged that result (``layertap.producer.files.streaming``).
 InflightUntil = Literal["finished", "consumed"]
 
 
@@ -151,7 +151,7 @@ class EnqueueSettings(BaseModel):
 
 
 class RetentionSettings(BaseModel):
-    """How long Redis keeps what a run no longer needs (applied by the workers, ``worker.queue.retention``)."""
+    """How long Redis keeps what a run no longer needs (applied by the workers, ``layertap.worker.queue.retention``)."""
 
     results_s: float = Field(default=3600.0, ge=0)  # seconds a result stays on its run's stream; 0: forever
     sweep_interval_s: float = Field(default=300.0, gt=0)  # seconds between retention sweeps
@@ -215,8 +215,8 @@ class Settings(BaseSettings):
         return str(value) if isinstance(value, os.PathLike) else value
 
     def storage(self) -> Storage:
-        """The storage ``storage_root`` names (``producer.storage.registry``)."""
-        from producer.storage.registry import storage_for
+        """The storage ``storage_root`` names (``layertap.producer.storage.registry``)."""
+        from layertap.producer.storage.registry import storage_for
 
         return storage_for(self.storage_root, self.storage_options)
 

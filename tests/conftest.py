@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from producer.client.client import Client
-from producer.dev.redis_server import RedisServer
-from producer.settings import Settings
+from layertap.producer.client.client import Client
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.settings import Settings
 from tests.support import blocking
 from tests.support.architectures import ARCHES
 from tests.support.jobs import ORPHAN_TIMEOUT, RELIABILITY_ENV
@@ -51,7 +51,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny float32 models of three architectures (4 layers, hidden 64), built on the fly: once
     per run, shared by the pytest-xdist processes (the tests only read them; a test that changes
     a model changes a copy)."""
-    from worker.model.tiny_model import make_tiny_model
+    from layertap.worker.model.tiny_model import make_tiny_model
 
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         root = tmp_path_factory.mktemp("models")

@@ -11,10 +11,10 @@ __all__ = ["Extractor"]
 
 def __getattr__(name: str) -> Any:
     if name == "Extractor":
-        from producer.extras import require
+        from layertap.producer.extras import require
 
         require("worker.Extractor")  # on a client-only install: the one-line hint, not ModuleNotFoundError
-        from worker.extractor import Extractor
+        from layertap.worker.extractor import Extractor
 
         return Extractor
     raise AttributeError(name)

@@ -1,7 +1,7 @@
 """In-process extraction, no Redis: for notebooks and one-off offline runs.
 
 ``Extractor(model, layers=[2, 18, -1]).extract(prompts, out_dir)`` runs the same engine,
-writes the same files and returns the same :class:`~producer.protocol.schema.Result` objects as
+writes the same files and returns the same :class:`~layertap.producer.protocol.schema.Result` objects as
 a queued worker. The Celery task is a thin shell around the same ``JobProcessor``.
 """
 
@@ -14,19 +14,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from producer.protocol.images import with_image_digests
-from producer.protocol.layers import eagle3_layer_ids
-from producer.protocol.schema import Job, Result
-from producer.settings import Limits
-from producer.storage.base import Storage
-from producer.storage.registry import storage_for
-from worker.engine.engine import Engine
-from worker.engine.scheduler import MAX_PADDING
-from worker.engine.self_check import check_with_fallback
-from worker.job.image_check import check_image_batching
-from worker.job.pipeline import JobProcessor
-from worker.job.tokenize import Preparer
-from worker.model.loading import LoadedModel, compile_decoder_layers, load_model
+from layertap.producer.protocol.images import with_image_digests
+from layertap.producer.protocol.layers import eagle3_layer_ids
+from layertap.producer.protocol.schema import Job, Result
+from layertap.producer.settings import Limits
+from layertap.producer.storage.base import Storage
+from layertap.producer.storage.registry import storage_for
+from layertap.worker.engine.engine import Engine
+from layertap.worker.engine.scheduler import MAX_PADDING
+from layertap.worker.engine.self_check import check_with_fallback
+from layertap.worker.job.image_check import check_image_batching
+from layertap.worker.job.pipeline import JobProcessor
+from layertap.worker.job.tokenize import Preparer
+from layertap.worker.model.loading import LoadedModel, compile_decoder_layers, load_model
 
 
 def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, worker_name: str,
@@ -38,10 +38,10 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
-    The engine passes the batching self-check first (``worker.engine.self_check``), falling back
+    The engine passes the batching self-check first (``layertap.worker.engine.self_check``), falling back
     to slower exact layouts where batching changes the states, or this raises
-    :class:`~worker.model.batching.ModelRefused` and nothing is served; then image chats get
-    theirs (``worker.job.image_check``: one per forward where batched ones differ)."""
+    :class:`~layertap.worker.model.batching.ModelRefused` and nothing is served; then image chats get
+    theirs (``layertap.worker.job.image_check``: one per forward where batched ones differ)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 
@@ -88,7 +88,7 @@ class Extractor:
     def job(self, item: str | list[int] | Mapping[str, Any] | Job, run: str, **fields: Any) -> dict[str, Any]:
         """Turn an input (prompt text, token ids, chat messages, job fields or Job) into job data;
         image paths in chats get the sha256 of their file under ``images_root``, as the Client
-        does (:class:`~producer.protocol.images.ImageError` for one that cannot be read)."""
+        does (:class:`~layertap.producer.protocol.images.ImageError` for one that cannot be read)."""
         if isinstance(item, Job):
             return item.model_dump(exclude_none=True)
         if isinstance(item, str):

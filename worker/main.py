@@ -17,30 +17,30 @@ from pathlib import Path
 
 from celery.signals import worker_ready, worker_shutting_down
 
-from producer.protocol import keys
-from producer.protocol.naming import served_model_name
-from producer.settings import LogFormat, Settings
-from producer.transport.broker_transport import set_held_messages
-from producer.transport.celery_app import make_celery
-from producer.transport.redis_conn import connect
-from worker.extractor import build_processor
-from worker.model.loading import load_model
-from worker.ops.gc_freeze import freeze_long_lived_objects
-from worker.ops.lifecycle import ServiceGroup
-from worker.ops.logs import configure_logging
-from worker.ops.metrics import WorkerMetrics
-from worker.ops.progress import ProgressLine
-from worker.ops.phase import LOADING, SERVING, report_phase
-from worker.ops.watchdog import EngineWatchdog, start_deadline
-from worker.queue.handler import WorkerService
-from worker.queue.lease import LeaseKeeper, held_delivery_tags
-from worker.queue.publisher import ResultPublisher
-from worker.queue.reconciler import Reconciler
-from worker.queue.retention import RetentionSweep
-from worker.queue.sinks import SinkContext, build_sinks
-from worker.queue.task_events import batch_task_events
-from worker.queue.tasks import register_bundle_task, register_extract_task
-from worker.startup import check_layers, check_model_source, settings_line
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.naming import served_model_name
+from layertap.producer.settings import LogFormat, Settings
+from layertap.producer.transport.broker_transport import set_held_messages
+from layertap.producer.transport.celery_app import make_celery
+from layertap.producer.transport.redis_conn import connect
+from layertap.worker.extractor import build_processor
+from layertap.worker.model.loading import load_model
+from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
+from layertap.worker.ops.lifecycle import ServiceGroup
+from layertap.worker.ops.logs import configure_logging
+from layertap.worker.ops.metrics import WorkerMetrics
+from layertap.worker.ops.progress import ProgressLine
+from layertap.worker.ops.phase import LOADING, SERVING, report_phase
+from layertap.worker.ops.watchdog import EngineWatchdog, start_deadline
+from layertap.worker.queue.handler import WorkerService
+from layertap.worker.queue.lease import LeaseKeeper, held_delivery_tags
+from layertap.worker.queue.publisher import ResultPublisher
+from layertap.worker.queue.reconciler import Reconciler
+from layertap.worker.queue.retention import RetentionSweep
+from layertap.worker.queue.sinks import SinkContext, build_sinks
+from layertap.worker.queue.task_events import batch_task_events
+from layertap.worker.queue.tasks import register_bundle_task, register_extract_task
+from layertap.worker.startup import check_layers, check_model_source, settings_line
 
 log = logging.getLogger("layertap.worker")
 #: Exit code after a device fault: the supervisor (or systemd, Kubernetes) restarts the process.

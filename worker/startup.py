@@ -4,7 +4,7 @@ start with one line, instead of failing every job later.
 * ``--model``: an existing folder, a hub id (``name`` or ``org/name``) or ``shape:...``;
   anything else is "no such folder, and not a hub id", before Hugging Face is asked.
 * the served name: ``--name`` if given, else the one rule both sides apply
-  (``producer.protocol.naming.served_model_name``).
+  (``layertap.producer.protocol.naming.served_model_name``).
 * ``--layers``: every id must exist in the loaded model.
 
 And the one line a worker logs of the settings in force (:func:`settings_line`).
@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from producer.protocol.layers import resolve_layer_ids
-from producer.protocol.naming import SHAPE_PREFIX, is_hub_id
-from producer.settings import Settings
-from producer.transport.redis_conn import redacted_url
+from layertap.producer.protocol.layers import resolve_layer_ids
+from layertap.producer.protocol.naming import SHAPE_PREFIX, is_hub_id
+from layertap.producer.settings import Settings
+from layertap.producer.transport.redis_conn import redacted_url
 
 
 def check_model_source(source: str) -> None:

@@ -1,7 +1,7 @@
 """The ``layertap`` command. Client subcommands import no torch; ``worker``,
 ``make-tiny-model`` and ``bench`` import the worker package when they run.
 
-Every flag maps to a setting (``producer.settings``); flags win over the environment.
+Every flag maps to a setting (``layertap.producer.settings``); flags win over the environment.
 Errors print one line (``error: ...``) and exit non-zero; ``LAYERTAP_DEBUG=1`` shows tracebacks.
 """
 
@@ -15,22 +15,22 @@ from typing import Any, Optional
 
 import typer
 
-from producer import __version__
-from producer.cli import data as cli_data
-from producer.cli import dlq as cli_dlq
-from producer.cli import regen as cli_regen
-from producer.cli import runs as cli_runs
-from producer.cli import worker as cli_worker
-from producer.cli.common import (
+from layertap.producer import __version__
+from layertap.producer.cli import data as cli_data
+from layertap.producer.cli import dlq as cli_dlq
+from layertap.producer.cli import regen as cli_regen
+from layertap.producer.cli import runs as cli_runs
+from layertap.producer.cli import worker as cli_worker
+from layertap.producer.cli.common import (
     CliError,
     console,
     err_console,
     load_settings,
     print_file_description,
 )
-from producer.cli.ops import register as register_ops
-from producer.extras import require
-from producer.settings import Settings, unknown_settings
+from layertap.producer.cli.ops import register as register_ops
+from layertap.producer.extras import require
+from layertap.producer.settings import Settings, unknown_settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
                   "write safetensors files, publish their paths.", no_args_is_help=True,
@@ -63,8 +63,8 @@ def results(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Print a run's results so far (or keep following with --follow)."""
-    from producer.client import runs
-    from producer.client.client import Client
+    from layertap.producer.client import runs
+    from layertap.producer.client.client import Client
 
     with Client(load_settings(redis_url=redis_url)) as client:
         if not follow and not runs.exists(client.redis, run):
@@ -91,9 +91,9 @@ def inspect(
     plot: Optional[Path] = typer.Option(None, help="Also draw per-layer statistics to this PNG file."),
 ) -> None:
     """Show a file's tensors, metadata and per-layer statistics."""
-    from producer.files.file_stats import describe_file
-    from producer.protocol.fileformat import FileFormatError, MetaKey
-    from producer.storage.registry import storage_for
+    from layertap.producer.files.file_stats import describe_file
+    from layertap.producer.protocol.fileformat import FileFormatError, MetaKey
+    from layertap.producer.storage.registry import storage_for
 
     try:
         info = describe_file(file, verify=verify)
@@ -103,7 +103,7 @@ def inspect(
         raise CliError(f"{exc}; it has no layertap checksums (a file vLLM wrote, say): "
                        "`layertap inspect --no-verify` reads it unchecked") from None
     if plot is not None:
-        from producer.files.plots import plot_file
+        from layertap.producer.files.plots import plot_file
 
         plot_file(file, plot)
     if as_json:
@@ -121,7 +121,7 @@ def demo(
 ) -> None:
     """Run the whole pipeline on a tiny model on the CPU, with an embedded Redis."""
     require("`layertap demo`")
-    from producer.dev.demo import run_demo
+    from layertap.producer.dev.demo import run_demo
 
     run_demo(load_settings(redis_url=redis_url), workdir=workdir, timeout=timeout, console=console,
              show_file=print_file_description)
@@ -153,7 +153,7 @@ def main() -> None:
     import redis
     from pydantic import ValidationError
 
-    from producer.transport.redis_conn import redacted_url
+    from layertap.producer.transport.redis_conn import redacted_url
 
     try:
         app()

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from producer.settings import Settings, WorkerSettings
+from layertap.producer.settings import Settings, WorkerSettings
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
@@ -52,7 +52,7 @@ def worker_default(field: str) -> str:
 
 
 def parse_layers(text: str | None) -> list[int] | None:
-    from producer.protocol.layers import parse_layer_list
+    from layertap.producer.protocol.layers import parse_layer_list
 
     return None if text is None else parse_layer_list(text)
 

@@ -1,8 +1,8 @@
 """``layertap enqueue``, ``manifest`` and ``export``: datasets in, training data out.
 
-Self-contained (it does not import ``producer.cli.app``, which runs as ``__main__`` under
+Self-contained (it does not import ``layertap.producer.cli.app``, which runs as ``__main__`` under
 ``python -m producer``): errors that need their own exit code print one
-``error: ...`` line here and exit; others propagate to ``producer.cli.app.main``.
+``error: ...`` line here and exit; others propagate to ``layertap.producer.cli.app.main``.
 Nothing here imports torch; the data libraries are imported when a command needs them.
 """
 
@@ -25,8 +25,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from producer.cli.common import err_console, fail
-from producer.ingest.formats import InputFormat
+from layertap.producer.cli.common import err_console, fail
+from layertap.producer.ingest.formats import InputFormat
 
 MAX_REPORTED_ROWS = 100
 
@@ -79,8 +79,8 @@ def enqueue(
 
     Exit codes: 0 sent (or already ok); 1 refused, or no rows at all (empty input); 2 bad rows or
     arguments; 130 interrupted (Ctrl-C: run the same command again to send the rest)."""
-    from producer.client.client import Client, NoWorker, NoWorkerWarning
-    from producer.ingest.enqueue import (
+    from layertap.producer.client.client import Client, NoWorker, NoWorkerWarning
+    from layertap.producer.ingest.enqueue import (
         BadRow,
         Enqueuer,
         Outcome,
@@ -88,11 +88,11 @@ def enqueue(
         job_from_data,
         plan_jobs,
     )
-    from producer.ingest.formats import RowConverter
-    from producer.ingest.sources import open_source
-    from producer.protocol.layers import parse_layer_list
-    from producer.protocol.naming import check_name, served_model_name
-    from producer.settings import Settings
+    from layertap.producer.ingest.formats import RowConverter
+    from layertap.producer.ingest.sources import open_source
+    from layertap.producer.protocol.layers import parse_layer_list
+    from layertap.producer.protocol.naming import check_name, served_model_name
+    from layertap.producer.settings import Settings
 
     if not prompt and file is None:
         raise fail("nothing to enqueue: give --prompt TEXT or --file F", 2)
@@ -170,7 +170,7 @@ def enqueue(
 @contextlib.contextmanager
 def resume_hint(run: str, counts: Counter[Any]) -> Iterator[None]:
     """On Ctrl-C: say how many jobs were sent (every one counted is in Redis) and how to resume; exit 130."""
-    from producer.ingest.enqueue import Outcome
+    from layertap.producer.ingest.enqueue import Outcome
 
     try:
         yield
@@ -183,7 +183,7 @@ def resume_hint(run: str, counts: Counter[Any]) -> Iterator[None]:
 
 def dry_run_report(items: Iterable[Any], run: str, quiet: bool) -> int:
     """``enqueue --dry-run``: print each valid row's job id and each bad row's error; the exit code."""
-    from producer.ingest.enqueue import BadRow
+    from layertap.producer.ingest.enqueue import BadRow
 
     good = bad = 0
     with one_line_errors():
@@ -204,7 +204,7 @@ def dry_run_report(items: Iterable[Any], run: str, quiet: bool) -> int:
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
     """Expected failures as one ``error:`` line: exit 2 for a file whose format cannot be told, else 1."""
-    from producer.ingest.formats import UndetectableFormat
+    from layertap.producer.ingest.formats import UndetectableFormat
 
     try:
         yield
@@ -219,10 +219,10 @@ class RunListing:
     as one ``error:`` line (the first 100), counted in ``skipped`` and left out."""
 
     def __init__(self, run: str, redis_url: str | None, *, verify: bool = False):
-        from producer.client import runs
-        from producer.client.client import Client
-        from producer.client.runs import ok_files
-        from producer.settings import Settings
+        from layertap.producer.client import runs
+        from layertap.producer.client.client import Client
+        from layertap.producer.client.runs import ok_files
+        from layertap.producer.settings import Settings
 
         with Client(Settings(), redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
@@ -234,7 +234,7 @@ class RunListing:
 
     def __iter__(self) -> Iterator[Any]:
         """One pass over the entries; each pass counts afresh, and only the first prints."""
-        from producer.files.manifest import Skipped, collect
+        from layertap.producer.files.manifest import Skipped, collect
 
         first_pass, self.passes = self.passes == 0, self.passes + 1
         self.skipped = self.tokens = 0
@@ -260,7 +260,7 @@ def manifest(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Write a run's manifest: one row per job with an ok result (job id, path, tokens, layers, checksums)."""
-    from producer.files.manifest import default_manifest_path, write_manifest
+    from layertap.producer.files.manifest import default_manifest_path, write_manifest
 
     out = out or default_manifest_path(run)
     listing = RunListing(run, redis_url, verify=verify)
@@ -280,9 +280,9 @@ def export(
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
-    from producer.files.export import check_entries, export_speculators
-    from producer.files.manifest import iter_manifest
-    from producer.settings import Settings
+    from layertap.producer.files.export import check_entries, export_speculators
+    from layertap.producer.files.manifest import iter_manifest
+    from layertap.producer.settings import Settings
 
     if export_format != "speculators":
         raise fail(f"--format {export_format!r}: only 'speculators' is supported", 2)
@@ -308,7 +308,7 @@ def export(
 
 def quiet_datasets() -> None:
     """Quiet the datasets library's own progress bars (ours is drawn instead)."""
-    from producer.extras import need
+    from layertap.producer.extras import need
 
     need("datasets").disable_progress_bars()
 

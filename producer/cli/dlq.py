@@ -19,9 +19,9 @@ def register(app: typer.Typer) -> None:
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Show dead letters, oldest first."""
-        from producer.cli.common import load_settings
-        from producer.client.client import Client
-        from producer.client.dlq import list_dead
+        from layertap.producer.cli.common import load_settings
+        from layertap.producer.client.client import Client
+        from layertap.producer.client.dlq import list_dead
 
         with Client(load_settings(redis_url=redis_url)) as client:
             letters = list_dead(client)
@@ -42,9 +42,9 @@ def register(app: typer.Typer) -> None:
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Submit dead jobs again with a fresh attempt count."""
-        from producer.cli.common import load_settings
-        from producer.client.client import Client
-        from producer.client.dlq import requeue
+        from layertap.producer.cli.common import load_settings
+        from layertap.producer.client.client import Client
+        from layertap.producer.client.dlq import requeue
 
         if not entry_ids and not yes and not typer.confirm("Requeue ALL dead letters?"):
             raise typer.Exit(1)
@@ -61,9 +61,9 @@ def register(app: typer.Typer) -> None:
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Delete dead letters."""
-        from producer.cli.common import load_settings
-        from producer.client.client import Client
-        from producer.client.dlq import purge
+        from layertap.producer.cli.common import load_settings
+        from layertap.producer.client.client import Client
+        from layertap.producer.client.dlq import purge
 
         if not yes and not typer.confirm("Delete " + ("these dead letters" if entry_ids else "ALL dead letters") + "?"):
             raise typer.Exit(1)

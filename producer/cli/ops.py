@@ -14,21 +14,21 @@ from typing import Any, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from producer.cli.common import console, folding_table
-from producer.client import runs
-from producer.client.client import Client
-from producer.client.fleet import running_jobs
-from producer.client.results import stream_results
-from producer.extras import require
-from producer.ops.monitor import (
+from layertap.producer.cli.common import console, folding_table
+from layertap.producer.client import runs
+from layertap.producer.client.client import Client
+from layertap.producer.client.fleet import running_jobs
+from layertap.producer.client.results import stream_results
+from layertap.producer.extras import require
+from layertap.producer.ops.monitor import (
     FleetStatus,
     RunProgress,
     RunTracker,
     fleet_status,
     throughput_history,
 )
-from producer.ops.throughput import overall_tokens_per_s
-from producer.transport.redis_conn import redacted_url
+from layertap.producer.ops.throughput import overall_tokens_per_s
+from layertap.producer.transport.redis_conn import redacted_url
 
 
 def format_eta(seconds: float | None) -> str:
@@ -128,7 +128,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"run {run} complete: {current.done} ok, {current.failed} failed{cancelled}, "
                           f"{current.total} jobs, {overall:,.0f} tokens/s overall", highlight=False)
             if plot is not None:
-                from producer.files.plots import plot_throughput
+                from layertap.producer.files.plots import plot_throughput
 
                 plot_throughput(throughput_history(client.redis, run), plot, title=f"run {run}")
                 console.print(f"wrote {plot}", highlight=False)

@@ -1,7 +1,7 @@
 """``layertap regenerate``: on-policy data from an OpenAI-compatible endpoint serving the target.
 
-Self-contained like ``producer.cli.data``; nothing here imports torch. The work is in
-``producer.regen`` (walking a chat, the endpoint client, the resumable store, the enqueue sink).
+Self-contained like ``layertap.producer.cli.data``; nothing here imports torch. The work is in
+``layertap.producer.regen`` (walking a chat, the endpoint client, the resumable store, the enqueue sink).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import typer
 
-from producer.cli.common import err_console, fail
-from producer.cli.data import one_line_errors
-from producer.ingest.formats import InputFormat
+from layertap.producer.cli.common import err_console, fail
+from layertap.producer.cli.data import one_line_errors
+from layertap.producer.ingest.formats import InputFormat
 
 
 def regenerate(
@@ -65,15 +65,15 @@ def regenerate(
     redis_url: Optional[str] = typer.Option(None, help="With --enqueue: Redis URL."),
 ) -> None:
     """Regenerate every assistant turn with the target model (on-policy data); resumable. Prints a summary."""
-    from producer.ingest.enqueue import plan_jobs
-    from producer.ingest.formats import RowConverter
-    from producer.ingest.sources import open_source
-    from producer.regen.store import OutputStore
-    from producer.transport.backoff import Backoff
+    from layertap.producer.ingest.enqueue import plan_jobs
+    from layertap.producer.ingest.formats import RowConverter
+    from layertap.producer.ingest.sources import open_source
+    from layertap.producer.regen.store import OutputStore
+    from layertap.producer.transport.backoff import Backoff
 
     try:
-        from producer.regen.endpoint import ChatEndpoint
-        from producer.regen.runner import Regenerator, conversations
+        from layertap.producer.regen.endpoint import ChatEndpoint
+        from layertap.producer.regen.runner import Regenerator, conversations
     except ImportError as exc:  # httpx2 is installed with the client on Python 3.11+
         raise fail(f"layertap regenerate needs httpx2 (Python 3.11 or later): {exc}") from None
     sampling: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
@@ -137,11 +137,11 @@ def open_sink(run: str | None, model: str, layers: str | None, max_inflight: int
     """The enqueue sink for ``--enqueue RUN``, or None without it."""
     if run is None:
         return None
-    from producer.client.client import Client
-    from producer.ingest.enqueue import Enqueuer
-    from producer.protocol.layers import parse_layer_list
-    from producer.regen.sink import EnqueueSink
-    from producer.settings import Settings
+    from layertap.producer.client.client import Client
+    from layertap.producer.ingest.enqueue import Enqueuer
+    from layertap.producer.protocol.layers import parse_layer_list
+    from layertap.producer.regen.sink import EnqueueSink
+    from layertap.producer.settings import Settings
 
     settings = Settings()
     client = Client(settings, redis_url=redis_url)

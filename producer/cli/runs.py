@@ -1,4 +1,4 @@
-"""``layertap runs list|show|cancel|trim|delete``: a run's lifecycle (``producer.client.runs``).
+"""``layertap runs list|show|cancel|trim|delete``: a run's lifecycle (``layertap.producer.client.runs``).
 
 The older forms stay as hidden aliases: ``layertap runs`` alone lists, and ``layertap run ...``
 takes the same subcommands."""
@@ -37,8 +37,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """List runs: jobs submitted, jobs finished, state (running, cancelling, complete, cancelled: jobs
         ended `cancelled`, counted apart), bytes in Redis."""
-        from producer.client import runs
-        from producer.client.client import Client
+        from layertap.producer.client import runs
+        from layertap.producer.client.client import Client
 
         with Client(redis_url=redis_url) as client:
             found = runs.list_runs(client.redis)
@@ -61,8 +61,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Cancel a run: its jobs not yet in a worker's engine get a `cancelled` result instead of running;
         lost ones are not sent again; new jobs for it are refused. Jobs already computing finish."""
-        from producer.client import runs
-        from producer.client.client import Client
+        from layertap.producer.client import runs
+        from layertap.producer.client.client import Client
 
         with Client(redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
@@ -93,9 +93,9 @@ def register(app: typer.Typer) -> None:
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Delete a run's results, status and records from Redis (and with --files its files)."""
-        from producer.cli.common import load_settings
-        from producer.client import runs
-        from producer.client.client import Client
+        from layertap.producer.cli.common import load_settings
+        from layertap.producer.client import runs
+        from layertap.producer.client.client import Client
 
         with Client(load_settings(redis_url=redis_url, storage=storage)) as client:
             if not runs.exists(client.redis, run):
@@ -122,8 +122,8 @@ def register(app: typer.Typer) -> None:
         """Drop a run's results-stream entries now (what the retention sweep does to old ones), except
         those a consumer group has not acknowledged. Manifest, resume, `runs` and waiting still work
         (from the run's status hash and its files). Safe while workers run."""
-        from producer.client import runs
-        from producer.client.client import Client
+        from layertap.producer.client import runs
+        from layertap.producer.client.client import Client
 
         with Client(redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
@@ -139,9 +139,9 @@ def register(app: typer.Typer) -> None:
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Show one run: jobs submitted, ok, failed and waiting, state, bytes in Redis, models no live worker serves."""
-        from producer.client import runs
-        from producer.client.client import Client
-        from producer.ops.monitor import RunTracker
+        from layertap.producer.client import runs
+        from layertap.producer.client.client import Client
+        from layertap.producer.ops.monitor import RunTracker
 
         with Client(redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):

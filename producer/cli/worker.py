@@ -11,9 +11,9 @@ from typing import Optional
 
 import typer
 
-from producer.cli.common import console, load_settings, parse_layers, worker_default
-from producer.extras import require
-from producer.settings import LogFormat, Settings
+from layertap.producer.cli.common import console, load_settings, parse_layers, worker_default
+from layertap.producer.extras import require
+from layertap.producer.settings import LogFormat, Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -39,7 +39,7 @@ def worker(
     token_budget: Optional[int] = typer.Option(None, help="Tokens per batch, padded batches counting their padding "
                                                f"({worker_default('token_budget')})."),
     batching: Optional[str] = typer.Option(None, help="auto, or a batching layout to force "
-                                           "(worker.model.batching.LAYOUTS): how jobs share a forward (auto: "
+                                           "(layertap.worker.model.batching.LAYOUTS): how jobs share a forward (auto: "
                                            "from the model's structure; either way checked at start)."),
     quant_compute: Optional[str] = typer.Option(None, help="Quantized checkpoints: auto | dequant | fp8 (auto: fp8 "
                                                 "matmuls where the GPU has them, else dequantize layer by layer; "
@@ -79,15 +79,15 @@ def worker(
     # CPU time goes to its task threads and the Celery consumer between forwards (measured:
     # +9% small jobs/s on a 2-core machine, BENCHMARKS.md). Set it yourself to override.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from worker.main import run_worker
+    from layertap.worker.main import run_worker
 
     raise typer.Exit(run_worker(settings))
 
 
 def supervise(settings: Settings) -> int:
     """Run one child worker per GPU group; children read the same settings from the environment."""
-    from worker.ops.logs import configure_logging
-    from worker.ops.supervisor import SIGKILL_GRACE_S, Supervisor, visible_gpus
+    from layertap.worker.ops.logs import configure_logging
+    from layertap.worker.ops.supervisor import SIGKILL_GRACE_S, Supervisor, visible_gpus
 
     ws = settings.worker
     configure_logging(ws.loglevel, ws.log_format)
@@ -113,8 +113,8 @@ def exit_recorder(settings: Settings):
 
     import redis
 
-    from producer.protocol import keys
-    from producer.transport.redis_conn import connect
+    from layertap.producer.protocol import keys
+    from layertap.producer.transport.redis_conn import connect
 
     client = connect(settings)
 
@@ -136,7 +136,7 @@ def make_tiny_model(
 ) -> None:
     """Build a tiny random-weight model with a trained tokenizer and chat template."""
     require("`layertap make-tiny-model`")
-    from worker.model.tiny_model import make_tiny_model as build
+    from layertap.worker.model.tiny_model import make_tiny_model as build
 
     print(build(directory, arch, num_layers=layers, hidden_size=hidden_size, seed=seed))
 
@@ -173,7 +173,7 @@ def bench(
 ) -> None:
     """Measure naive HF, the bare forward, the engine and the whole queue path on the same prompts."""
     require("`layertap bench`")
-    from worker.bench.bench import BenchConfig, format_table, run_bench
+    from layertap.worker.bench.bench import BenchConfig, format_table, run_bench
 
     config = BenchConfig(model=model, device=device, dtype=dtype, layers=parse_layers(layers),
                          prompts=prompts, min_len=min_len, max_len=max_len, file=str(file) if file else None,

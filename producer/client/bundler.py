@@ -5,7 +5,7 @@ estimated tokens (``Job.estimated_tokens``) past ``max_tokens``, when its oldest
 waited ``max_wait_s`` (a background thread), on :meth:`Bundler.flush` and on
 :meth:`Bundler.close`. A bundle of one job is sent as a plain job message. Each job keeps
 its own id, file, result and attempt count; the worker runs a bundle's jobs together and
-acknowledges the message once all have a final result (``worker.queue.handler``).
+acknowledges the message once all have a final result (``layertap.worker.queue.handler``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import redis
 from kombu.exceptions import OperationalError
 
-from producer.protocol.schema import Job
-from producer.settings import BundleSettings
+from layertap.producer.protocol.schema import Job
+from layertap.producer.settings import BundleSettings
 
 if TYPE_CHECKING:
-    from producer.client.client import Client
+    from layertap.producer.client.client import Client
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class _Group:
 
 
 class Bundler:
-    """Thread-safe; sends through its :class:`~producer.client.client.Client` (``Client.bundler()``).
+    """Thread-safe; sends through its :class:`~layertap.producer.client.client.Client` (``Client.bundler()``).
 
     Invariant: every job :meth:`add` returned is sent by the time :meth:`flush` or
     :meth:`close` returns (a send that failed is kept and tried again, and its error raised

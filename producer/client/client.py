@@ -18,19 +18,19 @@ from typing import Any
 
 import redis
 
-from producer.client import runs
-from producer.client.bundler import Bundler
-from producer.client.fleet import did_you_mean, live_workers, served_depths
-from producer.client.results import PAGE, entry_result, read_after
-from producer.protocol import keys
-from producer.protocol.images import load_images, with_image_digests
-from producer.protocol.layers import LayerIdError, resolve_layer_ids
-from producer.protocol.naming import served_model_name
-from producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
-from producer.settings import Settings
-from producer.transport import ledger
-from producer.transport.celery_app import make_celery, send_extract
-from producer.transport.redis_conn import connect, retrying
+from layertap.producer.client import runs
+from layertap.producer.client.bundler import Bundler
+from layertap.producer.client.fleet import did_you_mean, live_workers, served_depths
+from layertap.producer.client.results import PAGE, entry_result, read_after
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.images import load_images, with_image_digests
+from layertap.producer.protocol.layers import LayerIdError, resolve_layer_ids
+from layertap.producer.protocol.naming import served_model_name
+from layertap.producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
+from layertap.producer.settings import Settings
+from layertap.producer.transport import ledger
+from layertap.producer.transport.celery_app import make_celery, send_extract
+from layertap.producer.transport.redis_conn import connect, retrying
 
 
 class NoWorker(RuntimeError):
@@ -77,7 +77,7 @@ class Client:
         The first job of a model that no live worker serves is checked as ``layertap enqueue``
         does (:meth:`check_served`); unless ``check=False``, a job asking for layers the live
         workers' model lacks raises ``LayerIdError``; a job for a cancelled run raises
-        :class:`~producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
+        :class:`~layertap.producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
         job, payload = self.prepare(job, check=check, **fields)
         self.send([[(job, payload)]])
         return job
@@ -85,7 +85,7 @@ class Client:
     def prepare(self, job: Job | Mapping[str, Any], *, check: bool | None = None,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
         """The job validated, with its served model name and its id, and its JSON payload; raises
-        as :meth:`submit` does, and :class:`~producer.protocol.images.ImageError` for an image that
+        as :meth:`submit` does, and :class:`~layertap.producer.protocol.images.ImageError` for an image that
         cannot be used (an image path gets the sha256 of its file under ``settings.images_root`` first)."""
         limits, images_root = self.settings.limits, self.settings.images_root
         limit = limits.max_job_bytes
@@ -112,7 +112,7 @@ class Client:
         """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
         (each job's latest send time: a pending record older than it no longer covers the job,
-        ``producer.transport.ledger``) and every message's pending record are written first, in
+        ``layertap.producer.transport.ledger``) and every message's pending record are written first, in
         one round trip."""
         now = time.time()
         sends, sent = [], []
@@ -132,7 +132,7 @@ class Client:
             retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task), wait_s)
 
     def bundler(self, *, check: bool | None = None, **overrides: Any) -> Bundler:
-        """A :class:`~producer.client.bundler.Bundler` sending this client's jobs in bundles
+        """A :class:`~layertap.producer.client.bundler.Bundler` sending this client's jobs in bundles
         (``settings.bundle``, with ``overrides`` such as ``max_jobs=16``); close it, or use it
         with ``with``, to send what it still holds."""
         settings = self.settings.bundle.model_copy(update=overrides)
@@ -183,7 +183,7 @@ class Client:
 
     def seal(self, run: str, sealed: bool = True) -> None:
         """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer
-        (``producer.files.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
+        (``layertap.producer.files.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
         retrying(lambda: ledger.seal(self.redis, run, sealed), self.settings.redis_wait_s)
 
     # -- reading results ---------------------------------------------------------------

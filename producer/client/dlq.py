@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from producer.client.client import Client
-from producer.transport import ledger
+from layertap.producer.client.client import Client
+from layertap.producer.transport import ledger
 
 
 @dataclass

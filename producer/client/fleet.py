@@ -14,7 +14,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from producer.protocol import keys
+from layertap.producer.protocol import keys
 
 if TYPE_CHECKING:
     import redis

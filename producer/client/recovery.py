@@ -27,10 +27,10 @@ from pathlib import Path
 
 import redis
 
-from producer.client import runs
-from producer.protocol import keys
-from producer.protocol.schema import Result, Status
-from producer.transport import ledger
+from layertap.producer.client import runs
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import Result, Status
+from layertap.producer.transport import ledger
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from producer.client.client import Client
-from producer.command import layertap_argv
-from producer.dev.demo_data import demo_jobs
-from producer.dev.redis_server import RedisServer
-from producer.settings import Settings
+from layertap.producer.client.client import Client
+from layertap.producer.command import layertap_argv
+from layertap.producer.dev.demo_data import demo_jobs
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.settings import Settings
 
 DEMO_MODEL = "tiny-qwen3"
 DEMO_RUN = "demo"
@@ -84,7 +84,7 @@ def run_demo(settings: Settings, *, workdir: Path, timeout: float, console: Cons
              show_file: Callable[[dict[str, Any]], None]) -> None:
     """The whole pipeline on an embedded Redis; ``show_file`` prints one file's description. The
     model and files stay in ``workdir``, and it ends with commands to run next on them."""
-    from producer.files.file_stats import describe_file
+    from layertap.producer.files.file_stats import describe_file
 
     deadline = time.monotonic() + timeout
     workdir = claim_workdir(workdir)

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from typing import Any
 
-from producer.dev.redis_server import free_port
+from layertap.producer.dev.redis_server import free_port
 
 #: Credentials moto accepts (any are); set them so that botocore signs requests.
 CREDENTIALS = {"key": "testing", "secret": "testing"}

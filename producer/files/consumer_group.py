@@ -1,5 +1,5 @@
 """One consumer of a run's consumer group, torch-free: what a streaming trainer reads, claims
-and acknowledges (``producer.files.streaming`` builds its dataset on it; the module doc there
+and acknowledges (``layertap.producer.files.streaming`` builds its dataset on it; the module doc there
 gives the whole protocol).
 
 A :class:`GroupReader` reads, through group ``group``, the run's results stream and the group's
@@ -7,9 +7,9 @@ recovery stream (each created at its start if missing): first the entries the gr
 for its own name, then new ones (``XREADGROUP >``), and every ``claim_idle_s / 2`` the entries
 another consumer has held for ``claim_idle_s`` (``XAUTOCLAIM``: a live consumer's heartbeat,
 ``stream_group.Heartbeat``, resets their idle time). It queues what the group missed from the
-run's ledger once per trim (``producer.client.recovery.fill``), says when the run is complete
+run's ledger once per trim (``layertap.producer.client.recovery.fill``), says when the run is complete
 or stalled, and finishes entries (``stream_group.GroupFinisher``). Its Redis state changes are
-the run ledger's (``producer.transport.ledger``: ``create_group``, ``read_group``, ``claim_idle``,
+the run ledger's (``layertap.producer.transport.ledger``: ``create_group``, ``read_group``, ``claim_idle``,
 ``ack``, ``finish``).
 """
 
@@ -22,14 +22,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from producer.client import recovery
-from producer.client.results import entry_result
-from producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Heartbeat
-from producer.protocol import keys
-from producer.protocol.schema import Result, Status
-from producer.settings import Settings
-from producer.transport import ledger
-from producer.transport.redis_conn import connect, retrying
+from layertap.producer.client import recovery
+from layertap.producer.client.results import entry_result
+from layertap.producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Heartbeat
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import Result, Status
+from layertap.producer.settings import Settings
+from layertap.producer.transport import ledger
+from layertap.producer.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
 

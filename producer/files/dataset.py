@@ -4,7 +4,7 @@ torch is imported only when an item is loaded or a batch collated, so ``producer
 imports without it. The class implements the map-style protocol (``__len__`` and
 ``__getitem__``) that ``torch.utils.data.DataLoader`` takes.
 
-Item (one job's file, read with :func:`~producer.files.reader.load_hidden_states`, so it waits
+Item (one job's file, read with :func:`~layertap.producer.files.reader.load_hidden_states`, so it waits
 for a writer's lock and, with ``verify``, checks the checksums):
 
 * ``job_id``: str
@@ -22,7 +22,7 @@ to the longest ``T`` (``input_ids`` with ``pad_token_id``, the rest with 0), plu
 ``job_ids``; ``loss_mask`` is 0 on padding. A batch that mixes files with and without
 ``image_token_mask`` gets zeros for the files without (they have no image positions).
 
-:class:`~producer.files.streaming.StreamingHiddenStatesDataset` (importable from ``producer.dataset``) yields
+:class:`~layertap.producer.files.streaming.StreamingHiddenStatesDataset` (importable from ``layertap.producer.dataset``) yields
 the same items from a live run's results stream, one pass, as the files are written.
 """
 
@@ -32,9 +32,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from producer.files.manifest import ManifestEntry, iter_manifest
-from producer.files.reader import load_hidden_states
-from producer.protocol import fileformat as ff
+from layertap.producer.files.manifest import ManifestEntry, iter_manifest
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol import fileformat as ff
 
 
 def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.extras import need
-from producer.files.manifest import ManifestEntry
-from producer.protocol import fileformat as ff
-from producer.storage.registry import storage_for
+from layertap.producer.extras import need
+from layertap.producer.files.manifest import ManifestEntry
+from layertap.producer.protocol import fileformat as ff
+from layertap.producer.storage.registry import storage_for
 
 HS_FOLDER = "hidden_states"
 

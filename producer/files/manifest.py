@@ -1,6 +1,6 @@
 """A run's manifest: one row per job with an ok result and a valid file, for training and export.
 
-Built from the run's ledger (``producer.client.runs.ok_files``, which ``layertap manifest`` calls): the jobs whose stream
+Built from the run's ledger (``layertap.producer.client.runs.ok_files``, which ``layertap manifest`` calls): the jobs whose stream
 entries were trimmed first (by job id, found on disk under the run's storage roots), then
 the stream's: each job id once (its last ok result; later duplicates of a job that ran
 twice are the same file), in the order jobs first finished ok. A job's ``metadata`` comes
@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from producer.protocol import fileformat as ff
-from producer.protocol.fileformat import FileFormatError, MetaKey
-from producer.storage.registry import storage_for
+from layertap.producer.protocol import fileformat as ff
+from layertap.producer.protocol.fileformat import FileFormatError, MetaKey
+from layertap.producer.storage.registry import storage_for
 
 WRITE_BATCH = 10_000
 
@@ -113,7 +113,7 @@ def write_manifest(entries: Iterable[ManifestEntry], out: str | Path) -> int:
     temp = out.with_name(f".{out.name}.tmp")
     count = 0
     if out.suffix == ".parquet":
-        from producer.extras import need
+        from layertap.producer.extras import need
 
         pa, pq = need("pyarrow"), need("pyarrow.parquet")
         schema = arrow_schema()
@@ -140,7 +140,7 @@ def iter_manifest(path: str | Path) -> Iterator[ManifestEntry]:
     """The entries of a manifest file (parquet read batch by batch, or JSON lines)."""
     path = Path(path)
     if path.suffix == ".parquet":
-        from producer.extras import need
+        from layertap.producer.extras import need
 
         parquet = need("pyarrow.parquet").ParquetFile(path)
         for batch in parquet.iter_batches(batch_size=WRITE_BATCH):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from producer.extras import MissingExtra, hint
-from producer.files.file_stats import (
+from layertap.producer.extras import MissingExtra, hint
+from layertap.producer.files.file_stats import (
     layer_cosine_similarity,
     read_hidden_states,
     token_norms,

@@ -1,4 +1,4 @@
-"""Reading files: vLLM's reader protocol, plus validation, from any storage (``producer.storage``).
+"""Reading files: vLLM's reader protocol, plus validation, from any storage (``layertap.producer.storage``).
 
 Protocol (same as vLLM's ``load_hidden_states``): take the shared lock of the local lock
 protocol (it waits out a writer), then load; from an object store the object is whole once it
@@ -11,9 +11,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
-from producer.protocol import fp8
-from producer.protocol.fileformat import FileFormatError, check_checksums, read_file_header, verify_file
-from producer.storage.registry import storage_for
+from layertap.producer.protocol import fp8
+from layertap.producer.protocol.fileformat import FileFormatError, check_checksums, read_file_header, verify_file
+from layertap.producer.storage.registry import storage_for
 
 
 def load_hidden_states(

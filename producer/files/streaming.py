@@ -1,13 +1,13 @@
 """Training from a live run: a PyTorch ``IterableDataset`` over the run's results stream.
 
 :class:`StreamingHiddenStatesDataset` yields the items of ``HiddenStatesDataset`` (same keys,
-same :func:`~producer.files.dataset.collate`) as the worker publishes them, so a trainer can run
+same :func:`~layertap.producer.files.dataset.collate`) as the worker publishes them, so a trainer can run
 beside the extraction and, with ``delete_after``, each file lives only until it is trained on.
 With DataLoader workers, iterate :meth:`StreamingHiddenStatesDataset.loader` (a DataLoader whose
 main process finishes each batch once it is trained on).
 
 The group's reading, claiming and acknowledging is torch-free, in
-``producer.files.consumer_group.GroupReader``; this module adds loading files, the shuffle
+``layertap.producer.files.consumer_group.GroupReader``; this module adds loading files, the shuffle
 buffer and the DataLoader. Protocol, per consumer (one per DataLoader worker of each torch.distributed rank, named
 ``<consumer>.r<rank>.w<worker>``), over one Redis consumer group ``group`` on two streams: the
 run's results stream ``keys.results_stream(run)`` and the group's recovery stream
@@ -21,7 +21,7 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    (``XCLAIM ... JUSTID``) every ``claim_idle_s / 4``;
 2. the retention protects only groups that exist: when the results stream was trimmed
    (``keys.run_trimmed_key``) it queues the jobs its group missed on the recovery stream from
-   the run's ledger (``producer.client.recovery.fill``: at its start, when the run is complete,
+   the run's ledger (``layertap.producer.client.recovery.fill``: at its start, when the run is complete,
    and when every submitted job is final and the group has consumed fewer; an enqueue waiting
    with ``--inflight-until consumed`` for jobs whose entries were trimmed is stalled so), and
    logs at once, as an error, the count of ok jobs whose file is gone;
@@ -30,7 +30,7 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    came within ``block_ms``, so a buffer larger than the in-flight limit cannot stall);
 4. a yielded item is finished once trained on: its file and lock are removed
    (``delete_after``), then in one step the entry is acknowledged and the job recorded in the
-   group's ``keys.run_consumed_hash`` (``producer.transport.ledger.finish``; what the enqueue's back-pressure
+   group's ``keys.run_consumed_hash`` (``layertap.producer.transport.ledger.finish``; what the enqueue's back-pressure
    with ``--inflight-until consumed --consumer-group G`` counts). "Trained on" means: asked for
    the next item, in the process that trains; under :meth:`~StreamingHiddenStatesDataset.loader`
    the main process finishes a batch when the next batch is asked for (the DataLoader worker
@@ -44,7 +44,7 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
 6. it stops when the run is complete: sealed (the enqueue that feeds it has sent its last row,
    ``keys.run_sealed_key``; ``wait_for_seal=False`` skips this for runs submitted whole),
    every submitted job has a final result, nothing new is in either stream and no consumer of
-   the group outside this trainer (its peers: :func:`~producer.files.stream_group.peer_names`)
+   the group outside this trainer (its peers: :func:`~layertap.producer.files.stream_group.peer_names`)
    holds an entry (a peer finishes its own); or after ``max_items`` items or ``time_limit_s``
    seconds (what it held then stays with the group for a resume or for the others).
 
@@ -72,17 +72,17 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from producer.files.consumer_group import GroupOptions, GroupReader
-from producer.files.consumer_group import StreamCounts as StreamCounts  # the public name, kept here
-from producer.files.dataset import collate, load_item
-from producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Taken, peer_names
-from producer.protocol import keys
-from producer.protocol.fileformat import FileFormatError
-from producer.protocol.naming import check_name
-from producer.protocol.schema import Result, Status
-from producer.settings import Settings
-from producer.storage.registry import storage_for
-from producer.transport.redis_conn import connect, retrying
+from layertap.producer.files.consumer_group import GroupOptions, GroupReader
+from layertap.producer.files.consumer_group import StreamCounts as StreamCounts  # the public name, kept here
+from layertap.producer.files.dataset import collate, load_item
+from layertap.producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Taken, peer_names
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.fileformat import FileFormatError
+from layertap.producer.protocol.naming import check_name
+from layertap.producer.protocol.schema import Result, Status
+from layertap.producer.settings import Settings
+from layertap.producer.storage.registry import storage_for
+from layertap.producer.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class StreamingLoader:
 
 class _Consumer:
     """One consumer's pass over the group (the module doc's protocol): the group's reading is
-    :class:`~producer.files.consumer_group.GroupReader`'s; this adds loading, the shuffle buffer
+    :class:`~layertap.producer.files.consumer_group.GroupReader`'s; this adds loading, the shuffle buffer
     and when to stop."""
 
     def __init__(self, dataset: StreamingHiddenStatesDataset, name: str, peers: set[str]):

@@ -1,6 +1,6 @@
 """The enqueue loop: rows become jobs, jobs go to the queue with back-pressure and resume.
 
-Rows (``producer.ingest.sources``) become job data (``producer.ingest.formats``); the command line's
+Rows (``layertap.producer.ingest.sources``) become job data (``layertap.producer.ingest.formats``); the command line's
 fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
 
 * **resume**: a job whose result in the run's status hash is ``ok`` is skipped, so
@@ -9,13 +9,13 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
 * **repeats**: a job this enqueue already sent (same run and id: a repeated row) is
   skipped; "already sent" is read from the run's submitted hash (its time is at or after
   this enqueue's start), so it costs no memory per row;
-* **bundles**: jobs go out in bundles (``producer.client.bundler``, ``settings.bundle``): a job
+* **bundles**: jobs go out in bundles (``layertap.producer.client.bundler``, ``settings.bundle``): a job
   counts as sent once it is in one, and every bundle is sent before the limiter reads
   Redis and before the runs are sealed;
 * **back-pressure**: before each submit the loop waits until the run has fewer than
   ``max_inflight`` jobs submitted but not finished (submitted hash minus status hash), or,
   with ``until="consumed"``, submitted but not yet taken by the streaming consumer group
-  ``group`` (submitted hash minus its consumed hash, ``producer.files.streaming``), so that a slow
+  ``group`` (submitted hash minus its consumed hash, ``layertap.producer.files.streaming``), so that a slow
   trainer slows the producer and the files on disk stay under ``max_inflight``;
 * **sealing**: a run is unsealed when this enqueue first sends into it and sealed when its
   last row is done (``keys.run_sealed_key``); a streaming consumer stops only on a sealed run.
@@ -36,16 +36,16 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from producer.client.client import Client
-from producer.ingest.formats import RowConverter, UndetectableFormat
-from producer.ingest.sources import SourceRow
-from producer.protocol import keys
-from producer.protocol.images import ImageError, load_images, with_image_digests
-from producer.protocol.layers import LayerIdError
-from producer.protocol.naming import check_name
-from producer.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
-from producer.settings import InflightUntil, Limits
-from producer.transport import ledger
+from layertap.producer.client.client import Client
+from layertap.producer.ingest.formats import RowConverter, UndetectableFormat
+from layertap.producer.ingest.sources import SourceRow
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.images import ImageError, load_images, with_image_digests
+from layertap.producer.protocol.layers import LayerIdError
+from layertap.producer.protocol.naming import check_name
+from layertap.producer.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
+from layertap.producer.settings import InflightUntil, Limits
+from layertap.producer.transport import ledger
 
 
 @dataclass
@@ -77,7 +77,7 @@ def job_from_data(data: Any, defaults: dict[str, Any], max_job_bytes: int | None
     (:class:`JobTooLarge` over ``max_job_bytes``, checked before the data is validated). Image
     parts are checked as the Client checks them: a path is read under ``images_root`` only
     (its sha256 filled in), and every image is within ``limits`` and decodes
-    (:class:`~producer.protocol.images.ImageError`)."""
+    (:class:`~layertap.producer.protocol.images.ImageError`)."""
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     limits = limits or Limits()

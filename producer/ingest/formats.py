@@ -1,7 +1,7 @@
 """Dataset rows to job data: ShareGPT, OpenAI-style messages, UltraChat, plain prompts, layertap jobs.
 
 A row is one JSON object (a JSONL line, a JSON-array item, a parquet or HF ``datasets``
-row). :class:`RowConverter` turns it into the data of one :class:`~producer.protocol.schema.Job`
+row). :class:`RowConverter` turns it into the data of one :class:`~layertap.producer.protocol.schema.Job`
 (``{"prompt": ...}`` or ``{"messages": [...]}``, plus ``job_id`` from the row's id column)
 or raises :class:`RowError` saying what is wrong with it.
 
@@ -10,7 +10,7 @@ the whole file; see :func:`detect_format` for the rules. Every later row must fi
 Invariants: the same chat gives the same job data whatever format it came in (so the
 same job id); unknown roles and content other than text and image parts are refused, never
 guessed at (image parts are checked, and paths read under ``images_root``, when the job is made:
-``producer.ingest.enqueue.job_from_data``). A chat row
+``layertap.producer.ingest.enqueue.job_from_data``). A chat row
 that also carries ``token_ids`` (``layertap regenerate``'s output) becomes a job of those ids
 and their ``loss_mask``; a ``provenance`` object travels into the file header.
 """
@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from producer.protocol.images import IMAGE_PART_TYPES
-from producer.protocol.naming import is_safe_name
-from producer.protocol.schema import Job
+from layertap.producer.protocol.images import IMAGE_PART_TYPES
+from layertap.producer.protocol.naming import is_safe_name
+from layertap.producer.protocol.schema import Job
 
 
 class InputFormat(str, Enum):

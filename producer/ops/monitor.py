@@ -22,11 +22,11 @@ from typing import Any
 
 import redis
 
-from producer.client.fleet import worker_records
-from producer.client.results import START, stream_results
-from producer.ops.throughput import RateWindow
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Status
+from layertap.producer.client.fleet import worker_records
+from layertap.producer.client.results import START, stream_results
+from layertap.producer.ops.throughput import RateWindow
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType, Status
 
 PAGE = 5000
 

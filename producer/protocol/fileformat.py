@@ -40,8 +40,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from producer.protocol.dtypes import STORED_AS
-from producer.protocol.naming import canonical_json, content_hash
+from layertap.producer.protocol.dtypes import STORED_AS
+from layertap.producer.protocol.naming import canonical_json, content_hash
 
 FORMAT_NAME = "layertap"
 FORMAT_VERSION = "2"
@@ -96,7 +96,7 @@ class MetaKey:
     NUM_LAYERS = "num_hidden_layers"
     DTYPE = "dtype"  # of the stored states (``dtypes.RECORDED_NAMES`` values)
     COMPUTE_DTYPE = "compute_dtype"  # the model's dtype in the forward
-    BATCHING = "batching"  # how the worker batched jobs: a layout's name (worker.model.batching.LAYOUTS)
+    BATCHING = "batching"  # how the worker batched jobs: a layout's name (layertap.worker.model.batching.LAYOUTS)
     RESIDUAL_COPIES = "residual_copies"  # copies per token of a multi-copy stream: hidden_states [T, L, copies, H]
     ARCHITECTURE = "architecture"  # the transformers class that computed the states
     # Chats with images only: JSON saying where the model put its visual features into the stream the
@@ -119,7 +119,7 @@ class MetaKey:
     PROVENANCE = "provenance"  # JSON: the job's ``provenance`` (e.g. regeneration: endpoint model, sampling, source row)
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
-    WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (worker.model.loading.weights_fingerprint)
+    WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (layertap.worker.model.loading.weights_fingerprint)
     CONTENT_ID = "content_id"  # content_id() of the IDENTITY_KEYS below
     CHECKSUMS = "checksums"  # JSON {tensor name: crc32 hex}
     HEADER_CHECKSUM = "header_checksum"  # header_checksum() of the rest of the metadata and the tensor shapes
@@ -173,7 +173,7 @@ class FileHeader:
 
     def array(self, name: str) -> np.ndarray:
         """One tensor as a numpy array, without torch: bfloat16 widened to float32 (exactly),
-        float8 as its raw uint8 codes (``producer.protocol.fp8`` decodes them)."""
+        float8 as its raw uint8 codes (``layertap.producer.protocol.fp8`` decodes them)."""
         info = self.tensors[name]
         begin, end = info["data_offsets"]
         raw = np.fromfile(self.path, dtype=np.uint8, count=end - begin, offset=self.data_start + begin)

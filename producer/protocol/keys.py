@@ -44,18 +44,18 @@ PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
 SUSPECT_HASH = f"{PREFIX}:pending:suspect"
 #: Lock (SET NX EX) so that one worker at a time reconciles.
 RECONCILE_LOCK = f"{PREFIX}:reconcile:lock"
-#: Lock (SET NX EX) so that one worker at a time applies the results retention (``worker.queue.retention``).
+#: Lock (SET NX EX) so that one worker at a time applies the results retention (``layertap.worker.queue.retention``).
 RETENTION_LOCK = f"{PREFIX}:retention:lock"
 #: Counter of jobs the reconciler sent again.
 RECOVERED_COUNTER = f"{PREFIX}:stats:recovered"
 
 #: kombu's Redis transport (default names): hash delivery tag -> JSON ``[message, exchange,
 #: routing_key]`` of every delivered, unacknowledged message, and sorted set delivery tag ->
-#: delivery time (renewed by ``worker.queue.lease``). Bounded by the messages workers hold.
+#: delivery time (renewed by ``layertap.worker.queue.lease``). Bounded by the messages workers hold.
 UNACKED_HASH = "unacked"
 UNACKED_INDEX = "unacked_index"
 #: A layertap message's delivery tag is ``<task id><DELIVERY_TAG_SEPARATOR><uuid>``
-#: (``producer.transport.broker_transport``), so the reconciler learns which jobs are held from the tags
+#: (``layertap.producer.transport.broker_transport``), so the reconciler learns which jobs are held from the tags
 #: alone. Task ids never hold it (run names and job ids are :data:`naming.NAME_PATTERN`).
 DELIVERY_TAG_SEPARATOR = "|"
 
@@ -67,7 +67,7 @@ def model_queue(model: str) -> str:
 
 def inflight_list(queue: str) -> str:
     """List of the messages of ``queue`` a worker has fetched (``BLMOVE``) and not yet recorded in
-    :data:`UNACKED_HASH` (``producer.transport.broker_transport``): empty but for a message in
+    :data:`UNACKED_HASH` (``layertap.producer.transport.broker_transport``): empty but for a message in
     transit, or one whose fetcher died; the reconciler puts those back in ``queue``."""
     return f"{PREFIX}:inflight:{queue}"
 
@@ -159,15 +159,15 @@ DEFAULT_CONSUMER_GROUP = "train"
 
 def run_consumed_hash(run: str, group: str) -> str:
     """Hash job_id -> status (``ok``/``error``) of the job's result once consumer group ``group``
-    acknowledged it (``producer.files.streaming``). With ``enqueue.inflight_until=consumed`` the enqueue
-    counts a job in flight until it is here (see ``producer.ingest.enqueue``)."""
+    acknowledged it (``layertap.producer.files.streaming``). With ``enqueue.inflight_until=consumed`` the enqueue
+    counts a job in flight until it is here (see ``layertap.producer.ingest.enqueue``)."""
     return f"{PREFIX}:run:{run}:consumed:{group}"
 
 
 def run_recovery_stream(run: str, group: str) -> str:
     """Stream of the run's final jobs that consumer group ``group`` cannot read from
     :func:`results_stream` (their entries were trimmed before the group read them), one entry
-    ``{"job": <job id>}`` per job, read through the same group (``producer.client.recovery``)."""
+    ``{"job": <job id>}`` per job, read through the same group (``layertap.producer.client.recovery``)."""
     return f"{PREFIX}:run:{run}:recovery:{group}"
 
 

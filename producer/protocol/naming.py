@@ -49,7 +49,7 @@ def is_hub_id(text: str) -> bool:
             and not text.startswith((".", "-")))
 
 
-#: A random-weight model shape (``shape:qwen3-8b``), as ``worker.model.shapes`` reads it.
+#: A random-weight model shape (``shape:qwen3-8b``), as ``layertap.worker.model.shapes`` reads it.
 SHAPE_PREFIX = "shape:"
 
 

@@ -5,7 +5,7 @@ Invariants:
 * ``job_id`` defaults to a content hash of everything that decides the file's content
   (model, input, layers, options), so the same job enqueued twice has the same id;
 * ``run`` and ``job_id`` are safe path components (``naming.check_name``);
-* a message's ``content`` is text or a list of text and image parts (``producer.protocol.images``:
+* a message's ``content`` is text or a list of text and image parts (``layertap.producer.protocol.images``:
   an image is a data URL or a path under the images root with the sha256 of its bytes, so
   the content hash covers every image's bytes);
 * strings carry no NUL or other control characters (tab, newline, CR excepted) and are
@@ -36,9 +36,9 @@ from pydantic import (
     model_validator,
 )
 
-from producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
-from producer.protocol.images import ContentPart, TextPart, image_parts, part_text
-from producer.protocol.naming import check_name, content_hash
+from layertap.producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
+from layertap.producer.protocol.images import ContentPart, TextPart, image_parts, part_text
+from layertap.producer.protocol.naming import check_name, content_hash
 
 #: Control characters refused in text: all below U+0020 but tab, newline and carriage return.
 _CONTROL_CHARACTER = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.regen.endpoint import Reply
+from layertap.producer.regen.endpoint import Reply
 
 Complete = Callable[[list[dict[str, Any]]], Awaitable[Reply]]
 

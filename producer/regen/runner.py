@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.ingest.enqueue import BadRow, Planned
-from producer.regen.conversation import regenerate
-from producer.regen.endpoint import ChatEndpoint, EndpointError
-from producer.regen.store import OutputStore
+from layertap.producer.ingest.enqueue import BadRow, Planned
+from layertap.producer.regen.conversation import regenerate
+from layertap.producer.regen.endpoint import ChatEndpoint, EndpointError
+from layertap.producer.regen.store import OutputStore
 
 Sink = Callable[[dict[str, Any]], Awaitable[None]]
 

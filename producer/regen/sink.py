@@ -1,8 +1,8 @@
 """``--enqueue RUN``: finished rows go into a run as they come, through ``enqueue``'s own path.
 
 Each row is planned exactly as ``layertap enqueue`` plans a line of the output file
-(:func:`producer.ingest.enqueue.plan_jobs` with a :class:`RowConverter`), and sent by an
-:class:`~producer.ingest.enqueue.Enqueuer` (resume, repeat skipping, back-pressure, sealing) running
+(:func:`layertap.producer.ingest.enqueue.plan_jobs` with a :class:`RowConverter`), and sent by an
+:class:`~layertap.producer.ingest.enqueue.Enqueuer` (resume, repeat skipping, back-pressure, sealing) running
 in its own thread. The hand-over queue is bounded: while the run is full the regeneration waits
 too, so the endpoint is not asked for conversations the workers cannot take yet.
 """
@@ -16,10 +16,10 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from producer.client.client import Client
-from producer.ingest.enqueue import BadRow, Enqueuer, Outcome, Planned, plan_jobs
-from producer.ingest.formats import RowConverter
-from producer.ingest.sources import SourceRow
+from layertap.producer.client.client import Client
+from layertap.producer.ingest.enqueue import BadRow, Enqueuer, Outcome, Planned, plan_jobs
+from layertap.producer.ingest.formats import RowConverter
+from layertap.producer.ingest.sources import SourceRow
 
 _END = object()
 _ABORT = object()

@@ -3,7 +3,7 @@
 Writing (:meth:`LocalStorage.lock` + :meth:`LocalStorage.write`), as vLLM's readers expect:
 
 1. open ``<file>.lock`` (created if missing) and take an exclusive ``flock`` (``locking``);
-2. the writer checks what is at the final name (``worker.job.writer.examine``);
+2. the writer checks what is at the final name (``layertap.worker.job.writer.examine``);
 3. write ``.<name>.<host>-<pid>.<random>.tmp`` in the same folder, fsync it, ``rename`` it over
    the final name, fsync the folder;
 4. release the lock (the lock file stays).
@@ -27,9 +27,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from producer.protocol.naming import FILE_SUFFIX, file_under_root, storage_root_of
-from producer.storage.base import Storage
-from producer.storage.locking import exclusive_lock, lock_path, shared_lock
+from layertap.producer.protocol.naming import FILE_SUFFIX, file_under_root, storage_root_of
+from layertap.producer.storage.base import Storage
+from layertap.producer.storage.locking import exclusive_lock, lock_path, shared_lock
 
 TEMP_SUFFIX = ".tmp"
 #: Temp files of another host are removed only when older than this (its writer may be alive).

@@ -1,6 +1,6 @@
 """Which class serves a storage root, by its URL scheme (a bare path is local), imported lazily:
 a backend's library loads only when a root of its scheme is used, and a missing one is named
-with the extra that brings it (``producer.extras``). A new backend: one module, one line here."""
+with the extra that brings it (``layertap.producer.extras``). A new backend: one module, one line here."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from producer.extras import need
-from producer.protocol.naming import url_scheme
-from producer.storage.base import Storage
+from layertap.producer.extras import need
+from layertap.producer.protocol.naming import url_scheme
+from layertap.producer.storage.base import Storage
 
 #: scheme -> ("module:Class", the library it needs, the extra that installs it); "" where none
 BACKENDS: dict[str, tuple[str, str, str]] = {
-    "file": ("producer.storage.local:LocalStorage", "", ""),
-    "s3": ("producer.storage.fsspec_store:FsspecStorage", "s3fs", "s3"),
-    "gs": ("producer.storage.fsspec_store:FsspecStorage", "gcsfs", "gcs"),
-    "az": ("producer.storage.fsspec_store:FsspecStorage", "adlfs", "azure"),
+    "file": ("layertap.producer.storage.local:LocalStorage", "", ""),
+    "s3": ("layertap.producer.storage.fsspec_store:FsspecStorage", "s3fs", "s3"),
+    "gs": ("layertap.producer.storage.fsspec_store:FsspecStorage", "gcsfs", "gcs"),
+    "az": ("layertap.producer.storage.fsspec_store:FsspecStorage", "adlfs", "azure"),
 }
 
 

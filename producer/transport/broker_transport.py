@@ -23,14 +23,14 @@ messages of tasks this worker is still running (and kombu drops a message it too
 
 * a channel restores only the messages no task of this process holds (:func:`set_held_messages`;
   all of them once its transport is gone): held ones stay in kombu's ``unacked`` records,
-  their leases keep being renewed (``worker.queue.lease``) while their tasks run, and each task's
+  their leases keep being renewed (``layertap.worker.queue.lease``) while their tasks run, and each task's
   ack removes its record; a worker that dies meanwhile leaves them to the visibility
   timeout, like any dead worker;
 * a closed channel keeps serving commands (those acks) from its last client, whose pool
   reconnects once Redis is back.
 
 A task message's delivery tag carries its task id (``keys.delivery_tag``): kombu's
-``unacked`` hash is keyed by delivery tag, so the reconciler (``worker.queue.reconciler``) learns
+``unacked`` hash is keyed by delivery tag, so the reconciler (``layertap.worker.queue.reconciler``) learns
 which jobs workers hold from the hash's keys, without reading a message body.
 
 **A full Redis** (``maxmemory``) or a read-only one refuses the fetch (``BLMOVE`` writes) and
@@ -65,8 +65,8 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
-from producer.protocol import keys
-from producer.transport.redis_conn import refuses_writes
+from layertap.producer.protocol import keys
+from layertap.producer.transport.redis_conn import refuses_writes
 
 REUSED_CLIENT_SCHEMES = ("redis", "rediss")
 TRANSPORT_PATH = f"{__name__}:Transport"

@@ -9,7 +9,7 @@ Invariants:
 * task return values are not stored (``task_ignore_result``, no backend) unless the
   ``result_backend`` setting asks: a result's home is the run's stream and status hash;
 * the broker's ``visibility_timeout`` is ``orphan_timeout``: a live worker renews the
-  lease of every message it holds (``worker.queue.lease``), so only a dead worker's messages
+  lease of every message it holds (``layertap.worker.queue.lease``), so only a dead worker's messages
   ever reach it and are restored to the queue; kombu checks every few seconds.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 from celery import Celery
 from celery.result import AsyncResult
 
-from producer.protocol import keys
-from producer.settings import Settings
-from producer.transport.broker_transport import transport_for
-from producer.transport.redis_conn import ssl_options
+from layertap.producer.protocol import keys
+from layertap.producer.settings import Settings
+from layertap.producer.transport.broker_transport import transport_for
+from layertap.producer.transport.redis_conn import ssl_options
 
 RESTORE_INTERVAL_MAX = 5.0
 

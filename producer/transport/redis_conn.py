@@ -15,8 +15,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis
 from kombu.exceptions import OperationalError
 
-from producer.settings import Settings
-from producer.transport.backoff import Backoff, retry_while
+from layertap.producer.settings import Settings
+from layertap.producer.transport.backoff import Backoff, retry_while
 
 T = TypeVar("T")
 log = logging.getLogger("layertap.client")

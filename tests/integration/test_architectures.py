@@ -25,10 +25,10 @@ import subprocess
 import pytest
 import torch
 
-from producer.files.dataset import HiddenStatesDataset
-from producer.files.manifest import entry_from_file
-from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.producer.files.dataset import HiddenStatesDataset
+from layertap.producer.files.manifest import entry_from_file
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import MetaKey, metadata_of
 from tests.support.architectures import (
     FALLBACKS,
     NOT_BUILT,
@@ -40,9 +40,9 @@ from tests.support.architectures import (
 from tests.support.processes import cli
 from tests.support.reference import block_input_states, reference_states
 from tests.support.tiny_configs import build_tiny_type, decoder_only_types
-from worker.extractor import Extractor
-from worker.model.batching import ModelRefused
-from worker.model.loading import load_model
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.batching import ModelRefused
+from layertap.worker.model.loading import load_model
 
 LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
 TOLERANCE = 1e-5

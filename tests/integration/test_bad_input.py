@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from producer.protocol.schema import ErrorType
+from layertap.producer.protocol.schema import ErrorType
 from tests.support.jobs import send_raw
 from tests.support.processes import cli
 

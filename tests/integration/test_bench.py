@@ -80,7 +80,7 @@ def test_bench_refuses_a_big_shape_on_a_cpu_before_building_it(tmp_path):
 
 
 def test_bench_table_hides_mfu_without_a_matmul_rate():
-    from worker.bench.report import format_flops, format_table
+    from layertap.worker.bench.report import format_flops, format_table
 
     part = {"name": "b: forward-only ceiling (packed)", "tokens_per_s": 1000.0, "gb_per_s": 0.0, "mfu": None,
             "device_idle_share": None, "seconds": 1.0, "errors": 0, "notes": {}}

@@ -13,13 +13,13 @@ import warnings
 import pytest
 import redis
 
-from producer.client.client import Client, NoWorkerWarning
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Result, Status
-from producer.settings import Settings
-from worker.queue.publisher import ResultPublisher
-from worker.queue.reconciler import Reconciler
+from layertap.producer.client.client import Client, NoWorkerWarning
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType, Result, Status
+from layertap.producer.settings import Settings
+from layertap.worker.queue.publisher import ResultPublisher
+from layertap.worker.queue.reconciler import Reconciler
 
 MODEL = "tiny-unserved"
 

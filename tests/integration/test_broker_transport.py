@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from producer.settings import Settings
-from producer.transport.broker_transport import Channel, transport_for
-from producer.transport.celery_app import make_celery
+from layertap.producer.settings import Settings
+from layertap.producer.transport.broker_transport import Channel, transport_for
+from layertap.producer.transport.celery_app import make_celery
 
 
 def test_redis_urls_get_the_reused_client_transport():
-    assert transport_for("redis://localhost:6379/0") == "producer.transport.broker_transport:Transport"
-    assert transport_for("rediss://user:pw@host:6380/1") == "producer.transport.broker_transport:Transport"
+    assert transport_for("redis://localhost:6379/0") == "layertap.producer.transport.broker_transport:Transport"
+    assert transport_for("rediss://user:pw@host:6380/1") == "layertap.producer.transport.broker_transport:Transport"
     assert transport_for("sentinel://localhost:26379") is None
 
 

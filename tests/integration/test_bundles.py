@@ -16,14 +16,14 @@ import time
 
 import pytest
 
-from producer.client.client import Client, JobTooLarge, NoWorkerWarning
-from producer.protocol import keys
-from producer.protocol.fileformat import verify_file
-from producer.protocol.naming import job_path
-from producer.protocol.schema import ErrorType, Job
-from producer.settings import Limits, Settings
-from producer.transport.celery_app import send_extract
-from producer.transport.ledger import record_pending
+from layertap.producer.client.client import Client, JobTooLarge, NoWorkerWarning
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.fileformat import verify_file
+from layertap.producer.protocol.naming import job_path
+from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.producer.settings import Limits, Settings
+from layertap.producer.transport.celery_app import send_extract
+from layertap.producer.transport.ledger import record_pending
 from tests.support.blocking import POISON_TOKEN, crash_env
 from tests.support.jobs import hold_lock, wait_for
 from tests.support.processes import cli
@@ -246,7 +246,7 @@ def test_a_bundle_whose_message_is_nowhere_ends_each_job_lost(make_worker, priva
     wait_for(lambda: private_client.redis.hlen(keys.PENDING_HASH) == 0, 10, "the record to end")
 
 
-@pytest.mark.filterwarnings("ignore::producer.client.client.NoWorkerWarning")
+@pytest.mark.filterwarnings("ignore::layertap.producer.client.client.NoWorkerWarning")
 def test_a_job_over_the_byte_limit_is_refused_by_the_client(private_redis, run_name):
     limits = Limits(max_job_bytes=500)
     with Client(Settings(redis_url=private_redis.url, limits=limits)) as client:

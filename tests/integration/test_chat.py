@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer.files.reader import load_hidden_states
+from layertap.producer.files.reader import load_hidden_states
 from tests.support.jobs import CHAT, chatml_reference, llama_reference
 from tests.support.reference import load
 
@@ -45,7 +45,7 @@ def test_analysis_chat_without_an_assistant_turn(workers, tiny_models, client, r
     the same chat is refused as untrainable."""
     import torch
 
-    from producer.protocol.schema import ErrorType
+    from layertap.producer.protocol.schema import ErrorType
     from tests.support.reference import reference_states
 
     _, tokenizer = load(str(tiny_models["qwen3"]))

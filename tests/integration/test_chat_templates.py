@@ -13,14 +13,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import MetaKey, metadata_of
-from producer.protocol.schema import ErrorType
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.producer.protocol.schema import ErrorType
 from tests.support.jobs import CHAT, chatml_reference, llama_reference
 from tests.support.processes import WorkerProcess
 from tests.support.reference import load
-from worker.job.chat import render_chat
-from worker.job.errors import JobError
+from layertap.worker.job.chat import render_chat
+from layertap.worker.job.errors import JobError
 
 # A ChatML template in Qwen3's manner (written for these tests): tools in the system turn,
 # <think> reasoning only for assistant turns after the last user message, tool calls as JSON.

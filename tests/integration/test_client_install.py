@@ -32,7 +32,7 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     built = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-v", "."], cwd=source,
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    for noise in ("BuildBackendWarning", "SetuptoolsDeprecationWarning", "producer.data"):  # `make demo` showed them
+    for noise in ("BuildBackendWarning", "SetuptoolsDeprecationWarning", "layertap.producer.data"):  # `make demo` showed them
         assert noise not in built.stdout + built.stderr
     return env_dir / "bin"
 
@@ -95,5 +95,5 @@ def test_worker_extractor_names_the_extra_to_install(client_venv, tmp_path):
     out = run_in(client_venv, tmp_path, "python", "-c", "from worker import Extractor")
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
-        "producer.extras.MissingExtra: worker.Extractor needs torch, which is not installed: "
+        "layertap.producer.extras.MissingExtra: worker.Extractor needs torch, which is not installed: "
         "pip install 'layertap[worker]'")

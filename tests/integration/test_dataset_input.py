@@ -16,10 +16,10 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from producer.files.reader import load_hidden_states
-from producer.ingest.enqueue import Planned, plan_jobs
-from producer.ingest.formats import RowConverter
-from producer.ingest.sources import open_source
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.ingest.enqueue import Planned, plan_jobs
+from layertap.producer.ingest.formats import RowConverter
+from layertap.producer.ingest.sources import open_source
 from tests.support.processes import cli
 from tests.support.reference import load
 
@@ -172,7 +172,7 @@ def test_large_file_streams_row_by_row(tmp_path):
 
 
 def test_data_modules_import_without_torch():
-    code = ("import sys, producer.cli.data, producer.files.dataset, producer.files.manifest, producer.files.export, producer.ingest.sources, "
-            "producer.ingest.formats, producer.ingest.enqueue; bad = {'torch', 'transformers', 'datasets'} & set(sys.modules); "
+    code = ("import sys, layertap.producer.cli.data, layertap.producer.files.dataset, layertap.producer.files.manifest, layertap.producer.files.export, layertap.producer.ingest.sources, "
+            "layertap.producer.ingest.formats, layertap.producer.ingest.enqueue; bad = {'torch', 'transformers', 'datasets'} & set(sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

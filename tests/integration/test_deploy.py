@@ -27,10 +27,10 @@ import tomllib
 import typer
 import yaml
 
-from producer.cli.app import app
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.settings import Settings
+from layertap.producer.cli.app import app
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from producer.files.reader import load_hidden_states
+from layertap.producer.files.reader import load_hidden_states
 from tests.support.architectures import build_tiny
-from worker.extractor import Extractor
-from worker.model.loading import load_model
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.loading import load_model
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40, 41, 42], [100, 7, 30, 9, 25, 17, 18, 19, 20])
 TOLERANCE = 1e-5

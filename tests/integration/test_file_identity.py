@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from producer.protocol import fileformat as ff
-from producer.protocol import keys
-from producer.protocol.naming import job_path
-from producer.protocol.schema import ErrorType, Job
+from layertap.producer.protocol import fileformat as ff
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.naming import job_path
+from layertap.producer.protocol.schema import ErrorType, Job
 from tests.support import reference
 from tests.support.jobs import wait_for
 from tests.support.processes import cli
@@ -75,7 +75,7 @@ def checkpoint(tiny_models, tmp_path_factory) -> Path:
 
 
 def test_extractor_answers_from_disk_only_what_it_would_compute(checkpoint, tmp_path):
-    from worker import Extractor
+    from layertap.worker import Extractor
 
     out = tmp_path / "out"
     with Extractor(str(checkpoint), name=MODEL, layers=[1, 2, 3], device="cpu") as extractor:
@@ -105,7 +105,7 @@ def reference_of(path: str) -> torch.Tensor:
 
 
 def tensors_of(path: str | Path) -> dict[str, torch.Tensor]:
-    from producer.files.reader import load_hidden_states
+    from layertap.producer.files.reader import load_hidden_states
 
     return {name: tensor.clone() for name, tensor in load_hidden_states(path).items()}  # not a view of the file
 
@@ -119,7 +119,7 @@ def assert_same_tensors(path: str | Path, expected: dict[str, torch.Tensor]) -> 
 
 @pytest.mark.parametrize("damage", ["byte", "truncated"])
 def test_extractor_replaces_a_damaged_file(tiny_models, tmp_path, damage):
-    from worker import Extractor
+    from layertap.worker import Extractor
 
     with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
         first = extractor.extract([PROMPT], tmp_path)[0]
@@ -137,8 +137,8 @@ def test_extractor_replaces_a_damaged_file(tiny_models, tmp_path, damage):
 
 def test_writer_replaces_a_damaged_file_with_its_own_identity(tiny_models, tmp_path):
     """The writer's keep check (a race, or a redelivery computed again) verifies the file it keeps."""
-    from worker import Extractor
-    from worker.job.writer import write_job_file
+    from layertap.worker import Extractor
+    from layertap.worker.job.writer import write_job_file
 
     with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
         result = extractor.extract([PROMPT], tmp_path)[0]
@@ -153,7 +153,7 @@ def test_writer_replaces_a_damaged_file_with_its_own_identity(tiny_models, tmp_p
 
 
 def test_weights_fingerprint_reads_little_sees_a_rewrite_and_ignores_times(tmp_path):
-    from worker.model.loading import weights_fingerprint
+    from layertap.worker.model.loading import weights_fingerprint
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -215,10 +215,10 @@ def corrupt_headers(path: Path) -> dict[str, bytes]:
 
 
 def test_every_header_problem_is_a_file_format_error(tiny_models, tmp_path):
-    from producer.files.dataset import load_item
-    from producer.files.manifest import Skipped, collect
-    from producer.files.reader import load_hidden_states
-    from worker import Extractor
+    from layertap.producer.files.dataset import load_item
+    from layertap.producer.files.manifest import Skipped, collect
+    from layertap.producer.files.reader import load_hidden_states
+    from layertap.worker import Extractor
 
     with Extractor(str(tiny_models["qwen3"]), name=MODEL, layers=[0, 2], device="cpu") as extractor:
         result = extractor.extract([PROMPT], tmp_path / "good")[0]
@@ -331,7 +331,7 @@ def test_two_jobs_racing_for_one_job_id_get_one_file(make_worker, private_client
 def test_a_streaming_trainer_restarts_past_a_damaged_header(workers, redis_server, client, run_name):
     """One changed character in a file's ``layers`` metadata: the trainer counts it damaged,
     skips it and trains on every other sample, on the restart too."""
-    from producer.dataset import StreamingHiddenStatesDataset
+    from layertap.producer.dataset import StreamingHiddenStatesDataset
 
     jobs = [client.submit({"job_id": f"s{i:02d}", "prompt": f"streamed sample number {i}"}, model=MODEL, run=run_name)
             for i in range(12)]
@@ -355,8 +355,8 @@ def test_a_streaming_trainer_restarts_past_a_damaged_header(workers, redis_serve
 def test_version_1_files_are_read_and_computed_again(tiny_models, tmp_path):
     """A file of format version 1 (no identity, no header checksum) still loads; a worker does not
     trust it for a disk answer (its identity cannot be checked) and writes a version 2 file."""
-    from producer.files.reader import load_hidden_states
-    from worker import Extractor
+    from layertap.producer.files.reader import load_hidden_states
+    from layertap.worker import Extractor
 
     with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
         path = Path(extractor.extract([PROMPT], tmp_path)[0].path)

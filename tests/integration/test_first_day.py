@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer.client.client import Client, NoWorker
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.settings import Settings
+from layertap.producer.client.client import Client, NoWorker
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.settings import Settings
 from tests.support.blocking import hang_env
 from tests.support.processes import cli
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from producer.client.client import Client
-from producer.settings import Settings
+from layertap.producer.client.client import Client
+from layertap.producer.settings import Settings
 from tests.support.processes import cli
 
 UNREACHABLE = "redis://127.0.0.1:1/0"
@@ -75,7 +75,7 @@ def test_default_name_and_absolute_paths_from_a_relative_root(tiny_models, redis
 
 
 def test_extractor_relative_out_dir_gives_absolute_paths(tiny_models, tmp_path, monkeypatch):
-    from worker import Extractor
+    from layertap.worker import Extractor
 
     monkeypatch.chdir(tmp_path)
     with Extractor(str(tiny_models["qwen3"]), layers=[1, -1], device="cpu") as extractor:
@@ -150,7 +150,7 @@ def test_help_is_whole_at_80_columns_and_version():
     assert "--final-hidden-states" in enqueue_help and "enqueue.max_inflight" in enqueue_help
     assert "[default: default]" in enqueue_help
     version = layertap("--version")
-    from producer import __version__
+    from layertap.producer import __version__
 
     assert version.stdout.strip() == f"layertap {__version__}"
 
@@ -163,7 +163,7 @@ def test_dlq_requeue_of_everything_asks(redis_server):
 
 @pytest.mark.parametrize("folder", ["plain", "hub-cache"])
 def test_default_served_name(tmp_path, folder):
-    from producer.protocol.naming import served_model_name as default_served_name
+    from layertap.producer.protocol.naming import served_model_name as default_served_name
 
     path = tmp_path / "my-model" if folder == "plain" else tmp_path / "models--Qwen--Qwen3-8B" / "snapshots" / "abc"
     path.mkdir(parents=True)

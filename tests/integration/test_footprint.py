@@ -11,14 +11,14 @@ import subprocess
 import threading
 import time
 
-from producer.client import runs
-from producer.protocol import keys
-from producer.protocol.naming import job_path
-from producer.protocol.schema import Result, Status
-from producer.settings import Settings
+from layertap.producer.client import runs
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.naming import job_path
+from layertap.producer.protocol.schema import Result, Status
+from layertap.producer.settings import Settings
 from tests.support.processes import cli
-from worker.queue.publisher import ResultPublisher
-from worker.queue.retention import RetentionSweep
+from layertap.worker.queue.publisher import ResultPublisher
+from layertap.worker.queue.retention import RetentionSweep
 
 RUN = "kept"
 FIRST, SECOND = 30, 20
@@ -119,7 +119,7 @@ def ok_result(run: str, index: int, root) -> Result:
 
 def test_retention_sweep_drops_old_entries_but_none_a_consumer_group_still_needs(private_redis, tmp_path):
     settings = Settings(redis_url=private_redis.url)
-    from producer.transport.redis_conn import connect
+    from layertap.producer.transport.redis_conn import connect
 
     client = connect(settings)
     stream = keys.results_stream("old")

@@ -11,13 +11,13 @@ import time
 import pytest
 import redis
 
-from producer.client import runs
-from producer.protocol import keys
-from producer.protocol.naming import job_path
-from producer.protocol.schema import Result, Status
+from layertap.producer.client import runs
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.naming import job_path
+from layertap.producer.protocol.schema import Result, Status
 from tests.support.processes import cli
-from worker.queue.publisher import ResultPublisher
-from worker.queue.retention import RetentionSweep
+from layertap.worker.queue.publisher import ResultPublisher
+from layertap.worker.queue.retention import RetentionSweep
 
 ENTRIES = 200
 

@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType, JobTooLarge
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType, JobTooLarge
 
 E = ErrorType
 OK_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

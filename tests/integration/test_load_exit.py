@@ -17,8 +17,8 @@ import psutil
 
 from tests.support.jobs import wait_for
 from tests.support.processes import cli
-from worker.ops.phase import PHASE_FILE_ENV
-from worker.ops.supervisor import exit_reason
+from layertap.worker.ops.phase import PHASE_FILE_ENV
+from layertap.worker.ops.supervisor import exit_reason
 
 SLOW_LOADING_CODE = '''
 """A Qwen3 model whose construction waits while the file named by LAYERTAP_TEST_LOAD_GATE exists."""

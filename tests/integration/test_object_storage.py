@@ -13,11 +13,11 @@ import subprocess
 import pytest
 import torch
 
-from producer.dev.s3_server import S3Server
-from producer.protocol import fileformat as ff
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Result, Status
-from producer.settings import Settings
+from layertap.producer.dev.s3_server import S3Server
+from layertap.producer.protocol import fileformat as ff
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType, Result, Status
+from layertap.producer.settings import Settings
 from tests.support import reference
 from tests.support.processes import cli
 
@@ -67,7 +67,7 @@ def test_a_run_in_s3_is_read_back_everywhere_and_deleted(make_worker, private_cl
     assert sorted(f"s3://{key}" for key in fs.find(f"{root}/{run_name}")) == sorted(paths.values())
 
     # load_hidden_states from the URL, against plain transformers on each prompt alone
-    from producer.files.reader import load_hidden_states
+    from layertap.producer.files.reader import load_hidden_states
 
     _, tokenizer = reference.load(str(tiny_models["qwen3"]))
     loaded = {}
@@ -82,7 +82,7 @@ def test_a_run_in_s3_is_read_back_everywhere_and_deleted(make_worker, private_cl
     # the manifest and its dataset
     manifest = tmp_path / "run.manifest.jsonl"
     layertap(env, "manifest", "--run", run_name, "--out", str(manifest), "--verify")
-    from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset
+    from layertap.producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset
 
     dataset = HiddenStatesDataset(manifest, storage_options=s3.storage_options)
     assert {item["job_id"] for item in dataset} == set(paths)
@@ -125,7 +125,7 @@ def test_a_delete_after_trainer_removes_each_object_once_trained_on(make_worker,
     make_worker("s3-stream@localhost", env={"LAYERTAP_STORAGE_ROOT": root, "LAYERTAP_STORAGE_OPTIONS": options})
     jobs = [private_client.submit({"token_ids": [5 + i, 6, 7]}, model=MODEL, run=run_name) for i in range(3)]
     private_client.seal(run_name)
-    from producer.dataset import StreamingHiddenStatesDataset
+    from layertap.producer.dataset import StreamingHiddenStatesDataset
 
     settings = Settings(redis_url=private_redis.url, storage_root=root, storage_options=s3.storage_options)
     trainer = StreamingHiddenStatesDataset(run_name, group="train", delete_after=True, time_limit_s=120,
@@ -139,8 +139,8 @@ def test_the_file_protocol_holds_in_s3(tiny_models, s3, s3_env):
     """Through the Extractor (the worker's own processor) writing to ``s3://``: the same job again is
     answered from the object; a damaged object is replaced; one of other content under the job id
     is never overwritten (``job_id_conflict``)."""
-    from producer.files.reader import load_hidden_states
-    from worker import Extractor
+    from layertap.producer.files.reader import load_hidden_states
+    from layertap.worker import Extractor
 
     root = "s3://layertap/protocol"
     fs = s3fs_of(s3)

@@ -24,21 +24,21 @@ from matplotlib.image import imread
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import load_file
 
-from producer.dev.redis_server import free_port
-from producer.files.file_stats import (
+from layertap.producer.dev.redis_server import free_port
+from layertap.producer.files.file_stats import (
     layer_cosine_similarity,
     read_hidden_states,
     token_norms,
 )
-from producer.ops.monitor import RunTracker
-from producer.ops.throughput import RateWindow
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType
-from producer.settings import Settings
-from producer.transport.celery_app import make_celery
+from layertap.producer.ops.monitor import RunTracker
+from layertap.producer.ops.throughput import RateWindow
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType
+from layertap.producer.settings import Settings
+from layertap.producer.transport.celery_app import make_celery
 from tests.support.processes import WorkerProcess, cli
 from tests.support.reference import reference_states
-from worker.ops.logs import JobContextFilter
+from layertap.worker.ops.logs import JobContextFilter
 
 MODEL = "tiny-ops"
 NODE = "ops@localhost"
@@ -199,9 +199,9 @@ def test_log_lines_inside_a_task_carry_its_job(redis_server):
 
 
 WARN_FROM_TRANSFORMERS = """
-from producer.settings import LogFormat
+from layertap.producer.settings import LogFormat
 from transformers.utils import logging as transformers_logging
-from worker.ops.logs import configure_logging
+from layertap.worker.ops.logs import configure_logging
 
 configure_logging("INFO", LogFormat(FORMAT))
 transformers_logging.get_logger("transformers.modeling_utils").warning("a warning from transformers")

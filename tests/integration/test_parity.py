@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import MetaKey, metadata_of
 from tests.support.reference import load, reference_states
 
 PROMPTS = [

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 
-from producer.dataset import StreamingHiddenStatesDataset
-from producer.protocol import keys
-from producer.protocol.naming import file_under_root, job_path
-from producer.protocol.schema import Result, Status
-from producer.settings import Settings
+from layertap.producer.dataset import StreamingHiddenStatesDataset
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.naming import file_under_root, job_path
+from layertap.producer.protocol.schema import Result, Status
+from layertap.producer.settings import Settings
 from tests.support.processes import cli
 
 MODEL = "tiny-qwen3"

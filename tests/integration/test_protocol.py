@@ -9,13 +9,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import FileFormatError
-from producer.protocol.layers import LayerIdError, eagle3_layer_ids, resolve_layer_ids
-from producer.protocol.naming import check_name, job_path
-from producer.protocol.schema import Job
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import FileFormatError
+from layertap.producer.protocol.layers import LayerIdError, eagle3_layer_ids, resolve_layer_ids
+from layertap.producer.protocol.naming import check_name, job_path
+from layertap.producer.protocol.schema import Job
 from tests.support.files import complete_metadata
-from worker.job.writer import write_job_file
+from layertap.worker.job.writer import write_job_file
 
 
 def test_layer_ids_follow_vllm_convention():
@@ -87,14 +87,14 @@ def test_damaged_file_is_reported_precisely(tmp_path, damage, message):
 
 def test_reading_files_imports_no_celery_or_redis():
     """``producer`` is lazy: a DataLoader process that loads files never imports Celery or Redis."""
-    code = ("import sys; from producer import load_hidden_states; from producer.dataset import HiddenStatesDataset; "
+    code = ("import sys; from producer import load_hidden_states; from layertap.producer.dataset import HiddenStatesDataset; "
             "bad = sorted({m.split('.')[0] for m in sys.modules} & {'celery', 'kombu', 'redis', 'torch'}); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_client_side_imports_no_torch():
-    code = ("import sys, producer, producer.cli.app, producer.client.client, producer.files.reader, producer.files.file_stats, "
-            "producer.dev.demo; assert 'torch' not in sys.modules, 'torch imported'; "
+    code = ("import sys, producer, layertap.producer.cli.app, layertap.producer.client.client, layertap.producer.files.reader, layertap.producer.files.file_stats, "
+            "layertap.producer.dev.demo; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

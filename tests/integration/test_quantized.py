@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
-from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import MetaKey, metadata_of
 from tests.support.architectures import build_tiny
 from tests.support.quantized import (
     FORMATS,
@@ -26,10 +26,10 @@ from tests.support.quantized import (
     write_quantized,
 )
 from tests.support.reference import block_input_states
-from worker.extractor import Extractor
-from worker.model.batching import ModelRefused
-from worker.model.loading import load_model
-from worker.model.quant.fp8 import QuantLinear
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.batching import ModelRefused
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.quant.fp8 import QuantLinear
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [100, 7, 120, 9, 25, 17, 18])
 TOLERANCE = 1e-5

@@ -81,7 +81,7 @@ def test_block_not_run(block: Block):
 def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``HF_HOME`` holding a tiny 36-layer model as the snapshot of ``Qwen/Qwen3-8B`` (per session,
     not per module: under pytest-xdist the documents then run in separate processes, at once)."""
-    from worker.model.tiny_model import make_tiny_model
+    from layertap.worker.model.tiny_model import make_tiny_model
 
     home = tmp_path_factory.mktemp("hf-home")
     repo = home / "hub" / f"models--{HUB_ID.replace('/', '--')}"

@@ -12,9 +12,9 @@ import os
 import subprocess
 import time
 
-from producer.command import layertap_argv
-from producer.protocol import keys
-from producer.protocol.naming import job_path
+from layertap.producer.command import layertap_argv
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.naming import job_path
 from tests.support.jobs import (
     ORPHAN_TIMEOUT,
     attempts,
@@ -80,7 +80,7 @@ def test_worker_rides_out_a_failover_to_a_real_replica_and_back(make_worker, pri
     is longer than the failover window here (as in production, 60 s against seconds): with
     the suite's 2 s, leases that cannot be renewed while Redis is read-only lapse, and the
     reconciler rightly sends the job again (answered from disk: a second, agreeing result)."""
-    from producer.dev.redis_server import RedisServer
+    from layertap.producer.dev.redis_server import RedisServer
 
     worker = make_worker("failover@localhost", env={"LAYERTAP_ORPHAN_TIMEOUT": "30"})
     primary = private_client.redis

@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 
-from producer.client.client import Client
-from producer.command import layertap_argv
-from producer.dev.redis_server import RedisServer, find_redis_server, free_port
-from producer.settings import Settings, TlsSettings
+from layertap.producer.client.client import Client
+from layertap.producer.command import layertap_argv
+from layertap.producer.dev.redis_server import RedisServer, find_redis_server, free_port
+from layertap.producer.settings import Settings, TlsSettings
 from tests.support.processes import WorkerProcess
 
 ACL = ["--user", "default", "off", "--user", "layertap", "on", ">s3cret-pass", "~*", "&*", "+@all"]

@@ -12,13 +12,13 @@ import subprocess
 import pytest
 from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
-from producer.dataset import HiddenStatesDataset, collate
-from producer.files.manifest import entry_from_file
-from producer.protocol import keys
-from producer.protocol.layers import LayerIdError
-from producer.protocol.schema import ErrorType
+from layertap.producer.dataset import HiddenStatesDataset, collate
+from layertap.producer.files.manifest import entry_from_file
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.layers import LayerIdError
+from layertap.producer.protocol.schema import ErrorType
 from tests.support.processes import cli
-from worker.job.tokenize import context_length
+from layertap.worker.job.tokenize import context_length
 
 MODEL = "tiny-qwen3"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.protocol.fileformat import MetaKey, read_file_header
+from layertap.producer.protocol.fileformat import MetaKey, read_file_header
 from tests.support.chat_server import small_server, transformers_serve
 from tests.support.jobs import wait_for
 from tests.support.processes import cli
@@ -182,8 +182,8 @@ def test_enqueue_writes_one_file_per_conversation_with_the_servers_token_ids(sma
     rows = {row["id"]: row for row in read_jsonl(out)}
     assert sorted(rows) == ["multi", "multi-s1", "single", "single-s1"]
 
-    from producer.client.client import Client
-    from producer.settings import Settings
+    from layertap.producer.client.client import Client
+    from layertap.producer.settings import Settings
 
     with Client(Settings(redis_url=private_redis.url)) as client:
         wait_for(lambda: len({r.job_id for r in client.results(run) if r.ok}) == len(rows), 300, "the files")

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from producer.client.client import Client
-from producer.command import layertap_argv
-from producer.files.reader import load_hidden_states
-from producer.protocol import keys
-from producer.protocol.fileformat import verify_file
-from producer.protocol.naming import job_path
-from producer.protocol.schema import ErrorType, Job
-from producer.settings import Settings
+from layertap.producer.client.client import Client
+from layertap.producer.command import layertap_argv
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.fileformat import verify_file
+from layertap.producer.protocol.naming import job_path
+from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.producer.settings import Settings
 from tests.support.blocking import hang_env
 from tests.support.jobs import (
     ORPHAN_TIMEOUT,
@@ -37,7 +37,7 @@ from tests.support.jobs import (
     temp_files,
     wait_for,
 )
-from worker.main import EXIT_STALLED
+from layertap.worker.main import EXIT_STALLED
 
 CHAOS_HANG_TIMEOUT = 12.0  # longer than the start of the healthy worker that follows the hang
 
@@ -143,9 +143,9 @@ def test_poison_job_is_dead_lettered_and_later_jobs_are_unaffected(make_worker, 
 #: would lose a message: fetched from the queue, not yet recorded in ``unacked``.
 FETCH_THEN_DIE = """
 import os, signal, sys
-from producer.settings import Settings
-from producer.transport import broker_transport
-from producer.transport.celery_app import make_celery
+from layertap.producer.settings import Settings
+from layertap.producer.transport import broker_transport
+from layertap.producer.transport.celery_app import make_celery
 
 def die(*_args, **_kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -290,7 +290,7 @@ def test_chaos_kills_restarts_and_a_hang_lose_nothing(make_worker, private_clien
           f"0 worker deaths from them; {kills} SIGKILLs and 1 hung engine holding {held_counts} jobs, back within "
           f"{max(back_s):.1f}s (orphan_timeout {ORPHAN_TIMEOUT:.0f}s; each within its 60 s deadline); max attempt {max(r.attempt or 1 for r in everything)}")
     assert temp_files(make_worker.storage) == []
-    from worker import Extractor
+    from layertap.worker import Extractor
 
     with Extractor(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu") as clean:
         clean_results = clean.extract([job.model_dump(exclude={"run", "job_id"}, exclude_none=True) for job in jobs],

@@ -15,16 +15,16 @@ import pytest
 import redis
 from kombu.exceptions import OperationalError
 
-from producer.client.client import Client, NoWorkerWarning
-from producer.ingest.enqueue import Enqueuer, Planned
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Job, Status
-from producer.settings import BundleSettings, Settings
-from producer.transport.ledger import record_pending
-from producer.transport.redis_conn import refuses_writes
+from layertap.producer.client.client import Client, NoWorkerWarning
+from layertap.producer.ingest.enqueue import Enqueuer, Planned
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType, Job, Status
+from layertap.producer.settings import BundleSettings, Settings
+from layertap.producer.transport.ledger import record_pending
+from layertap.producer.transport.redis_conn import refuses_writes
 from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
 from tests.support.processes import cli
-from worker.queue.reconciler import Reconciler
+from layertap.worker.queue.reconciler import Reconciler
 
 MODEL = "tiny-qwen3"
 ROWS = 40

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.client.client import Client
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Result
-from producer.settings import Settings
-from producer.transport import ledger
+from layertap.producer.client.client import Client
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType, Result
+from layertap.producer.settings import Settings
+from layertap.producer.transport import ledger
 from tests.support.jobs import wait_for
 from tests.support.webhook_sink import WebhookSink
-from worker.queue.publisher import ResultPublisher
-from worker.queue.reconciler import Reconciler
-from worker.queue.sinks import SinkContext, build_sinks, sink_class
+from layertap.worker.queue.publisher import ResultPublisher
+from layertap.worker.queue.reconciler import Reconciler
+from layertap.worker.queue.sinks import SinkContext, build_sinks, sink_class
 
 ROOT = Path(__file__).resolve().parents[2]
 SINK = "tests.support.webhook_sink:WebhookSink"

@@ -10,8 +10,8 @@ import subprocess
 import threading
 import time
 
-from producer.files.reader import cleanup_hidden_states, load_hidden_states
-from producer.protocol import keys
+from layertap.producer.files.reader import cleanup_hidden_states, load_hidden_states
+from layertap.producer.protocol import keys
 from tests.support.processes import cli
 
 

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from producer.client.client import Client, JobFailed, NoWorker, NoWorkerWarning
-from producer.client.runs import RunCancelled
-from producer.dev.redis_server import RedisServer
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType
-from producer.settings import Settings
+from layertap.producer.client.client import Client, JobFailed, NoWorker, NoWorkerWarning
+from layertap.producer.client.runs import RunCancelled
+from layertap.producer.dev.redis_server import RedisServer
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType
+from layertap.producer.settings import Settings
 from tests.support.blocking import hang_env
 from tests.support.jobs import wait_for
 from tests.support.processes import WorkerProcess, cli

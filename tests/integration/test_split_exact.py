@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from worker.model.loading import load_model
+from layertap.worker.model.loading import load_model
 
 PROMPTS = [
     "hello the model is fast",
@@ -40,7 +40,7 @@ def assert_same_files(split, whole) -> None:
 def extract(loaded, out, runs):
     """Each run (layers, job fields) one batch of every prompt: the engine waits long enough for all
     of them (on the CPU a matmul's bits depend on how many rows it has, so both sides must batch alike)."""
-    from worker import Extractor
+    from layertap.worker import Extractor
 
     with Extractor(loaded, storage_root=out, batch_wait_ms=1000) as extractor:
         return [tensors(extractor.extract(PROMPTS, out / str(index), layers=layers, **fields))
@@ -72,7 +72,7 @@ def test_split_files_equal_the_whole_models(arch, batching, stages, tiny_models,
 
 
 def test_device_map_places_every_weight_and_the_tail_on_the_last_stage(tiny_models):
-    from worker.model.loading import empty_model, split_plan
+    from layertap.worker.model.loading import empty_model, split_plan
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_models["llama"])
@@ -106,8 +106,8 @@ def test_a_split_worker_writes_the_files_of_a_whole_model(make_worker, private_c
 
 
 def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split(tiny_models, tmp_path):
-    from worker import Extractor
-    from worker.model.loading import split_devices
+    from layertap.worker import Extractor
+    from layertap.worker.model.loading import split_devices
 
     assert split_devices(torch.device("cpu"), 3) == ["cpu", "cpu", "cpu"]
     assert split_devices(torch.device("cpu"), 0) == ["cpu"]
@@ -120,8 +120,8 @@ def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split(tiny_models, tmp_p
 def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():
     """``shape:`` models split over GPUs are built on the meta device and each weight made on its
     stage's device (never the whole model on one); here the map is all on the CPU."""
-    from worker.model.loading import empty_model, split_plan
-    from worker.model.shapes import build_random_model, fill_random, shape_config
+    from layertap.worker.model.loading import empty_model, split_plan
+    from layertap.worker.model.shapes import build_random_model, fill_random, shape_config
 
     model = empty_model(shape_config("qwen3-tiny"), trust_remote_code=False)
     _, placement = split_plan(model, ["cpu", "cpu"], token_budget=16, captured_layers=2, dtype=torch.float32)
@@ -138,7 +138,7 @@ def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():
 
 def test_a_quantized_checkpoint_is_refused_a_split_and_loads_whole_by_default(tiny_models, tmp_path):
     from tests.support.quantized import FORMATS, write_quantized
-    from worker.model.batching import ModelRefused
+    from layertap.worker.model.batching import ModelRefused
 
     folder = write_quantized(tiny_models["qwen3"], tmp_path / "quantized", next(iter(FORMATS)))
     with pytest.raises(ModelRefused, match="not split over stages yet"):

@@ -1,4 +1,4 @@
-"""Training from a live run (producer.files.streaming) with a real Redis and real workers: consumers
+"""Training from a live run (layertap.producer.files.streaming) with a real Redis and real workers: consumers
 (threads, DataLoader workers, torch.distributed ranks) split a run with no duplicates and no
 gaps; a SIGKILLed consumer's entries are finished by another while a slow live one's are not
 taken from it; a restart with the same group continues and another group reads it all; a Redis
@@ -23,12 +23,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from producer.client.client import Client
-from producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
-from producer.dev.redis_server import RedisServer, free_port
-from producer.files.manifest import entry_from_file
-from producer.protocol import keys
-from producer.settings import Settings
+from layertap.producer.client.client import Client
+from layertap.producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
+from layertap.producer.dev.redis_server import RedisServer, free_port
+from layertap.producer.files.manifest import entry_from_file
+from layertap.producer.protocol import keys
+from layertap.producer.settings import Settings
 from tests.support.processes import WorkerProcess, cli
 
 MODEL = "tiny-qwen3"
@@ -108,7 +108,7 @@ def test_options_select_layers_cast_and_cut_as_offline(workers, redis_server, cl
 
 VICTIM = """
 import sys, time
-from producer.dataset import StreamingHiddenStatesDataset
+from layertap.producer.dataset import StreamingHiddenStatesDataset
 url, run = sys.argv[1], sys.argv[2]
 for item in StreamingHiddenStatesDataset(run, redis_url=url, consumer="victim", read_count=8, claim_idle_s=2):
     print(item["job_id"], flush=True)
@@ -161,7 +161,7 @@ def test_a_slow_live_consumers_entries_are_not_taken_from_it(workers, redis_serv
 
 RANK = """
 import sys, torch.distributed as dist
-from producer.dataset import StreamingHiddenStatesDataset
+from layertap.producer.dataset import StreamingHiddenStatesDataset
 url, run = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
 dataset = StreamingHiddenStatesDataset(run, redis_url=url, read_count=2)

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 
-from producer.dev.redis_server import free_port
-from producer.protocol import keys
+from layertap.producer.dev.redis_server import free_port
+from layertap.producer.protocol import keys
 from tests.support.processes import cli
 
 MODEL = "tiny-supervised"

@@ -1,4 +1,4 @@
-"""Streaming trainers that start late, use DataLoader workers, or die (producer.files.streaming), with
+"""Streaming trainers that start late, use DataLoader workers, or die (layertap.producer.files.streaming), with
 a real Redis, real workers and real trainer processes: a trainer that starts after the retention
 trimmed the run gets every sample from the run's ledger (and unblocks an enqueue waiting for it),
 or is told at once how many it cannot get; DataLoader workers end together, every time; and a
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from producer.client import runs
-from producer.dataset import StreamingHiddenStatesDataset, collate
-from producer.protocol import keys
-from producer.settings import Settings
+from layertap.producer.client import runs
+from layertap.producer.dataset import StreamingHiddenStatesDataset, collate
+from layertap.producer.protocol import keys
+from layertap.producer.settings import Settings
 from tests.integration.test_streaming import MODEL, files_under, submit, token_jobs
 from tests.support.processes import cli
 
@@ -43,7 +43,7 @@ def test_a_late_trainer_gets_every_trimmed_sample_from_the_ledger(workers, redis
 
     # a group later still: the first one removed every file; it is told at once, with the count
     later = StreamingHiddenStatesDataset(run_name, group="later", redis_url=redis_server.url, time_limit_s=90)
-    with caplog.at_level(logging.ERROR, logger="producer.client.recovery"):
+    with caplog.at_level(logging.ERROR, logger="layertap.producer.client.recovery"):
         items = iter(later)
         assert next(items, None) is None
     assert "10 recovered ok job(s) have no file here" in caplog.text
@@ -94,8 +94,8 @@ def test_dataloader_workers_end_together_every_time(workers, redis_server, clien
 
 TRAINER = """
 import sys, time
-from producer.dataset import StreamingHiddenStatesDataset
-from producer.settings import Settings
+from layertap.producer.dataset import StreamingHiddenStatesDataset
+from layertap.producer.settings import Settings
 url, run, trained, root = sys.argv[1:5]
 dataset = StreamingHiddenStatesDataset(run, redis_url=url, delete_after=True, read_count=2, time_limit_s=120,
                                        settings=Settings(storage_root=root))

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from producer.dataset import HiddenStatesDataset, collate
-from producer.files.manifest import iter_manifest
-from producer.files.reader import load_hidden_states
+from layertap.producer.dataset import HiddenStatesDataset, collate
+from layertap.producer.files.manifest import iter_manifest
+from layertap.producer.files.reader import load_hidden_states
 from tests.support.processes import cli
 from tests.support.reference import load
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from producer.files.reader import load_hidden_states
-from producer.protocol.fileformat import FileFormatError, MetaKey, metadata_of
-from producer.protocol.schema import ErrorType, Job
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import FileFormatError, MetaKey, metadata_of
+from layertap.producer.protocol.schema import ErrorType, Job
 from tests.support.architectures import ARCHES
 from tests.support.jobs import CHAT, send_raw
 from tests.support.reference import (
@@ -25,7 +25,7 @@ from tests.support.reference import (
     teacher_logprobs,
 )
 from tests.support.files import complete_metadata
-from worker.job.writer import write_job_file
+from layertap.worker.job.writer import write_job_file
 
 NUM_LAYERS = 4
 ALL_LAYERS = list(range(NUM_LAYERS + 1))
@@ -189,8 +189,8 @@ def test_topk_is_refused_for_a_head_that_rescales_logits(tmp_path):
     """Cohere multiplies lm_head's logits by logit_scale: top-k of lm_head alone would be wrong."""
     from transformers import AutoModelForCausalLM, CohereConfig
 
-    from worker.extractor import Extractor
-    from worker.model.loading import describe
+    from layertap.worker.extractor import Extractor
+    from layertap.worker.model.loading import describe
 
     config = CohereConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, eos_token_id=2)

@@ -21,16 +21,16 @@ import pytest
 import torch
 from PIL import Image
 
-from producer.client.client import Client, NoWorkerWarning
-from producer.files.dataset import collate, load_item
-from producer.files.reader import load_hidden_states
-from producer.protocol.images import ImageError
-from producer.protocol.schema import ErrorType
-from producer.settings import Settings
+from layertap.producer.client.client import Client, NoWorkerWarning
+from layertap.producer.files.dataset import collate, load_item
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.images import ImageError
+from layertap.producer.protocol.schema import ErrorType
+from layertap.producer.settings import Settings
 from tests.support.vlm import QWEN_FAMILIES, TEXT_VOCAB, VLM_FAMILIES, add_processor, build_tiny_vlm, vlm_block_states
-from worker.extractor import Extractor
-from worker.model.loading import load_model
-from worker.model.tiny_model import build_tokenizer
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.tiny_model import build_tokenizer
 
 LENGTHS = (3, 21, 9, 14)
 TOLERANCE = 1e-5
@@ -148,8 +148,8 @@ def test_the_client_fills_image_digests_and_refuses_bad_images_before_sending(re
 def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
     """``shape:qwen2.5-vl-7b`` (for the bench; built on the meta device here: no memory) is the
     VLM class, vision tower included, and its 28 text layers and final norm are found."""
-    from worker.model.loading import find_decoder_layers, find_final_norm
-    from worker.model.shapes import build_random_model
+    from layertap.worker.model.loading import find_decoder_layers, find_final_norm
+    from layertap.worker.model.shapes import build_random_model
 
     model = build_random_model("qwen2.5-vl-7b", torch.device("meta"), torch.bfloat16)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
@@ -276,7 +276,7 @@ def test_llama4_image_inputs_batched_together_equal_the_model_alone(tmp_path):
     made here): image requests of 1, 3 and 2 tiles (a token each at this size; 8-10 tokens) submitted
     together run in one padded forward through the model's own ``forward`` and every layer
     equals the plain model alone; a text request goes in a batch of its own."""
-    from worker.engine.records import EngineRequest
+    from layertap.worker.engine.records import EngineRequest
 
     model_dir = str(build_tiny_vlm("llama4", tmp_path / "model"))
     generator = torch.Generator().manual_seed(0)
@@ -312,7 +312,7 @@ def test_qwen3_vl_files_say_which_layers_hold_deepstack_features(tmp_path):
     the image positions. A text file has no such note."""
     import json
 
-    from producer.protocol.fileformat import MetaKey, metadata_of
+    from layertap.producer.protocol.fileformat import MetaKey, metadata_of
     from tests.support.vlm import language_layers, load_reference
 
     model_dir = add_processor("qwen3-vl", build_tiny_vlm("qwen3-vl", tmp_path / "model"))
@@ -346,7 +346,7 @@ def test_image_chats_that_do_not_batch_fall_back_to_one_per_forward(monkeypatch,
     """The load-time image self-check: Idefics3 wrongly listed as batching its image chats
     (its pixel_values hold one row of tiles per prompt, and the probes' tile counts differ)
     fails it, so its image chats run one per forward, with the reason, and stay exact."""
-    from worker.model import image_inputs
+    from layertap.worker.model import image_inputs
 
     monkeypatch.setitem(image_inputs.BATCHED_FAMILIES, "idefics3", "listed here to fail the self-check")
     model_dir = add_processor("idefics3", build_tiny_vlm("idefics3", tmp_path / "model"))

@@ -11,10 +11,10 @@ import signal
 import time
 from pathlib import Path
 
-from producer.protocol import keys
+from layertap.producer.protocol import keys
 from tests.support.blocking import hang_env
 from tests.support.jobs import ORPHAN_TIMEOUT, attempts, make_job, wait_for
-from worker.main import EXIT_STALLED
+from layertap.worker.main import EXIT_STALLED
 
 HANG_TIMEOUT = 4.0
 def test_hung_engine_exits_and_its_jobs_finish_on_a_healthy_worker(make_worker, private_client, blocking_model,
@@ -60,7 +60,7 @@ def test_warm_shutdown_of_a_hung_engine_has_a_deadline(make_worker, private_clie
 
 SUPERVISED_STUBBORN_CHILD = '''
 import os, signal, sys, threading, time
-from worker.ops.supervisor import Supervisor
+from layertap.worker.ops.supervisor import Supervisor
 
 supervisor = Supervisor(["--model", "unused"], ["0"], kill_after_s=1.0)
 child = supervisor.children[0]

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from producer.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
-from worker.engine.output_dtype import recorded_name
+from layertap.producer.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
+from layertap.worker.engine.output_dtype import recorded_name
 
 
 def complete_metadata(tensors: dict[str, torch.Tensor], layers: Sequence[int] = (0, 3)) -> dict[str, str]:

@@ -7,11 +7,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from producer.client.client import Client
-from producer.protocol import keys
-from producer.storage.locking import exclusive_lock
-from producer.protocol.naming import job_path
-from producer.protocol.schema import Job
+from layertap.producer.client.client import Client
+from layertap.producer.protocol import keys
+from layertap.producer.storage.locking import exclusive_lock
+from layertap.producer.protocol.naming import job_path
+from layertap.producer.protocol.schema import Job
 
 ORPHAN_TIMEOUT = 2.0
 RELIABILITY_ENV = {"LAYERTAP_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT), "LAYERTAP_MAX_ATTEMPTS": "3"}

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from producer.client.client import Client
-from producer.command import layertap_argv
-from producer.settings import Settings
+from layertap.producer.client.client import Client
+from layertap.producer.command import layertap_argv
+from layertap.producer.settings import Settings
 
 
 def cli(*args: str) -> list[str]:

@@ -6,7 +6,7 @@ Each family is ``(model_type, config fields)``, built with ``AutoConfig.for_mode
 ``AutoModelForImageTextToText.from_config`` (2 text layers, hidden 32, vocabulary 320;
 a 2-block vision tower), saved with ``save_pretrained``. Image placeholder ids sit at
 300 and up, so prompts drawn from ``[3, TEXT_VOCAB)`` are text only, and a tokenizer
-trained to :data:`TEXT_VOCAB` entries (``worker.model.tiny_model.build_tokenizer``) fits.
+trained to :data:`TEXT_VOCAB` entries (``layertap.worker.model.tiny_model.build_tokenizer``) fits.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def add_processor(family: str, model_dir: Path) -> Path:
         LlavaProcessor,
     )
 
-    from worker.model.tiny_model import build_tokenizer
+    from layertap.worker.model.tiny_model import build_tokenizer
 
     tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",

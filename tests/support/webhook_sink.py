@@ -1,5 +1,5 @@
 """A result sink that posts each result to a webhook: the whole cost of delivering results
-somewhere new (``worker.queue.sinks``), this one file. Wired by settings, nothing else:
+somewhere new (``layertap.worker.queue.sinks``), this one file. Wired by settings, nothing else:
 
     LAYERTAP_WORKER__RESULT_SINKS='{"metrics": {}, "tests.support.webhook_sink:WebhookSink": {"url": "http://..."}}'
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Sequence
 
-from producer.protocol.schema import Result
-from worker.queue.sinks import ResultSink, SinkContext
+from layertap.producer.protocol.schema import Result
+from layertap.worker.queue.sinks import ResultSink, SinkContext
 
 
 class WebhookSink(ResultSink):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.engine.layout import JobPlace, layer_union, place_jobs
+from layertap.worker.engine.layout import JobPlace, layer_union, place_jobs
 
 
 def test_the_union_holds_every_wanted_layer_once_ascending():

@@ -3,8 +3,8 @@ pure functions of lengths (no model, no processes)."""
 
 from __future__ import annotations
 
-from worker.engine.scheduler import BatchPolicy
-from worker.model.batching import layout_class
+from layertap.worker.engine.scheduler import BatchPolicy
+from layertap.worker.model.batching import layout_class
 
 
 def policy(layout: str, budget=100, max_jobs=256, pad_to=1, max_padding=0.25) -> BatchPolicy:

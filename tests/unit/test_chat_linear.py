@@ -11,19 +11,19 @@ import threading
 
 import pytest
 
-from producer.protocol.schema import ErrorType, Job
-from producer.settings import Limits
+from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.producer.settings import Limits
 from tests.support.architectures import ARCHES
-from worker.job.chat import (
+from layertap.worker.job.chat import (
     CHECKED_TURNS,
     ChatRenderer,
     _mask_spans,
     _streamed_spans,
     render_chat,
 )
-from worker.job.errors import JobError
-from worker.job.tokenize import Preparer
-from worker.model.loading import load_model
+from layertap.worker.job.errors import JobError
+from layertap.worker.job.tokenize import Preparer
+from layertap.worker.model.loading import load_model
 
 
 def chat(turns: int) -> list[dict]:

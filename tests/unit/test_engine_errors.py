@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from producer.protocol.schema import ErrorType
-from producer.settings import Limits
-from worker.engine.engine import Engine
-from worker.engine.errors import BatchFailed, EngineError, EngineStopped
-from worker.engine.records import EngineRequest
-from worker.extractor import build_processor
-from worker.job.pipeline import ENGINE_ERROR_TYPES
-from worker.model.loading import load_model
+from layertap.producer.protocol.schema import ErrorType
+from layertap.producer.settings import Limits
+from layertap.worker.engine.engine import Engine
+from layertap.worker.engine.errors import BatchFailed, EngineError, EngineStopped
+from layertap.worker.engine.records import EngineRequest
+from layertap.worker.extractor import build_processor
+from layertap.worker.job.pipeline import ENGINE_ERROR_TYPES
+from layertap.worker.model.loading import load_model
 
 
 @pytest.fixture

@@ -10,12 +10,12 @@ import threading
 import pytest
 import torch
 
-from producer.protocol.schema import Job
-from producer.settings import Limits
-from worker.engine.engine import MAX_PREPARING, Engine
-from worker.engine.records import EngineRequest
-from worker.extractor import build_processor
-from worker.model.loading import load_model
+from layertap.producer.protocol.schema import Job
+from layertap.producer.settings import Limits
+from layertap.worker.engine.engine import MAX_PREPARING, Engine
+from layertap.worker.engine.records import EngineRequest
+from layertap.worker.extractor import build_processor
+from layertap.worker.model.loading import load_model
 
 BUDGET = 64
 AHEAD = 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from worker.ops.gc_freeze import freeze_long_lived_objects
+from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
 
 
 class _Node:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from producer.protocol.schema import ErrorType
-from producer.settings import Limits
-from worker.engine import engine as engine_module
-from worker.extractor import build_processor
-from worker.model.loading import load_model
+from layertap.producer.protocol.schema import ErrorType
+from layertap.producer.settings import Limits
+from layertap.worker.engine import engine as engine_module
+from layertap.worker.extractor import build_processor
+from layertap.worker.model.loading import load_model
 
 HOST_BUFFERS = 1
 FAILURES = 3 * HOST_BUFFERS + 2  # more failures than buffers: a leak would stall the jobs after them

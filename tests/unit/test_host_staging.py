@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from producer.files.reader import load_hidden_states
-from producer.settings import Limits
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.settings import Limits
 from tests.support.reference import reference_states
-from worker.engine.host_buffers import ALIGNMENT, HostStaging, slot_capacity
-from worker.extractor import build_processor
-from worker.model.loading import load_model
+from layertap.worker.engine.host_buffers import ALIGNMENT, HostStaging, slot_capacity
+from layertap.worker.extractor import build_processor
+from layertap.worker.model.loading import load_model
 
 
 def test_slot_carves_aligned_views_and_overflows_to_its_own_memory():
@@ -91,8 +91,8 @@ def test_many_batches_through_one_host_buffer_match_transformers(layer_lists, ti
 def test_next_batch_waits_for_a_free_buffer_and_takes_everything_queued_meanwhile(tiny_models):
     """With the only host buffer held, jobs that arrive are not cut into a batch early: once
     the buffer is free they go into one batch together."""
-    from worker.engine.engine import Engine
-    from worker.engine.records import EngineRequest
+    from layertap.worker.engine.engine import Engine
+    from layertap.worker.engine.records import EngineRequest
 
     loaded = load_model(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu")
     engine = Engine(loaded, token_budget=4096, host_buffers=1, staging_layers=1)

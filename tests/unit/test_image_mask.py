@@ -1,11 +1,11 @@
-"""Carrying a chat's loss mask over to the processor's expanded tokens (``worker.job.multimodal.expand_mask``)."""
+"""Carrying a chat's loss mask over to the processor's expanded tokens (``layertap.worker.job.multimodal.expand_mask``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.job.errors import JobError
-from worker.job.multimodal import expand_mask
+from layertap.worker.job.errors import JobError
+from layertap.worker.job.multimodal import expand_mask
 
 IMAGE, BOI, EOI, NEWLINE = 300, 301, 302, 9
 

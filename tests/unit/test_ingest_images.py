@@ -1,4 +1,4 @@
-"""Dataset rows with image parts (``producer.ingest``): JSONL and parquet rows in OpenAI and
+"""Dataset rows with image parts (``layertap.producer.ingest``): JSONL and parquet rows in OpenAI and
 Hugging Face part forms become chat jobs whose image paths are read under the images root
 only (sha256 filled in, so the job id covers the bytes), and rows naming an image outside
 it, a missing or undecodable one, or a path with no root are bad rows with the reason."""
@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from producer.ingest.enqueue import BadRow, Planned, plan_jobs
-from producer.ingest.formats import RowConverter
-from producer.ingest.sources import open_source
-from producer.protocol.images import ImagePart, ImageUrlPart, TextPart
-from producer.settings import Limits
+from layertap.producer.ingest.enqueue import BadRow, Planned, plan_jobs
+from layertap.producer.ingest.formats import RowConverter
+from layertap.producer.ingest.sources import open_source
+from layertap.producer.protocol.images import ImagePart, ImageUrlPart, TextPart
+from layertap.producer.settings import Limits
 
 
 def png(width: int, height: int) -> bytes:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from worker.engine.records import BatchOutput, HostTensors, JobSlice
+from layertap.worker.engine.records import BatchOutput, HostTensors, JobSlice
 
 HIDDEN = 4
 

@@ -1,6 +1,6 @@
-"""The run ledger has one owner: no module but ``producer.transport.ledger`` writes a job's or a
+"""The run ledger has one owner: no module but ``layertap.producer.transport.ledger`` writes a job's or a
 run's Redis state. Checked on the source: a Redis write command (or a script) whose keys come
-from a job or run key of ``producer.protocol.keys`` (directly, or through a name or attribute
+from a job or run key of ``layertap.producer.protocol.keys`` (directly, or through a name or attribute
 assigned from one in the same module) is a finding anywhere else."""
 
 from __future__ import annotations

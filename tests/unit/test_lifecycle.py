@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.ops.lifecycle import ServiceGroup
+from layertap.worker.ops.lifecycle import ServiceGroup
 
 
 class Recorder:

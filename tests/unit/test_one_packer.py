@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.bench.parts import ceiling_batches
-from worker.engine.engine import Engine
-from worker.engine.records import EngineRequest
-from worker.model.loading import load_model
+from layertap.worker.bench.parts import ceiling_batches
+from layertap.worker.engine.engine import Engine
+from layertap.worker.engine.records import EngineRequest
+from layertap.worker.model.loading import load_model
 
 LENGTHS = [30, 12, 40, 7, 25, 9, 33, 18, 5, 21, 38, 11]
 BUDGET = 64

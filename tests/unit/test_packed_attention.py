@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.model.attention import packed_attention, packed_sequences
+from layertap.worker.model.attention import packed_attention, packed_sequences
 
 
 def alone(query, key, value, bounds, gqa):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.model.quant.experts import dequantize_stack
-from worker.model.quant.fp8 import dequantize_weight
+from layertap.worker.model.quant.experts import dequantize_stack
+from layertap.worker.model.quant.fp8 import dequantize_weight
 
 
 def element_by_element(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -45,8 +45,8 @@ def test_a_stack_of_experts(shape, block):
 def test_the_fp8_path_takes_a_compiled_activation_quantizer_that_quantizes_right():
     """``compile_quantizer`` installs the compiled quantizer only after checking its values; an fp8
     Linear then computes with it within e4m3's error of the dequant path."""
-    from worker.model.quant import fp8
-    from worker.model.quant.scheme import QuantScheme
+    from layertap.worker.model.quant import fp8
+    from layertap.worker.model.quant.scheme import QuantScheme
 
     layer = fp8.QuantLinear(256, 64, QuantScheme("compressed-tensors", "channel", "weight_scale"), bias=False)
     codes, scale = random_quantized((64, 256), (1, 256))

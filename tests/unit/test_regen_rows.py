@@ -8,9 +8,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from producer.ingest.formats import RowConverter
-from producer.protocol.schema import Job
-from producer.regen.store import OutputStore
+from layertap.producer.ingest.formats import RowConverter
+from layertap.producer.protocol.schema import Job
+from layertap.producer.regen.store import OutputStore
 
 
 def test_a_row_with_token_ids_becomes_a_job_of_those_ids_with_its_mask_and_provenance():

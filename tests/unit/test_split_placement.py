@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.model.split.placement import balance_layers, plan_stages, stage_devices
-from worker.ops.supervisor import group
+from layertap.worker.model.split.placement import balance_layers, plan_stages, stage_devices
+from layertap.worker.ops.supervisor import group
 
 
 @pytest.mark.parametrize("stages, expected", [(1, [36]), (2, [18, 18]), (4, [9, 9, 9, 9]),

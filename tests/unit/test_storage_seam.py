@@ -3,7 +3,7 @@
 The rule, checked on the syntax tree of every module of ``producer/`` and ``worker/`` outside
 ``producer/storage/`` (names imported under another name are followed to their origin):
 
-1. Locks: no module imports ``fcntl`` or ``producer.storage.locking``.
+1. Locks: no module imports ``fcntl`` or ``layertap.producer.storage.locking``.
 2. Stats, unlinks, renames, links: no call of ``os.stat``, ``os.lstat``, ``os.unlink``,
    ``os.remove``, ``os.replace``, ``os.rename``, ``os.link``, ``os.path.getsize``, ``os.path.exists``
    or of a ``.stat()``, ``.lstat()``, ``.unlink()`` or ``.rmdir()`` method, anywhere.
@@ -34,18 +34,18 @@ OS_CALLS = {"os.stat", "os.lstat", "os.unlink", "os.remove", "os.replace", "os.r
             "os.path.getsize", "os.path.exists"}
 METHODS = {"stat", "lstat", "unlink", "rmdir"}
 OPENERS = {"open", "numpy.fromfile", "safetensors.torch.save_file", "safetensors.torch.load_file",
-           "safetensors.safe_open", "producer.protocol.fileformat.verify_file",
-           "producer.protocol.fileformat.read_file_header", "producer.protocol.fileformat.metadata_of"}
+           "safetensors.safe_open", "layertap.producer.protocol.fileformat.verify_file",
+           "layertap.producer.protocol.fileformat.read_file_header", "layertap.producer.protocol.fileformat.metadata_of"}
 JOB_FILE_MODULES = ("producer/files/", "producer/client/", "producer/cli/", "worker/job/", "worker/queue/",
                     "worker/ops/", "worker/main.py", "worker/extractor.py")
 
 #: (module, call) -> why it is not a job file, or why the path is one a storage handed out.
 ALLOWED = {
-    ("producer/files/reader.py", "producer.protocol.fileformat.verify_file"): "the local path of Storage.local",
-    ("producer/files/reader.py", "producer.protocol.fileformat.read_file_header"): "the local path of Storage.local",
+    ("producer/files/reader.py", "layertap.producer.protocol.fileformat.verify_file"): "the local path of Storage.local",
+    ("producer/files/reader.py", "layertap.producer.protocol.fileformat.read_file_header"): "the local path of Storage.local",
     ("producer/files/reader.py", "safetensors.torch.load_file"): "the local path of Storage.local",
-    ("producer/files/file_stats.py", "producer.protocol.fileformat.verify_file"): "the local path of Storage.local",
-    ("producer/files/file_stats.py", "producer.protocol.fileformat.read_file_header"):
+    ("producer/files/file_stats.py", "layertap.producer.protocol.fileformat.verify_file"): "the local path of Storage.local",
+    ("producer/files/file_stats.py", "layertap.producer.protocol.fileformat.read_file_header"):
         "the local path of Storage.local",
     ("worker/job/writer.py", "safetensors.torch.save_file"): "the local path of Storage.write (committed by it)",
     ("producer/files/export.py", "safetensors.safe_open"): "the export's own hs_{i} copy (made by Storage.copy_to)",
@@ -72,13 +72,13 @@ def module_calls(path: Path) -> set[str]:
             for alias in node.names:
                 top = alias.name.split(".")[0]
                 aliases[alias.asname or top] = alias.name if alias.asname else top
-                if alias.name in ("fcntl", "producer.storage.locking"):
+                if alias.name in ("fcntl", "layertap.producer.storage.locking"):
                     found.add(f"import {alias.name}")
         elif isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-            if node.module in ("fcntl", "producer.storage.locking") or (
-                    node.module == "producer.storage" and any(a.name == "locking" for a in node.names)):
+            if node.module in ("fcntl", "layertap.producer.storage.locking") or (
+                    node.module == "layertap.producer.storage" and any(a.name == "locking" for a in node.names)):
                 found.add(f"import {node.module}")
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -132,12 +132,12 @@ def test_the_check_sees_what_it_bans(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("import fcntl\nimport os\nimport numpy as np\nfrom pathlib import Path\n"
                       "from safetensors.torch import load_file as load\n"
-                      "from producer.protocol.fileformat import verify_file\n"
+                      "from layertap.producer.protocol.fileformat import verify_file\n"
                       "def f(p):\n    os.stat(p); Path(p).unlink(); np.fromfile(p); load(p); verify_file(p)\n"
                       "    open(p); os.path.getsize(p)\n")
     calls = banned("producer/files/sample.py", module_calls(sample))
     assert calls == {"import fcntl", "os.stat", ".unlink", "numpy.fromfile", "safetensors.torch.load_file",
-                     "producer.protocol.fileformat.verify_file", "open", "os.path.getsize"}
+                     "layertap.producer.protocol.fileformat.verify_file", "open", "os.path.getsize"}
     assert banned("producer/ingest/sample.py", module_calls(sample)) == {"import fcntl", "os.stat", ".unlink",
                                                                          "os.path.getsize"}
 
@@ -145,9 +145,9 @@ def test_the_check_sees_what_it_bans(tmp_path):
 def test_a_root_names_its_storage_by_scheme(tmp_path, monkeypatch):
     """A bare path is local (made absolute); a URL's scheme picks the backend; an unknown scheme,
     or a backend whose library is missing, is a one-line error naming what to do."""
-    from producer.extras import MissingExtra
-    from producer.storage import registry
-    from producer.storage.local import LocalStorage
+    from layertap.producer.extras import MissingExtra
+    from layertap.producer.storage import registry
+    from layertap.producer.storage.local import LocalStorage
 
     monkeypatch.chdir(tmp_path)
     local = registry.storage_for("files")
@@ -155,15 +155,15 @@ def test_a_root_names_its_storage_by_scheme(tmp_path, monkeypatch):
     assert local.locate("r", "j").startswith(f"{tmp_path}/files/r/")
     with pytest.raises(ValueError, match="known schemes are az, file, gs, s3"):
         registry.storage_for("ftp://host/x")
-    monkeypatch.setitem(registry.BACKENDS, "nope", ("producer.storage.local:LocalStorage", "layertap_absent", "nope"))
+    monkeypatch.setitem(registry.BACKENDS, "nope", ("layertap.producer.storage.local:LocalStorage", "layertap_absent", "nope"))
     with pytest.raises(MissingExtra, match=r"pip install 'layertap\[nope\]'"):
         registry.storage_for("nope://bucket")
 
 
 def test_an_object_address_is_owned_only_exactly(tmp_path):
     """A forged result path never leads to another object: only the job's own key under the root."""
-    from producer.protocol.naming import storage_root_of
-    from producer.storage.fsspec_store import FsspecStorage
+    from layertap.producer.protocol.naming import storage_root_of
+    from layertap.producer.storage.fsspec_store import FsspecStorage
 
     storage = FsspecStorage("s3://bucket/prefix/", {"spool_dir": str(tmp_path)})
     own = storage.locate("run", "job")
@@ -180,7 +180,7 @@ def test_the_local_sweep_removes_dead_writers_temp_files_only(tmp_path):
     import subprocess
     import sys
 
-    from producer.storage.local import LocalStorage, temp_name
+    from layertap.producer.storage.local import LocalStorage, temp_name
 
     storage = LocalStorage(tmp_path)
     final = tmp_path / "run" / "abc" / "job.safetensors"
@@ -202,8 +202,8 @@ def test_the_local_sweep_removes_dead_writers_temp_files_only(tmp_path):
 
 
 def test_the_start_up_line_shows_no_storage_secret():
-    from producer.settings import Settings
-    from worker.startup import settings_line
+    from layertap.producer.settings import Settings
+    from layertap.worker.startup import settings_line
 
     line = json.loads(settings_line(Settings(storage_root="s3://b/p", storage_options={
         "endpoint_url": "http://minio:9000", "key": "AKIA-visible-no-more", "secret": "s3cr3t"})))

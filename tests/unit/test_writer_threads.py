@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 import time
 
-from producer.storage.locking import exclusive_lock
-from producer.protocol.naming import job_path
-from producer.protocol.schema import Job
-from producer.settings import Limits
-from worker.extractor import build_processor
-from worker.model.loading import load_model
+from layertap.producer.storage.locking import exclusive_lock
+from layertap.producer.protocol.naming import job_path
+from layertap.producer.protocol.schema import Job
+from layertap.producer.settings import Limits
+from layertap.worker.extractor import build_processor
+from layertap.worker.model.loading import load_model
 
 
 def test_a_stuck_write_holds_back_no_other_file_of_its_bundle(tiny_models, tmp_path):

@@ -35,15 +35,15 @@ from typing import Any
 
 import torch
 
-from producer.protocol.layers import eagle3_layer_ids, resolve_layer_ids
-from worker.bench.config import BenchConfig, PartResult, check_shape_fits, claim_storage
-from worker.bench.exactness import compare, fp32_reference_errors
-from worker.bench.measure import matmul_rate, on_own_thread, useful_flops
-from worker.bench.parts import memory_check, run_engine, run_forward_only, run_naive, run_plain_batched
-from worker.bench.prompts import file_prompts, random_prompts
-from worker.bench.queue_part import run_queue
-from worker.bench.report import device_name, format_flops, format_table, software_versions
-from worker.model.loading import compile_decoder_layers, load_model, resolve_device
+from layertap.producer.protocol.layers import eagle3_layer_ids, resolve_layer_ids
+from layertap.worker.bench.config import BenchConfig, PartResult, check_shape_fits, claim_storage
+from layertap.worker.bench.exactness import compare, fp32_reference_errors
+from layertap.worker.bench.measure import matmul_rate, on_own_thread, useful_flops
+from layertap.worker.bench.parts import memory_check, run_engine, run_forward_only, run_naive, run_plain_batched
+from layertap.worker.bench.prompts import file_prompts, random_prompts
+from layertap.worker.bench.queue_part import run_queue
+from layertap.worker.bench.report import device_name, format_flops, format_table, software_versions
+from layertap.worker.model.loading import compile_decoder_layers, load_model, resolve_device
 
 __all__ = ["BenchConfig", "format_table", "run_bench"]  # the CLI's imports
 

@@ -5,7 +5,7 @@ mixtures of experts), in bfloat16 or FP8 block-scaled (``quant_method: fp8``, 12
 time (a 70B FP8 checkpoint needs ~5 GB, not 70), so the folder can be far larger than memory.
 Random values are drawn on the GPU when there is one (fast), else on the CPU.
 
-    python -m worker.bench.checkpoints shape:llama3.3-70b /dev/shm/llama70b-fp8 --format fp8-block
+    python -m layertap.worker.bench.checkpoints shape:llama3.3-70b /dev/shm/llama70b-fp8 --format fp8-block
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import typer
 from safetensors.torch import save_file
 
-from worker.model.shapes import SHAPE_PREFIX, shape_config
+from layertap.worker.model.shapes import SHAPE_PREFIX, shape_config
 
 FORMATS = ("bf16", "fp8-block")
 BLOCK = 128
@@ -125,7 +125,7 @@ def write_checkpoint(shape: str, out: Path, fmt: str = "bf16", shard_bytes: int 
     return out
 
 
-def main(shape: str = typer.Argument(..., help="shape:<name> (worker.model.shapes)"),
+def main(shape: str = typer.Argument(..., help="shape:<name> (layertap.worker.model.shapes)"),
          out: Path = typer.Argument(..., help="Folder to write."),
          fmt: str = typer.Option("bf16", "--format", help="bf16 | fp8-block"),
          seed: int = typer.Option(0)) -> None:

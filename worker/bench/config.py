@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producer.protocol.naming import SHAPE_PREFIX
-from producer.settings import WorkerSettings
+from layertap.producer.protocol.naming import SHAPE_PREFIX
+from layertap.producer.settings import WorkerSettings
 
 PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
 
@@ -63,7 +63,7 @@ CPU_SHAPE_MAX_PARAMETERS = 1_000_000_000
 
 def check_shape_fits(model: str, device_type: str) -> None:
     """Refuse, before anything is built, a random-weight shape too big for a CPU bench."""
-    from worker.model.shapes import is_shape, shape_parameters
+    from layertap.worker.model.shapes import is_shape, shape_parameters
 
     if device_type != "cpu" or not is_shape(model):
         return

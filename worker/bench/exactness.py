@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from worker.engine.self_check import relative_error_per_layer
-from worker.model.loading import LoadedModel
+from layertap.worker.engine.self_check import relative_error_per_layer
+from layertap.worker.model.loading import LoadedModel
 
 
 def compare(naive_dir: Path, engine_paths: list[str], count: int) -> dict[str, Any]:

@@ -1,10 +1,10 @@
-"""``python -m worker.bench.fp8_error``: float8 reconstruction error on real activations, per layer.
+"""``python -m layertap.worker.bench.fp8_error``: float8 reconstruction error on real activations, per layer.
 
 Each model extracts the demo's 16 prompts and chats (``producer/data/demo_jobs.jsonl``)
 with every layer and ``final_hidden_states`` twice through the in-process pipeline
 (engine -> file -> ``load_hidden_states``): in the model's dtype, and as float8 (e4m3,
 one scale per row). The decoded float8 values are compared with the first, per layer,
-over all tokens. The bound checked is the one ``producer.protocol.fp8`` states and the tests assert:
+over all tokens. The bound checked is the one ``layertap.producer.protocol.fp8`` states and the tests assert:
 ``|x' - x| <= 2**-4 |x| + 2**-10 s`` per element (``s`` = the row's scale).
 """
 
@@ -17,10 +17,10 @@ from typing import Any, Optional
 import torch
 import typer
 
-from producer.dev.demo_data import demo_jobs
-from producer.files.reader import load_hidden_states
-from worker.extractor import Extractor
-from worker.model.tiny_model import make_tiny_model
+from layertap.producer.dev.demo_data import demo_jobs
+from layertap.producer.files.reader import load_hidden_states
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.tiny_model import make_tiny_model
 
 RELATIVE_BOUND = 2.0**-4
 SUBNORMAL_BOUND = 2.0**-10
@@ -107,7 +107,7 @@ def main(
         sources.update({path: path for path in model or []})
         for name, source in sources.items():
             results[name] = measure(source, device, work / "runs" / name.replace("/", "_"))
-    report = markdown(results, "python -m worker.bench.fp8_error " + " ".join(sys.argv[1:]))
+    report = markdown(results, "python -m layertap.worker.bench.fp8_error " + " ".join(sys.argv[1:]))
     if out is None:
         print(report)
     else:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from worker.model.loading import LoadedModel
+from layertap.worker.model.loading import LoadedModel
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""``python -m worker.bench.oom_check``: out-of-memory handling on a real GPU, under a memory cap.
+"""``python -m layertap.worker.bench.oom_check``: out-of-memory handling on a real GPU, under a memory cap.
 
 Caps the process with ``torch.cuda.set_per_process_memory_fraction`` to the weights plus
 a little, sends a token budget far larger than fits, and reports: whether the batch was
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from producer.settings import Limits
-from worker.bench.prompts import random_prompts
-from worker.extractor import build_processor
-from worker.model.loading import load_model
+from layertap.producer.settings import Limits
+from layertap.worker.bench.prompts import random_prompts
+from layertap.worker.extractor import build_processor
+from layertap.worker.model.loading import load_model
 
 
 def main(shape: str = "shape:qwen3-8b", headroom_gb: float = 6.0) -> dict:

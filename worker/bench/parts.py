@@ -3,7 +3,7 @@
 forward (the ceiling), (c) the engine with files written; and the peak-memory check.
 
 (b) and (c) batch alike: (b) plans its batches with the engine's own policy
-(``worker.engine.inputs.batch_policy``) and lays them out with the model's layout.
+(``layertap.worker.engine.inputs.batch_policy``) and lays them out with the model's layout.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from producer.settings import Limits, WorkerSettings
-from worker.bench.config import PartResult
-from worker.bench.measure import dir_bytes, sync, timed_loop
-from worker.bench.prompts import random_prompts
-from worker.engine.inputs import batch_policy, pad_multiple
-from worker.extractor import build_processor
-from worker.model.capture import StopForward
-from worker.model.loading import LoadedModel, transformers_attention
+from layertap.producer.settings import Limits, WorkerSettings
+from layertap.worker.bench.config import PartResult
+from layertap.worker.bench.measure import dir_bytes, sync, timed_loop
+from layertap.worker.bench.prompts import random_prompts
+from layertap.worker.engine.inputs import batch_policy, pad_multiple
+from layertap.worker.extractor import build_processor
+from layertap.worker.model.capture import StopForward
+from layertap.worker.model.loading import LoadedModel, transformers_attention
 
 PLAIN_BATCH = 8  # (p): prompts per batch
 #: (b) and (c) take at most this many jobs per batch, as a worker does by default.

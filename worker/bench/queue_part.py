@@ -11,9 +11,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from producer.command import layertap_argv
-from worker.bench.config import BenchConfig, PartResult
-from worker.bench.measure import dir_bytes
+from layertap.producer.command import layertap_argv
+from layertap.worker.bench.config import BenchConfig, PartResult
+from layertap.worker.bench.measure import dir_bytes
 
 
 def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path, *,
@@ -21,9 +21,9 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     """(d) Redis -> Celery worker process -> files -> results on the stream. ``jobs``: job data
     to send instead of ``prompts`` as token ids (chats with images, paths under ``images_root``
     for client and worker); tokens are then counted from the results."""
-    from producer.client.client import Client, NoWorkerWarning
-    from producer.dev.redis_server import RedisServer
-    from producer.settings import Settings
+    from layertap.producer.client.client import Client, NoWorkerWarning
+    from layertap.producer.dev.redis_server import RedisServer
+    from layertap.producer.settings import Settings
 
     server = None if cfg.redis_url else RedisServer().start()
     url = cfg.redis_url or server.url  # type: ignore[union-attr]

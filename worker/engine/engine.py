@@ -4,9 +4,9 @@ Callers (Celery task threads, or the in-process Extractor) :meth:`Engine.submit`
 tokenized request and block on its future. The engine thread takes pending requests
 in arrival order, fills a batch up to ``token_budget`` tokens (``scheduler``: the
 head of the queue always goes first), lays them out the way the model's batching layout
-says (``worker.model.layouts``: one packed row with restarting positions, a right-padded
+says (``layertap.worker.model.layouts``: one packed row with restarting positions, a right-padded
 batch of similar lengths, or one prompt alone; chats with images batch only with each
-other, in the layout ``worker.model.image_inputs`` gives the model), and hands it to the
+other, in the layout ``layertap.worker.model.image_inputs`` gives the model), and hands it to the
 ``runner``, which runs the decoder until the last wanted layer (through the final norm
 when a job wants ``final_hidden_states`` or teacher top-k, which is then computed on the
 device for only the asked positions), casts the states to the batch's output dtype (a
@@ -27,9 +27,9 @@ threads at once, the first batch took 0.7-1.2 s to launch on an H200, its forwar
 of the engine thread's CPU.
 
 Out of memory on a batch splits it in halves and retries; a single request that still
-does not fit fails with :class:`~worker.engine.errors.OutOfMemory`. The engine raises only
-``worker.engine.errors`` (the job pipeline maps them to error types); it changes nothing on
-the model (``worker.model.loading`` does that).
+does not fit fails with :class:`~layertap.worker.engine.errors.OutOfMemory`. The engine raises only
+``layertap.worker.engine.errors`` (the job pipeline maps them to error types); it changes nothing on
+the model (``layertap.worker.model.loading`` does that).
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ from dataclasses import replace
 
 import torch
 
-from worker.engine.errors import BatchFailed, DeviceFault, EngineStopped, OutOfMemory
-from worker.engine.host_buffers import HostStaging, slot_capacity
-from worker.engine.inputs import batch_policy
-from worker.engine.layout import place_jobs
-from worker.engine.records import EngineRequest, EngineStats, JobSlice
-from worker.engine.runner import BatchRunner, image_layout, is_device_fatal
-from worker.engine.scheduler import MAX_PADDING, BatchPolicy
-from worker.model.loading import LoadedModel
+from layertap.worker.engine.errors import BatchFailed, DeviceFault, EngineStopped, OutOfMemory
+from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
+from layertap.worker.engine.inputs import batch_policy
+from layertap.worker.engine.layout import place_jobs
+from layertap.worker.engine.records import EngineRequest, EngineStats, JobSlice
+from layertap.worker.engine.runner import BatchRunner, image_layout, is_device_fatal
+from layertap.worker.engine.scheduler import MAX_PADDING, BatchPolicy
+from layertap.worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Engine:
 
     def submit(self, request: EngineRequest) -> Future:
         """Queue a request; its future resolves to a :class:`JobSlice` or raises an
-        :class:`~worker.engine.errors.EngineError`."""
+        :class:`~layertap.worker.engine.errors.EngineError`."""
         return self.submit_many([request])[0]
 
     def submit_many(self, requests: list[EngineRequest], together: bool = False) -> list[Future]:

@@ -1,6 +1,6 @@
 """What the engine raises for a request it cannot serve (through its future, or from ``submit``).
 
-The engine knows nothing of the wire protocol: ``worker.job.pipeline`` maps each of these to
+The engine knows nothing of the wire protocol: ``layertap.worker.job.pipeline`` maps each of these to
 an ``ErrorType``. The message says why, for the job's error result.
 """
 

@@ -1,12 +1,12 @@
-"""The engine's batching policy for a loaded model: its layout (``worker.model.layouts``) and
+"""The engine's batching policy for a loaded model: its layout (``layertap.worker.model.layouts``) and
 its device's padded-row multiple. The layout builds each batch's tensors."""
 
 from __future__ import annotations
 
 import torch
 
-from worker.engine.scheduler import MAX_PADDING, BatchPolicy
-from worker.model.loading import LoadedModel
+from layertap.worker.engine.scheduler import MAX_PADDING, BatchPolicy
+from layertap.worker.model.loading import LoadedModel
 
 #: Padded batches on a GPU are rounded up to this many tokens per row, so kernels see few
 #: distinct shapes (Triton autotuning and cuDNN plans are per shape).

@@ -1,7 +1,7 @@
 """Where each job's outputs sit in its batch's outputs: a pure function of the jobs (no torch).
 
 A batch captures the union of its jobs' layers, ascending, for its tokens laid out as the
-jobs' real tokens concatenated in batch order (``worker.model.layouts``). The top-k outputs
+jobs' real tokens concatenated in batch order (``layertap.worker.model.layouts``). The top-k outputs
 hold the asked rows of the batch's top-k jobs only, in batch order.
 """
 

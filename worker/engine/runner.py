@@ -17,24 +17,24 @@ from collections import deque
 
 import torch
 
-from worker.engine.host_buffers import HostSlot, HostStaging
-from worker.engine.layout import layer_union
-from worker.engine.output_dtype import non_finite_rows, to_output
-from worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
-from worker.engine.teacher import TeacherHead
-from worker.model.capture import StopForward
-from worker.model.batching import layout_class
-from worker.model.image_inputs import merge_image_inputs
-from worker.model.layouts.base import BatchLayout
-from worker.model.loading import LoadedModel, transformers_attention
-from worker.model.vision_attention import vision_attention
+from layertap.worker.engine.host_buffers import HostSlot, HostStaging
+from layertap.worker.engine.layout import layer_union
+from layertap.worker.engine.output_dtype import non_finite_rows, to_output
+from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
+from layertap.worker.engine.teacher import TeacherHead
+from layertap.worker.model.capture import StopForward
+from layertap.worker.model.batching import layout_class
+from layertap.worker.model.image_inputs import merge_image_inputs
+from layertap.worker.model.layouts.base import BatchLayout
+from layertap.worker.model.loading import LoadedModel, transformers_attention
+from layertap.worker.model.vision_attention import vision_attention
 
 #: The layout of chats with images on a model that names none: one per forward.
 IMAGE_BATCH = layout_class("single")("a chat with images runs alone through the model's own forward")
 
 
 def image_layout(loaded: LoadedModel) -> BatchLayout:
-    """How ``loaded``'s chats with images share a forward (``worker.model.image_inputs``)."""
+    """How ``loaded``'s chats with images share a forward (``layertap.worker.model.image_inputs``)."""
     return loaded.image_batching or IMAGE_BATCH
 
 
@@ -91,7 +91,7 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
     batch order) through the model's own ``forward`` (vision tower, merging, its own
     positions such as M-RoPE, its own masks), on the attention implementation transformers
     chose for it (a vision tower that cuts its patches by ``cu_seqlens``: one varlen flash
-    call per layer on a GPU, ``worker.model.vision_attention``): the capture hooks see what
+    call per layer on a GPU, ``layertap.worker.model.vision_attention``): the capture hooks see what
     enters each decoder layer."""
     device = loaded.device
     on_device = [{name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
@@ -112,7 +112,7 @@ class BatchRunner:
         self._cuda = loaded.device.type == "cuda"
         self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
-        #: a model split over GPUs: the cast and copy-out go on its gather stream, after its captures (``worker.model.split``)
+        #: a model split over GPUs: the cast and copy-out go on its gather stream, after its captures (``layertap.worker.model.split``)
         self._gather = loaded.split.gather if loaded.split is not None else None
 
     def run(self, batch: list[EngineRequest]) -> tuple[BatchOutput, Holders]:

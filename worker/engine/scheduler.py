@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.model.layouts.base import BatchLayout
+from layertap.worker.model.layouts.base import BatchLayout
 
 #: Padded batches: the largest share of a batch's cost that may be padding.
 MAX_PADDING = 0.25

@@ -9,10 +9,10 @@ sequence's tokens). Where the batched states differ beyond the tolerance of its 
 :func:`check_with_fallback` falls back to the layout's next alternative (packed -> padded ->
 one prompt per batch, with a warning that says why); a model that fails with no alternative
 left (a forced layout, or one prompt per batch itself) is refused with
-:class:`~worker.model.batching.ModelRefused`. In float32 the tolerance is
+:class:`~layertap.worker.model.batching.ModelRefused`. In float32 the tolerance is
 tight (1e-4; batching only reorders sums); in 16-bit dtypes it must sit above the
 rounding noise of deep random-weight stacks (about 6% at layer 36 of a Qwen3-8B shape in
-bf16), so there the structural rules of ``worker.model.batching`` are the first line and this
+bf16), so there the structural rules of ``layertap.worker.model.batching`` are the first line and this
 check catches gross faults (a mixer that leaks state, a model that mixes the batch).
 """
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.engine import Engine
-from worker.engine.errors import EngineError
-from worker.engine.records import EngineRequest
-from worker.model.batching import ModelRefused, fallback
-from worker.model.loading import LoadedModel, transformers_attention, use_layout
+from layertap.worker.engine.engine import Engine
+from layertap.worker.engine.errors import EngineError
+from layertap.worker.engine.records import EngineRequest
+from layertap.worker.model.batching import ModelRefused, fallback
+from layertap.worker.model.loading import LoadedModel, transformers_attention, use_layout
 
 log = logging.getLogger(__name__)
 

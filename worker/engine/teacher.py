@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.loading import LoadedModel
+from layertap.worker.model.loading import LoadedModel
 
 LOGITS_CHUNK_BYTES = 256 * 2**20
 NOT_COMPUTED_ID = -1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producer.protocol.schema import ErrorType
+from layertap.producer.protocol.schema import ErrorType
 
 
 class JobError(Exception):

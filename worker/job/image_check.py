@@ -1,7 +1,7 @@
 """The load-time self-check for chats with images, after the text one
-(``worker.engine.self_check``), on the real device and dtype, before the worker takes a job.
+(``layertap.worker.engine.self_check``), on the real device and dtype, before the worker takes a job.
 
-Where the model's image chats batch (``worker.model.image_inputs``), probe chats with random
+Where the model's image chats batch (``layertap.worker.model.image_inputs``), probe chats with random
 images of different sizes and texts of different lengths are prepared the way jobs are
 (the model's chat template and processor), run together in one forward and each alone, and
 compared on every layer ``0..L`` with the text check's tolerance. Where they differ (or no
@@ -18,15 +18,15 @@ import logging
 
 import torch
 
-from producer.protocol.schema import Job
-from worker.engine.engine import Engine
-from worker.engine.errors import EngineError
-from worker.engine.records import EngineRequest
-from worker.engine.self_check import CheckReport, captured_states, compare_states
-from worker.job.errors import JobError
-from worker.job.tokenize import Preparer
-from worker.model.image_inputs import one_per_forward
-from worker.model.loading import LoadedModel, transformers_attention
+from layertap.producer.protocol.schema import Job
+from layertap.worker.engine.engine import Engine
+from layertap.worker.engine.errors import EngineError
+from layertap.worker.engine.records import EngineRequest
+from layertap.worker.engine.self_check import CheckReport, captured_states, compare_states
+from layertap.worker.job.errors import JobError
+from layertap.worker.job.tokenize import Preparer
+from layertap.worker.model.image_inputs import one_per_forward
+from layertap.worker.model.loading import LoadedModel, transformers_attention
 
 log = logging.getLogger(__name__)
 

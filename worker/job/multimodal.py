@@ -1,7 +1,7 @@
 """A chat with images, through the model's own processor: token ids as the model sees them
 (image placeholders expanded), the loss mask, and the extra inputs its ``forward`` takes.
 
-The chat is rendered and its loss mask found as for text (``worker.job.chat``), with one
+The chat is rendered and its loss mask found as for text (``layertap.worker.job.chat``), with one
 placeholder per image where the template puts it; the processor then expands each
 placeholder into the image's tokens and turns the images into ``pixel_values`` (and, per
 family, their grids or sizes). The two token sequences must agree token for token outside
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from producer.protocol.images import ImagePart, ImageUrlPart, LoadedImage, TextPart
-from producer.protocol.schema import ErrorType, Job
-from worker.job.chat import render_chat
-from worker.job.errors import JobError
+from layertap.producer.protocol.images import ImagePart, ImageUrlPart, LoadedImage, TextPart
+from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.worker.job.chat import render_chat
+from layertap.worker.job.errors import JobError
 
 #: Processor outputs that are not model inputs of their own (the engine builds input ids and masks).
 NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask"})

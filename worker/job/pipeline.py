@@ -1,5 +1,5 @@
 """Jobs from raw message data to results (:class:`Result`): the core both the Celery tasks and the
-in-process :class:`~worker.extractor.Extractor` run.
+in-process :class:`~layertap.worker.extractor.Extractor` run.
 
 Steps per job: validate -> check the model -> answer from disk if the file at the job's name
 verifies and has the ``content_id`` this worker would write (``fileformat.IDENTITY_KEYS``: the
@@ -34,11 +34,11 @@ import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
-from producer.protocol import fileformat as ff
-from producer.protocol.fileformat import MetaKey
-from producer.protocol.layers import CONVENTION
-from producer.protocol.naming import content_hash, is_safe_name
-from producer.protocol.schema import (
+from layertap.producer.protocol import fileformat as ff
+from layertap.producer.protocol.fileformat import MetaKey
+from layertap.producer.protocol.layers import CONVENTION
+from layertap.producer.protocol.naming import content_hash, is_safe_name
+from layertap.producer.protocol.schema import (
     ErrorType,
     Job,
     JobTooLarge,
@@ -48,18 +48,18 @@ from producer.protocol.schema import (
     describe_validation_error,
     refuse_oversize,
 )
-from producer.storage.base import Storage
-from worker.engine.engine import Engine
-from worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
-from worker.engine.output_dtype import recorded_name, resolve_output_dtype
-from worker.engine.records import Captured, EngineRequest
-from worker.engine.self_check import CheckReport
-from worker.engine.teacher import dense_topk
-from worker.job.errors import JobError
-from worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
-from worker.job.writer import FileTaken, OnDisk, examine, write_job_file
-from worker.model.image_inputs import image_features_note
-from worker.model.loading import LoadedModel
+from layertap.producer.storage.base import Storage
+from layertap.worker.engine.engine import Engine
+from layertap.worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
+from layertap.worker.engine.output_dtype import recorded_name, resolve_output_dtype
+from layertap.worker.engine.records import Captured, EngineRequest
+from layertap.worker.engine.self_check import CheckReport
+from layertap.worker.engine.teacher import dense_topk
+from layertap.worker.job.errors import JobError
+from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
+from layertap.worker.job.writer import FileTaken, OnDisk, examine, write_job_file
+from layertap.worker.model.image_inputs import image_features_note
+from layertap.worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ class JobProcessor:
     @staticmethod
     def _tensors(job: Job, prepared: PreparedInput, request: EngineRequest,
                  captured: Captured) -> dict[str, torch.Tensor]:
-        """The file's tensors (``producer.protocol.fileformat`` names) for what the job asked."""
+        """The file's tensors (``layertap.producer.protocol.fileformat`` names) for what the job asked."""
         tensors = {ff.HIDDEN_STATES: captured.hidden_states, ff.TOKEN_IDS: request.token_ids}
         if captured.hidden_scale is not None:
             tensors[ff.HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.hidden_scale

@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from producer.protocol.images import ImageError, load_images
-from producer.protocol.layers import LayerIdError, resolve_layer_ids
-from producer.protocol.schema import ErrorType, Job
-from producer.settings import Limits
-from worker.engine.teacher import logit_transform
-from worker.job.chat import render_chat
-from worker.job.errors import JobError
-from worker.job.multimodal import ImageChat, model_image_token_id, render_image_chat
-from worker.model.image_inputs import staged_inputs
-from worker.model.loading import LoadedModel
+from layertap.producer.protocol.images import ImageError, load_images
+from layertap.producer.protocol.layers import LayerIdError, resolve_layer_ids
+from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.producer.settings import Limits
+from layertap.worker.engine.teacher import logit_transform
+from layertap.worker.job.chat import render_chat
+from layertap.worker.job.errors import JobError
+from layertap.worker.job.multimodal import ImageChat, model_image_token_id, render_image_chat
+from layertap.worker.model.image_inputs import staged_inputs
+from layertap.worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.
 TOKENIZER_POOL = max(2, min(4, os.cpu_count() or 1))

@@ -1,12 +1,12 @@
 """How a loaded model may batch many jobs into one forward: a layout object chosen from the
-model's structure (:func:`plan_batching`), one class per file in ``worker.model.layouts``.
+model's structure (:func:`plan_batching`), one class per file in ``layertap.worker.model.layouts``.
 
 :data:`LAYOUTS` lists them fastest first: ``auto`` takes the first whose structural rule admits
 the model, and the load-time self-check on the real device and dtype
-(``worker.engine.self_check``) falls back down the list while batching changes the states:
+(``layertap.worker.engine.self_check``) falls back down the list while batching changes the states:
 packed -> padded -> one prompt per batch. A model that even one prompt per batch cannot serve
 (its layers cannot be captured in vLLM's convention) is refused with :class:`ModelRefused`.
-Adding a layout is one file in ``worker.model.layouts`` and one line here.
+Adding a layout is one file in ``layertap.worker.model.layouts`` and one line here.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import importlib
 
 from torch import nn
 
-from worker.model.layouts.base import BatchLayout
+from layertap.worker.model.layouts.base import BatchLayout
 
 #: Every layout, fastest first: name -> ``module:class``, imported when used.
 LAYOUTS: dict[str, str] = {
-    "packed": "worker.model.layouts.packed:Packed",
-    "padded": "worker.model.layouts.padded:Padded",
-    "single": "worker.model.layouts.single:OnePerBatch",
+    "packed": "layertap.worker.model.layouts.packed:Packed",
+    "padded": "layertap.worker.model.layouts.padded:Padded",
+    "single": "layertap.worker.model.layouts.single:OnePerBatch",
 }
 AUTO = "auto"
 

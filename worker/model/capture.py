@@ -2,10 +2,10 @@
 
 Layer id ``i < L`` is read in a pre-hook on decoder layer ``i`` (its input), id ``L``
 in a hook on the last layer's output (before the final norm), matching
-``producer.protocol.layers``. The hooks are registered once, where the model is loaded
-(``worker.model.loading``), and do nothing unless a capture is active.
+``layertap.producer.protocol.layers``. The hooks are registered once, where the model is loaded
+(``layertap.worker.model.loading``), and do nothing unless a capture is active.
 A hook sees ``[B, T, H]``: one packed row (``B = 1``), or a padded batch whose real tokens
-``rows`` picks out of the flattened ``[B * T]`` positions (``worker.model.layouts``).
+``rows`` picks out of the flattened ``[B * T]`` positions (``layertap.worker.model.layouts``).
 
 Some residual streams carry several copies of the hidden vector per token (hyper-connections
 ``[B, T, copies, H]``, a stream ``copies x H`` wide, AltUp's ``[copies, B, T, H]``): the
@@ -15,7 +15,7 @@ has no one input to name, so the probe refuses the model.
 Once the last wanted layer is copied, :class:`StopForward` ends the forward: layers
 past it, the final norm and lm_head never run.
 
-A model split over several devices (``worker.model.split``) is captured where each layer runs:
+A model split over several devices (``layertap.worker.model.split``) is captured where each layer runs:
 the hook hands the layer's output to the first device's *gather stream*, which waits for the
 compute stream of the layer's device, receives it (from another GPU, over the split's transfer stream) and picks
 the real tokens there, so the first device's compute stream never waits for a later stage.

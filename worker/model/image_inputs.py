@@ -13,7 +13,7 @@ the model's inputs for a batch are exactly its processor's inputs for each chat,
 
 :data:`BATCHED_FAMILIES` lists the model types where that holds, with why; any other model
 runs its image chats one per forward (:data:`SINGLE_REASONS` says why for the known ones).
-The load-time self-check (``worker.job.image_check``) then compares batched with alone on
+The load-time self-check (``layertap.worker.job.image_check``) then compares batched with alone on
 the real device and dtype and falls back to one per forward where they differ.
 """
 
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from worker.model.batching import layout_class
-from worker.model.layouts.base import BatchLayout
+from layertap.worker.model.batching import layout_class
+from layertap.worker.model.layouts.base import BatchLayout
 
 #: Processor outputs with one entry per token of the chat (``[1, T]``).
 PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids"})

@@ -7,11 +7,11 @@ work without a table of attribute paths. A vision-language checkpoint (one saved
 ``...ForConditionalGeneration``: Qwen-VL, Gemma 3, LLaVA, Llama 4, Qwen3.5...) loads as
 that class, vision tower included, and its text decoder (the innermost ``get_decoder()``)
 is what the engine runs for text and token-id jobs. The batching path is chosen here too
-(``worker.model.batching``), and the model switched to packed attention only when packing is
+(``layertap.worker.model.batching``), and the model switched to packed attention only when packing is
 exact for it; otherwise it keeps the attention implementation transformers gave it.
 
 Every change to the model happens here: packed attention, the capture hooks
-(``worker.model.capture``, registered once), the switch back to transformers' own
+(``layertap.worker.model.capture``, registered once), the switch back to transformers' own
 attention for a reference run (:func:`transformers_attention`) and ``torch.compile``
 (:func:`compile_decoder_layers`). The engine only runs the model.
 """
@@ -33,21 +33,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
-from producer.protocol.fileformat import MetaKey
-from producer.protocol.layers import eagle3_layer_ids
-from worker.model.attention import set_attention
-from worker.model.batching import ModelRefused, plan_batching
-from worker.model.capture import LayerCapture, UncapturableStream, probe_stream
-from worker.model.host_memory import LoadReport, peak_rss_bytes
-from worker.model.image_inputs import plan_image_batching
-from worker.model.layouts.base import BatchLayout
-from worker.model.quant.fp8 import choose_compute
-from worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
-from worker.model.classes import auto_class
-from worker.model.processors import load_processor
-from worker.model.split.stages import ModelSplit, place, plan_split
-from worker.model.vision_attention import choose_vision_attention
+from layertap.producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
+from layertap.producer.protocol.fileformat import MetaKey
+from layertap.producer.protocol.layers import eagle3_layer_ids
+from layertap.worker.model.attention import set_attention
+from layertap.worker.model.batching import ModelRefused, plan_batching
+from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
+from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
+from layertap.worker.model.image_inputs import plan_image_batching
+from layertap.worker.model.layouts.base import BatchLayout
+from layertap.worker.model.quant.fp8 import choose_compute
+from layertap.worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
+from layertap.worker.model.classes import auto_class
+from layertap.worker.model.processors import load_processor
+from layertap.worker.model.split.stages import ModelSplit, place, plan_split
+from layertap.worker.model.vision_attention import choose_vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 #: ``quant_compute`` of a checkpoint whose dense Linears run fp8 matmuls while its experts are dequantized.
 FP8_DENSE_DEQUANT_EXPERTS = "fp8-dense-dequant-experts"
-#: The torch dtype of each protocol dtype name (``producer.protocol.dtypes``).
+#: The torch dtype of each protocol dtype name (``layertap.producer.protocol.dtypes``).
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float8": torch.float8_e4m3fn}
 
@@ -81,7 +81,7 @@ class LoadedModel:
     dtype: torch.dtype
     tokenizer_fingerprint: str
     weights_fingerprint: str  # changes when the checkpoint's files change (:func:`weights_fingerprint`)
-    batching: BatchLayout  # how jobs share a forward (``worker.model.layouts``); see use_layout
+    batching: BatchLayout  # how jobs share a forward (``layertap.worker.model.layouts``); see use_layout
     native_attention: str  # the attention implementation transformers chose (the self-check's reference)
     capture: LayerCapture  # the hooks that copy layers out during the engine's forwards
     quantization: QuantScheme | None = None  # the checkpoint's, when its weights are quantized
@@ -91,7 +91,7 @@ class LoadedModel:
     processor: Any | None = None  # a VLM's AutoProcessor (images -> model inputs), None for text models
     processor_problem: str = ""  # why a VLM has no processor (said in its image jobs' errors)
     image_batching: BatchLayout | None = None  # how chats with images share a forward (``image_inputs``)
-    split: ModelSplit | None = None  # a model split over layers into stages (``worker.model.split``)
+    split: ModelSplit | None = None  # a model split over layers into stages (``layertap.worker.model.split``)
     vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
 
     @property
@@ -390,10 +390,10 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                chat_template: str | None = None, batching: str = "auto", quant_compute: str = "auto",
                stages: int = 0, token_budget: int = 0, captured_layers: int | None = None) -> LoadedModel:
     """Load model and tokenizer once with ``from_pretrained`` (local folder or hub id), or
-    build a config-only shape with random weights (``shape:qwen3-8b``, see ``worker.model.shapes``).
+    build a config-only shape with random weights (``shape:qwen3-8b``, see ``layertap.worker.model.shapes``).
     Weights go from the checkpoint to the device tensor by tensor (``device_map``), never
     through a host copy of the model; peak host memory while loading is logged. A quantized
-    checkpoint (``worker.model.quant``) keeps its weights quantized on the device and computes
+    checkpoint (``layertap.worker.model.quant``) keeps its weights quantized on the device and computes
     by ``quant_compute`` (auto | dequant | fp8).
     ``chat_template`` (Jinja text) replaces the tokenizer's own template. The model keeps
     the attention implementation transformers picks for it (SDPA where it has one, else
@@ -404,7 +404,7 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     counted on the first stage when the layers are balanced."""
     from transformers import AutoConfig
 
-    from worker.model.shapes import (
+    from layertap.worker.model.shapes import (
         SHAPE_PREFIX,
         build_random_model,
         fill_random,
@@ -502,7 +502,7 @@ def split_devices(device: torch.device, stages: int) -> list[str]:
     an index means the visible GPUs (one worker over ``--gpus-per-worker`` of them); ``stages`` 0:
     one per visible GPU, fewer: the first that many GPUs, more: they share the devices in order
     (``--split-stages 2`` on one GPU, or on the CPU)."""
-    from worker.model.split.placement import stage_devices
+    from layertap.worker.model.split.placement import stage_devices
 
     if device.type == "cuda" and device.index is None:
         visible = [f"cuda:{index}" for index in range(max(1, torch.cuda.device_count()))]
@@ -569,8 +569,8 @@ def quantization_scheme(config: Any) -> QuantScheme | None:
 
 def load_quantized_checkpoint(source: str, config: Any, scheme: QuantScheme, device: torch.device,
                               dtype: torch.dtype) -> tuple[nn.Module, list, int]:
-    """A quantized checkpoint folder streamed onto ``device`` (``worker.model.quant.load``); refusals name the cause."""
-    from worker.model.quant.load import load_quantized
+    """A quantized checkpoint folder streamed onto ``device`` (``layertap.worker.model.quant.load``); refusals name the cause."""
+    from layertap.worker.model.quant.load import load_quantized
 
     folder = Path(source)
     if not folder.is_dir():

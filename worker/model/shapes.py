@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from producer.protocol.naming import SHAPE_PREFIX
+from layertap.producer.protocol.naming import SHAPE_PREFIX
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -22,7 +22,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                                 rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
     # A Qwen3-Next-style hybrid of about 8B compute (7.8B in its layers): 3 gated-delta-net
-    # layers to 1 gated attention layer, dense MLPs (no experts). Batched padded (``worker.model.batching``).
+    # layers to 1 gated attention layer, dense MLPs (no experts). Batched padded (``layertap.worker.model.batching``).
     "qwen3-next-8b": ("qwen3_next", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                                          head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128,
@@ -98,7 +98,7 @@ def shape_parameters(name: str) -> int:
 def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """The shape's model (a CausalLM, or a VLM's ``...ForConditionalGeneration``) with random
     weights, built on ``device`` in ``dtype``."""
-    from worker.model.classes import auto_class
+    from layertap.worker.model.classes import auto_class
 
     config = shape_config(name)
     torch.manual_seed(seed)

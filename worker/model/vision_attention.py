@@ -12,13 +12,13 @@ both bidirectional within a sequence and blind across sequences:
 
 * on a GPU that runs flash attention (bf16/fp16, compute capability 8.0+): one
   non-causal variable-length flash call (aten's ``_flash_attention_forward``, as
-  ``worker.model.attention`` does for text), the boundaries as given;
+  ``layertap.worker.model.attention`` does for text), the boundaries as given;
 * otherwise exactly what transformers does under ``"sdpa"``: the same split, the same
   ``sdpa_attention_forward`` call per sequence, the same concatenation (the same numbers).
 
 :func:`choose_vision_attention` picks it at load time for towers on a GPU in bf16/fp16 whose
 own implementation is ``"sdpa"``; :func:`vision_attention` applies it around a forward with
-images (the whole-model attention switches of ``worker.model.loading`` reset sub-configs).
+images (the whole-model attention switches of ``layertap.worker.model.loading`` reset sub-configs).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.model.attention import varlen_flash_usable
+from layertap.worker.model.attention import varlen_flash_usable
 
 #: Contains "flash": what makes the towers pass ``cu_seq_lens_q`` (see the module docstring).
 VISION_ATTENTION_NAME = "layertap_vision_varlen_flash"

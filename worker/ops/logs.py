@@ -17,8 +17,8 @@ from celery import current_task, signals
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from producer.protocol import keys
-from producer.settings import LogFormat
+from layertap.producer.protocol import keys
+from layertap.producer.settings import LogFormat
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s%(job)s: %(message)s"
 JSON_FIELDS = "{levelname}{name}{message}{job_id}{run}"

@@ -29,11 +29,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from producer.ops.throughput import RateWindow
-from producer.protocol.schema import ErrorType, Result
-from producer.storage.base import Storage
-from worker.engine.engine import Engine
-from worker.queue.sinks import ResultSink, SinkContext
+from layertap.producer.ops.throughput import RateWindow
+from layertap.producer.protocol.schema import ErrorType, Result
+from layertap.producer.storage.base import Storage
+from layertap.worker.engine.engine import Engine
+from layertap.worker.queue.sinks import ResultSink, SinkContext
 
 log = logging.getLogger(__name__)
 TOKEN_RATE_WINDOW_S = 30.0
@@ -157,7 +157,7 @@ class WorkerMetrics:
 
 
 class MetricsSink(ResultSink):
-    """The result sink ``metrics`` (``worker.queue.sinks``): counts each result just before it
+    """The result sink ``metrics`` (``layertap.worker.queue.sinks``): counts each result just before it
     is published (``before_publish``).
 
     Invariant: a consumer that has seen a result also sees it in the metrics (counting

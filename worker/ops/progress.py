@@ -14,9 +14,9 @@ from collections.abc import Callable
 import redis
 import torch
 
-from producer.protocol import keys
-from worker.engine.engine import Engine
-from worker.queue.periodic import Periodic
+from layertap.producer.protocol import keys
+from layertap.worker.engine.engine import Engine
+from layertap.worker.queue.periodic import Periodic
 
 log = logging.getLogger("layertap.worker")
 

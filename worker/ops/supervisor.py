@@ -13,7 +13,7 @@ whatever ``.env`` or the parent's environment say); on Linux a child gets SIGTER
 the supervisor dies, even by SIGKILL, so no worker outlives it holding a GPU; with
 ``metrics_port`` set, child ``i`` serves metrics on ``metrics_port + i``.
 
-A child that dies is explained (:func:`exit_reason`): its last phase (``worker.ops.phase``:
+A child that dies is explained (:func:`exit_reason`): its last phase (``layertap.worker.ops.phase``:
 starting, loading, serving) and, for a SIGKILL, whether the kernel's out-of-memory killer
 sent it (the ``oom_kill`` counter of this cgroup's ``memory.events`` rose), e.g. "killed by
 the kernel: out of memory while loading". The reason is logged and handed to ``on_exit``
@@ -36,9 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from producer.command import layertap_argv
-from producer.transport.backoff import Backoff
-from worker.ops.phase import PHASE_FILE_ENV, read_phase
+from layertap.producer.command import layertap_argv
+from layertap.producer.transport.backoff import Backoff
+from layertap.worker.ops.phase import PHASE_FILE_ENV, read_phase
 
 log = logging.getLogger("layertap.supervisor")
 RESTART_BACKOFF = Backoff(first_s=1.0, max_s=30.0)  # a child that keeps dying quickly waits longer
@@ -134,7 +134,7 @@ class Child:
     next_start: float = 0.0
     node: str = field(default="")
     stop_sent_at: float | None = None  # monotonic time of the SIGTERM passed on
-    phase_file: Path | None = None  # where the child records its phase (worker.ops.phase)
+    phase_file: Path | None = None  # where the child records its phase (layertap.worker.ops.phase)
     oom_kills_at_start: int | None = None
 
     def start(self) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from worker.engine.engine import Engine
+from layertap.worker.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 Invariants:
 * every Redis state change here (attempts, cancelled runs, splits, dead letters) is the run
-  ledger's (``producer.transport.ledger``), and every result goes out through the one publisher;
-* a job of a cancelled run (``producer.client.runs``) is not run: it gets a ``cancelled`` error
+  ledger's (``layertap.producer.transport.ledger``), and every result goes out through the one publisher;
+* a job of a cancelled run (``layertap.producer.client.runs``) is not run: it gets a ``cancelled`` error
   result, published like any other final result; the run is checked when the message starts
   and again just before its jobs go to the engine (``JobProcessor.process_many``'s
   ``stopped_runs``), so a message held while the run was cancelled computes none of its jobs
@@ -14,7 +14,7 @@ Invariants:
 * transient failures (``internal``, ``write_failed``) retry with exponential backoff
   through Celery (a new message; this one is acknowledged); an ``internal`` one up to
   ``max_attempts`` starts, a storage fault (``write_failed`` for read-only or full storage, an
-  I/O error: ``worker.job.pipeline.STORAGE_ERRNOS``) for ``storage_retry_s`` seconds from its
+  I/O error: ``layertap.worker.job.pipeline.STORAGE_ERRNOS``) for ``storage_retry_s`` seconds from its
   first fault (kwarg ``storage_fault_since``, per job), its starts excused, and only then
   dead-lettered;
 * every job ends with exactly one final result published (ok, error, or dead-letter),
@@ -22,7 +22,7 @@ Invariants:
 * the task returns only after publishing, so the message is acknowledged only after
   its file is durable and its result is on Redis.
 
-A bundle (``keys.EXTRACT_BUNDLE_TASK``, ``producer.client.bundler``) holds several jobs of one
+A bundle (``keys.EXTRACT_BUNDLE_TASK``, ``layertap.producer.client.bundler``) holds several jobs of one
 run; each is validated, counted, answered and published on its own (a bad job gets its own
 error result, the others run), all valid ones go to the engine at once, and all final
 results are published in one transaction that ends the message's pending record, before
@@ -55,14 +55,14 @@ from typing import Any
 import redis
 from celery import Celery
 
-from producer.protocol import keys
-from producer.protocol.schema import ErrorType, Job, Result, Status
-from producer.transport.backoff import Backoff
-from producer.transport import ledger
-from producer.transport.celery_app import send_extract
-from worker.job.errors import JobError
-from worker.job.pipeline import STORAGE_FAULT, JobProcessor
-from worker.queue.publisher import ResultPublisher, wait_out_redis
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import ErrorType, Job, Result, Status
+from layertap.producer.transport.backoff import Backoff
+from layertap.producer.transport import ledger
+from layertap.producer.transport.celery_app import send_extract
+from layertap.worker.job.errors import JobError
+from layertap.worker.job.pipeline import STORAGE_FAULT, JobProcessor
+from layertap.worker.queue.publisher import ResultPublisher, wait_out_redis
 
 log = logging.getLogger(__name__)
 TRANSIENT_ERRORS = {ErrorType.internal, ErrorType.write_failed}

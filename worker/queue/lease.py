@@ -26,8 +26,8 @@ from typing import Any
 import redis
 from celery.worker import state as worker_state
 
-from producer.protocol import keys
-from worker.queue.periodic import Periodic
+from layertap.producer.protocol import keys
+from layertap.worker.queue.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

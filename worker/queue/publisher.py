@@ -1,13 +1,13 @@
-"""Publishing a final result (the state change itself: ``producer.transport.ledger.publish``;
-then the result sinks, ``worker.queue.sinks``): the run's Stream (durable), its pub/sub channel (instant), the
+"""Publishing a final result (the state change itself: ``layertap.producer.transport.ledger.publish``;
+then the result sinks, ``layertap.worker.queue.sinks``): the run's Stream (durable), its pub/sub channel (instant), the
 run's status hash (one entry per job), the entry's stream id in the run's result-ids hash
 (``keys.run_result_ids_hash``), a ``cancelled`` result's job in the run's cancelled set
 (``keys.run_cancelled_jobs_set``) and the end of the job's pending record (see
-``worker.queue.reconciler``), in one MULTI/EXEC transaction.
+``layertap.worker.queue.reconciler``), in one MULTI/EXEC transaction.
 
 The stream entry holds the result as flat JSON under the field ``result``. Redis being
 away, or refusing writes for a while (``OOM`` at ``maxmemory``, ``READONLY`` after a
-failover, ``MISCONF``, ``NOPERM``: ``producer.transport.redis_conn.refuses_writes``), is waited out
+failover, ``MISCONF``, ``NOPERM``: ``layertap.producer.transport.redis_conn.refuses_writes``), is waited out
 with backoff, so the result arrives once Redis takes writes again; only after
 ``give_up_s`` does publishing raise (the job's pending record then lets the reconciler
 send it again).
@@ -21,12 +21,12 @@ from typing import TypeVar
 
 import redis
 
-from producer.protocol import keys
-from producer.protocol.schema import Result
-from producer.transport import ledger
-from producer.transport.backoff import Backoff, retry_while
-from producer.transport.redis_conn import UNREACHABLE, refuses_writes
-from worker.queue.sinks import ResultSink, tell
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.schema import Result
+from layertap.producer.transport import ledger
+from layertap.producer.transport.backoff import Backoff, retry_while
+from layertap.producer.transport.redis_conn import UNREACHABLE, refuses_writes
+from layertap.worker.queue.sinks import ResultSink, tell
 
 log = logging.getLogger(__name__)
 PUBLISH_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
@@ -53,7 +53,7 @@ def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
 class ResultPublisher:
     """The one way a worker publishes final results (its jobs' and the reconciler's): the
     ledger's publish, waited out while Redis is away, with the result sinks around it
-    (``worker.queue.sinks``)."""
+    (``layertap.worker.queue.sinks``)."""
 
     def __init__(self, client: redis.Redis, give_up_s: float = PUBLISH_GIVE_UP_S,
                  sinks: Sequence[ResultSink] = ()):

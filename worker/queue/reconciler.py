@@ -1,10 +1,10 @@
 """Putting back jobs whose message was left between the queue and a worker.
 
 A worker fetches a message atomically into its queue's in-flight list and moves it from
-there into kombu's ``unacked`` record in one transaction (``producer.transport.broker_transport``),
+there into kombu's ``unacked`` record in one transaction (``layertap.producer.transport.broker_transport``),
 so a message is always queued, in flight, or held. A fetcher that dies (or loses its
 connection) between the two leaves the message in the in-flight list. To find it, the Client
-records every message it sends (one job, or a bundle: ``producer.transport.ledger``) as
+records every message it sends (one job, or a bundle: ``layertap.producer.transport.ledger``) as
 *pending* and the worker that publishes the message's last final result removes the record
 in the same transaction. Below, a "job" is a message: a bundle's task id stands for all its jobs.
 Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the pending records: a job is
@@ -16,10 +16,10 @@ queue (a server-side script: the body never leaves Redis). A false alarm only co
 duplicate delivery, which the worker answers from disk (jobs are idempotent). A missing job
 whose message is nowhere (the client died between recording and sending, the queue was
 purged by hand, Redis lost writes) gets an error result of type ``lost`` (``layertap
-enqueue`` sends it again), or ``cancelled`` if its run is cancelled (``producer.client.runs``):
+enqueue`` sends it again), or ``cancelled`` if its run is cancelled (``layertap.producer.client.runs``):
 every job still ends with exactly one result. A job of that message that already has a final
 result, or was sent again after it (its submitted-hash time is later than the record's:
-``producer.transport.ledger``; the resend has its own record), gets none: the check and the
+``layertap.producer.transport.ledger``; the resend has its own record), gets none: the check and the
 publishing are one server-side step (the ledger's ``publish_unless_ended.lua``), so a job that
 ended ok is never turned ``lost``; those results go out through the worker's one publisher, so
 the result sinks see them too. Every state change of a sweep is the ledger's.
@@ -48,10 +48,10 @@ from typing import Any
 import redis
 from celery import Celery
 
-from producer.protocol import keys
-from producer.transport import ledger
-from worker.queue.periodic import Periodic, take_turn
-from worker.queue.publisher import ResultPublisher
+from layertap.producer.protocol import keys
+from layertap.producer.transport import ledger
+from layertap.worker.queue.periodic import Periodic, take_turn
+from layertap.worker.queue.publisher import ResultPublisher
 
 log = logging.getLogger(__name__)
 

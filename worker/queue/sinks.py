@@ -1,8 +1,8 @@
 """Where results go besides the run's stream: result sinks, called by the one publisher.
 
-The publish (``producer.transport.ledger.publish``: stream, pub/sub, status, pending record, one
+The publish (``layertap.producer.transport.ledger.publish``: stream, pub/sub, status, pending record, one
 transaction) is the commit; a sink is told of each result around it, by
-:class:`~worker.queue.publisher.ResultPublisher`, for every result a worker publishes (its own
+:class:`~layertap.worker.queue.publisher.ResultPublisher`, for every result a worker publishes (its own
 jobs', and the reconciler's ``lost`` and ``cancelled`` ones). A sink is one class with two hooks,
 both optional (a subclass of :class:`ResultSink`):
 
@@ -31,13 +31,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from producer.protocol.schema import Result
+from layertap.producer.protocol.schema import Result
 
 log = logging.getLogger(__name__)
 
 #: Sink name -> ``module:Class``, imported lazily.
 SINKS: dict[str, str] = {
-    "metrics": "worker.ops.metrics:MetricsSink",
+    "metrics": "layertap.worker.ops.metrics:MetricsSink",
 }
 
 
@@ -53,7 +53,7 @@ class ResultSink:
 
 @dataclass(frozen=True)
 class SinkContext:
-    """What a sink may be built from: the worker's node name and its metrics (``worker.ops.metrics.WorkerMetrics``)."""
+    """What a sink may be built from: the worker's node name and its metrics (``layertap.worker.ops.metrics.WorkerMetrics``)."""
 
     node: str
     metrics: Any = None

@@ -1,4 +1,4 @@
-"""The Celery task: a thin shell around :class:`~worker.queue.handler.WorkerService`.
+"""The Celery task: a thin shell around :class:`~layertap.worker.queue.handler.WorkerService`.
 
 Scheduling fields on a message end in a result too, never in a message held or dropped
 in silence: an ``eta``/``countdown`` up to :data:`MAX_ETA_S` ahead is honoured (the
@@ -15,8 +15,8 @@ from typing import Any
 from celery import Celery, Task
 from celery.worker.request import Request
 
-from producer.protocol import keys
-from worker.queue.handler import RETRY_MAX_S, RetryLater, WorkerService
+from layertap.producer.protocol import keys
+from layertap.worker.queue.handler import RETRY_MAX_S, RetryLater, WorkerService
 
 #: Farthest ``eta`` honoured, in seconds from receipt: the longest retry backoff, with room.
 MAX_ETA_S = 2 * RETRY_MAX_S
@@ -65,7 +65,7 @@ def register_extract_task(app: Celery, service: WorkerService) -> Task:
 
 def register_bundle_task(app: Celery, service: WorkerService) -> Task:
     """Register ``layertap.extract_bundle`` on ``app`` (several jobs in one message; see
-    ``worker.queue.handler``); the service sends a split bundle's halves through ``app``."""
+    ``layertap.worker.queue.handler``); the service sends a split bundle's halves through ``app``."""
     service.app = app
 
     @app.task(name=keys.EXTRACT_BUNDLE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None,

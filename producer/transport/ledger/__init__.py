@@ -24,7 +24,7 @@ operations, by the step of a job's life they record:
 The pending ledger: one record per message, written by its sender before sending.
 A record (``keys.PENDING_HASH``: JSON with the queue, the send time and, for a bundle, its
 job ids, with the run of each job not of the task id's run; ``keys.pending_sent_zset``: the
-send time by queue) lets the reconciler (``worker.queue.reconciler``) find a message lost
+send time by queue) lets the reconciler (``layertap.worker.queue.reconciler``) find a message lost
 between the queue and a worker: it puts the message back from its queue's in-flight list, or,
 where the message is nowhere, gives each of its jobs a final result. No copy of the message's
 body is kept. The Client writes one record per message it sends (one job, or a bundle of
@@ -51,9 +51,9 @@ from typing import Any, NamedTuple
 import redis
 from redis.client import Pipeline
 
-from producer.protocol import keys
-from producer.protocol.naming import storage_root_of
-from producer.protocol.schema import ErrorType, Result, Status
+from layertap.producer.protocol import keys
+from layertap.producer.protocol.naming import storage_root_of
+from layertap.producer.protocol.schema import ErrorType, Result, Status
 
 ATTEMPTS_TTL_S = 7 * 24 * 3600
 TRIM_PAGE = 1000

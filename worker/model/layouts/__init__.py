@@ -1,1 +1,1 @@
-"""Batching layouts, one file each (see ``base``); registered in ``worker.model.batching.LAYOUTS``."""
+"""Batching layouts, one file each (see ``base``); registered in ``layertap.worker.model.batching.LAYOUTS``."""

@@ -1,5 +1,5 @@
 """The protocol every batching layout follows: one class per file in this package, named in
-``worker.model.batching.LAYOUTS``.
+``layertap.worker.model.batching.LAYOUTS``.
 
 A layout says, for one model, how jobs share a forward:
 
@@ -27,7 +27,7 @@ from torch import nn
 
 
 class BatchLimits(Protocol):
-    """What a layout's :meth:`~BatchLayout.select` may spend (``worker.engine.scheduler.BatchPolicy``)."""
+    """What a layout's :meth:`~BatchLayout.select` may spend (``layertap.worker.engine.scheduler.BatchPolicy``)."""
 
     token_budget: int
     max_jobs: int

@@ -1,5 +1,5 @@
 """Packed: every prompt of a batch in one row, positions restarting at each prompt, attention
-told the boundaries (``worker.model.attention``). No padding. Exact only where *every* token
+told the boundaries (``layertap.worker.model.attention``). No padding. Exact only where *every* token
 mixer is attention through transformers' attention interface that needs no feature packed
 attention lacks (sinks, logit softcapping, ALiBi, chunked masks). The scheduler's cost is the
 sum of the lengths: later jobs fill the gaps, first fit, in arrival order.
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from worker.model.attention import ATTENTION_NAME, packed_sequences
-from worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
+from layertap.worker.model.attention import ATTENTION_NAME, packed_sequences
+from layertap.worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
 
 #: ``config.layer_types`` entries that are attention (transformers' own vocabulary).
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})

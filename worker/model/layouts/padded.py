@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
+from layertap.worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
 
 
 def padded_length(longest: int, pad_to: int) -> int:

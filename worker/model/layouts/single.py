@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits
-from worker.model.layouts.padded import right_padded
+from layertap.worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits
+from layertap.worker.model.layouts.padded import right_padded
 
 
 class OnePerBatch(BatchLayout):

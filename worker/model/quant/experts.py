@@ -17,8 +17,8 @@ import re
 import torch
 from torch import nn
 
-from worker.model.quant.fp8 import dequantize_weight
-from worker.model.quant.scheme import QuantScheme
+from layertap.worker.model.quant.fp8 import dequantize_weight
+from layertap.worker.model.quant.scheme import QuantScheme
 
 EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate|up|down)_proj\."
                         r"(?P<tensor>weight|weight_scale_inv|weight_scale)$")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.quant.scheme import QuantScheme
+from layertap.worker.model.quant.scheme import QuantScheme
 
 log = logging.getLogger(__name__)
 E4M3_MAX = 448.0

@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from worker.model.quant.experts import EXPERT_KEY, Fp8Experts, fp8_experts
-from worker.model.quant.fp8 import QuantLinear
-from worker.model.quant.mxfp4 import keep_experts_quantized
-from worker.model.quant.scheme import MXFP4_METHOD, QuantScheme, UnsupportedQuantization
+from layertap.worker.model.quant.experts import EXPERT_KEY, Fp8Experts, fp8_experts
+from layertap.worker.model.quant.fp8 import QuantLinear
+from layertap.worker.model.quant.mxfp4 import keep_experts_quantized
+from layertap.worker.model.quant.scheme import MXFP4_METHOD, QuantScheme, UnsupportedQuantization
 
 log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
@@ -133,8 +133,8 @@ def _place(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype)
 def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch.device,
                    dtype: torch.dtype) -> tuple[nn.Module, list[QuantLinear], int]:
     """The causal LM of ``folder`` on ``device``: quantized Linears stay e4m3 with their scales
-    (returned), FP8 experts stay e4m3 (``worker.model.quant.experts``), MXFP4 experts stay 4-bit
-    (``worker.model.quant.mxfp4``), every other weight in ``dtype``. Returns the model, its
+    (returned), FP8 experts stay e4m3 (``layertap.worker.model.quant.experts``), MXFP4 experts stay 4-bit
+    (``layertap.worker.model.quant.mxfp4``), every other weight in ``dtype``. Returns the model, its
     :class:`QuantLinear` layers and how many experts modules stay quantized (always dequantized per forward). ``config`` is the checkpoint's config, its
     ``quantization_config`` already parsed into ``scheme`` (it is removed so transformers does
     not take the checkpoint over)."""

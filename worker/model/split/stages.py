@@ -8,8 +8,8 @@ accelerate's hook sees them, moved by :class:`ModelSplit` on a transfer stream. 
 the forward waits for the host, so the engine thread queues batch ``b + 1``'s first stage while
 the next device still runs batch ``b``: the GPUs overlap batches by themselves. What would tie
 them together is the capture, so every captured layer is copied into the batch's staging tensor on the first
-device on its *gather stream* (``worker.model.capture``), and the runner casts and copies the
-batch out on that stream too (``worker.engine.runner``), so the first device's compute stream
+device on its *gather stream* (``layertap.worker.model.capture``), and the runner casts and copies the
+batch out on that stream too (``layertap.worker.engine.runner``), so the first device's compute stream
 never waits for a later device.
 
 Stages that share a device (``--split-stages 2`` on one GPU, or stages on the CPU in tests) are
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from worker.model.split.placement import StagePlan, plan_stages, stage_devices
+from layertap.worker.model.split.placement import StagePlan, plan_stages, stage_devices
 
 GB = 1e9
 #: The share of a GPU's memory a stage's weights and capture buffers may take (the rest: activations, CUDA context).
