@@ -64,7 +64,7 @@ def main() -> None:
             env["LAYERTAP_BUNDLE__MAX_JOBS"] = str(args.max_jobs)
         if args.max_tokens is not None:
             env["LAYERTAP_BUNDLE__MAX_TOKENS"] = str(args.max_tokens)
-        command = [sys.executable, "-m", "producer", "enqueue", "--model", MODEL, "--run", RUN, "--file", str(rows),
+        command = [sys.executable, "-m", "layertap", "enqueue", "--model", MODEL, "--run", RUN, "--file", str(rows),
                    "--quiet"]
         start, cpu_before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)

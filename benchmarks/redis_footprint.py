@@ -114,7 +114,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, RedisServer(appendonly=False) as server:
         model_dir = make_tiny_model(Path(scratch) / "model", "qwen3")
         env = {**os.environ, "LAYERTAP_REDIS_URL": server.url, "LAYERTAP_STORAGE_ROOT": str(Path(scratch) / "files")}
-        worker = subprocess.Popen([sys.executable, "-m", "producer", "worker", "--model", str(model_dir), "--name",
+        worker = subprocess.Popen([sys.executable, "-m", "layertap", "worker", "--model", str(model_dir), "--name",
                                    MODEL, "--device", "cpu", "--node-name", "measurer@localhost"],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

@@ -1,6 +1,8 @@
 """``import layertap``: the one import name for users.
 
-``from layertap import Client, load_hidden_states, Extractor``. Lazy like ``producer``: each
+``from layertap import Client, load_hidden_states, Extractor``. The code lives in
+``layertap.producer`` (the client side: no torch) and ``layertap.worker`` (the GPU side); in the
+repository these are the top-level ``producer/`` and ``worker/`` folders, linked here. Lazy: each
 name imports its module on first use, so importing this package imports neither torch nor
 Celery; ``Extractor`` needs the ``[worker]`` extra.
 """
@@ -14,7 +16,8 @@ from layertap.producer import __all__ as _producer_names
 from layertap.producer import __version__
 
 #: public name -> the package that holds it (the client side's names, and the worker's Extractor)
-_EXPORTS = {**{name: "producer" for name in _producer_names if name != "__version__"}, "Extractor": "worker"}
+_EXPORTS = {**{name: "layertap.producer" for name in _producer_names if name != "__version__"},
+            "Extractor": "layertap.worker"}
 
 __all__ = ["__version__", *_EXPORTS]
 

@@ -1,11 +1,16 @@
 """layertap's client side: the wire protocol, settings, submitting jobs, reading results
 and files. Imports no torch.
 
-Lazy: ``import producer`` imports nothing else; each public name imports its module on
+Lazy: ``import layertap.producer`` imports nothing else; each public name imports its module on
 first use, so a DataLoader process that only reads files never imports Celery or Redis.
 """
 
 from __future__ import annotations
+
+if __name__ == "producer":  # the deprecated top-level name, from a source tree: an alias, never a second copy
+    from layertap.legacy_names import alias
+
+    alias(__name__)
 
 from importlib import import_module
 from typing import Any
@@ -31,7 +36,7 @@ __all__ = ["__version__", *_EXPORTS]
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'producer' has no attribute {name!r}")
+        raise AttributeError(f"module 'layertap.producer' has no attribute {name!r}")
     value = getattr(import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip this hook
     return value

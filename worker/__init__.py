@@ -4,6 +4,11 @@ The in-process entry point is :class:`Extractor` (importing it imports torch; th
 package itself does not, so the supervisor starts fast).
 """
 
+if __name__ == "worker":  # the deprecated top-level name, from a source tree: an alias, never a second copy
+    from layertap.legacy_names import alias
+
+    alias(__name__)
+
 from typing import Any
 
 __all__ = ["Extractor"]

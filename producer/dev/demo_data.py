@@ -8,5 +8,5 @@ from typing import Any
 
 
 def demo_jobs() -> list[dict[str, Any]]:
-    text = resources.files("producer").joinpath("data/demo_jobs.jsonl").read_text(encoding="utf-8")
+    text = resources.files("layertap.producer").joinpath("data/demo_jobs.jsonl").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -23,10 +23,10 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("client-venv")
     source = root / "layertap"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, source / name)
-    for package in ("producer", "worker"):
-        shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("layertap", "producer", "worker"):  # layertap/producer and layertap/worker are links
+        shutil.copytree(REPO / package, source / package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     env_dir = root / "venv"
     venv.create(env_dir, with_pip=True)
     built = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-v", "."], cwd=source,
@@ -66,7 +66,7 @@ def test_client_install_has_no_torch_and_works(client_venv, workers, redis_serve
     assert status.returncode == 0 and "tiny-qwen3" in status.stdout and redis_server.url in status.stdout
 
     loaded = run_in(client_venv, tmp_path, "python", "-c",
-                    "import sys; from producer import load_hidden_states; t = load_hidden_states(sys.argv[1]); "
+                    "import sys; from layertap import load_hidden_states; t = load_hidden_states(sys.argv[1]); "
                     "print(type(t['hidden_states']).__module__, t['hidden_states'].shape[0], len(t['token_ids']))",
                     result["path"])
     assert loaded.returncode == 0, loaded.stderr
@@ -92,8 +92,33 @@ def test_worker_commands_print_the_install_hint(client_venv, tmp_path, command):
 
 
 def test_worker_extractor_names_the_extra_to_install(client_venv, tmp_path):
-    out = run_in(client_venv, tmp_path, "python", "-c", "from worker import Extractor")
+    out = run_in(client_venv, tmp_path, "python", "-c", "from layertap import Extractor")
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
         "layertap.producer.extras.MissingExtra: worker.Extractor needs torch, which is not installed: "
         "pip install 'layertap[worker]'")
+
+
+def test_a_users_own_producer_and_worker_modules_shadow_nothing_of_ours(client_venv, tmp_path):
+    for name in ("producer", "worker"):
+        (tmp_path / f"{name}.py").write_text("MINE = True\n")
+    code = ("import producer, worker, layertap, layertap.producer.client.client, layertap.worker; "
+            "assert producer.MINE and worker.MINE; from layertap import Client, load_hidden_states; print('ok')")
+    out = run_in(client_venv, tmp_path, "python", "-c", code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+def test_the_old_import_names_still_work_for_one_release_with_a_warning(client_venv, tmp_path):
+    strict = run_in(client_venv, tmp_path, "python", "-W", "error::DeprecationWarning", "-c", "import producer")
+    assert strict.returncode != 0 and "`import producer` is deprecated" in strict.stderr, strict.stderr
+    code = ("import warnings\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import producer.protocol.keys as old, worker\n"
+            "    from producer import Client\n"
+            "import layertap, layertap.producer.protocol.keys as new\n"
+            "assert old is new and Client is layertap.Client and worker is layertap.worker\n"
+            "print(sorted({str(w.message).split('`')[1] for w in seen if w.category is DeprecationWarning}))")
+    out = run_in(client_venv, tmp_path, "python", "-c", code)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "['import producer', 'import worker']"
