@@ -99,7 +99,7 @@ def compare(args: argparse.Namespace) -> int:
     speed = {}
     for label, extra in (("whole", ["--split-stages", "1"]), (f"split{args.stages}", ["--split-stages", str(args.stages)])):
         report = out / f"{label}.json"
-        command = [sys.executable, "-m", "producer", "bench", *args.bench, *extra, "--report", str(report)]
+        command = [sys.executable, "-m", "layertap", "bench", *args.bench, *extra, "--report", str(report)]
         print("$", " ".join(command), flush=True)
         subprocess.run(command, check=True)
         speed[label] = json.loads(report.read_text())["parts"]["d"]["tokens_per_s"]

@@ -1,4 +1,4 @@
-"""``python -m producer``: the ``layertap`` command."""
+"""``python -m layertap.producer`` (and, deprecated, ``python -m producer``): the ``layertap`` command, as ``python -m layertap``."""
 
 from layertap.producer.cli.app import main
 

@@ -1,7 +1,7 @@
 """``layertap enqueue``, ``manifest`` and ``export``: datasets in, training data out.
 
 Self-contained (it does not import ``layertap.producer.cli.app``, which runs as ``__main__`` under
-``python -m producer``): errors that need their own exit code print one
+``python -m layertap``): errors that need their own exit code print one
 ``error: ...`` line here and exit; others propagate to ``layertap.producer.cli.app.main``.
 Nothing here imports torch; the data libraries are imported when a command needs them.
 """
