@@ -15,7 +15,7 @@ from layertap.producer.client import runs
 from layertap.producer.protocol import keys
 from layertap.producer.protocol.naming import job_path
 from layertap.producer.protocol.schema import Result, Status
-from tests.support.processes import cli
+from tests.support.processes import cli, run_through_full_redis
 from layertap.worker.queue.publisher import ResultPublisher
 from layertap.worker.queue.retention import RetentionSweep
 
@@ -62,16 +62,9 @@ def test_trim_sweep_and_delete_free_memory_at_maxmemory(private_redis, tmp_path)
 
 def test_enqueue_waits_out_a_full_redis(private_redis):
     raw = redis.Redis.from_url(private_redis.url, decode_responses=True)
-    raw.config_set("maxmemory", 1)
-    enqueue = subprocess.Popen(cli("enqueue", "--model", "tiny-nobody-full", "--run", "full", "--prompt", "a",
-                                   "--prompt", "b"), env={**os.environ, "LAYERTAP_REDIS_URL": private_redis.url},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(5)
-        assert enqueue.poll() is None, enqueue.communicate()  # waiting, not failed
-    finally:
-        raw.config_set("maxmemory", 0)
-    out, err = enqueue.communicate(timeout=120)
+    enqueue = run_through_full_redis(cli("enqueue", "--model", "tiny-nobody-full", "--run", "full", "--prompt", "a",
+                                         "--prompt", "b"), {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}, raw)
+    err = enqueue.stderr
     assert enqueue.returncode == 0, err
     assert "Redis refuses writes" in err and "trying again" in err
     assert raw.llen(keys.model_queue("tiny-nobody-full")) == 1 and raw.hlen(keys.run_submitted_hash("full")) == 2

@@ -67,11 +67,13 @@ def test_a_resent_job_that_ended_ok_is_never_published_lost(make_worker, private
         stale = [task_id for task_id in client.redis.hkeys(keys.PENDING_HASH) if task_id.startswith(f"{run_name}:")]
         assert stale and all(map(keys.is_bundle_task_id, stale))  # ...but its pending record was written
 
-        make_worker("resumer@localhost")
+        # the resume is sent before the worker (and its reconciler) starts, so the order does not hang
+        # on how fast a process starts: the sweep that follows meets the record and the newer send
         env = {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}
         again = subprocess.run(cli("enqueue", "--model", MODEL, "--run", run_name, "--file", str(path), "-q"),
-                               env=env, capture_output=True, text=True, timeout=120)
+                               env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, again.stderr
+        make_worker("resumer@localhost")
         results = client.wait(run_name, [row["id"] for row in rows], timeout=120)
         assert all(result.ok for result in results.values())
         # the worker's reconciler sweeps every ORPHAN_TIMEOUT: the stale record ends, with no result

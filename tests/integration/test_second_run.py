@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -27,7 +26,7 @@ from tests.integration.test_file_identity import rewrite_checkpoint
 from tests.integration.test_streaming import files_under, token_jobs
 from tests.integration.test_trainers import TRAINER, trained_ids
 from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
-from tests.support.processes import cli
+from tests.support.processes import cli, run_through_full_redis
 from tests.support.reference import reference_states
 
 MODEL = "tiny-ck"
@@ -68,17 +67,9 @@ def test_a_second_run_through_every_fault_loses_nothing_and_serves_nothing_stale
     rows = tmp_path / "more.jsonl"
     more = token_jobs(8, seed=23)
     rows.write_text("".join(json.dumps({**job, "job_id": f"m{job['job_id']}"}) + "\n" for job in more))
-    client.redis.config_set("maxmemory", 1)
-    lifted = threading.Timer(4.0, lambda: client.redis.config_set("maxmemory", 0))
-    lifted.start()
-    try:
-        enqueue = subprocess.run(cli("enqueue", "--model", MODEL, "--run", run_name, "--file", str(rows), "-q",
-                                     "--layers", ",".join(map(str, LAYERS))),
-                                 env={**os.environ, "LAYERTAP_REDIS_URL": private_redis.url},
-                                 capture_output=True, text=True, timeout=300)
-    finally:
-        lifted.join()
-        client.redis.config_set("maxmemory", 0)
+    enqueue = run_through_full_redis(cli("enqueue", "--model", MODEL, "--run", run_name, "--file", str(rows), "-q",
+                                         "--layers", ",".join(map(str, LAYERS))),
+                                     {**os.environ, "LAYERTAP_REDIS_URL": private_redis.url}, client.redis)
     assert enqueue.returncode == 0 and "Redis refuses writes" in enqueue.stderr, enqueue.stderr[-2000:]
     every = ids + [f"m{job['job_id']}" for job in more]
     client.wait(run_name, every, timeout=120)

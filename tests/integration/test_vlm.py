@@ -27,6 +27,7 @@ from layertap.producer.files.reader import load_hidden_states
 from layertap.producer.protocol.images import ImageError
 from layertap.producer.protocol.schema import ErrorType
 from layertap.producer.settings import Settings
+from layertap.producer.storage.registry import storage_for
 from tests.support.vlm import QWEN_FAMILIES, TEXT_VOCAB, VLM_FAMILIES, add_processor, build_tiny_vlm, vlm_block_states
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
@@ -379,7 +380,7 @@ def test_a_bundle_of_image_chats_is_prepared_side_by_side_in_order(tmp_path):
                                                                 + base64.b64encode(b"no image").decode()}})
     text_chat = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]}
     with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
-        processor = extractor.processor.writing_to(tmp_path / "files")
+        processor = extractor.processor.writing_to(storage_for(tmp_path / "files"))
         jobs = [processor.parse(extractor.job(item, run="bundle"))
                 for item in [chats[0], chats[1], bad, chats[2], text_chat, chats[3], chats[4]]]
         results = processor.process_many(jobs)

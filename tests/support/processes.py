@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from layertap.producer.client.client import Client
 from layertap.producer.command import layertap_argv
@@ -75,3 +77,33 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         return self.process.returncode if self.process else None
+
+
+def run_through_full_redis(argv: list[str], env: dict[str, str], redis_client: Any, deadline_s: float = 300.0,
+                           ) -> subprocess.CompletedProcess:
+    """Run ``argv`` while Redis is at ``maxmemory``, lifting the limit only once the command has
+    said it meets a refusal ("Redis refuses writes") and is still running (waiting, not failed).
+    Order, not a fixed window: on a busy machine the command may take long to start."""
+    redis_client.config_set("maxmemory", 1)
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def read_stderr() -> None:
+        for line in process.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + deadline_s
+        while not any("Redis refuses writes" in line for line in lines):
+            assert process.poll() is None, "".join(lines)[-2000:]  # waiting, not failed
+            assert time.monotonic() < deadline, "".join(lines)[-2000:]
+            time.sleep(0.2)
+        assert process.poll() is None, "".join(lines)[-2000:]
+    finally:
+        redis_client.config_set("maxmemory", 0)
+    stdout = process.stdout.read()  # type: ignore[union-attr]
+    process.wait(timeout=deadline_s)
+    reader.join(timeout=30)
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, "".join(lines))
