@@ -27,6 +27,16 @@ from tests.support.jobs import ORPHAN_TIMEOUT, RELIABILITY_ENV
 from tests.support.processes import WorkerProcess
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C reaches the commands the tests start. A suite started as a background job of a
+    non-interactive shell (``make test &``, nohup) inherits SIGINT ignored, and an ignored signal
+    stays ignored across ``exec``: every command a test starts would ignore the test's Ctrl-C
+    (seen: both Ctrl-C tests failed so). Each pytest process, xdist's workers too, takes Python's
+    default handler back, so its children start with SIGINT at its default."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test``: ``--dist loadgroup``), the tests of a module with a
