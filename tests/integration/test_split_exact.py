@@ -71,6 +71,31 @@ def test_split_files_equal_the_whole_models(arch, batching, stages, tiny_models,
         assert_same_files(ours, theirs)
 
 
+def test_a_compiled_split_layer_is_one_graph_as_the_whole_models(tiny_models):
+    """accelerate's hooks inside a layer are compiler-disabled functions: left on, each breaks the
+    compiled layer at every submodule (norms, rotary and residual adds stop fusing). The split
+    keeps only the layer's own hook, outside its compiled forward: the same graph breaks (packed
+    attention only) and the same graphs as the whole model."""
+    from torch._dynamo.utils import counters
+
+    from layertap.worker.model.loading import compile_decoder_layers
+
+    def compiled_graphs(stages: int) -> tuple[int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        loaded = load_model(str(tiny_models["qwen3"]), device="cpu", stages=stages)
+        compile_decoder_layers(loaded)
+        with torch.inference_mode():
+            for length in (37, 53):
+                loaded.model(input_ids=torch.arange(3, 3 + length)[None])
+        return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+    split = compiled_graphs(2)
+    assert [name for name, module in load_model(str(tiny_models["qwen3"]), device="cpu", stages=2).layers[0]
+            .named_modules() if hasattr(module, "_hf_hook")] == [""]
+    assert split == compiled_graphs(0)
+
+
 def test_device_map_places_every_weight_and_the_tail_on_the_last_stage(tiny_models):
     from layertap.worker.model.loading import empty_model, split_plan
     from transformers import AutoConfig

@@ -16,7 +16,11 @@ Stages that share a device (``--split-stages 2`` on one GPU, or stages on the CP
 consecutive and run one after the other on that device's current (compute) stream: nothing moves
 between them (no copy, no event, no mover hook), and a split whose stages all share one device
 has no gather stream either, so it queues the same kernels on the same stream as the unsplit model
-(accelerate's hooks stay on, moving nothing: the CPU tests run them as a split over GPUs does).
+(accelerate's hooks on the layers and the modules around them stay on, moving nothing: the CPU
+tests run them as a split over GPUs does). Inside a layer they are taken off
+(:meth:`ModelSplit.unhook_inside`): a layer's weights sit on one device, so they would move
+nothing, and each is a ``torch.compile`` graph break that splits the compiled layer at every
+submodule (its norms, rotary and residual adds no longer fuse).
 Two streams on one GPU would only make the stages' kernels compete for it.
 
 Tensors go from one GPU to the next on the source's *transfer stream* (:meth:`ModelSplit.send`),
@@ -137,8 +141,21 @@ class ModelSplit:
                 continue  # its inputs (the decoder's and the previous stage's) are on its device already
             for index in range(stage.plan.start, stage.plan.stop):
                 layers[index].register_forward_pre_hook(self._mover(stage.device), with_kwargs=True, prepend=True)
+        self.unhook_inside(layers)
         decoder.register_forward_pre_hook(self._enter_forward)
         decoder.register_forward_hook(self._leave_forward, always_call=True)
+
+    @staticmethod
+    def unhook_inside(layers: nn.ModuleList) -> None:
+        """Take accelerate's hooks off every module inside each layer, keeping the layer's own (the
+        device map places a layer whole, so they would move nothing; the layer's hook runs outside
+        its compiled forward, theirs would break it into a graph per submodule)."""
+        from accelerate.hooks import remove_hook_from_module
+
+        for layer in layers:
+            for module in layer.modules():
+                if module is not layer:
+                    remove_hook_from_module(module)
 
     def _mover(self, device: torch.device):
         """A pre-hook moving a layer's tensor inputs (hidden states, position embeddings, masks,
