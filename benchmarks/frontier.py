@@ -15,6 +15,7 @@ Cases (``--cases``, default all):
 
 Every case reports the load: seconds, the bench process's peak host memory while loading against
 the weights' size, the quantization and the compute path. Prints a table and writes JSON.
+``--compile`` compiles the decoder layers in every case, as the headline bench does.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def run_case(label: str, shape: str, fmt: str, parts: tuple[str, ...], quant_com
         print(f"{label}: checkpoint written in {time.monotonic() - started:.0f}s", flush=True)
     cfg = BenchConfig(model=str(checkpoint), device=args.device, dtype="bfloat16", layers=LAYERS[shape],
                       prompts=args.prompts, min_len=args.min_len, max_len=args.max_len,
-                      storage=str(folder / "bench-storage"), parts=parts, quant_compute=quant_compute)
+                      storage=str(folder / "bench-storage"), parts=parts, quant_compute=quant_compute,
+                      compile=args.compile)
     result = run_bench(cfg, log=lambda line: print(f"{label}: {line}", flush=True))
     return {"label": label, "shape": shape, "format": fmt, **result}
 
@@ -91,6 +93,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=128)
     parser.add_argument("--max-len", type=int, default=2047)
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the decoder layers, as the workers' --compile does (for fp8: the "
+                             "activation quantizer fuses into each layer's graph).")
     parser.add_argument("--keep", action="store_true", help="Keep the checkpoints (they are large).")
     parser.add_argument("--out", type=Path, default=None, help="Write every result as JSON here.")
     args = parser.parse_args()

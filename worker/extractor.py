@@ -7,6 +7,7 @@ a queued worker. The Celery task is a thin shell around the same ``JobProcessor`
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -27,6 +28,8 @@ from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.tokenize import Preparer
 from layertap.worker.model.loading import LoadedModel, compile_decoder_layers, load_model
+
+log = logging.getLogger(__name__)
 
 
 def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, worker_name: str,
@@ -55,6 +58,10 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     check_image_batching(engine, preparer)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
+    elif loaded.quant_compute.startswith("fp8") and loaded.device.type == "cuda":
+        log.warning("fp8 matmuls without --compile: each activation quantization is several kernels, and an "
+                    "8B model runs at about 0.8 of bf16; with --compile it fuses into the layer (1.2 of bf16 on "
+                    "an H200, BENCHMARKS.md)")
     return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,
                         self_check=report)
 

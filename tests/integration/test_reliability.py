@@ -39,7 +39,7 @@ from tests.support.jobs import (
 )
 from layertap.worker.main import EXIT_STALLED
 
-CHAOS_HANG_TIMEOUT = 60.0  # longer than the start of the healthy worker that follows the hang, on a busy machine too
+CHAOS_HANG_TIMEOUT = 20.0  # the hung worker's watchdog; far above a tiny model's batch on a busy machine
 
 
 
@@ -266,8 +266,9 @@ def test_chaos_kills_restarts_and_a_hang_lose_nothing(make_worker, private_clien
     submit_steadily(jobs[rounds * share:])
     wait_for(lambda: bool(in_flight()), 30, "the hung worker to hold jobs")
     hung_held = in_flight()
-    make_worker("chaos-last@localhost", extra_args=slow, env=patient)  # healthy, for what the hung one holds
-    assert hung.process.poll() is None, "the hung worker gave up before it could be timed"
+    # healthy, for what the hung one holds; the hung one may give up while this one starts: its jobs
+    # wait in Redis for it, and its exit code says the watchdog ended it, not a crash
+    make_worker("chaos-last@localhost", extra_args=slow, env=patient)
     assert hung.process.wait(timeout=CHAOS_HANG_TIMEOUT + 30) == EXIT_STALLED
     wait_back(hung_held, time.monotonic(), "the hung worker's jobs to start again")
     assert kills == 5 and restarts == 3 and sum(held_counts[:-1]) > 0 and held_counts[-1] > 0  # busy when hit

@@ -360,17 +360,18 @@ def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
             set_attention(loaded.model, switched)
 
 
-def compile_decoder_layers(loaded: LoadedModel) -> None:
+def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> None:
     """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
     MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
     and the capture hooks stay outside (they run in ``Module.__call__``), as do accelerate's
     (a split model's: the layer's own forward is compiled, under them). Identical layers
-    share one compiled graph; the engine's warm-up pays the compile time."""
+    share one compiled graph; the engine's warm-up pays the compile time. ``backend``: torch's
+    (``eager`` traces the graphs without generating code, as the tests of their breaks do)."""
     for layer in loaded.layers:
         if hasattr(layer, "_old_forward"):  # accelerate's hook calls it
-            layer._old_forward = torch.compile(layer._old_forward, dynamic=True)
+            layer._old_forward = torch.compile(layer._old_forward, dynamic=True, backend=backend)
         else:
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+            layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
 
 
 def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any | None:
