@@ -9,9 +9,10 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4'
 STAMP := $(VENV)/.layertap-installed
 PYTEST_ARGS ?=
 # `make test` runs the suite in pytest-xdist processes, each with its own Redis, workers and
-# temporary folders; two, as CI has two cores (four loaded a 2-core machine past 4 and made
-# Ctrl-C tests late). TEST_PROCESSES=0 runs it in one process.
-TEST_PROCESSES ?= 2
+# temporary folders: four on CI's two cores, as the tests spend much of their time waiting on
+# workers and servers (9:55 against 13:52 with two, BENCHMARKS.md). TEST_PROCESSES=0 runs it in
+# one process.
+TEST_PROCESSES ?= 4
 
 .PHONY: demo test test-unit install clean redis-secret
 

@@ -35,6 +35,22 @@ def pytest_configure(config: pytest.Config) -> None:
     default handler back, so its children start with SIGINT at its default."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    check_xdist_groups(config)
+
+
+def check_xdist_groups(config: pytest.Config) -> None:
+    """``--dist loadgroup`` must group: otherwise a grouped test goes to any process, and every
+    module-scoped fixture (a venv, a server) is built once per process. pytest 9.2 keeps node ids
+    where pytest-xdist up to 3.8 cannot add its group suffix, and nothing fails (pytest-xdist issue
+    1386): refuse that pair (pyproject pins pytest below 9.2)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+    from packaging.version import Version
+
+    if Version(pytest.__version__) >= Version("9.2.0.dev0") and Version(xdist.__version__) < Version("3.9"):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}: --dist loadgroup "
+                                "would not group tests (pytest-xdist issue 1386); pip install 'pytest<9.2'")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
