@@ -85,10 +85,10 @@ def main() -> None:
                              "more, the server runs on the last core with one torch thread and this client on the "
                              "first: on 2 cores the server's torch threads otherwise moved the rounds by 35%%).")
     args = parser.parse_args()
-    pinned = args.pin and len(os.sched_getaffinity(0)) >= 2
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = args.pin and len(cores) >= 2
     server_cores = client_cores = None
     if pinned:
-        cores = sorted(os.sched_getaffinity(0))
         server_cores, client_cores = {cores[-1]}, {cores[0]}
         os.sched_setaffinity(0, client_cores)  # before any thread starts: they inherit it
     from layertap.worker.model.tiny_model import make_tiny_model

@@ -59,9 +59,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
     elif loaded.quant_compute.startswith("fp8") and loaded.device.type == "cuda":
-        log.warning("fp8 matmuls without --compile: each activation quantization is several kernels, and an "
-                    "8B model runs at about 0.8 of bf16; with --compile it fuses into the layer (1.2 of bf16 on "
-                    "an H200, BENCHMARKS.md)")
+        log.warning("fp8 matmuls without --compile: each activation quantization runs as separate kernels and "
+                    "can cost more than the fp8 matmul saves; --compile fuses it into each layer (BENCHMARKS.md)")
     return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,
                         self_check=report)
 
