@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=480)
     parser.add_argument("--compare", type=int, default=8)
     parser.add_argument("--layers", default=None, help="layer ids (default EAGLE-3's [2, L//2, L-3, L])")
+    parser.add_argument("--compile", action="store_true", help="both queue parts with --compile (decoder layers "
+                                                               "and vision blocks compiled)")
     args = parser.parse_args()
     from transformers import AutoModelForImageTextToText
 
@@ -240,7 +242,7 @@ def main() -> None:
     del exact_model
     torch.cuda.empty_cache() if device.type == "cuda" else None
     cfg = BenchConfig(model=str(model_dir), device=args.device, dtype="bfloat16", layers=layer_ids,
-                      storage=str(storage))
+                      storage=str(storage), compile=args.compile)
     parts["d images"] = run_queue(cfg, [], layer_ids, storage / "d-images", jobs=chats, images_root=images)
     print(f"  d images: {parts['d images'].tokens / parts['d images'].seconds:,.0f} tokens/s", flush=True)
     queued = [load_file(str(next((storage / "d-images").rglob(f"p{i}.safetensors"))))
@@ -258,7 +260,7 @@ def main() -> None:
     speed = {key: part.tokens_per_s for key, part in parts.items()}
     report = {
         "date": time.strftime("%Y-%m-%d"), "device": device_name(), "software": software_versions(),
-        "shape": args.shape, "layer_ids": layer_ids, "conversations": len(chats),
+        "shape": args.shape, "layer_ids": layer_ids, "compile": args.compile, "conversations": len(chats),
         "tokens_per_conversation": parts["d images"].tokens / len(chats),
         "parts": {key: vars(part) for key, part in parts.items()},
         "ratios": {"d images / p": speed["d images"] / speed["p"],

@@ -394,3 +394,37 @@ def test_a_bundle_of_image_chats_is_prepared_side_by_side_in_order(tmp_path):
         error = worst_token_relative_error(states["hidden_states"], vlm_block_states(str(model_dir), [0, 1, 2],
                                                                                      **inputs))
         assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_path):
+    """Within ``one_image_at_a_time`` a grid tower (windowed attention on Qwen2.5-VL, deepstack
+    levels on Qwen3-VL) called on three images of different sizes returns, bit for bit, what
+    it returns for each image alone, merged in image order; it is the whole-batch call up to
+    rounding (fp32, 1e-5); and the tower's own forward is back afterwards."""
+    from tests.support.vlm import load_reference
+    from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    model = load_reference(str(model_dir))
+    tower = grid_tower(model)
+    assert tower is not None and "forward" not in tower.__dict__
+    images = [reference_inputs(family, model_dir, size) for size in [(40, 24), (90, 20), (56, 84)]]
+    pixels = torch.cat([image["pixel_values"] for image in images])
+    grids = torch.cat([image["image_grid_thw"] for image in images])
+    with torch.inference_mode():
+        whole = tower(pixels, grid_thw=grids)
+        alone = [tower(image["pixel_values"], grid_thw=image["image_grid_thw"]) for image in images]
+        with one_image_at_a_time(model):
+            merged = tower(pixels, grid_thw=grids)
+    assert "forward" not in tower.__dict__
+    fields = ["pooler_output", *(["deepstack_features"] if family == "qwen3-vl" else [])]
+    for field in fields:
+        got, expected = merged[field], whole[field]
+        pieces = [output[field] for output in alone]
+        if isinstance(got, torch.Tensor):
+            got, expected, pieces = [got], [expected], [[piece] for piece in pieces]
+        assert len(got) == len(expected) >= 1
+        for level, (tensor, batched) in enumerate(zip(got, expected)):
+            assert torch.equal(tensor, torch.cat([piece[level] for piece in pieces])), (field, level)
+            assert torch.allclose(tensor, batched, rtol=TOLERANCE, atol=TOLERANCE), (field, level)

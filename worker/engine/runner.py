@@ -25,6 +25,7 @@ from layertap.worker.engine.teacher import TeacherHead
 from layertap.worker.model.capture import StopForward
 from layertap.worker.model.batching import layout_class
 from layertap.worker.model.image_inputs import merge_image_inputs
+from layertap.worker.model.image_towers import one_image_at_a_time
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.loading import LoadedModel, transformers_attention
 from layertap.worker.model.vision_attention import vision_attention
@@ -91,13 +92,15 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
     batch order) through the model's own ``forward`` (vision tower, merging, its own
     positions such as M-RoPE, its own masks), on the attention implementation transformers
     chose for it (a vision tower that cuts its patches by ``cu_seqlens``: one varlen flash
-    call per layer on a GPU, ``layertap.worker.model.vision_attention``): the capture hooks see what
-    enters each decoder layer."""
+    call per layer on a GPU, ``layertap.worker.model.vision_attention``), such a tower one image
+    at a time (``layertap.worker.model.image_towers``): the capture hooks see what enters each
+    decoder layer."""
     device = loaded.device
     on_device = [{name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
                   for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
     extras = merge_image_inputs(on_device, input_ids.shape[1])
-    with transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention):
+    with (transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention),
+          one_image_at_a_time(loaded.model)):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
 

@@ -41,6 +41,7 @@ from layertap.worker.model.batching import ModelRefused, plan_batching
 from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
 from layertap.worker.model.image_inputs import plan_image_batching
+from layertap.worker.model.image_towers import grid_tower
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.quant.fp8 import choose_compute
 from layertap.worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
@@ -366,8 +367,11 @@ def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> No
     and the capture hooks stay outside (they run in ``Module.__call__``), as do accelerate's
     (a split model's: the layer's own forward is compiled, under them). Identical layers
     share one compiled graph; the engine's warm-up pays the compile time. ``backend``: torch's
-    (``eager`` traces the graphs without generating code, as the tests of their breaks do)."""
-    for layer in loaded.layers:
+    (``eager`` traces the graphs without generating code, as the tests of their breaks do).
+    A VLM's grid tower (``layertap.worker.model.image_towers``) has its blocks compiled the same
+    way (its attention call stays eager); the image self-check's forwards compile them."""
+    tower = grid_tower(loaded.model)
+    for layer in [*loaded.layers, *getattr(tower, "blocks", [])]:
         if hasattr(layer, "_old_forward"):  # accelerate's hook calls it
             layer._old_forward = torch.compile(layer._old_forward, dynamic=True, backend=backend)
         else:

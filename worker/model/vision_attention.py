@@ -24,7 +24,6 @@ images (the whole-model attention switches of ``layertap.worker.model.loading`` 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from layertap.worker.model.attention import varlen_flash_usable
+from layertap.worker.model.image_towers import vision_module
 
 #: Contains "flash": what makes the towers pass ``cu_seq_lens_q`` (see the module docstring).
 VISION_ATTENTION_NAME = "layertap_vision_varlen_flash"
@@ -88,20 +88,8 @@ def register() -> None:
 def vision_config(model: nn.Module) -> Any | None:
     """The config of ``model``'s vision tower where its attention takes ``cu_seqlens`` (the
     towers this module serves), else None."""
-    config = getattr(getattr(model, "config", None), "vision_config", None)
-    if config is None:
-        return None
-    for module in model.modules():
-        if getattr(module, "config", None) is config and "cu_seqlens" in _parameters(module):
-            return config
-    return None
-
-
-def _parameters(module: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
+    module = vision_module(model, "cu_seqlens")
+    return None if module is None else module.config
 
 
 def choose_vision_attention(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
