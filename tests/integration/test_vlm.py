@@ -428,3 +428,34 @@ def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_
         for level, (tensor, batched) in enumerate(zip(got, expected)):
             assert torch.equal(tensor, torch.cat([piece[level] for piece in pieces])), (field, level)
             assert torch.allclose(tensor, batched, rtol=TOLERANCE, atol=TOLERANCE), (field, level)
+
+
+def test_a_tower_mlp_widened_to_an_aligned_width_computes_the_same_function():
+    """Qwen2.5-VL's tower MLPs (3,420 wide in every size; 36 here) widened with zero channels to
+    a multiple of 64, as the loader does on a GPU in bf16: the tower's output is the same (fp32,
+    1e-6); aligned MLPs and non-gated ones are left as they are."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from layertap.worker.model.aligned_mlp import align_gated_mlps
+    from layertap.worker.model.image_towers import grid_tower
+    from tests.support.vlm import VLM_FAMILIES
+
+    model_type, fields = VLM_FAMILIES["qwen2.5-vl"]
+    config = AutoConfig.for_model(model_type, **{**fields, "vision_config": {**fields["vision_config"],
+                                                                              "intermediate_size": 36}})
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    tower = grid_tower(model)
+    vision = config.vision_config
+    grid = torch.tensor([[1, 4, 6]])
+    pixels = torch.randn(24, vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2)
+    with torch.inference_mode():
+        before = tower(pixels, grid_thw=grid).pooler_output
+        assert align_gated_mlps(tower.blocks) == len(tower.blocks) >= 2
+        after = tower(pixels, grid_thw=grid).pooler_output
+        assert align_gated_mlps(tower.blocks) == 0  # aligned now: nothing left to widen
+    mlp = tower.blocks[0].mlp
+    assert (mlp.gate_proj.weight.shape, mlp.up_proj.bias.shape, mlp.down_proj.weight.shape) == (
+        (64, vision.hidden_size), (64,), (vision.hidden_size, 64))
+    assert torch.allclose(after, before, rtol=1e-6, atol=1e-6)
+    assert align_gated_mlps([tower.merger]) == 0  # no gated MLP there

@@ -41,6 +41,7 @@ from layertap.worker.model.batching import ModelRefused, plan_batching
 from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
 from layertap.worker.model.image_inputs import plan_image_batching
+from layertap.worker.model.aligned_mlp import align_tower_mlps
 from layertap.worker.model.image_towers import grid_tower
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.quant.fp8 import choose_compute
@@ -322,6 +323,9 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         raise ModelRefused(type(model).__name__, str(exc)) from None
     native_attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
     vision = choose_vision_attention(model, parameter.device, parameter.dtype)  # before the switch below
+    weights = fingerprint or (weights_fingerprint(Path(source)) if Path(source).is_dir()
+                              else parameters_fingerprint(model))
+    align_tower_mlps(model, parameter.device, parameter.dtype)  # the same function, on Hopper's kernels
     if plan.attention is not None:
         set_attention(model, plan.attention)
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -333,8 +337,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         tokenizer=tokenizer, name=name, source=source, revision=revision, num_layers=num_layers,
         hidden_size=hidden_size, vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
-        weights_fingerprint=fingerprint or (weights_fingerprint(Path(source)) if Path(source).is_dir()
-                                            else parameters_fingerprint(model)),
+        weights_fingerprint=weights,
         capture=capture, vision_attention=vision,
     )
 
