@@ -14,6 +14,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -57,13 +58,17 @@ def check_xdist_groups(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test``: ``--dist loadgroup``), the tests of a module with a
     module-scoped fixture (a worker, a server, a model built once) run in one process, so the
-    fixture is built once; every other test goes wherever a process is free. Each process has
-    its own session fixtures (Redis on a free port, tiny models, workers) and temporary folders."""
+    fixture is built once; so do the tests that ask for ``arch_workers`` (the llama and gpt2
+    workers then start in one process, not in each); every other test goes wherever a process is
+    free. Each process has its own session fixtures (Redis on a free port, tiny models, workers)
+    and temporary folders. A test with both kinds of fixture goes with its module."""
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         if fixtures and any(definition.scope == "module" for definitions in fixtures.name2fixturedefs.values()
                             for definition in definitions):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+        elif "arch_workers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("arch_workers"))
 
 
 @pytest.fixture(scope="session")
@@ -98,15 +103,15 @@ def storage_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("files")
 
 
-@pytest.fixture(scope="session")
-def workers(redis_server: RedisServer, tiny_models: dict[str, Path], storage_root: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
-    """One worker per tiny architecture, serving ``tiny-<arch>``, for the whole session."""
-    logs = tmp_path_factory.mktemp("logs")
+@contextmanager
+def serve_tiny(arches: tuple[str, ...], redis_server: RedisServer, tiny_models: dict[str, Path], storage_root: Path,
+               logs: Path) -> Iterator[dict[str, WorkerProcess]]:
+    """One worker per architecture in ``arches``, serving ``tiny-<arch>`` as node
+    ``test-<arch>@localhost``, started together, ready when yielded, stopped after."""
     started = {
         arch: WorkerProcess(tiny_models[arch], f"tiny-{arch}", redis_server.url, storage_root,
                             node=f"test-{arch}@localhost", log_path=logs / f"{arch}.log").start(wait=False)
-        for arch in ARCHES
+        for arch in arches
     }
     try:
         for process in started.values():
@@ -115,6 +120,25 @@ def workers(redis_server: RedisServer, tiny_models: dict[str, Path], storage_roo
     finally:
         for process in started.values():
             process.stop()
+
+
+@pytest.fixture(scope="session")
+def workers(redis_server: RedisServer, tiny_models: dict[str, Path], storage_root: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
+    """The tiny qwen3 worker, serving ``tiny-qwen3``, for the whole session: what most tests submit to."""
+    with serve_tiny(("qwen3",), redis_server, tiny_models, storage_root, tmp_path_factory.mktemp("logs")) as started:
+        yield started
+
+
+@pytest.fixture(scope="session")
+def arch_workers(workers: dict[str, WorkerProcess], redis_server: RedisServer, tiny_models: dict[str, Path],
+                 storage_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
+    """A worker per tiny architecture (:data:`ARCHES`), serving ``tiny-<arch>``, for the whole session:
+    ``workers`` and one each for the others. Its tests run in one pytest-xdist process
+    (``pytest_collection_modifyitems``), so only that process starts the others."""
+    others = tuple(arch for arch in ARCHES if arch not in workers)
+    with serve_tiny(others, redis_server, tiny_models, storage_root, tmp_path_factory.mktemp("logs")) as started:
+        yield {**workers, **started}
 
 
 @pytest.fixture

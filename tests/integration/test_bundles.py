@@ -1,4 +1,6 @@
-"""Bundles: several jobs in one message, against a private Redis and real worker processes.
+"""Bundles: several jobs in one message, against a real Redis and real worker processes (the
+session's worker where a healthy one is all a test needs; a private Redis and workers of its own
+where it kills, crashes or starts them).
 
 Each job of a bundle keeps its own id, file, result and attempt count; a bad job gets its
 own error result; a redelivered bundle answers its finished jobs from disk; a bundle whose
@@ -87,8 +89,7 @@ def test_bundler_groups_by_size_tokens_and_latency(private_client):
     bundler.close()
 
 
-def test_bundle_of_good_and_bad_jobs_gives_one_result_per_job(make_worker, private_client, run_name):
-    make_worker("bundles@localhost")
+def test_bundle_of_good_and_bad_jobs_gives_one_result_per_job(workers, client, storage_root, run_name):
     good = [Job(model=MODEL, run=run_name, prompt=f"good job {i}").with_id() for i in range(3)]
     payloads = [good[0].model_dump(mode="json", exclude_none=True),
                 {"model": MODEL, "run": run_name, "job_id": "not-valid", "prompt": 5},
@@ -96,30 +97,29 @@ def test_bundle_of_good_and_bad_jobs_gives_one_result_per_job(make_worker, priva
                 {"model": MODEL, "run": run_name, "job_id": "empty", "prompt": ""},
                 {"model": "tiny-other", "run": run_name, "job_id": "elsewhere", "prompt": "hi"},
                 good[2].model_dump(mode="json", exclude_none=True)]
-    task_id = _send_bundle(private_client, run_name, payloads, "mixed")
+    task_id = _send_bundle(client, run_name, payloads, "mixed")
     ids = [job.job_id for job in good] + ["not-valid", "empty", "elsewhere"]
-    private_client.wait(run_name, ids, timeout=60)
-    results = _one_result_each(private_client, run_name, ids)
+    client.wait(run_name, ids, timeout=60)
+    results = _one_result_each(client, run_name, ids)
     for job in good:
         assert results[job.job_id].ok and results[job.job_id].attempt == 1
-        verify_file(job_path(make_worker.storage, run_name, job.job_id))
+        verify_file(job_path(storage_root, run_name, job.job_id))
     assert results["not-valid"].error_type is ErrorType.invalid_job
     assert results["empty"].error_type is ErrorType.empty_input
     assert results["elsewhere"].error_type is ErrorType.unknown_model
-    wait_for(lambda: not private_client.redis.hexists(keys.PENDING_HASH, task_id), 10, "the record to end")
-    assert private_client.redis.zscore(keys.pending_sent_zset(keys.model_queue(MODEL)), task_id) is None
-    assert not any(private_client.redis.exists(keys.attempts_key(run_name, job.job_id)) for job in good)
+    wait_for(lambda: not client.redis.hexists(keys.PENDING_HASH, task_id), 10, "the record to end")
+    assert client.redis.zscore(keys.pending_sent_zset(keys.model_queue(MODEL)), task_id) is None
+    assert not any(client.redis.exists(keys.attempts_key(run_name, job.job_id)) for job in good)
 
 
-def test_redelivered_bundle_answers_finished_jobs_from_disk(make_worker, private_client, run_name):
-    make_worker("redelivered@localhost")
-    jobs = private_client.submit_many(({"prompt": f"bundled job {i}"} for i in range(5)), model=MODEL, run=run_name)
-    first = private_client.wait(run_name, [job.job_id for job in jobs], timeout=60)
+def test_redelivered_bundle_answers_finished_jobs_from_disk(workers, client, run_name):
+    jobs = client.submit_many(({"prompt": f"bundled job {i}"} for i in range(5)), model=MODEL, run=run_name)
+    first = client.wait(run_name, [job.job_id for job in jobs], timeout=60)
     assert all(result.ok and not result.cached for result in first.values())
-    _send_bundle(private_client, run_name, [job.model_dump(mode="json", exclude_none=True) for job in jobs], "again")
-    wait_for(lambda: private_client.redis.xlen(keys.results_stream(run_name)) == 2 * len(jobs), 60,
+    _send_bundle(client, run_name, [job.model_dump(mode="json", exclude_none=True) for job in jobs], "again")
+    wait_for(lambda: client.redis.xlen(keys.results_stream(run_name)) == 2 * len(jobs), 60,
              "the repeat's results")
-    again = private_client.latest(run_name)
+    again = client.latest(run_name)
     for job in jobs:
         assert again[job.job_id].ok and again[job.job_id].cached  # from its file, not computed again
         assert again[job.job_id].path == first[job.job_id].path

@@ -15,7 +15,7 @@ from tests.support.reference import load
 
 
 @pytest.mark.parametrize("arch,reference", [("qwen3", chatml_reference), ("llama", llama_reference)])
-def test_loss_mask_marks_assistant_turns(arch, reference, workers, tiny_models, client, run_name):
+def test_loss_mask_marks_assistant_turns(arch, reference, arch_workers, tiny_models, client, run_name):
     _, tokenizer = load(str(tiny_models[arch]))
     job = client.submit({"messages": CHAT}, model=f"tiny-{arch}", run=run_name)
     result = client.wait(run_name, [job.job_id], timeout=60)[job.job_id]

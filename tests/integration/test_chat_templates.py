@@ -119,7 +119,7 @@ def submit_and_load(client, run_name, job, model):
 
 
 @pytest.mark.parametrize("arch,reference", [("qwen3", chatml_reference), ("llama", llama_reference)])
-def test_loss_on_last_marks_only_the_last_assistant_turn(arch, reference, workers, tiny_models, client, run_name):
+def test_loss_on_last_marks_only_the_last_assistant_turn(arch, reference, arch_workers, tiny_models, client, run_name):
     _, tokenizer = load(str(tiny_models[arch]))
     result, files = submit_and_load(client, run_name, {"messages": CHAT, "loss_on": "last"}, f"tiny-{arch}")
     expected_ids, expected_mask = reference(tokenizer, CHAT)
@@ -196,7 +196,7 @@ def test_truncation_with_loss_on_last(workers, tiny_models, client, run_name):
                                  {"role": "assistant", "content": "hello", "reasoning_content": "greet back"}]},
      "does not render reasoning_content"),
 ])
-def test_template_that_drops_tools_or_reasoning_is_an_error(model, job, message, workers, client, run_name):
+def test_template_that_drops_tools_or_reasoning_is_an_error(model, job, message, arch_workers, client, run_name):
     sent = client.submit(job, model=model, run=run_name)
     result = client.wait(run_name, [sent.job_id], timeout=60)[sent.job_id]
     assert result.error_type is ErrorType.chat_template

@@ -282,44 +282,42 @@ def test_worker_checks_the_content_identity_before_a_disk_answer(make_worker, pr
     worker.stop()
 
 
-def test_worker_repairs_damaged_files_and_refuses_a_taken_job_id(make_worker, private_client, run_name):
+def test_worker_repairs_damaged_files_and_refuses_a_taken_job_id(workers, client, storage_root, run_name):
     """A damaged byte, a truncation, a changed ``layers`` character: the job is computed again and
     its file rewritten (not a dead letter). The same explicit job id with other content is refused
     with ``job_id_conflict`` and the file keeps the first job's states."""
-    make_worker("repair@localhost")
     job = Job(model=MODEL, run=run_name, job_id="shared-id", prompt="five tokens or so").with_id()
-    path = job_path(make_worker.storage, run_name, job.job_id)
-    private_client.submit(job)
-    assert private_client.wait(run_name, [job.job_id], timeout=90)[job.job_id].ok
+    path = job_path(storage_root, run_name, job.job_id)
+    client.submit(job)
+    assert client.wait(run_name, [job.job_id], timeout=90)[job.job_id].ok
     good, expected = path.read_bytes(), tensors_of(path)
     damages = {"byte": lambda: damage_byte(path), "truncated": lambda: path.write_bytes(good[:-64]),
                "layers_char": lambda: rewrite_metadata(path, ff.MetaKey.LAYERS,
                                                        ff.metadata_of(path)[ff.MetaKey.LAYERS][:-1] + "}")}
     for entries, (name, damage) in enumerate(damages.items(), start=1):
         damage()
-        submit_again(private_client, job, entries)
-        again = private_client.latest(run_name)[job.job_id]
+        submit_again(client, job, entries)
+        again = client.latest(run_name)[job.job_id]
         assert again.ok and not again.cached, (name, again)
         assert_same_tensors(path, expected)
 
     other = Job(model=MODEL, run=run_name, job_id="shared-id",
                 prompt="a much longer prompt with other content under the very same job id " * 4)
-    submit_again(private_client, other, len(damages) + 1)
-    refused = private_client.latest(run_name)[job.job_id]
+    submit_again(client, other, len(damages) + 1)
+    refused = client.latest(run_name)[job.job_id]
     assert not refused.ok and refused.error_type is ErrorType.job_id_conflict
     assert_same_tensors(path, expected)  # still the first job's states
 
 
-def test_two_jobs_racing_for_one_job_id_get_one_file(make_worker, private_client, run_name):
+def test_two_jobs_racing_for_one_job_id_get_one_file(workers, client, run_name):
     """Sent at once, both pass the disk check; the writer keeps the first file and refuses the second."""
-    make_worker("race@localhost")
     short = Job(model=MODEL, run=run_name, job_id="raced-id", prompt="short")
     long = Job(model=MODEL, run=run_name, job_id="raced-id", prompt="a long prompt of seventy tokens or so " * 8)
-    private_client.submit(short)
-    private_client.submit(long)
+    client.submit(short)
+    client.submit(long)
     stream = keys.results_stream(run_name)
-    wait_for(lambda: private_client.redis.xlen(stream) == 2, 90, "both results")
-    results = list(private_client.results(run_name))
+    wait_for(lambda: client.redis.xlen(stream) == 2, 90, "both results")
+    results = list(client.results(run_name))
     ok = [result for result in results if result.ok]
     assert len(ok) == 1 and [r.error_type for r in results if not r.ok] == [ErrorType.job_id_conflict]
     header = ff.verify_file(ok[0].path)

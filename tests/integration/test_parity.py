@@ -20,7 +20,7 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2"])
-def test_queue_path_matches_transformers(arch, workers, tiny_models, client, run_name):
+def test_queue_path_matches_transformers(arch, arch_workers, tiny_models, client, run_name):
     model_dir = str(tiny_models[arch])
     _, tokenizer = load(model_dir)
     num_layers = 4

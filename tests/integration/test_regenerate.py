@@ -167,16 +167,15 @@ def test_tool_calls_take_the_recorded_results_and_a_divergence_is_cut(small, tin
     assert sent[-2:] == [first, second]
 
 
-def test_enqueue_writes_one_file_per_conversation_with_the_servers_token_ids(small, tiny_models, make_worker,
-                                                                            private_redis, tmp_path):
-    make_worker("regen@localhost")
+def test_enqueue_writes_one_file_per_conversation_with_the_servers_token_ids(small, tiny_models, workers, redis_server,
+                                                                            run_name, tmp_path):
     sources = [{"id": "multi", "messages": [{"role": "user", "content": "first"}, {"role": "assistant", "content": "x"},
                                             {"role": "user", "content": "second"}]},
                {"id": "single", "messages": [{"role": "user", "content": "only one"}]}]
-    out, run = tmp_path / "regen.jsonl", "regen-run"
+    out, run = tmp_path / "regen.jsonl", run_name
     done = subprocess.run(regenerate_argv(small, tiny_models["qwen3"], write_jsonl(tmp_path / "c.jsonl", sources), out,
                                           "--n", "2", "--temperature", "1.0", "--seed", "7", "--enqueue", run,
-                                          "--worker-model", "tiny-qwen3", "--redis-url", private_redis.url),
+                                          "--worker-model", "tiny-qwen3", "--redis-url", redis_server.url),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = {row["id"]: row for row in read_jsonl(out)}
@@ -185,7 +184,7 @@ def test_enqueue_writes_one_file_per_conversation_with_the_servers_token_ids(sma
     from layertap.producer.client.client import Client
     from layertap.producer.settings import Settings
 
-    with Client(Settings(redis_url=private_redis.url)) as client:
+    with Client(Settings(redis_url=redis_server.url)) as client:
         wait_for(lambda: len({r.job_id for r in client.results(run) if r.ok}) == len(rows), 300, "the files")
         results = [r for r in client.results(run) if r.ok]
     files = {r.job_id: Path(r.path) for r in results}

@@ -48,7 +48,7 @@ def run_jobs(client, run_name, model, jobs):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_topk_and_final_hidden_states_match_transformers(arch, workers, tiny_models, client, run_name):
+def test_topk_and_final_hidden_states_match_transformers(arch, arch_workers, tiny_models, client, run_name):
     model_dir = str(tiny_models[arch])
     jobs = [{"messages": CHAT, "topk": 5, "final_hidden_states": True},  # mask: rows whose next token is trained
             {"messages": CHAT, "topk": 3, "topk_on": "all"},
