@@ -24,6 +24,7 @@ from layertap.producer.transport.broker_transport import set_held_messages
 from layertap.producer.transport.celery_app import make_celery
 from layertap.producer.transport.redis_conn import connect
 from layertap.worker.extractor import build_processor
+from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.model.loading import load_model
 from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
 from layertap.worker.ops.lifecycle import ServiceGroup
@@ -130,6 +131,8 @@ def run_worker(settings: Settings) -> int:
     batch_task_events(app)
     # on a GPU also a full batch: the first jobs run at the worker's pace (allocator growth, compiled shapes)
     processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
+    if loaded.device.type == "cuda":  # and an image batch (compiled vision blocks, the image path's kernels)
+        warm_up_images(processor.engine, processor.preparer)
     freeze_long_lived_objects()
     processor.engine.on_batch = metrics.observe_batch
     if ws.metrics_port:

@@ -459,3 +459,24 @@ def test_a_tower_mlp_widened_to_an_aligned_width_computes_the_same_function():
         (64, vision.hidden_size), (64,), (vision.hidden_size, 64))
     assert torch.allclose(after, before, rtol=1e-6, atol=1e-6)
     assert align_gated_mlps([tower.merger]) == 0  # no gated MLP there
+
+
+def test_the_image_warm_up_runs_the_probe_chats_as_one_image_batch(tmp_path):
+    """A GPU worker's warm-up runs an image batch before jobs (its compiled vision blocks and the
+    image path's kernels are paid there): the three probe chats, one padded forward on Qwen2.5-VL,
+    one forward each on Idefics3 (one per forward); nothing for a VLM without a processor."""
+    from layertap.worker.job.image_check import PROBES, warm_up_images
+
+    for family, expected in (("qwen2.5-vl", [len(PROBES)]), ("idefics3", [1] * len(PROBES))):
+        model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / family))
+        batches: list[int] = []
+        with Extractor(str(model_dir), layers=[0, 1], device="cpu", dtype="float32") as extractor:
+            extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+            warm_up_images(extractor.processor.engine, extractor.processor.preparer)
+        assert batches == expected, (family, batches)
+    batches.clear()
+    with Extractor(str(build_tiny_vlm("qwen2.5-vl", tmp_path / "bare")), layers=[0, 1], device="cpu",
+                   dtype="float32") as extractor:
+        extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        warm_up_images(extractor.processor.engine, extractor.processor.preparer)
+    assert batches == []

@@ -50,6 +50,29 @@ def probe_job(model: str, size: tuple[int, int], text: str, seed: int) -> Job:
         {"role": "assistant", "content": "A pattern of random coloured dots."}])
 
 
+def probe_chats(preparer: Preparer) -> list:
+    """The :data:`PROBES` prepared as jobs are (raises :class:`JobError`)."""
+    return [preparer.prepare(probe_job(preparer.loaded.name, size, text, seed))
+            for seed, (size, text) in enumerate(PROBES)]
+
+
+def warm_up_images(engine: Engine, preparer: Preparer) -> None:
+    """Run the probe chats once together through ``engine``, as the worker's own image batches
+    run (after ``--compile``: its vision blocks and the decoder under the image path's attention
+    compile here, not in the first jobs' batch; measured on an H200: 17 s). Nothing where the
+    model serves no image chats or no probe can be prepared (the self-check said why)."""
+    if engine.loaded.processor is None or engine.loaded.image_batching is None:
+        return
+    try:
+        prepared = probe_chats(preparer)
+    except JobError:
+        return
+    layer_ids = [engine.loaded.num_layers]
+    requests = [EngineRequest(torch.tensor(p.token_ids), layer_ids, model_inputs=p.model_inputs) for p in prepared]
+    for future in engine.submit_many(requests, together=True):  # a one-per-forward layout splits them
+        future.result().wait().release()
+
+
 def _fall_back(loaded: LoadedModel, reason: str) -> None:
     loaded.image_batching = one_per_forward(loaded.model, reason)
     log.warning("%s: image chats run one per forward: %s", loaded.architecture, reason)
@@ -64,8 +87,7 @@ def check_image_batching(engine: Engine, preparer: Preparer) -> CheckReport | No
         return None
     layer_ids = list(range(loaded.num_layers + 1))
     try:
-        prepared = [preparer.prepare(probe_job(loaded.name, size, text, seed))
-                    for seed, (size, text) in enumerate(PROBES)]
+        prepared = probe_chats(preparer)
     except JobError as exc:
         _fall_back(loaded, f"no probe chat for the image self-check could be prepared ({exc.message})")
         return None
