@@ -23,7 +23,7 @@ placeholders expanded):
    root, the worker's own processor and batching); its first ``--compare`` files against fp32;
 6. **d text**: the queue with token-id jobs of the same lengths (the text-only figure).
 
-Prints a table and writes JSON. ``--shape qwen2.5-vl-tiny --device cpu --conversations 16
+Prints a table and writes JSON. ``--queue-only`` runs steps 1, 2, 5 and 6 alone. ``--shape qwen2.5-vl-tiny --device cpu --conversations 16
 --image-tokens 16 --text-tokens 40`` is a smoke test on any machine.
 """
 
@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--text-tokens", type=int, default=480)
     parser.add_argument("--compare", type=int, default=8)
     parser.add_argument("--layers", default=None, help="layer ids (default EAGLE-3's [2, L//2, L-3, L])")
+    parser.add_argument("--queue-only", action="store_true", help="d images and d text only (no p, no "
+                                                                  "exactness comparison)")
     parser.add_argument("--compile", action="store_true", help="both queue parts with --compile (decoder layers "
                                                                "and vision blocks compiled)")
     args = parser.parse_args()
@@ -228,19 +230,24 @@ def main() -> None:
     images = args.folder / "images"
     storage = args.folder / "storage"
     shutil.rmtree(storage, ignore_errors=True)
-    parts: dict[str, PartResult] = {"p": run_plain(model, processor, chats, images, layer_ids, storage / "p")}
-    print(f"  {parts['p'].name}: {parts['p'].tokens / parts['p'].seconds:,.0f} tokens/s", flush=True)
-    shutil.rmtree(storage / "p", ignore_errors=True)
-    compared = chats[:args.compare]
+    storage.mkdir(parents=True)
+    parts: dict[str, PartResult] = {}
+    if not args.queue_only:
+        parts["p"] = run_plain(model, processor, chats, images, layer_ids, storage / "p")
+        print(f"  {parts['p'].name}: {parts['p'].tokens / parts['p'].seconds:,.0f} tokens/s", flush=True)
+        shutil.rmtree(storage / "p", ignore_errors=True)
+    compared = [] if args.queue_only else chats[:args.compare]
     plain_bf16 = [alone_states(model, plain_inputs(processor, [chat], images), layer_ids) for chat in compared]
     lengths = [states.shape[0] for states in plain_bf16]
     del model
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    exact_model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
-                                                              device_map=str(device)).eval()
-    exact = [alone_states(exact_model, plain_inputs(processor, [chat], images), layer_ids) for chat in compared]
-    del exact_model
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    exact = []
+    if compared:
+        exact_model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                  device_map=str(device)).eval()
+        exact = [alone_states(exact_model, plain_inputs(processor, [chat], images), layer_ids) for chat in compared]
+        del exact_model
+        torch.cuda.empty_cache() if device.type == "cuda" else None
     cfg = BenchConfig(model=str(model_dir), device=args.device, dtype="bfloat16", layers=layer_ids,
                       storage=str(storage), compile=args.compile)
     parts["d images"] = run_queue(cfg, [], layer_ids, storage / "d-images", jobs=chats, images_root=images)
@@ -263,12 +270,12 @@ def main() -> None:
         "shape": args.shape, "layer_ids": layer_ids, "compile": args.compile, "conversations": len(chats),
         "tokens_per_conversation": parts["d images"].tokens / len(chats),
         "parts": {key: vars(part) for key, part in parts.items()},
-        "ratios": {"d images / p": speed["d images"] / speed["p"],
+        "ratios": {**({"d images / p": speed["d images"] / speed["p"]} if "p" in speed else {}),
                    "d images / d text": speed["d images"] / speed["d text"]},
         "relative_error_vs_fp32_per_layer": {"plain HF bf16 alone": worst_per_layer(list(zip(plain_bf16, exact))),
                                              "layertap bf16 (queue)": worst_per_layer(
                                                  [(file["hidden_states"].float(), states)
-                                                  for file, states in zip(queued, exact)])},
+                                                  for file, states in zip(queued, exact)])} if compared else {},
         "compared_conversations": len(queued), "compared_token_counts_match": all(same_tokens),
     }
     print(json.dumps({key: report[key] for key in ("ratios", "relative_error_vs_fp32_per_layer",
