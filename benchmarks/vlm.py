@@ -23,8 +23,9 @@ placeholders expanded):
    root, the worker's own processor and batching); its first ``--compare`` files against fp32;
 6. **d text**: the queue with token-id jobs of the same lengths (the text-only figure).
 
-Prints a table and writes JSON. ``--queue-only`` runs steps 1, 2, 5 and 6 alone. ``--shape qwen2.5-vl-tiny --device cpu --conversations 16
---image-tokens 16 --text-tokens 40`` is a smoke test on any machine.
+Prints a table and writes JSON. ``--queue-only`` runs steps 1, 2, 5 and 6 alone.
+``--shape qwen2.5-vl-tiny --device cpu --conversations 16 --image-tokens 16 --text-tokens 40`` is a
+smoke test on any machine.
 """
 
 from __future__ import annotations
