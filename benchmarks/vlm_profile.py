@@ -8,7 +8,8 @@
    torchvision one, also its ``device=`` form (the image processed on the GPU);
 2. **forward**: one batch of ``--batch`` chats through ``layertap.worker.engine.runner.run_with_images``
    (vision tower, merging, M-RoPE, language model; with its logits, which a worker's capture
-   stops before) and the vision tower alone, each with the
+   stops before) and the vision tower alone (on all images at once, and one image at a time as a
+   worker runs it, with the host time to issue that), each with the
    vision tower's varlen flash attention (``layertap.worker.model.vision_attention``) and with
    transformers' per-window SDPA; the tower's outputs of the two compared;
 3. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
@@ -20,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import time
@@ -34,7 +36,8 @@ from vlm import conversations, template_chat, write_model
 from layertap.worker.bench.measure import sync
 from layertap.worker.engine.runner import run_with_images
 from layertap.worker.model.image_inputs import staged_inputs
-from layertap.worker.model.loading import load_model, transformers_attention
+from layertap.worker.model.image_towers import one_image_at_a_time
+from layertap.worker.model.loading import compile_decoder_layers, load_model, transformers_attention
 from layertap.worker.model.processors import load_processor
 from layertap.worker.model.vision_attention import vision_attention
 
@@ -78,12 +81,16 @@ def main() -> None:
     parser.add_argument("--image-tokens", type=int, default=1000)
     parser.add_argument("--text-tokens", type=int, default=480)
     parser.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
+    parser.add_argument("--compile", action="store_true", help="decoder layers and vision blocks compiled, "
+                                                               "as a worker's --compile")
     args = parser.parse_args()
     from layertap.worker.model.loading import resolve_device
 
     device = resolve_device(args.device)
     model_dir = write_model(args.shape, args.folder / args.shape, device)
     loaded = load_model(str(model_dir), device=str(device), dtype="bfloat16")
+    if args.compile:
+        compile_decoder_layers(loaded)
     processor, problem = load_processor(loaded.model, str(model_dir), None, False)
     assert processor is not None, problem
     report: dict[str, Any] = {"device": str(device), "shape": args.shape,
@@ -135,15 +142,29 @@ def main() -> None:
         with torch.inference_mode():
             run_with_images(loaded, input_ids, inputs)
 
-    def tower(name: str | None) -> Any:
-        with torch.inference_mode(), transformers_attention(loaded), vision_attention(loaded.model, name):
+    def tower(name: str | None, per_image: bool = False) -> Any:
+        with (torch.inference_mode(), transformers_attention(loaded), vision_attention(loaded.model, name),
+              one_image_at_a_time(loaded.model) if per_image else contextlib.nullcontext()):
             return visual(pixels, grid_thw=grid).pooler_output
+
+    def host_ms(step: Any) -> float:
+        """Milliseconds the host takes to issue ``step()`` (no sync inside): near the device time, the
+        step is launch-bound."""
+        sync(device)
+        start = time.perf_counter()
+        step()
+        issued = time.perf_counter() - start
+        sync(device)
+        return 1e3 * issued
 
     forwards = {"tokens": int(sum(len(p["input_ids"]) for p in batch)), "patches": int(pixels.shape[0])}
     for label, name in [("per-window SDPA", None)] + ([("vision varlen flash", chosen)] if chosen else []):
         loaded.vision_attention = name
         forwards[f"batch ms ({label})"] = 1e3 * timed(device, forward)
         forwards[f"tower ms ({label})"] = 1e3 * timed(device, lambda: tower(name))
+        forwards[f"tower ms ({label}, one image at a time as the worker runs it)"] = 1e3 * timed(
+            device, lambda: tower(name, per_image=True))
+        forwards[f"tower host ms to issue ({label}, one image at a time)"] = host_ms(lambda: tower(name, True))
     loaded.vision_attention = chosen
     if chosen is not None:
         fast, plain = tower(chosen).float(), tower(None).float()
