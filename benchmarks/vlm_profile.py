@@ -144,7 +144,7 @@ def main() -> None:
 
     def tower(name: str | None, per_image: bool = False) -> Any:
         with (torch.inference_mode(), transformers_attention(loaded), vision_attention(loaded.model, name),
-              one_image_at_a_time(loaded.model) if per_image else contextlib.nullcontext()):
+              one_image_at_a_time(loaded.grid_tower) if per_image else contextlib.nullcontext()):
             return visual(pixels, grid_thw=grid).pooler_output
 
     def host_ms(step: Any) -> float:

@@ -415,7 +415,7 @@ def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_
     with torch.inference_mode():
         whole = tower(pixels, grid_thw=grids)
         alone = [tower(image["pixel_values"], grid_thw=image["image_grid_thw"]) for image in images]
-        with one_image_at_a_time(model):
+        with one_image_at_a_time(tower):
             merged = tower(pixels, grid_thw=grids)
     assert "forward" not in tower.__dict__
     fields = ["pooler_output", *(["deepstack_features"] if family == "qwen3-vl" else [])]

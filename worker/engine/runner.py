@@ -100,7 +100,7 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
                   for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
     extras = merge_image_inputs(on_device, input_ids.shape[1])
     with (transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention),
-          one_image_at_a_time(loaded.model)):
+          one_image_at_a_time(loaded.grid_tower)):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
 

@@ -24,7 +24,7 @@ from layertap.worker.engine.errors import EngineError
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.engine.self_check import CheckReport, captured_states, compare_states
 from layertap.worker.job.errors import JobError
-from layertap.worker.job.tokenize import Preparer
+from layertap.worker.job.tokenize import PreparedInput, Preparer
 from layertap.worker.model.image_inputs import one_per_forward
 from layertap.worker.model.loading import LoadedModel, transformers_attention
 
@@ -50,10 +50,15 @@ def probe_job(model: str, size: tuple[int, int], text: str, seed: int) -> Job:
         {"role": "assistant", "content": "A pattern of random coloured dots."}])
 
 
-def probe_chats(preparer: Preparer) -> list:
+def probe_chats(preparer: Preparer) -> list[PreparedInput]:
     """The :data:`PROBES` prepared as jobs are (raises :class:`JobError`)."""
     return [preparer.prepare(probe_job(preparer.loaded.name, size, text, seed))
             for seed, (size, text) in enumerate(PROBES)]
+
+
+def probe_requests(prepared: list[PreparedInput], layer_ids: list[int]) -> list[EngineRequest]:
+    """Engine requests of ``prepared`` probe chats, capturing ``layer_ids``."""
+    return [EngineRequest(torch.tensor(p.token_ids), layer_ids, model_inputs=p.model_inputs) for p in prepared]
 
 
 def warm_up_images(engine: Engine, preparer: Preparer) -> None:
@@ -67,8 +72,7 @@ def warm_up_images(engine: Engine, preparer: Preparer) -> None:
         prepared = probe_chats(preparer)
     except JobError:
         return
-    layer_ids = [engine.loaded.num_layers]
-    requests = [EngineRequest(torch.tensor(p.token_ids), layer_ids, model_inputs=p.model_inputs) for p in prepared]
+    requests = probe_requests(prepared, [engine.loaded.num_layers])
     for future in engine.submit_many(requests, together=True):  # a one-per-forward layout splits them
         future.result().wait().release()
 
@@ -91,14 +95,11 @@ def check_image_batching(engine: Engine, preparer: Preparer) -> CheckReport | No
     except JobError as exc:
         _fall_back(loaded, f"no probe chat for the image self-check could be prepared ({exc.message})")
         return None
-
-    def requests() -> list[EngineRequest]:
-        return [EngineRequest(torch.tensor(p.token_ids), layer_ids, model_inputs=p.model_inputs) for p in prepared]
-
     try:
-        batched = captured_states(engine.submit_many(requests(), together=True))
+        batched = captured_states(engine.submit_many(probe_requests(prepared, layer_ids), together=True))
         with transformers_attention(loaded):
-            alone = [captured_states([engine.submit(request)])[0] for request in requests()]
+            alone = [captured_states([engine.submit(request)])[0]
+                     for request in probe_requests(prepared, layer_ids)]
     except EngineError as exc:
         _fall_back(loaded, f"batched image chats fail on the load-time self-check ({exc})")
         return None

@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layertap.worker.model.image_towers import grid_tower
-
 #: Widths are rounded up to a multiple of this many channels (16-byte aligned in any dtype).
 MULTIPLE = 64
 GATED = ("gate_proj", "up_proj", "down_proj")
@@ -57,10 +55,9 @@ def align_gated_mlps(blocks: nn.ModuleList | list[nn.Module]) -> int:
     return widened
 
 
-def align_tower_mlps(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """:func:`align_gated_mlps` on the blocks of ``model``'s grid tower
-    (``layertap.worker.model.image_towers``) on a GPU in bf16 or fp16; 0 elsewhere."""
-    tower = grid_tower(model)
+def align_tower_mlps(tower: nn.Module | None, device: torch.device, dtype: torch.dtype) -> int:
+    """:func:`align_gated_mlps` on the blocks of a grid ``tower``
+    (``layertap.worker.model.image_towers.grid_tower``) on a GPU in bf16 or fp16; 0 elsewhere."""
     if tower is None or device.type != "cuda" or dtype not in HALF_DTYPES:
         return 0
     return align_gated_mlps(getattr(tower, "blocks", []))

@@ -71,10 +71,9 @@ def merge_tower_outputs(outputs: Sequence[Any]) -> Any:
 
 
 @contextlib.contextmanager
-def one_image_at_a_time(model: nn.Module) -> Iterator[None]:
-    """Within the block, ``model``'s grid tower (:func:`grid_tower`; nothing changes without one)
-    runs each image of a call alone and merges the outputs (:func:`merge_tower_outputs`)."""
-    tower = grid_tower(model)
+def one_image_at_a_time(tower: nn.Module | None) -> Iterator[None]:
+    """Within the block, the grid ``tower`` (:func:`grid_tower`; nothing changes for None) runs
+    each image of a call alone and merges the outputs (:func:`merge_tower_outputs`)."""
     if tower is None:
         yield
         return

@@ -40,8 +40,8 @@ from layertap.worker.model.attention import set_attention
 from layertap.worker.model.batching import ModelRefused, plan_batching
 from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
-from layertap.worker.model.image_inputs import plan_image_batching
 from layertap.worker.model.aligned_mlp import align_tower_mlps
+from layertap.worker.model.image_inputs import plan_image_batching
 from layertap.worker.model.image_towers import grid_tower
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.quant.fp8 import choose_compute
@@ -95,6 +95,7 @@ class LoadedModel:
     image_batching: BatchLayout | None = None  # how chats with images share a forward (``image_inputs``)
     split: ModelSplit | None = None  # a model split over layers into stages (``layertap.worker.model.split``)
     vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
+    grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``image_towers``), found once
 
     @property
     def architecture(self) -> str:
@@ -325,7 +326,8 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
     vision = choose_vision_attention(model, parameter.device, parameter.dtype)  # before the switch below
     weights = fingerprint or (weights_fingerprint(Path(source)) if Path(source).is_dir()
                               else parameters_fingerprint(model))
-    align_tower_mlps(model, parameter.device, parameter.dtype)  # the same function, on Hopper's kernels
+    tower = grid_tower(model)
+    align_tower_mlps(tower, parameter.device, parameter.dtype)  # the same function, on Hopper's kernels
     if plan.attention is not None:
         set_attention(model, plan.attention)
     vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -338,7 +340,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         hidden_size=hidden_size, vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
         weights_fingerprint=weights,
-        capture=capture, vision_attention=vision,
+        capture=capture, vision_attention=vision, grid_tower=tower,
     )
 
 
@@ -373,8 +375,7 @@ def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> No
     (``eager`` traces the graphs without generating code, as the tests of their breaks do).
     A VLM's grid tower (``layertap.worker.model.image_towers``) has its blocks compiled the same
     way (its attention call stays eager); the image self-check's forwards compile them."""
-    tower = grid_tower(loaded.model)
-    for layer in [*loaded.layers, *getattr(tower, "blocks", [])]:
+    for layer in [*loaded.layers, *getattr(loaded.grid_tower, "blocks", [])]:
         if hasattr(layer, "_old_forward"):  # accelerate's hook calls it
             layer._old_forward = torch.compile(layer._old_forward, dynamic=True, backend=backend)
         else:
