@@ -9,9 +9,10 @@
 2. **forward**: one batch of ``--batch`` chats through ``layertap.worker.engine.runner.run_with_images``
    (vision tower, merging, M-RoPE, language model; with its logits, which a worker's capture
    stops before) and the vision tower alone (on all images at once, and one image at a time as a
-   worker runs it, with the host time to issue that), each with the
-   vision tower's varlen flash attention (``layertap.worker.model.vision_attention``) and with
-   transformers' per-window SDPA; the tower's outputs of the two compared;
+   worker runs it, with its grid on the host, and the host time to issue that), each with the
+   vision tower's varlen flash attention (``layertap.worker.model.vision_attention``) and, without
+   ``--compile``, with transformers' per-window SDPA; the tower's outputs of the two compared;
+   On a GPU, also where one batch's forward waits on the device (torch's sync debug mode).
 3. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
    by device time and the top operators by host time.
 
@@ -25,6 +26,7 @@ import contextlib
 import io
 import json
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from vlm import conversations, template_chat, write_model
 from layertap.worker.bench.measure import sync
 from layertap.worker.engine.runner import run_with_images
 from layertap.worker.model.image_inputs import staged_inputs
-from layertap.worker.model.image_towers import one_image_at_a_time
+from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.loading import compile_decoder_layers, load_model, transformers_attention
 from layertap.worker.model.processors import load_processor
 from layertap.worker.model.vision_attention import vision_attention
@@ -134,18 +136,33 @@ def main() -> None:
     input_ids = input_ids.to(device)
     inputs = [chat["inputs"] for chat in batch]
     pixels = torch.cat([chat["pixel_values"] for chat in inputs]).to(device)
-    grid = torch.cat([chat["image_grid_thw"] for chat in inputs]).to(device)
+    host_grid = torch.cat([chat["image_grid_thw"] for chat in inputs])
+    grid = host_grid.to(device)
+    # as run_with_images gives it: on the host where the tower takes its grid's inputs from there
+    worker_grid = host_grid if takes_host_inputs(loaded.grid_tower) else grid
     visual = loaded.model.model.visual
     chosen = loaded.vision_attention
 
     def forward() -> None:
         with torch.inference_mode():
-            run_with_images(loaded, input_ids, inputs)
+            run_with_images(loaded, input_ids, [chat["input_ids"] for chat in batch], inputs)
 
     def tower(name: str | None, per_image: bool = False) -> Any:
         with (torch.inference_mode(), transformers_attention(loaded), vision_attention(loaded.model, name),
               one_image_at_a_time(loaded.grid_tower) if per_image else contextlib.nullcontext()):
-            return visual(pixels, grid_thw=grid).pooler_output
+            return visual(pixels, grid_thw=worker_grid if per_image else grid).pooler_output
+
+    def syncs(step: Any) -> list[str]:
+        """Where ``step()`` synchronizes with the device: one line per sync (torch's sync debug mode)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [str(warning.message).splitlines()[0] for warning in caught
+                if "synchroniz" in str(warning.message)]
 
     def host_ms(step: Any) -> float:
         """Milliseconds the host takes to issue ``step()`` (no sync inside): near the device time, the
@@ -158,7 +175,10 @@ def main() -> None:
         return 1e3 * issued
 
     forwards = {"tokens": int(sum(len(p["input_ids"]) for p in batch)), "patches": int(pixels.shape[0])}
-    for label, name in [("per-window SDPA", None)] + ([("vision varlen flash", chosen)] if chosen else []):
+    # Compiled blocks would retrace transformers' per-window split for every window length: that
+    # comparison runs uncompiled only.
+    attentions = [] if args.compile and chosen else [("per-window SDPA", None)]
+    for label, name in attentions + ([("vision varlen flash", chosen)] if chosen else []):
         loaded.vision_attention = name
         forwards[f"batch ms ({label})"] = 1e3 * timed(device, forward)
         forwards[f"tower ms ({label})"] = 1e3 * timed(device, lambda: tower(name))
@@ -166,11 +186,15 @@ def main() -> None:
             device, lambda: tower(name, per_image=True))
         forwards[f"tower host ms to issue ({label}, one image at a time)"] = host_ms(lambda: tower(name, True))
     loaded.vision_attention = chosen
-    if chosen is not None:
+    if device.type == "cuda":
+        lines = syncs(forward)
+        forwards["device syncs in one batch's forward"] = len(lines)
+        forwards["where (first 12)"] = lines[:12]
+    if chosen is not None and attentions:
         fast, plain = tower(chosen).float(), tower(None).float()
         forwards["tower output relative difference (flash vs per-window SDPA)"] = float(
             (fast - plain).norm() / plain.norm())
-    batch_ms = forwards.get("batch ms (vision varlen flash)", forwards["batch ms (per-window SDPA)"])
+    batch_ms = forwards.get("batch ms (vision varlen flash)") or forwards["batch ms (per-window SDPA)"]
     forwards["tokens_per_s (forward alone)"] = forwards["tokens"] / (batch_ms / 1e3)
     forwards["processing share of a chat's time (one thread)"] = serial / (serial + batch_ms / 1e3 / len(batch))
     report["forward"] = forwards

@@ -430,6 +430,58 @@ def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_
             assert torch.allclose(tensor, batched, rtol=TOLERANCE, atol=TOLERANCE), (field, level)
 
 
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_a_tower_given_its_grid_s_host_inputs_never_reads_the_grid(family, tmp_path):
+    """Every grid tower takes what it derives from an image's grid (positions, bounds,
+    windows on Qwen2.5-VL, position-embedding taps on Qwen3-VL and Qwen3.5) from
+    ``host_tower_inputs``: handed them with a grid on the meta device (which has no values:
+    any use of them fails), it returns, bit for bit, what it returns from the real grid alone."""
+    from tests.support.vlm import load_reference
+    from layertap.worker.model.image_towers import grid_tower, host_tower_inputs, takes_host_inputs
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    tower = grid_tower(load_reference(str(model_dir)))
+    assert takes_host_inputs(tower)
+    for size in [(40, 24), (90, 20)]:  # 90x20: partial windows on Qwen2.5-VL
+        image = reference_inputs(family, model_dir, size)
+        pixels, grid = image["pixel_values"], image["image_grid_thw"]
+        with torch.inference_mode():
+            expected = tower(pixels, grid_thw=grid)
+            got = tower(pixels, grid_thw=grid.to("meta"), **host_tower_inputs(tower, grid, torch.device("cpu")))
+        assert torch.equal(got.pooler_output, expected.pooler_output), size
+        for level, tensor in enumerate(getattr(expected, "deepstack_features", None) or []):
+            assert torch.equal(got.deepstack_features[level], tensor), (size, level)
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_path):
+    """``host_rope_positions`` of a right-padded batch of chats with images of different sizes
+    gives each chat's real tokens the positions the model's own forward numbers for that
+    chat alone (its ``compute_3d_position_ids``), on the host."""
+    from tests.support.vlm import load_reference
+    from layertap.worker.model.image_inputs import host_rope_positions, rope_index_module
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    model = load_reference(str(model_dir))
+    owner = rope_index_module(model)
+    assert owner is model.model
+    chats = [reference_inputs(family, model_dir, size) for size in [(40, 24), (28, 28), (90, 20)]]
+    token_ids = [chat["input_ids"][0] for chat in chats]
+    width = max(len(ids) for ids in token_ids) + 3
+    fields = [{name: chat[name] for name in ("mm_token_type_ids", "image_grid_thw")} for chat in chats]
+    positions = host_rope_positions(owner, token_ids, fields, width)
+    assert positions is not None and positions.device.type == "cpu" and positions.shape == (3, len(chats), width)
+    shared = []
+    for row, chat in enumerate(chats):
+        alone = owner.compute_3d_position_ids(input_ids=chat["input_ids"], image_grid_thw=chat["image_grid_thw"],
+                                              video_grid_thw=None, inputs_embeds=None, attention_mask=None,
+                                              cache=None, mm_token_type_ids=chat["mm_token_type_ids"])
+        length = len(token_ids[row])
+        assert torch.equal(positions[:, row, :length], alone[:, 0]), row
+        shared.append(len(set(alone[0, 0].tolist())) < length)
+    assert any(shared)  # an image of several tokens shares its temporal position: M-RoPE, not 0..T-1
+
+
 def test_a_tower_mlp_widened_to_an_aligned_width_computes_the_same_function():
     """Qwen2.5-VL's tower MLPs (3,420 wide in every size; 36 here) widened with zero channels to
     a multiple of 64, as the loader does on a GPU in bf16: the tower's output is the same (fp32,

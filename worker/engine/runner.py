@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -24,12 +25,14 @@ from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, 
 from layertap.worker.engine.teacher import TeacherHead
 from layertap.worker.model.capture import StopForward
 from layertap.worker.model.batching import layout_class
-from layertap.worker.model.image_inputs import merge_image_inputs
-from layertap.worker.model.image_towers import one_image_at_a_time
-from layertap.worker.model.layouts.base import BatchLayout
+from layertap.worker.model.image_inputs import host_rope_positions, merge_image_inputs
+from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
+from layertap.worker.model.layouts.base import BatchLayout, to_device
 from layertap.worker.model.loading import LoadedModel, transformers_attention
 from layertap.worker.model.vision_attention import vision_attention
 
+#: Processor outputs left on the host for a grid tower that takes its inputs there (``image_towers``).
+HOST_GRID = frozenset({"image_grid_thw"})
 #: The layout of chats with images on a model that names none: one per forward.
 IMAGE_BATCH = layout_class("single")("a chat with images runs alone through the model's own forward")
 
@@ -86,19 +89,30 @@ class DeviceClock:
                 self._busy_s += start.elapsed_time(end) / 1000.0
 
 
-def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor,
+def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Sequence[torch.Tensor],
                     model_inputs: list[dict[str, torch.Tensor]]) -> None:
-    """Chats with images (``input_ids`` ``[B, T]`` right-padded, each chat's processor outputs in
-    batch order) through the model's own ``forward`` (vision tower, merging, its own
-    positions such as M-RoPE, its own masks), on the attention implementation transformers
-    chose for it (a vision tower that cuts its patches by ``cu_seqlens``: one varlen flash
-    call per layer on a GPU, ``layertap.worker.model.vision_attention``), such a tower one image
-    at a time (``layertap.worker.model.image_towers``): the capture hooks see what enters each
-    decoder layer."""
+    """Chats with images (``input_ids`` ``[B, T]`` right-padded from each chat's ``token_ids``,
+    each chat's processor outputs in batch order) through the model's own ``forward`` (vision
+    tower, merging, its own positions such as M-RoPE, its own masks), on the attention
+    implementation transformers chose for it (a vision tower that cuts its patches by
+    ``cu_seqlens``: one varlen flash call per layer on a GPU,
+    ``layertap.worker.model.vision_attention``), such a tower one image at a time
+    (``layertap.worker.model.image_towers``): the capture hooks see what enters each decoder layer.
+
+    What the model derives from the image grids (M-RoPE positions, the tower's positions and
+    bounds) is computed on the host by its own functions where it can be, and the grid stays
+    there: the forward then takes no device sync before its placeholder check, and the host
+    can queue a batch's tower while the GPU still runs the one before."""
     device = loaded.device
-    on_device = [{name: value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
+    on_host = HOST_GRID if takes_host_inputs(loaded.grid_tower) else frozenset()
+    on_device = [{name: value if name in on_host else
+                  value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
                   for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
     extras = merge_image_inputs(on_device, input_ids.shape[1])
+    if loaded.rope_index is not None:
+        positions = host_rope_positions(loaded.rope_index, token_ids, model_inputs, input_ids.shape[1])
+        if positions is not None:
+            extras["position_ids"] = to_device(positions, device)
     with (transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention),
           one_image_at_a_time(loaded.grid_tower)):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
@@ -149,7 +163,8 @@ class BatchRunner:
                                          rows=inputs.rows) as (staging, final)):
                 try:
                     if images:
-                        run_with_images(loaded, inputs.input_ids, [request.model_inputs for request in batch])
+                        run_with_images(loaded, inputs.input_ids, [request.token_ids for request in batch],
+                                        [request.model_inputs for request in batch])
                     else:
                         inputs.run(loaded.decoder)
                 except StopForward:

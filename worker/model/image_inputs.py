@@ -92,6 +92,35 @@ def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int) ->
     return merged
 
 
+#: The processor outputs a model's ``get_rope_index`` numbers an image chat's M-RoPE positions from.
+ROPE_FIELDS = ("mm_token_type_ids", "image_grid_thw")
+
+
+def rope_index_module(model: nn.Module) -> nn.Module | None:
+    """The module of ``model`` whose ``get_rope_index`` numbers its multimodal rotary positions
+    (the Qwen VL families, Qwen3.5), else None."""
+    for module in model.modules():
+        if callable(getattr(module, "get_rope_index", None)):
+            return module
+    return None
+
+
+def host_rope_positions(owner: nn.Module, token_ids: Sequence[torch.Tensor],
+                        inputs: Sequence[dict[str, torch.Tensor]], width: int) -> torch.Tensor | None:
+    """The M-RoPE ``position_ids`` of a batch (``token_ids`` right-padded with 0 to ``width``,
+    each chat's processor outputs in batch order) computed on the host by the model's own
+    ``get_rope_index`` with the arguments its forward gives it (no attention mask): the same
+    integers, with none of the device syncs its per-row loop takes on a GPU. None where a chat
+    lacks a :data:`ROPE_FIELDS` field (the model then numbers them itself)."""
+    if not all(name in chat for chat in inputs for name in ROPE_FIELDS):
+        return None
+    ids = torch.zeros(len(token_ids), width, dtype=torch.long)
+    for row, chat_ids in enumerate(token_ids):
+        ids[row, :chat_ids.shape[0]] = chat_ids
+    fields = merge_image_inputs([{name: chat[name].cpu() for name in ROPE_FIELDS} for chat in inputs], width)
+    return owner.get_rope_index(ids, **fields)[0]
+
+
 #: What a file's states of an image chat are (``fileformat.MetaKey.IMAGE_FEATURES``).
 CAPTURED = "what enters each decoder layer, after the model's own additions; the last id: the last layer's output"
 

@@ -13,17 +13,26 @@ launches per block and keeps the tower's own code; the language model still runs
 Invariant: the merged output is what the tower returns for the whole batch, up to those last
 bits: every tensor field concatenated along dim 0 in image order, every sequence field (one
 tensor per level: deepstack features, hidden states) concatenated level by level.
+
+Given its grid on the host, the tower also gets every quantity it derives from the grid
+(rotary positions, sequence and window bounds, position-embedding taps: :func:`host_tower_inputs`)
+computed there by transformers' own helpers and copied without a sync: computed from a grid
+on the GPU, each takes one or more device syncs per image (``.tolist()``, ``.item()``), which
+drain the GPU's queue and leave it idle while the host issues the next kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from layertap.worker.model.layouts.base import to_device
 
 
 def vision_module(model: nn.Module, parameter: str) -> nn.Module | None:
@@ -51,6 +60,50 @@ def _parameters(module: nn.Module) -> set[str]:
         return set()
 
 
+def takes_host_inputs(tower: nn.Module | None) -> bool:
+    """Whether :func:`host_tower_inputs` covers ``tower``: its module derives everything from
+    the grid through transformers' ``vision_utils`` helpers, which take precomputed values."""
+    if tower is None:
+        return False
+    try:
+        from transformers import vision_utils
+    except ImportError:  # a transformers before the helpers: the tower derives them itself
+        return False
+    module = sys.modules[type(tower).__module__]
+    return getattr(module, "get_vision_position_ids", None) is vision_utils.get_vision_position_ids
+
+
+def host_tower_inputs(tower: nn.Module, grid_thw: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """What ``tower`` (:func:`takes_host_inputs`) derives from ``grid_thw``, computed from it on
+    the host by the helpers its forward calls, with the same arguments, and put on ``device``
+    without a sync (pinned, asynchronous): the keyword arguments under which those helpers
+    return them instead of computing them."""
+    from transformers import vision_utils
+
+    config = tower.config
+    grid = grid_thw.cpu()
+    cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+    inputs: dict[str, Any] = {
+        "position_ids": vision_utils.get_vision_position_ids(grid, tower.spatial_merge_size),
+        "cu_seqlens": cu_seqlens, "max_seqlen": _longest(cu_seqlens)}
+    if hasattr(tower, "fullatt_block_indexes"):  # Qwen2.5-VL's windowed blocks
+        window_index, cu_window_seqlens = vision_utils.get_vision_window_index(
+            grid, spatial_merge_size=tower.spatial_merge_size, window_size=tower.window_size,
+            patch_size=tower.patch_size)
+        inputs |= {"window_index": window_index, "cu_window_seqlens": cu_window_seqlens,
+                   "max_window_seqlen": _longest(cu_window_seqlens)}
+    if hasattr(tower, "num_grid_per_side"):  # Qwen3-VL's interpolated position embeddings
+        inputs["interp_indices"], inputs["interp_weights"] = vision_utils.get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+            align_corners=tower.interpolation_align_corners, spatial_merge_size=config.spatial_merge_size)
+    return {name: to_device(value, device) if isinstance(value, torch.Tensor) else value
+            for name, value in inputs.items()}
+
+
+def _longest(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def merge_tower_outputs(outputs: Sequence[Any]) -> Any:
     """One output from each image's (see the module's invariant); a plain tensor output is
     concatenated. Raises TypeError for a field of any other kind."""
@@ -73,18 +126,26 @@ def merge_tower_outputs(outputs: Sequence[Any]) -> Any:
 @contextlib.contextmanager
 def one_image_at_a_time(tower: nn.Module | None) -> Iterator[None]:
     """Within the block, the grid ``tower`` (:func:`grid_tower`; nothing changes for None) runs
-    each image of a call alone and merges the outputs (:func:`merge_tower_outputs`)."""
+    each image of a call alone and merges the outputs (:func:`merge_tower_outputs`). A grid on
+    the host (where :func:`takes_host_inputs`) brings each image its :func:`host_tower_inputs`."""
     if tower is None:
         yield
         return
     own = tower.__dict__.get("forward")  # an instance forward (accelerate's, a compiled one) stays in place
     forward = tower.forward
 
+    on_host = takes_host_inputs(tower)
+
+    def alone(pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
+        if on_host and grid_thw.device.type == "cpu":
+            kwargs |= host_tower_inputs(tower, grid_thw, pixel_values.device)
+        return forward(pixel_values, grid_thw=grid_thw, **kwargs)
+
     def per_image(pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
         if grid_thw.shape[0] == 1:
-            return forward(pixel_values, grid_thw=grid_thw, **kwargs)
-        patches = grid_thw.prod(-1).tolist()
-        return merge_tower_outputs([forward(chunk, grid_thw=grid_thw[index:index + 1], **kwargs)
+            return alone(pixel_values, grid_thw, **kwargs)
+        patches = grid_thw.prod(-1).tolist()  # a device grid: one sync
+        return merge_tower_outputs([alone(chunk, grid_thw[index:index + 1], **kwargs)
                                     for index, chunk in enumerate(pixel_values.split(patches))])
 
     tower.forward = per_image

@@ -41,7 +41,7 @@ from layertap.worker.model.batching import ModelRefused, plan_batching
 from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
 from layertap.worker.model.aligned_mlp import align_tower_mlps
-from layertap.worker.model.image_inputs import plan_image_batching
+from layertap.worker.model.image_inputs import plan_image_batching, rope_index_module
 from layertap.worker.model.image_towers import grid_tower
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.quant.fp8 import choose_compute
@@ -96,6 +96,7 @@ class LoadedModel:
     split: ModelSplit | None = None  # a model split over layers into stages (``layertap.worker.model.split``)
     vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
     grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``image_towers``), found once
+    rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``image_inputs``), found once
 
     @property
     def architecture(self) -> str:
@@ -340,7 +341,7 @@ def describe(model: nn.Module, tokenizer: Any | None, *, name: str, source: str,
         hidden_size=hidden_size, vocab_size=vocab_size, device=parameter.device, dtype=parameter.dtype,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), batching=plan, native_attention=native_attention,
         weights_fingerprint=weights,
-        capture=capture, vision_attention=vision, grid_tower=tower,
+        capture=capture, vision_attention=vision, grid_tower=tower, rope_index=rope_index_module(model),
     )
 
 

@@ -12,7 +12,11 @@ both bidirectional within a sequence and blind across sequences:
 
 * on a GPU that runs flash attention (bf16/fp16, compute capability 8.0+): one
   non-causal variable-length flash call (aten's ``_flash_attention_forward``, as
-  ``layertap.worker.model.attention`` does for text), the boundaries as given;
+  ``layertap.worker.model.attention`` does for text), the boundaries as given, wrapped as the
+  custom op ``layertap::vision_varlen_flash`` so that a compiled tower block
+  (``compile_decoder_layers``) holds it in its graph instead of breaking around it (a break
+  costs two more compiled regions to enter per block and image: host time that outran the
+  GPU on an H200);
 * otherwise exactly what transformers does under ``"sdpa"``: the same split, the same
   ``sdpa_attention_forward`` call per sequence, the same concatenation (the same numbers).
 
@@ -30,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from layertap.worker.model.attention import varlen_flash_usable
 from layertap.worker.model.image_towers import vision_module
 
 #: Contains "flash": what makes the towers pass ``cu_seq_lens_q`` (see the module docstring).
@@ -40,7 +43,48 @@ REPLACED = "sdpa"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
+@torch.library.custom_op("layertap::vision_varlen_flash", mutates_args=())
+def vision_varlen_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_seqlen: int, scale: float) -> torch.Tensor:
+    """Non-causal flash attention within each sequence ``cu_seqlens`` bounds: ``[T, heads, dim]``
+    in and out (the last dim contiguous)."""
+    return torch.ops.aten._flash_attention_forward(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                                   0.0, False, False, scale=scale)[0]
+
+
+@vision_varlen_flash.register_fake
+def _vision_varlen_flash_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                               max_seqlen: int, scale: float) -> torch.Tensor:
+    return query.new_empty(query.shape)
+
+
+def _flash_takes(query: torch.Tensor) -> bool:
+    """Whether the flash kernel takes ``query`` (device, dtype, head size); the card's
+    capability is checked once, by :func:`choose_vision_attention`."""
+    return (query.is_cuda and query.dtype in FLASH_DTYPES and query.shape[-1] % 8 == 0
+            and query.shape[-1] <= 256)
+
+
 @torch.compiler.disable
+def _per_sequence_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cu_seq_lens_q: torch.Tensor, **options: Any) -> torch.Tensor:
+    """What the tower does under ``"sdpa"``: SDPA on each sequence alone, concatenated."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    splits = [torch.split(tensor, lengths, dim=2) for tensor in (query, key, value)]
+    outputs = [ALL_ATTENTION_FUNCTIONS[REPLACED](module, q, k, v, **options)[0] for q, k, v in zip(*splits)]
+    return torch.cat(outputs, dim=1)
+
+
+@torch.compiler.disable
+def _whole_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                **options: Any) -> tuple[torch.Tensor, Any]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[REPLACED](module, query, key, value, **options)
+
+
 def vision_varlen_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -57,25 +101,19 @@ def vision_varlen_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``query``/``key``/``value`` ``[1, heads, T, dim]`` holding the sequences that
-    ``cu_seq_lens_q`` bounds (int32 ``[n + 1]``); returns ``[1, T, heads, dim]``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    sdpa_attention_forward = ALL_ATTENTION_FUNCTIONS[REPLACED]  # what the tower calls under "sdpa"
+    ``cu_seq_lens_q`` bounds (int32 ``[n + 1]``); returns ``[1, T, heads, dim]``. Traceable by
+    ``torch.compile`` on the flash path (``max_length_q`` a Python int, as the towers pass it)."""
     options = dict(attention_mask=attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     if cu_seq_lens_q is None:  # an attention that names no sequences: plain SDPA over all of it
-        return sdpa_attention_forward(module, query, key, value, **options)
-    if (varlen_flash_usable(query) and attention_mask is None and not is_causal and not dropout
+        return _whole_sdpa(module, query, key, value, **options)
+    if (_flash_takes(query) and attention_mask is None and not is_causal and not dropout
             and cu_seq_lens_k is cu_seq_lens_q and query.shape == key.shape == value.shape
             and max_length_q is not None and cu_seq_lens_q.dtype == torch.int32):
         # [1, H, T, D] -> [T, H, D]: views of what the tower transposed from [T, H, D].
         q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
-        output = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens_q, cu_seq_lens_q, int(max_length_q),
-                                                         int(max_length_q), 0.0, False, False, scale=scaling)[0]
-        return output[None], None
-    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
-    splits = [torch.split(tensor, lengths, dim=2) for tensor in (query, key, value)]
-    outputs = [sdpa_attention_forward(module, q, k, v, **options)[0] for q, k, v in zip(*splits)]
-    return torch.cat(outputs, dim=1), None
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return vision_varlen_flash(q, k, v, cu_seq_lens_q, int(max_length_q), float(scale))[None], None
+    return _per_sequence_sdpa(module, query, key, value, cu_seq_lens_q, **options), None
 
 
 def register() -> None:
@@ -94,11 +132,14 @@ def vision_config(model: nn.Module) -> Any | None:
 
 def choose_vision_attention(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     """:data:`VISION_ATTENTION_NAME` for ``model``'s vision tower where it pays (a tower that
-    takes ``cu_seqlens``, on a GPU, in bf16/fp16, whose implementation is ``"sdpa"``), else
+    takes ``cu_seqlens``, on a GPU of compute capability 8.0+, in bf16/fp16, whose
+    implementation is ``"sdpa"``), else
     None (the tower keeps transformers' choice). Call before any whole-model switch."""
     config = vision_config(model)
     if config is None or device.type != "cuda" or dtype not in FLASH_DTYPES:
         return None
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+        return None  # a card older than Ampere: no flash kernel
     if getattr(config, "_attn_implementation", None) != REPLACED:
         return None
     register()
