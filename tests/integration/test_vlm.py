@@ -453,6 +453,34 @@ def test_a_tower_given_its_grid_s_host_inputs_never_reads_the_grid(family, tmp_p
             assert torch.equal(got.deepstack_features[level], tensor), (size, level)
 
 
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_a_compiled_grid_tower_is_compiled_whole_and_gives_the_same_features(family, tmp_path):
+    """``--compile`` on a grid tower that takes its grid's inputs from the host compiles its
+    whole forward (dynamo's graphs, run by the eager backend here: no code generation) and
+    leaves its blocks alone; within ``one_image_at_a_time``, with the grid on the host, each
+    image's features are bit for bit the uncompiled tower's, for images of several sizes."""
+    from layertap.worker.model.image_towers import one_image_at_a_time
+    from layertap.worker.model.loading import compile_decoder_layers
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    loaded = load_model(str(model_dir), device="cpu", dtype="float32")
+    tower = loaded.grid_tower
+    images = [reference_inputs(family, model_dir, size) for size in [(40, 24), (90, 20), (56, 84)]]
+    pixels = torch.cat([image["pixel_values"] for image in images])
+    grids = torch.cat([image["image_grid_thw"] for image in images])
+
+    def features() -> torch.Tensor:
+        with torch.inference_mode(), one_image_at_a_time(tower):
+            return tower(pixels, grid_thw=grids).pooler_output
+
+    expected = features()
+    torch._dynamo.reset()
+    compile_decoder_layers(loaded, backend="eager")
+    assert "forward" in tower.__dict__ and not any("forward" in block.__dict__ for block in tower.blocks)
+    assert torch.equal(features(), expected)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("family", QWEN_FAMILIES)
 def test_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_path):
     """``host_rope_positions`` of a right-padded batch of chats with images of different sizes

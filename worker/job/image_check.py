@@ -63,7 +63,7 @@ def probe_requests(prepared: list[PreparedInput], layer_ids: list[int]) -> list[
 
 def warm_up_images(engine: Engine, preparer: Preparer) -> None:
     """Run the probe chats once together through ``engine``, as the worker's own image batches
-    run (after ``--compile``: its vision blocks and the decoder under the image path's attention
+    run (after ``--compile``: its vision tower and the decoder under the image path's attention
     compile here, not in the first jobs' batch; measured on an H200: 17 s). Nothing where the
     model serves no image chats or no probe can be prepared (the self-check said why)."""
     if engine.loaded.processor is None or engine.loaded.image_batching is None:
