@@ -155,8 +155,9 @@ def run_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def private_redis(tmp_path):
-    with RedisServer(data_dir=tmp_path / "redis") as server:
+def private_redis(tmp_path, request):
+    """A private server; parametrized indirectly with a ``redis-server`` path to run that one."""
+    with RedisServer(data_dir=tmp_path / "redis", binary=getattr(request, "param", None)) as server:
         yield server
 
 

