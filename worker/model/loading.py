@@ -42,7 +42,7 @@ from layertap.worker.model.capture import LayerCapture, UncapturableStream, prob
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
 from layertap.worker.model.aligned_mlp import align_tower_mlps
 from layertap.worker.model.image_inputs import plan_image_batching, rope_index_module
-from layertap.worker.model.image_towers import grid_tower, takes_host_inputs
+from layertap.worker.model.image_towers import grid_tower
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.quant.fp8 import choose_compute
 from layertap.worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
@@ -374,14 +374,12 @@ def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> No
     (a split model's: the layer's own forward is compiled, under them). Identical layers
     share one compiled graph; the engine's warm-up pays the compile time. ``backend``: torch's
     (``eager`` traces the graphs without generating code, as the tests of their breaks do).
-    A VLM's grid tower (``layertap.worker.model.image_towers``) that takes its grid's inputs from
-    the host is compiled whole, one graph per image call (its blocks' flash attention a custom
-    op inside it): block by block, entering 32 compiled regions per image took the host longer
-    than the GPU took to run them (an H200, Qwen2.5-VL-7B's tower). Any other grid tower has
-    its blocks compiled (its attention call stays eager). The image warm-up compiles them."""
-    tower = loaded.grid_tower
-    whole = [tower] if takes_host_inputs(tower) else list(getattr(tower, "blocks", []))
-    for layer in [*loaded.layers, *whole]:
+    A VLM's grid tower (``layertap.worker.model.image_towers``) has its blocks compiled the same
+    way, one graph for all of them, its varlen flash attention a custom op inside it (no graph
+    break). Not the whole tower: that unrolls every block into one graph; on an H200
+    (Qwen2.5-VL-7B's 32 blocks) a first forward so compiled had not ended after a minute (17 s
+    with its blocks compiled). The image warm-up compiles them."""
+    for layer in [*loaded.layers, *getattr(loaded.grid_tower, "blocks", [])]:
         if hasattr(layer, "_old_forward"):  # accelerate's hook calls it
             layer._old_forward = torch.compile(layer._old_forward, dynamic=True, backend=backend)
         else:
