@@ -9,8 +9,11 @@ while it ran. :func:`for_server` gives a script as the server takes it: the sheb
 and newer, dropped before. Unflagged on 6.2, a script's writes are refused at maxmemory as any
 write is: what runs at maxmemory needs Redis 7.
 
-Invariant: a script's body (everything after its shebang) is the same on every server. The
-version is asked once per connection pool (``INFO server``).
+Invariant: a script's body (everything after its shebang) is the same on every server. Whether
+the server reads flags is asked once per connection pool, by running a script with a shebang
+(``EVAL``, which every layertap user may run; ``INFO`` is in ACL's ``@dangerous`` category,
+which a restricted user often lacks): a server replaced by an older one under running
+processes needs them restarted.
 """
 
 from __future__ import annotations
@@ -20,19 +23,25 @@ from typing import Any
 
 import redis
 
-#: The first Redis major version that reads a script's flags from its shebang.
-FLAGS_SINCE_MAJOR = 7
+#: A script with a shebang and no flags: Redis 7 and newer run it, 6.2 fails to compile it.
+PROBE = "#!lua\nreturn 1"
 _takes_flags: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def takes_script_flags(client: Any) -> bool:
     """Whether the server behind ``client`` (a ``redis.Redis`` or a pipeline of one) reads
-    script flags: Redis 7.0 or newer."""
+    script flags (Redis 7.0 or newer). Raises what Redis raises when it cannot answer."""
     pool = client.connection_pool
     known = _takes_flags.get(pool)
     if known is None:
-        version = str(redis.Redis(connection_pool=pool).info("server")["redis_version"])
-        known = _takes_flags[pool] = int(version.split(".")[0]) >= FLAGS_SINCE_MAJOR
+        try:
+            redis.Redis(connection_pool=pool).eval(PROBE, 0)
+            known = True
+        except redis.exceptions.ResponseError as exc:
+            if "compiling" not in str(exc):
+                raise
+            known = False
+        _takes_flags[pool] = known
     return known
 
 

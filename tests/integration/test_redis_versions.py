@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from importlib.resources import files
 
+import pytest
 import redis
 
-from layertap.producer.dev.redis_server import embedded_redis_server
+from layertap.producer.dev.redis_server import RedisServer, embedded_redis_server, free_port
 from layertap.producer.transport import ledger
 from layertap.producer.transport.script_flags import for_server, takes_script_flags
 from layertap.worker.queue.lease import RENEW_LEASES
 from layertap.worker.queue.periodic import TAKE_TURN_AT_MAXMEMORY, take_turn
-from tests.support.jobs import SUPPORTED_REDIS
+from tests.support.jobs import REDIS_SERVERS, SUPPORTED_REDIS
 
 
 def flagged_scripts() -> dict[str, str]:
@@ -28,7 +29,7 @@ def flagged_scripts() -> dict[str, str]:
 @SUPPORTED_REDIS
 def test_every_flagged_script_compiles_and_runs_on_the_server(private_redis):
     client = redis.Redis.from_url(private_redis.url, decode_responses=True)
-    major = int(client.info("server")["redis_version"].split(".")[0])
+    major = int(client.info("server")["redis_version"].split(".")[0])  # (the test's user may run INFO)
     assert major == 6 if private_redis.binary == embedded_redis_server() else major >= 7
     assert takes_script_flags(client) == (major >= 7)
     scripts = flagged_scripts()
@@ -49,3 +50,20 @@ def test_every_flagged_script_compiles_and_runs_on_the_server(private_redis):
     pipe.eval(for_server(client, RENEW_LEASES), 1, "leases", 5.0, "tag-1", 6.0, "tag-gone")
     pipe.execute()
     assert client.zrange("leases", 0, -1, withscores=True) == [("tag-1", 5.0)]  # renewed; none added
+
+
+@pytest.mark.parametrize("binary", list(REDIS_SERVERS.values()), ids=list(REDIS_SERVERS))
+def test_a_user_without_dangerous_commands_runs_the_flagged_scripts(binary, tmp_path):
+    """An ACL user of ``+@all -@dangerous`` (no ``INFO``, as managed Redis services often give
+    applications): which scripts the server takes is found all the same."""
+    port = free_port()
+    acl = ["--user", "default", "off", "--user", "app", "on", ">app-pass", "~*", "&*", "+@all", "-@dangerous"]
+    with RedisServer(port, tmp_path / "redis", extra_args=acl, url=f"redis://app:app-pass@127.0.0.1:{port}/0",
+                     binary=binary) as server:
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.info("server")
+        assert takes_script_flags(client) == (binary != embedded_redis_server())
+        assert take_turn(client, "sweep-lock", "node-a", 30, at_maxmemory=True)
+        ledger.cancel(client, "run-a")
+        assert ledger.cancelled_runs(client, ["run-a"]) == {"run-a"}

