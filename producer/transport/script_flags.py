@@ -23,8 +23,9 @@ from typing import Any
 
 import redis
 
-#: A script with a shebang and no flags: Redis 7 and newer run it, 6.2 fails to compile it.
-PROBE = "#!lua\nreturn 1"
+#: A script with a flags line: Redis 7 and newer run it (read-only, so also at maxmemory and on
+#: a replica), 6.2 fails to compile it.
+PROBE = "#!lua flags=no-writes\nreturn 1"
 _takes_flags: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
