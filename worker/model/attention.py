@@ -59,15 +59,26 @@ def _cumulative_lengths(bounds: list[int], device: torch.device) -> torch.Tensor
     return tensor
 
 
+#: The dtypes the flash kernel takes.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
 @functools.lru_cache(maxsize=None)
-def _runs_flash(device: torch.device) -> bool:
+def runs_flash(device: torch.device) -> bool:
+    """Whether the GPU ``device`` runs the flash kernel (compute capability 8.0+)."""
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def flash_takes(query: torch.Tensor) -> bool:
+    """Whether the flash kernel takes this query's device type, dtype and head size (not its
+    card: :func:`runs_flash`). Plain tensor properties: ``torch.compile`` traces it."""
+    return (query.is_cuda and query.dtype in FLASH_DTYPES
+            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256)
 
 
 def varlen_flash_usable(query: torch.Tensor) -> bool:
     """Whether the variable-length flash kernel takes this query (device, dtype, head size)."""
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256 and _runs_flash(query.device))
+    return flash_takes(query) and runs_flash(query.device)
 
 
 class UnsupportedAttention(RuntimeError):

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from layertap.worker.model.attention import FLASH_DTYPES, flash_takes, runs_flash
 from layertap.worker.model.image_towers import vision_module
 
 #: Contains "flash": what makes the towers pass ``cu_seq_lens_q`` (see the module docstring).
 VISION_ATTENTION_NAME = "layertap_vision_varlen_flash"
 #: The only implementation it stands in for (its fallback).
 REPLACED = "sdpa"
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @torch.library.custom_op("layertap::vision_varlen_flash", mutates_args=())
@@ -56,13 +56,6 @@ def vision_varlen_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 def _vision_varlen_flash_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                                max_seqlen: int, scale: float) -> torch.Tensor:
     return query.new_empty(query.shape)
-
-
-def _flash_takes(query: torch.Tensor) -> bool:
-    """Whether the flash kernel takes ``query`` (device, dtype, head size); the card's
-    capability is checked once, by :func:`choose_vision_attention`."""
-    return (query.is_cuda and query.dtype in FLASH_DTYPES and query.shape[-1] % 8 == 0
-            and query.shape[-1] <= 256)
 
 
 @torch.compiler.disable
@@ -102,11 +95,12 @@ def vision_varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """``query``/``key``/``value`` ``[1, heads, T, dim]`` holding the sequences that
     ``cu_seq_lens_q`` bounds (int32 ``[n + 1]``); returns ``[1, T, heads, dim]``. Traceable by
-    ``torch.compile`` on the flash path (``max_length_q`` a Python int, as the towers pass it)."""
+    ``torch.compile`` on the flash path (``max_length_q`` a Python int, as the towers pass it;
+    the card's capability checked once, by :func:`choose_vision_attention`)."""
     options = dict(attention_mask=attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     if cu_seq_lens_q is None:  # an attention that names no sequences: plain SDPA over all of it
         return _whole_sdpa(module, query, key, value, **options)
-    if (_flash_takes(query) and attention_mask is None and not is_causal and not dropout
+    if (flash_takes(query) and attention_mask is None and not is_causal and not dropout
             and cu_seq_lens_k is cu_seq_lens_q and query.shape == key.shape == value.shape
             and max_length_q is not None and cu_seq_lens_q.dtype == torch.int32):
         # [1, H, T, D] -> [T, H, D]: views of what the tower transposed from [T, H, D].
@@ -138,8 +132,8 @@ def choose_vision_attention(model: nn.Module, device: torch.device, dtype: torch
     config = vision_config(model)
     if config is None or device.type != "cuda" or dtype not in FLASH_DTYPES:
         return None
-    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
-        return None  # a card older than Ampere: no flash kernel
+    if torch.cuda.is_available() and not runs_flash(device):
+        return None  # a card older than Ampere
     if getattr(config, "_attn_implementation", None) != REPLACED:
         return None
     register()
