@@ -11,7 +11,7 @@
    stops before) and the vision tower alone (on all images at once, and one image at a time as a
    worker runs it, with its grid on the host, and the host time to issue that), each with the
    vision tower's varlen flash attention (``layertap.worker.model.vision_attention``) and, without
-   ``--compile``, with transformers' per-window SDPA; the tower's outputs of the two compared;
+   ``--compile``, with transformers' per-window SDPA; the tower's outputs of the two compared.
    On a GPU, also where one batch's forward waits on the device (torch's sync debug mode).
 3. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
    by device time and the top operators by host time.
@@ -162,7 +162,7 @@ def main() -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return [str(warning.message).splitlines()[0] for warning in caught
-                if "synchroniz" in str(warning.message)]
+                if "called a synchronizing" in str(warning.message)]  # not the mode's own prototype notice
 
     def host_ms(step: Any) -> float:
         """Milliseconds the host takes to issue ``step()`` (no sync inside): near the device time, the
