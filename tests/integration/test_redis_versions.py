@@ -1,8 +1,7 @@
 """Every Redis the project supports (``SUPPORTED_REDIS``: 7 or newer, and the embedded 6.2).
-Scripts that declare flags (``#!lua flags=allow-oom``)
-are taken as each server takes them (``layertap.producer.transport.script_flags``): Redis 6.2
-refuses the flags line as a syntax error, and had refused every lease renewal, cancel, ledger
-trim and at-maxmemory sweep turn."""
+Scripts that declare flags (``#!lua flags=allow-oom``) are taken as each server takes them
+(``layertap.producer.transport.script_flags``): Redis 6.2 refuses the flags line as a syntax
+error, and had refused every lease renewal, cancel, ledger trim and at-maxmemory sweep turn."""
 
 from __future__ import annotations
 
