@@ -1,9 +1,11 @@
 """The load-time self-check: a few random sequences batched the model's way, against each
 run alone, on the real device and dtype, before the worker takes a job.
 
-"Alone" is one sequence per forward through the attention implementation transformers
-chose for the model (SDPA, or its own), so the check covers packed attention itself too
-(positions, sliding windows, features it lacks), not only state leaking between prompts.
+"Alone" is one sequence per forward as the model runs it by itself: the attention
+implementation transformers chose for it (SDPA, or its own) and the positions it numbers
+itself (``loading.each_sequence_alone``), so the check covers packed attention and packed
+positions too (sliding windows, features it lacks, a model that does not number from 0),
+not only state leaking between prompts.
 Every layer ``0..L`` is compared (per layer: the relative Frobenius error over the
 sequence's tokens). Where the batched states differ beyond the tolerance of its dtype,
 :func:`check_with_fallback` falls back to the layout's next alternative (packed -> padded ->
@@ -29,7 +31,7 @@ from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.errors import EngineError
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.model.batching import ModelRefused, fallback
-from layertap.worker.model.loading import LoadedModel, transformers_attention, use_layout
+from layertap.worker.model.loading import LoadedModel, each_sequence_alone, use_layout
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     try:
         batched = captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
                                                       together=True))
-        with transformers_attention(loaded):
+        with each_sequence_alone(loaded):
             alone = [captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0] for ids in probes]
     except EngineError as exc:
         raise ModelRefused(loaded.architecture, f"its forward fails with {path} batching on the load-time self-check "

@@ -37,7 +37,7 @@ from layertap.producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dt
 from layertap.producer.protocol.fileformat import MetaKey
 from layertap.producer.protocol.layers import eagle3_layer_ids
 from layertap.worker.model.attention import set_attention
-from layertap.worker.model.batching import ModelRefused, plan_batching
+from layertap.worker.model.batching import ModelRefused, layout_class, plan_batching
 from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
 from layertap.worker.model.aligned_mlp import align_tower_mlps
@@ -365,6 +365,22 @@ def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
     finally:
         if switched is not None:
             set_attention(loaded.model, switched)
+
+
+@contextlib.contextmanager
+def each_sequence_alone(loaded: LoadedModel) -> Iterator[None]:
+    """Within the block every text batch is one sequence run as the model runs it by itself:
+    transformers' attention for it (:func:`transformers_attention`), and no ``position_ids``
+    (the one-per-forward layout), so the model numbers the positions itself. That is the
+    self-check's reference: packing passes positions restarting at 0, which a model that
+    numbers its own otherwise (Kosmos-2.5 from its padding id + 1) would not compute."""
+    with transformers_attention(loaded):
+        served = loaded.batching
+        loaded.batching = layout_class("single")("the self-check's reference: each sequence alone")
+        try:
+            yield
+        finally:
+            loaded.batching = served
 
 
 def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> None:
