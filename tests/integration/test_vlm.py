@@ -241,6 +241,19 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     assert not image_rows[1].any()
 
 
+def test_an_internvl_processor_loaded_without_its_video_processor_keeps_its_own_options(tmp_path):
+    """InternVL's processor class needs torchvision (its video processor), so the worker loads
+    it without one; the class's own option in ``processor_config.json`` (``image_seq_length``,
+    image tokens per tile: 1 here) still reaches it, not the class default of 256."""
+    from tests.support.vlm import load_reference
+    from layertap.worker.model.processors import load_processor
+
+    model_dir = add_processor("internvl", build_tiny_vlm("internvl", tmp_path / "model"))
+    processor, problem = load_processor(load_reference(str(model_dir)), str(model_dir), None, False)
+    assert processor is not None, problem
+    assert type(processor).__name__ == "InternVLProcessor" and processor.image_seq_length == 1
+
+
 def test_an_image_path_job_through_the_queue(make_worker, tmp_path):
     """Client -> Redis -> a real worker process serving a Gemma 3 VLM: an image named by a path
     under the images root (both sides' setting) is hashed by the client, read by the worker,
