@@ -168,10 +168,22 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
     """What plain transformers' processor gives the model for the test chat with a ``size``
     image. Qwen's (whose processor class needs torchvision here): its image processor, and
     the template's one ``<|image_pad|>`` repeated once per merged 2x2 patch group, as
-    Qwen's processor does, with ``mm_token_type_ids`` 1 at the image tokens."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    Qwen's processor does, with ``mm_token_type_ids`` 1 at the image tokens. InternVL's (the
+    same): its image processor with the processor class's image options (tiles), and the
+    template's ``<IMG_CONTEXT>`` made ``<img>``, ``image_seq_length`` (the model's config)
+    ``<IMG_CONTEXT>`` per tile, ``</img>``, as InternVL's processor does."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, InternVLProcessor
 
     image = Image.open(io.BytesIO(png_bytes(*size)))
+    if family == "internvl":
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt",
+                                                               **InternVLProcessor.images_kwargs)
+        count = AutoConfig.from_pretrained(model_dir).image_seq_length * len(vision["pixel_values"])
+        text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(
+            "<IMG_CONTEXT>", "<img>" + "<IMG_CONTEXT>" * count + "</img>")
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return {"input_ids": ids, "pixel_values": vision["pixel_values"]}
     if family not in QWEN_FAMILIES:
         processor = AutoProcessor.from_pretrained(model_dir)
         return dict(processor(text=[processor.apply_chat_template(TEMPLATE_CHAT, tokenize=False)], images=[image],
@@ -186,13 +198,14 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
             "mm_token_type_ids": (ids == 300).long()}
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", *QWEN_FAMILIES])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "internvl", *QWEN_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
-    """Every family with a processor the tests can build (Qwen's through its image-only path:
-    no torchvision here): chats with images of different sizes, sent with text chats, run
-    through the model's own ``forward``, several image chats in one padded forward (each
-    with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional image
-    attention on Gemma 3), one per forward on Idefics3 (tiles). Each file holds the token
+    """Every family with a processor the tests can build (Qwen's and InternVL's through their
+    image-only path: no torchvision here): chats with images of different sizes, sent with
+    text chats, run through the model's own ``forward``, several image chats in one padded
+    forward (each with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional
+    image attention on Gemma 3; each chat's tiles, of several counts, on InternVL), one per
+    forward on Idefics3 (tiles). Each file holds the token
     ids as the processor expands them, a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
     processor's output alone; the dataset batches an image file with a text file."""
@@ -231,7 +244,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in QWEN_FAMILIES + ("idefics3",):
+    if family in QWEN_FAMILIES + ("idefics3", "internvl"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
@@ -239,6 +252,19 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     image_rows = batch["image_token_mask"]
     assert image_rows[0, :len(items[0]["input_ids"])].tolist() == items[0]["image_token_mask"].tolist()
     assert not image_rows[1].any()
+
+
+def test_an_internvl_processor_loaded_without_its_video_processor_keeps_its_own_options(tmp_path):
+    """InternVL's processor class needs torchvision (its video processor), so the worker loads
+    it without one; the class's own option in ``processor_config.json`` (``image_seq_length``,
+    image tokens per tile: 1 here) still reaches it, not the class default of 256."""
+    from tests.support.vlm import load_reference
+    from layertap.worker.model.processors import load_processor
+
+    model_dir = add_processor("internvl", build_tiny_vlm("internvl", tmp_path / "model"))
+    processor, problem = load_processor(load_reference(str(model_dir)), str(model_dir), None, False)
+    assert processor is not None, problem
+    assert type(processor).__name__ == "InternVLProcessor" and processor.image_seq_length == 1
 
 
 def test_an_image_path_job_through_the_queue(make_worker, tmp_path):

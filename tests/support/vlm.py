@@ -11,6 +11,7 @@ trained to :data:`TEXT_VOCAB` entries (``layertap.worker.model.tiny_model.build_
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,8 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         image_token_index=300)),
     "idefics3": ("idefics3", dict(text_config=dict(TEXT, model_type="llama"),
                                   vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
+    "internvl": ("internvl", dict(text_config=dict(TEXT, model_type="qwen2"), vision_config=SIGLIP,
+                                  downsample_ratio=0.5, image_seq_length=1, image_token_id=300)),
 }
 
 
@@ -140,6 +143,20 @@ def qwen_image_processor():
                                     temporal_patch_size=2)
 
 
+INTERNVL_TOKENS = {"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>",
+                   "end_image_token": "</img>", "video_token": "<video>"}
+INTERNVL_PLACEHOLDER = "<IMG_CONTEXT>"
+
+
+def internvl_image_processor():
+    """InternVL's image processor (GOT-OCR2's, PIL: no torchvision here) at the tiny size: an
+    image cut into 28x28 tiles on the grid of 1 to 4 closest to its aspect, plus a 28x28
+    thumbnail where there are several."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    return GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=True, max_patches=4)
+
+
 def add_processor(family: str, model_dir: Path) -> Path:
     """Save a processor beside a tiny VLM: a trained tokenizer of :data:`TEXT_VOCAB` entries
     plus the family's image tokens at the ids its config names (300 the image token; Gemma
@@ -149,7 +166,10 @@ def add_processor(family: str, model_dir: Path) -> Path:
     keeps the size within 28..112 pixels a side, a token per 28x28), and a template that puts
     the processor's placeholder where a chat's image part is. A Qwen folder holds the
     tokenizer and the image processor's files as a checkpoint does (its video processor
-    needs torchvision, which this environment lacks)."""
+    needs torchvision, which this environment lacks). So does an InternVL one (its tokenizer
+    names its image context and begin/end tokens 300-302, video 303; its image processor cuts
+    28x28 tiles, up to 4 plus a thumbnail, a token each; ``processor_config.json`` holds
+    ``image_seq_length``, as a checkpoint's does: its processor class cannot be built here)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -164,16 +184,22 @@ def add_processor(family: str, model_dir: Path) -> Path:
 
     tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                         "eoi_token": "<end_of_image>"}}.get(family, QWEN_TOKENS)
+                         "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS}.get(family, QWEN_TOKENS)
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
     template = parts_template(QWEN_PLACEHOLDER if family in QWEN_FAMILIES
-                              else tokens.get("boi_token", tokens["image_token"]))
+                              else tokens.get("boi_token", tokens.get("image_token", INTERNVL_PLACEHOLDER)))
     tokenizer.chat_template = template
     if family in QWEN_FAMILIES:
         tokenizer.save_pretrained(model_dir)
         qwen_image_processor().save_pretrained(model_dir)
+        return model_dir
+    if family == "internvl":
+        tokenizer.save_pretrained(model_dir)
+        internvl_image_processor().save_pretrained(model_dir)
+        (model_dir / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "InternVLProcessor", "image_seq_length": VLM_FAMILIES[family][1]["image_seq_length"]}))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(

@@ -41,6 +41,8 @@ BATCHED_FAMILIES: dict[str, str] = {
     "gemma3": "one pixel tensor per image; bidirectional image attention is per row (token_type_ids)",
     "llava": "one pixel tensor per image, projected and placed at each row's image tokens",
     "llama4": "one pixel tensor per tile, projected and placed at each row's image tokens; chunked attention per row",
+    "internvl": ("one pixel tensor per tile (each chat's tiles and thumbnail in its order), each tile through the "
+                 "vision tower alone, projected and placed at the image tokens in batch order: each row's at its own"),
 }
 #: Model types whose image chats run one per forward, and why.
 SINGLE_REASONS: dict[str, str] = {

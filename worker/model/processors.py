@@ -1,8 +1,8 @@
 """A vision-language model's processor (tokenizer + image processor + chat template), loaded
 from its checkpoint folder with ``AutoProcessor``.
 
-Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) also hold a video processor,
-and every transformers video processor needs ``torchvision``. torchvision is not a
+Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) and InternVL's also hold a
+video processor, and every transformers video processor needs ``torchvision``. torchvision is not a
 dependency: the only wheels this project's package index has for a given torch are CUDA
 builds (``libc10_cuda.so``), which do not import beside a CPU torch, and a CUDA machine
 has its own. Where the video processor is what fails, the processor's own class is loaded
@@ -27,10 +27,20 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 VIDEO = "video_processor"
 
 
+def init_options(cls: type) -> tuple[str, ...]:
+    """The named arguments of ``cls.__init__``, as ``ProcessorMixin.from_args_and_dict`` reads
+    them (only these of a ``processor_config.json`` reach ``__init__``)."""
+    code = cls.__init__.__code__
+    return code.co_varnames[1:code.co_argcount]
+
+
 def images_only(processor_class: type) -> type:
     """``processor_class`` (a ``ProcessorMixin`` with a video processor) without that attribute:
     ``from_pretrained`` loads its image processor and tokenizer only (the image processor's
-    PIL backend where torchvision is missing), and ``__call__`` takes text and images."""
+    PIL backend where torchvision is missing), and ``__call__`` takes text and images. The
+    class's own options in ``processor_config.json`` (InternVL's ``image_seq_length``: its
+    image tokens per tile) reach its ``__init__`` as they do ``processor_class``'s."""
+    options = tuple(name for name in init_options(processor_class) if name != VIDEO)
 
     class ImagesOnly(processor_class):  # type: ignore[misc, valid-type]
         def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
@@ -38,6 +48,13 @@ def images_only(processor_class: type) -> type:
             kwargs.pop(VIDEO, None)  # a processor_config.json may name one
             super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                              chat_template=chat_template, **kwargs)
+
+        @staticmethod
+        def validate_init_kwargs(processor_config: dict[str, Any],
+                                 valid_kwargs: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+            """The config's entries this class's ``__init__`` takes (its own names and
+            ``processor_class``'s but the video processor) and the rest."""
+            return processor_class.validate_init_kwargs(processor_config, (*valid_kwargs, *options))
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     return ImagesOnly
