@@ -58,6 +58,11 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         image_token_index=300)),
     "idefics3": ("idefics3", dict(text_config=dict(TEXT, model_type="llama"),
                                   vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
+    "mistral3": ("mistral3", dict(  # Pixtral tower: images of any size (a token per 28x28 after the 2x2 merge)
+        text_config=dict(TEXT, model_type="mistral"),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, head_dim=16, image_size=56, patch_size=14),
+        image_token_index=300, spatial_merge_size=2)),
 }
 
 
