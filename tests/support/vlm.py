@@ -11,6 +11,7 @@ trained to :data:`TEXT_VOCAB` entries (``layertap.worker.model.tiny_model.build_
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,11 @@ def add_processor(family: str, model_dir: Path) -> Path:
     keeps the size within 28..112 pixels a side, a token per 28x28), and a template that puts
     the processor's placeholder where a chat's image part is. A Qwen folder holds the
     tokenizer and the image processor's files as a checkpoint does (its video processor
-    needs torchvision, which this environment lacks)."""
+    needs torchvision, which this environment lacks). A Mistral 3 folder holds a checkpoint's
+    files too: ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]`` at 300-302, Pixtral's PIL image
+    processor (a longest edge of 56) and a ``processor_config.json`` naming
+    ``PixtralProcessor``, written here: that class's module imports torchvision, so it
+    cannot be built (nor loaded) here."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -169,7 +174,9 @@ def add_processor(family: str, model_dir: Path) -> Path:
 
     tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                         "eoi_token": "<end_of_image>"}}.get(family, QWEN_TOKENS)
+                         "eoi_token": "<end_of_image>"},
+              "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                           "image_end_token": "[IMG_END]"}}.get(family, QWEN_TOKENS)
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
@@ -179,6 +186,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
     if family in QWEN_FAMILIES:
         tokenizer.save_pretrained(model_dir)
         qwen_image_processor().save_pretrained(model_dir)
+        return model_dir
+    if family == "mistral3":
+        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+        tokenizer.save_pretrained(model_dir)
+        PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14).save_pretrained(model_dir)
+        (model_dir / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2, **tokens}))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(
