@@ -124,6 +124,34 @@ def test_image_jobs_get_typed_results_and_the_worker_goes_on(tmp_path):
             == load_hidden_states(results[4].path)["token_ids"].tolist())
 
 
+def test_a_mistral3_checkpoint_whose_processor_needs_torchvision_serves_text_and_refuses_images(tmp_path):
+    """Mistral 3 with a checkpoint's processor files: ``PixtralProcessor``'s module imports
+    torchvision (not installed here), and transformers gives a placeholder for it that raises
+    ImportError on any use. The worker loads, its image chats are ``no_image_support`` with
+    that reason (they would run one per forward: a prompt's pixel_values are padded to its
+    largest image), and its text chats equal the plain model alone."""
+    from transformers import AutoTokenizer
+
+    model_dir = add_processor("mistral3", build_tiny_vlm("mistral3", tmp_path / "model"))
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(40, 24)).decode()
+    text_chat = [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        loaded = extractor.loaded
+        results = extractor.extract([image_chat({"type": "image_url", "image_url": {"url": url}}), text_chat],
+                                    tmp_path / "files", run="mistral3")
+    assert loaded.processor is None and "PixtralProcessor requires the Torchvision" in loaded.processor_problem
+    assert loaded.image_batching.name == "single" and "image_sizes" in loaded.image_batching.reason
+    assert results[0].error_type == ErrorType.no_image_support, results[0]
+    assert "text and token-id jobs only" in results[0].error and "Torchvision" in results[0].error
+    assert results[1].ok, results[1].error
+    states = load_hidden_states(results[1].path)
+    ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(text_chat, tokenize=True,
+                                                                      return_dict=True)["input_ids"]
+    assert states["token_ids"].tolist() == ids
+    reference = vlm_block_states(str(model_dir), [0, 1, 2], input_ids=torch.tensor([ids]))
+    assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
 def test_the_client_fills_image_digests_and_refuses_bad_images_before_sending(redis_server, tmp_path):
     images_root = tmp_path / "images"
     images_root.mkdir()

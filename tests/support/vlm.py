@@ -61,6 +61,11 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                   vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
     "internvl": ("internvl", dict(text_config=dict(TEXT, model_type="qwen2"), vision_config=SIGLIP,
                                   downsample_ratio=0.5, image_seq_length=1, image_token_id=300)),
+    "mistral3": ("mistral3", dict(  # Pixtral tower: images of any size (a token per 28x28 after the 2x2 merge)
+        text_config=dict(TEXT, model_type="mistral"),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, head_dim=16, image_size=56, patch_size=14),
+        image_token_index=300, spatial_merge_size=2)),
 }
 
 
@@ -169,7 +174,10 @@ def add_processor(family: str, model_dir: Path) -> Path:
     needs torchvision, which this environment lacks). So does an InternVL one (its tokenizer
     names its image context and begin/end tokens 300-302, video 303; its image processor cuts
     28x28 tiles, up to 4 plus a thumbnail, a token each; ``processor_config.json`` holds
-    ``image_seq_length``, as a checkpoint's does: its processor class cannot be built here)."""
+    ``image_seq_length``, as a checkpoint's does: its processor class cannot be built here). A Mistral 3 folder holds a checkpoint's files too: ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]`` at 300-302, Pixtral's PIL image
+    processor (a longest edge of 56) and a ``processor_config.json`` naming
+    ``PixtralProcessor``, written here: that class's module imports torchvision, so it
+    cannot be built (nor loaded) here."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -184,7 +192,9 @@ def add_processor(family: str, model_dir: Path) -> Path:
 
     tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                         "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS}.get(family, QWEN_TOKENS)
+                         "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS,
+              "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                           "image_end_token": "[IMG_END]"}}.get(family, QWEN_TOKENS)
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
@@ -200,6 +210,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
         internvl_image_processor().save_pretrained(model_dir)
         (model_dir / "processor_config.json").write_text(json.dumps(
             {"processor_class": "InternVLProcessor", "image_seq_length": VLM_FAMILIES[family][1]["image_seq_length"]}))
+        return model_dir
+    if family == "mistral3":
+        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+        tokenizer.save_pretrained(model_dir)
+        PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14).save_pretrained(model_dir)
+        (model_dir / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2, **tokens}))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(

@@ -48,6 +48,9 @@ BATCHED_FAMILIES: dict[str, str] = {
 SINGLE_REASONS: dict[str, str] = {
     "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "
                  "that the model drops by value (a real all-zero tile would be dropped too)"),
+    "mistral3": ("its pixel_values are one [images, 3, H, W] tensor per prompt, padded to that prompt's largest "
+                 "image, so prompts whose images differ in size do not concatenate on dim 0 (the model crops each "
+                 "image to its image_sizes: padding them to one size would be exact, but merging does not pad)"),
 }
 
 

@@ -67,6 +67,16 @@ def _processor_class(config: Any) -> type | None:
     return PROCESSOR_MAPPING.get(type(config), None)
 
 
+def _has_video_processor(processor_class: type) -> bool:
+    """Whether ``processor_class`` holds a video processor. False for the placeholder transformers
+    gives where the class's own module needs a missing backend (any use of it raises
+    ImportError: Mistral 3's ``PixtralProcessor`` imports torchvision): nothing to load then."""
+    try:
+        return VIDEO in processor_class.get_attributes()
+    except ImportError:
+        return False
+
+
 def load_processor(model: nn.Module, source: str, revision: str | None,
                    trust_remote_code: bool) -> tuple[Any | None, str]:
     """A vision-language model's processor and '', or None and why there is none (a text
@@ -86,7 +96,7 @@ def load_processor(model: nn.Module, source: str, revision: str | None,
     except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
         problem = exc
     processor_class = None if is_torchvision_available() else _processor_class(model.config)
-    if processor_class is not None and VIDEO in processor_class.get_attributes():
+    if processor_class is not None and _has_video_processor(processor_class):
         try:
             processor = images_only(processor_class).from_pretrained(source, **options)
         except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
