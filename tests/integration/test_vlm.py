@@ -186,13 +186,14 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
             "mm_token_type_ids": (ids == 300).long()}
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", *QWEN_FAMILIES])
+@pytest.mark.parametrize("family", ["llava", "llava-next", "gemma3", "idefics3", *QWEN_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's through its image-only path:
     no torchvision here): chats with images of different sizes, sent with text chats, run
     through the model's own ``forward``, several image chats in one padded forward (each
     with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional image
-    attention on Gemma 3), one per forward on Idefics3 (tiles). Each file holds the token
+    attention on Gemma 3; LLaVA-NeXT's images of different tile counts, their pixel tiles
+    zero-padded to the batch's most), one per forward on Idefics3 (tiles). Each file holds the token
     ids as the processor expands them, a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
     processor's output alone; the dataset batches an image file with a text file."""
@@ -231,7 +232,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in QWEN_FAMILIES + ("idefics3",):
+    if family in QWEN_FAMILIES + ("idefics3", "llava-next"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
