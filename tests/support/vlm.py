@@ -11,6 +11,7 @@ trained to :data:`TEXT_VOCAB` entries (``layertap.worker.model.tiny_model.build_
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
                    spatial_merge_size=2, temporal_patch_size=2)
 MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
-#: LLaVA-NeXT's anyres grids (multiples of the tower's 28x28 image): 2, 2, 4 or 3 tiles plus the whole image.
+#: LLaVA-NeXT's and LLaVA-OneVision's anyres grids (multiples of the tower's 28x28 image): 2, 2, 4
+#: or 3 tiles plus the whole image.
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
 
 VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -61,6 +63,9 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llava-next": ("llava_next", dict(text_config=dict(TEXT, model_type="llama"),
                                       vision_config=dict(SIGLIP, model_type="clip_vision_model"),
                                       image_grid_pinpoints=PINPOINTS, image_token_index=300)),
+    "llava-onevision": ("llava_onevision", dict(text_config=dict(TEXT), vision_config=SIGLIP,
+                                                image_grid_pinpoints=PINPOINTS, image_token_index=300,
+                                                video_token_index=301)),
     "idefics3": ("idefics3", dict(text_config=dict(TEXT, model_type="llama"),
                                   vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
 }
@@ -151,12 +156,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
     3's begin/end of image 301/302; Qwen's video and vision start/end 301-303), an image
     processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
     a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each;
-    LLaVA-NeXT's tiles an image on the :data:`PINPOINTS` grid that fits it best, plus the
-    whole image, its tokens the unpadded grid with a newline a row; Qwen's
+    LLaVA-NeXT's and LLaVA-OneVision's tile an image on the :data:`PINPOINTS` grid that fits
+    it best, plus the whole image, its tokens the unpadded grid with a newline a row; Qwen's
     keeps the size within 28..112 pixels a side, a token per 28x28), and a template that puts
     the processor's placeholder where a chat's image part is. A Qwen folder holds the
     tokenizer and the image processor's files as a checkpoint does (its video processor
-    needs torchvision, which this environment lacks)."""
+    needs torchvision, which this environment lacks); so does a LLaVA-OneVision folder (its
+    processor class, which holds a video processor too, cannot be built here), with the
+    class's settings in its ``processor_config.json``."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -168,12 +175,16 @@ def add_processor(family: str, model_dir: Path) -> Path:
         LlavaProcessor,
     )
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
 
     from layertap.worker.model.tiny_model import build_tokenizer
 
     tokens = {"gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                         "eoi_token": "<end_of_image>"}}.get(family, QWEN_TOKENS if family in QWEN_FAMILIES
-                                                          else {"image_token": "<image>"})
+                         "eoi_token": "<end_of_image>"},
+              "llava-onevision": {"image_token": "<image>", "video_token": "<video>"}}.get(
+        family, QWEN_TOKENS if family in QWEN_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
@@ -183,6 +194,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
     if family in QWEN_FAMILIES:
         tokenizer.save_pretrained(model_dir)
         qwen_image_processor().save_pretrained(model_dir)
+        return model_dir
+    if family == "llava-onevision":  # 4 tokens a 28x28 tile (SigLIP: no CLS token)
+        tokenizer.save_pretrained(model_dir)
+        LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28},
+                                        image_grid_pinpoints=PINPOINTS).save_pretrained(model_dir)
+        (model_dir / "processor_config.json").write_text(json.dumps({
+            "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 4,
+            "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(

@@ -46,12 +46,14 @@ BATCHED_FAMILIES: dict[str, str] = {
     "llava_next": ("one row of anyres tiles per image, zero-padded to the batch's most (:data:`TILE_PADDED`); the "
                    "model takes each image's first n tiles, n from its image_sizes, and places its features at "
                    "each row's image tokens"),
+    "llava_onevision": ("as llava_next; batch_num_images (one entry per chat) concatenated, so each image is "
+                        "tiled or not as alone"),
     "llama4": "one pixel tensor per tile, projected and placed at each row's image tokens; chunked attention per row",
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
 #: grid), as their image processor pads a batch: only where the model never reads the padding.
-TILE_PADDED = frozenset({"llava_next"})
+TILE_PADDED = frozenset({"llava_next", "llava_onevision"})
 #: Model types whose image chats run one per forward, and why.
 SINGLE_REASONS: dict[str, str] = {
     "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "

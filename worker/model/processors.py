@@ -1,18 +1,19 @@
 """A vision-language model's processor (tokenizer + image processor + chat template), loaded
 from its checkpoint folder with ``AutoProcessor``.
 
-Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) also hold a video processor,
-and every transformers video processor needs ``torchvision``. torchvision is not a
-dependency: the only wheels this project's package index has for a given torch are CUDA
+Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) and LLaVA-OneVision's also hold
+a video processor, and every transformers video processor needs ``torchvision``. torchvision
+is not a dependency: the only wheels this project's package index has for a given torch are CUDA
 builds (``libc10_cuda.so``), which do not import beside a CPU torch, and a CUDA machine
 has its own. Where the video processor is what fails, the processor's own class is loaded
 without it (:func:`images_only`): the same class, its ``__call__`` and placeholder
-expansion unchanged, with transformers' PIL image processor for the images. Video is not
-a job type, so nothing is lost.
+expansion unchanged, its settings from ``processor_config.json``, with transformers' PIL
+image processor for the images. Video is not a job type, so nothing is lost.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,10 @@ VIDEO = "video_processor"
 def images_only(processor_class: type) -> type:
     """``processor_class`` (a ``ProcessorMixin`` with a video processor) without that attribute:
     ``from_pretrained`` loads its image processor and tokenizer only (the image processor's
-    PIL backend where torchvision is missing), and ``__call__`` takes text and images."""
+    PIL backend where torchvision is missing) and the settings its ``processor_config.json``
+    gives the class's own ``__init__`` (LLaVA-OneVision's ``num_image_tokens``...), and
+    ``__call__`` takes text and images."""
+    settings = [name for name in inspect.signature(processor_class.__init__).parameters if name not in ("self", VIDEO)]
 
     class ImagesOnly(processor_class):  # type: ignore[misc, valid-type]
         def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
@@ -38,6 +42,13 @@ def images_only(processor_class: type) -> type:
             kwargs.pop(VIDEO, None)  # a processor_config.json may name one
             super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                              chat_template=chat_template, **kwargs)
+
+        @staticmethod
+        def validate_init_kwargs(processor_config: dict[str, Any],
+                                 valid_kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+            """The config's settings the class's own ``__init__`` names (``from_pretrained`` would
+            take only this ``__init__``'s names, dropping the rest unread)."""
+            return processor_class.validate_init_kwargs(processor_config, settings)
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     return ImagesOnly
