@@ -28,7 +28,15 @@ from layertap.producer.protocol.images import ImageError
 from layertap.producer.protocol.schema import ErrorType
 from layertap.producer.settings import Settings
 from layertap.producer.storage.registry import storage_for
-from tests.support.vlm import QWEN_FAMILIES, TEXT_VOCAB, VLM_FAMILIES, add_processor, build_tiny_vlm, vlm_block_states
+from tests.support.vlm import (
+    QWEN_FAMILIES,
+    TEXT_VOCAB,
+    VLM_FAMILIES,
+    add_processor,
+    build_tiny_vlm,
+    load_reference,
+    vlm_block_states,
+)
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
 from layertap.worker.model.tiny_model import build_tokenizer
@@ -199,7 +207,9 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
     Qwen's processor does, with ``mm_token_type_ids`` 1 at the image tokens. InternVL's (the
     same): its image processor with the processor class's image options (tiles), and the
     template's ``<IMG_CONTEXT>`` made ``<img>``, ``image_seq_length`` (the model's config)
-    ``<IMG_CONTEXT>`` per tile, ``</img>``, as InternVL's processor does."""
+    ``<IMG_CONTEXT>`` per tile, ``</img>``, as InternVL's processor does. LLaVA-OneVision's
+    (the same): its image processor, and ``<image>`` repeated once per feature the model's own
+    ``get_image_features`` gives the image (its forward checks the count)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, InternVLProcessor
 
     image = Image.open(io.BytesIO(png_bytes(*size)))
@@ -212,6 +222,14 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
             "<IMG_CONTEXT>", "<img>" + "<IMG_CONTEXT>" * count + "</img>")
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         return {"input_ids": ids, "pixel_values": vision["pixel_values"]}
+    if family == "llava-onevision":
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        vision = dict(AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt"))
+        with torch.no_grad():
+            features = load_reference(str(model_dir)).model.get_image_features(**vision).pooler_output
+        text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(
+            "<image>", "<image>" * sum(len(feature) for feature in features))
+        return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"], **vision}
     if family not in QWEN_FAMILIES:
         processor = AutoProcessor.from_pretrained(model_dir)
         return dict(processor(text=[processor.apply_chat_template(TEMPLATE_CHAT, tokenize=False)], images=[image],
@@ -226,13 +244,17 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
             "mm_token_type_ids": (ids == 300).long()}
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "internvl", *QWEN_FAMILIES])
+@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl",
+                                    *QWEN_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with
     text chats, run through the model's own ``forward``, several image chats in one padded
     forward (each with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional
-    image attention on Gemma 3; each chat's tiles, of several counts, on InternVL), one per
+    image attention on Gemma 3; each chat's tiles, of several counts, on InternVL;
+    LLaVA-NeXT's and LLaVA-OneVision's images of different tile counts, their pixel tiles
+    zero-padded to the batch's most; OneVision's processor loaded without its video processor,
+    its settings kept), one per
     forward on Idefics3 (tiles). Each file holds the token
     ids as the processor expands them, a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
@@ -272,7 +294,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in QWEN_FAMILIES + ("idefics3", "internvl"):
+    if family in QWEN_FAMILIES + ("idefics3", "internvl", "llava-next", "llava-onevision"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before

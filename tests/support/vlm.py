@@ -30,6 +30,9 @@ SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
                    spatial_merge_size=2, temporal_patch_size=2)
 MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+#: LLaVA-NeXT's and LLaVA-OneVision's anyres grids (multiples of the tower's 28x28 image): 2, 2, 4
+#: or 3 tiles plus the whole image.
+PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
 
 VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-vl": ("qwen2_vl", dict(
@@ -57,6 +60,12 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         vision_config=dict(SIGLIP, intermediate_size=128, vision_output_dim=32, projector_input_dim=32,
                            projector_output_dim=32),
         image_token_index=300)),
+    "llava-next": ("llava_next", dict(text_config=dict(TEXT, model_type="llama"),
+                                      vision_config=dict(SIGLIP, model_type="clip_vision_model"),
+                                      image_grid_pinpoints=PINPOINTS, image_token_index=300)),
+    "llava-onevision": ("llava_onevision", dict(text_config=dict(TEXT), vision_config=SIGLIP,
+                                                image_grid_pinpoints=PINPOINTS, image_token_index=300,
+                                                video_token_index=301)),
     "idefics3": ("idefics3", dict(text_config=dict(TEXT, model_type="llama"),
                                   vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
     "internvl": ("internvl", dict(text_config=dict(TEXT, model_type="qwen2"), vision_config=SIGLIP,
@@ -167,17 +176,22 @@ def add_processor(family: str, model_dir: Path) -> Path:
     plus the family's image tokens at the ids its config names (300 the image token; Gemma
     3's begin/end of image 301/302; Qwen's video and vision start/end 301-303), an image
     processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
-    a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each; Qwen's
+    a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each;
+    LLaVA-NeXT's and LLaVA-OneVision's tile an image on the :data:`PINPOINTS` grid that fits
+    it best, plus the whole image, its tokens the unpadded grid with a newline a row; Qwen's
     keeps the size within 28..112 pixels a side, a token per 28x28), and a template that puts
     the processor's placeholder where a chat's image part is. A Qwen folder holds the
     tokenizer and the image processor's files as a checkpoint does (its video processor
     needs torchvision, which this environment lacks). So does an InternVL one (its tokenizer
     names its image context and begin/end tokens 300-302, video 303; its image processor cuts
     28x28 tiles, up to 4 plus a thumbnail, a token each; ``processor_config.json`` holds
-    ``image_seq_length``, as a checkpoint's does: its processor class cannot be built here). A Mistral 3 folder holds a checkpoint's files too: ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]`` at 300-302, Pixtral's PIL image
+    ``image_seq_length``, as a checkpoint's does: its processor class cannot be built here). A Mistral 3
+    folder holds a checkpoint's files too: ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]`` at 300-302, Pixtral's PIL image
     processor (a longest edge of 56) and a ``processor_config.json`` naming
     ``PixtralProcessor``, written here: that class's module imports torchvision, so it
-    cannot be built (nor loaded) here."""
+    cannot be built (nor loaded) here. So does a LLaVA-OneVision
+    folder (its processor class, which holds a video processor too, cannot be built here), with the
+    class's settings in its ``processor_config.json``."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -185,7 +199,12 @@ def add_processor(family: str, model_dir: Path) -> Path:
         Gemma3Processor,
         Idefics3ImageProcessor,
         Idefics3Processor,
+        LlavaNextProcessor,
         LlavaProcessor,
+    )
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
     )
 
     from layertap.worker.model.tiny_model import build_tokenizer
@@ -193,8 +212,10 @@ def add_processor(family: str, model_dir: Path) -> Path:
     tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                          "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS,
+              "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
-                           "image_end_token": "[IMG_END]"}}.get(family, QWEN_TOKENS)
+                           "image_end_token": "[IMG_END]"}}.get(
+        family, QWEN_TOKENS if family in QWEN_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
@@ -219,11 +240,25 @@ def add_processor(family: str, model_dir: Path) -> Path:
         (model_dir / "processor_config.json").write_text(json.dumps(
             {"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2, **tokens}))
         return model_dir
+    if family == "llava-onevision":  # 4 tokens a 28x28 tile (SigLIP: no CLS token)
+        tokenizer.save_pretrained(model_dir)
+        LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28},
+                                        image_grid_pinpoints=PINPOINTS).save_pretrained(model_dir)
+        (model_dir / "processor_config.json").write_text(json.dumps({
+            "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 4,
+            "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}))
+        return model_dir
     if family == "llava":
         processor = LlavaProcessor(
             image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
             tokenizer=tokenizer, chat_template=template, patch_size=14, vision_feature_select_strategy="default",
             num_additional_image_tokens=1)
+    elif family == "llava-next":
+        image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                     image_grid_pinpoints=PINPOINTS)
+        processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                                       patch_size=14, vision_feature_select_strategy="default",
+                                       num_additional_image_tokens=1)
     elif family == "idefics3":
         image_processor = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 28},
                                                  do_image_splitting=True)

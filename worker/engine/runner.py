@@ -25,7 +25,7 @@ from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, 
 from layertap.worker.engine.teacher import TeacherHead
 from layertap.worker.model.capture import StopForward
 from layertap.worker.model.batching import layout_class
-from layertap.worker.model.image_inputs import host_rope_positions, merge_image_inputs
+from layertap.worker.model.image_inputs import host_rope_positions, merge_image_inputs, pads_tiles
 from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.layouts.base import BatchLayout, to_device
 from layertap.worker.model.loading import LoadedModel, transformers_attention
@@ -108,7 +108,7 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Seq
     on_device = [{name: value if name in on_host else
                   value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
                   for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
-    extras = merge_image_inputs(on_device, input_ids.shape[1])
+    extras = merge_image_inputs(on_device, input_ids.shape[1], pads_tiles(loaded.model))
     if loaded.rope_index is not None:
         positions = host_rope_positions(loaded.rope_index, token_ids, model_inputs, input_ids.shape[1])
         if positions is not None:

@@ -9,7 +9,10 @@ the model's inputs for a batch are exactly its processor's inputs for each chat,
   along dim 0 in batch order, as the processor itself does for a batch of texts;
 * per-token tensors (:data:`PER_TOKEN`, ``[1, T]``) right-padded with 0 to the batch's
   ``[B, T]``, the ids right-padded as for text (a real token never sees the padding after
-  it; the model derives each row's positions, M-RoPE included, from that row alone).
+  it; the model derives each row's positions, M-RoPE included, from that row alone);
+* on :data:`TILE_PADDED` models, per-image tensors of different sizes past dim 0 (a row of
+  as many tiles as each image needs) zero-padded to the batch's largest first, as their
+  image processor pads a batch of images.
 
 :data:`BATCHED_FAMILIES` lists the model types where that holds, with why; any other model
 runs its image chats one per forward (:data:`SINGLE_REASONS` says why for the known ones).
@@ -40,10 +43,19 @@ BATCHED_FAMILIES: dict[str, str] = {
     "qwen3_5": f"patches and grids concatenated per image; {_ROPE}; gated delta nets carry state along a row only",
     "gemma3": "one pixel tensor per image; bidirectional image attention is per row (token_type_ids)",
     "llava": "one pixel tensor per image, projected and placed at each row's image tokens",
+    "llava_next": ("one row of anyres tiles per image, zero-padded to the batch's most (:data:`TILE_PADDED`); the "
+                   "model takes each image's first n tiles, n from its image_sizes, and places its features at "
+                   "each row's image tokens"),
+    "llava_onevision": ("as llava_next; batch_num_images (one entry per chat) concatenated, so each image is "
+                        "tiled or not as alone"),
     "llama4": "one pixel tensor per tile, projected and placed at each row's image tokens; chunked attention per row",
     "internvl": ("one pixel tensor per tile (each chat's tiles and thumbnail in its order), each tile through the "
                  "vision tower alone, projected and placed at the image tokens in batch order: each row's at its own"),
 }
+#: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
+#: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
+#: grid), as their image processor pads a batch: only where the model never reads the padding.
+TILE_PADDED = frozenset({"llava_next", "llava_onevision"})
 #: Model types whose image chats run one per forward, and why.
 SINGLE_REASONS: dict[str, str] = {
     "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "
@@ -80,10 +92,28 @@ def staged_inputs(inputs: dict[str, torch.Tensor], dtype: torch.dtype,
     return {name: value.pin_memory() for name, value in staged.items()} if device.type == "cuda" else staged
 
 
-def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
+def pads_tiles(model: nn.Module) -> bool:
+    """Whether ``model``'s per-image tensors are zero-padded to a batch's largest (:data:`TILE_PADDED`)."""
+    return getattr(model.config, "model_type", "") in TILE_PADDED
+
+
+def zero_padded(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values`` zero-padded at the end of every dim past 0 to the largest size there."""
+    shape = [max(sizes) for sizes in zip(*(value.shape[1:] for value in values))]
+    padded = []
+    for value in values:
+        out = value.new_zeros((value.shape[0], *shape))
+        out[(slice(None), *(slice(0, size) for size in value.shape[1:]))] = value
+        padded.append(out)
+    return padded
+
+
+def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int,
+                       pad_tiles: bool = False) -> dict[str, torch.Tensor]:
     """One batch's model inputs from each chat's (in batch order): :data:`PER_TOKEN` tensors
-    right-padded with 0 to ``[B, width]``, the rest concatenated along dim 0. Every chat must
-    have the same names (one model's processor)."""
+    right-padded with 0 to ``[B, width]``, the rest concatenated along dim 0 (zero-padded past
+    dim 0 to the largest first where ``pad_tiles``: :func:`pads_tiles`). Every chat must have
+    the same names (one model's processor)."""
     merged = {}
     for name in inputs[0]:
         values = [chat[name] for chat in inputs]
@@ -93,7 +123,7 @@ def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int) ->
                 padded[row, :value.shape[-1]] = value.reshape(-1)
             merged[name] = padded
         else:
-            merged[name] = torch.cat(values, dim=0)
+            merged[name] = torch.cat(zero_padded(values) if pad_tiles else values, dim=0)
     return merged
 
 

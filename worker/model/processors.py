@@ -1,14 +1,14 @@
 """A vision-language model's processor (tokenizer + image processor + chat template), loaded
 from its checkpoint folder with ``AutoProcessor``.
 
-Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) and InternVL's also hold a
-video processor, and every transformers video processor needs ``torchvision``. torchvision is not a
+Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) InternVL's and LLaVA-OneVision's
+also hold a video processor, and every transformers video processor needs ``torchvision``. torchvision is not a
 dependency: the only wheels this project's package index has for a given torch are CUDA
 builds (``libc10_cuda.so``), which do not import beside a CPU torch, and a CUDA machine
 has its own. Where the video processor is what fails, the processor's own class is loaded
 without it (:func:`images_only`): the same class, its ``__call__`` and placeholder
-expansion unchanged, with transformers' PIL image processor for the images. Video is not
-a job type, so nothing is lost.
+expansion unchanged, its settings from ``processor_config.json``, with transformers' PIL
+image processor for the images. Video is not a job type, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def images_only(processor_class: type) -> type:
     ``from_pretrained`` loads its image processor and tokenizer only (the image processor's
     PIL backend where torchvision is missing), and ``__call__`` takes text and images. The
     class's own options in ``processor_config.json`` (InternVL's ``image_seq_length``: its
-    image tokens per tile) reach its ``__init__`` as they do ``processor_class``'s."""
+    image tokens per tile; LLaVA-OneVision's ``num_image_tokens``) reach its ``__init__`` as
+    they do ``processor_class``'s."""
     options = tuple(name for name in init_options(processor_class) if name != VIDEO)
 
     class ImagesOnly(processor_class):  # type: ignore[misc, valid-type]
