@@ -184,3 +184,42 @@ def build_tiny_type(model_type: str, out: Path, seed: int = 0) -> Path:
         model.save_pretrained(out)
         return out
     raise error  # type: ignore[misc]
+
+
+#: M-RoPE's sections (time, height, width) for a tiny head of 8: they sum to half of it.
+TINY_MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2]}}}
+#: Fields a vision-language type needs beyond :data:`SMALL` (keyed by model type).
+VLM_OVERRIDES: dict[str, dict[str, Any]] = {
+    name: TINY_MROPE for name in ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "glm4v", "glm4v_moe", "glm46v",
+                                  "glmga", "glm_ocr", "paddleocr_vl", "cosmos3_edge", "hy_v4_vl")
+}
+
+
+def image_text_types() -> list[str]:
+    """Every model type transformers maps to an image-text-to-text class, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def build_tiny_vlm_type(model_type: str, out: Path, seed: int = 0) -> Path:
+    """Build the type's tiny vision-language model (``AutoModelForImageTextToText``, every size
+    field shrunk through its text and vision configs) with seeded random float32 weights and
+    save it to ``out``; as :func:`build_tiny_type`, one layer of each kind first, else its
+    default layer pattern on two layers. Raises the last error when neither builds."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+
+    config_class = CONFIG_MAPPING[model_type]
+    error: Exception | None = None
+    for per_layer in (True, False):
+        try:
+            config = config_class(**_shrunk(config_class, VLM_OVERRIDES.get(model_type, {}), per_layer))
+            torch.manual_seed(seed)
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        except Exception as exc:  # noqa: BLE001 (transformers' strict dataclasses raise their own error types)
+            error = exc
+            continue
+        model.save_pretrained(out)
+        return out
+    raise error  # type: ignore[misc]

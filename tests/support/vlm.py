@@ -94,7 +94,13 @@ def build_tiny_vlm(family: str, out: Path, seed: int = 0) -> Path:
 def load_reference(model_dir: str):
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    try:
+        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    except ValueError as exc:  # a part with no SDPA: transformers' eager attention, as the worker loads it
+        if "does not support an attention implementation" not in str(exc):
+            raise
+        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
 
 
 def language_layers(model) -> torch.nn.ModuleList:
@@ -269,3 +275,40 @@ def add_processor(family: str, model_dir: Path) -> Path:
                                     tokenizer=tokenizer, chat_template=template, image_seq_length=4)
     processor.save_pretrained(model_dir)
     return model_dir
+
+
+def special_token_ids(config: Any) -> set[int]:
+    """Every id a vision-language config names for a token of its own (``*_token_id``,
+    ``*_token_index``, at any depth): ids a text-only prompt must avoid."""
+    found: set[int] = set()
+    for key, value in config.to_dict().items():
+        if isinstance(value, dict):
+            found |= {v for k, v in value.items() if isinstance(k, str) and k.endswith(("token_id", "token_index")) and isinstance(v, int)}
+        elif key.endswith(("token_id", "token_index")) and isinstance(value, int):
+            found.add(value)
+    return found - {0, 1, 2}  # pad, bos, eos of the tiny vocabulary: ordinary text ids here
+
+
+def text_reference_states(model_dir: str, token_ids: list[int], layer_ids: list[int],
+                          through_decoder: bool = False) -> torch.Tensor:
+    """``[T, len(layer_ids), ...]`` of a text-only prompt through the plain vision-language model's
+    own ``forward`` (``through_decoder``: its ``get_decoder()``, for a model whose forward
+    takes no text without images): each block's input (id ``i < L``) and the last block's
+    output (id ``L``), hooked on the blocks whose inputs transformers records as its
+    ``hidden_states`` (checked: the first block's input is ``hidden_states[0]``, and there are
+    as many blocks as it records)."""
+    model = load_reference(model_dir)
+    forward = model.get_decoder() if through_decoder else model
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        recorded = forward(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    blocks = min((module for name, module in model.get_decoder().named_modules(prefix="decoder")
+                  if isinstance(module, torch.nn.ModuleList) and len(module) == len(recorded) - 1),
+                 key=lambda module: next(n for n, m in model.named_modules() if m is module).count("."))
+    states = hooked_block_states(blocks, layer_ids, len(token_ids),
+                                 lambda: forward(input_ids=ids, use_cache=False))
+    assert torch.equal(states[:, 0], recorded[0][0]), "the hooked blocks are not those transformers records"
+    for position, layer in enumerate(layer_ids):
+        if layer < len(recorded) - 1:
+            assert torch.equal(states[:, position], recorded[layer][0]), f"block {layer}'s input is not recorded"
+    return states
