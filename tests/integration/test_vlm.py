@@ -28,7 +28,16 @@ from layertap.producer.protocol.images import ImageError
 from layertap.producer.protocol.schema import ErrorType
 from layertap.producer.settings import Settings
 from layertap.producer.storage.registry import storage_for
-from tests.support.vlm import QWEN_FAMILIES, TEXT_VOCAB, VLM_FAMILIES, add_processor, build_tiny_vlm, vlm_block_states
+from tests.support.vlm import (
+    GLM_FAMILIES,
+    IMAGE_ONLY,
+    QWEN_FAMILIES,
+    TEXT_VOCAB,
+    VLM_FAMILIES,
+    add_processor,
+    build_tiny_vlm,
+    vlm_block_states,
+)
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
 from layertap.worker.model.tiny_model import build_tokenizer
@@ -166,36 +175,38 @@ TEMPLATE_CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text"
 
 def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str, torch.Tensor]:
     """What plain transformers' processor gives the model for the test chat with a ``size``
-    image. Qwen's (whose processor class needs torchvision here): its image processor, and
-    the template's one ``<|image_pad|>`` repeated once per merged 2x2 patch group, as
-    Qwen's processor does, with ``mm_token_type_ids`` 1 at the image tokens."""
+    image. Qwen's and GLM's (whose processor classes need torchvision here): the image
+    processor, and the template's one image token (``<|image_pad|>``, ``<|image|>``) repeated
+    once per merged 2x2 patch group, as their processors do, with ``mm_token_type_ids`` 1 at
+    the image tokens (as GLM's processor marks image tokens outside a video)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     image = Image.open(io.BytesIO(png_bytes(*size)))
-    if family not in QWEN_FAMILIES:
+    if family not in IMAGE_ONLY:
         processor = AutoProcessor.from_pretrained(model_dir)
         return dict(processor(text=[processor.apply_chat_template(TEMPLATE_CHAT, tokenize=False)], images=[image],
                               return_tensors="pt"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
     count = int(vision["image_grid_thw"].prod()) // 4
-    text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace("<|image_pad|>",
-                                                                                 "<|image_pad|>" * count)
+    token = IMAGE_ONLY[family]
+    text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(token, token * count)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return {"input_ids": ids, "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
             "mm_token_type_ids": (ids == 300).long()}
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", *QWEN_FAMILIES])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", *QWEN_FAMILIES, *GLM_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
-    """Every family with a processor the tests can build (Qwen's through its image-only path:
-    no torchvision here): chats with images of different sizes, sent with text chats, run
-    through the model's own ``forward``, several image chats in one padded forward (each
-    with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional image
-    attention on Gemma 3), one per forward on Idefics3 (tiles). Each file holds the token
-    ids as the processor expands them, a loss mask with image positions 0, the
-    image_token_mask, and every layer within 1e-5 of the plain model run on the plain
-    processor's output alone; the dataset batches an image file with a text file."""
+    """Every family with a processor the tests can build (Qwen's and GLM's through their
+    image-only path: no torchvision here): chats with images of different sizes, sent with
+    text chats, run through the model's own ``forward``, several image chats in one padded
+    forward (each with its own M-RoPE positions on Qwen and GLM; deepstack on Qwen3-VL; GLM's
+    position embeddings interpolated per image; bidirectional image attention on Gemma 3),
+    one per forward on Idefics3 (tiles). Each file holds the token ids as the processor
+    expands them, a loss mask with image positions 0, the image_token_mask, and every layer
+    within 1e-5 of the plain model run on the plain processor's output alone; the dataset
+    batches an image file with a text file."""
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     sizes = [(40, 24), (28, 28), (90, 20), (60, 60)]
     urls = ["data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode() for size in sizes]
@@ -231,7 +242,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in QWEN_FAMILIES + ("idefics3",):
+    if family in (*IMAGE_ONLY, "idefics3"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
@@ -396,12 +407,13 @@ def test_a_bundle_of_image_chats_is_prepared_side_by_side_in_order(tmp_path):
         assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "glm4v"])
 def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_path):
     """Within ``one_image_at_a_time`` a grid tower (windowed attention on Qwen2.5-VL, deepstack
-    levels on Qwen3-VL) called on three images of different sizes returns, bit for bit, what
-    it returns for each image alone, merged in image order; it is the whole-batch call up to
-    rounding (fp32, 1e-5); and the tower's own forward is back afterwards."""
+    levels on Qwen3-VL, position embeddings interpolated per image on GLM-4.1V) called on three
+    images of different sizes returns, bit for bit, what it returns for each image alone,
+    merged in image order; it is the whole-batch call up to rounding (fp32, 1e-5); and the
+    tower's own forward is back afterwards."""
     from tests.support.vlm import load_reference
     from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time
 
@@ -453,7 +465,7 @@ def test_a_tower_given_its_grid_s_host_inputs_never_reads_the_grid(family, tmp_p
             assert torch.equal(got.deepstack_features[level], tensor), (size, level)
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "glm4v"])
 def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path):
     """``--compile`` on a grid tower compiles each of its blocks (dynamo's graphs, run by the
     eager backend here: no code generation), not its whole forward; within
@@ -481,7 +493,7 @@ def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path)
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", [*QWEN_FAMILIES, *GLM_FAMILIES])
 def test_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_path):
     """``host_rope_positions`` of a right-padded batch of chats with images of different sizes
     gives each chat's real tokens the positions the model's own forward numbers for that

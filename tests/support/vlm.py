@@ -29,6 +29,14 @@ SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
                    spatial_merge_size=2, temporal_patch_size=2)
 MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+#: GLM-4.1V: half the head rotated (head_dim 16: M-RoPE sections over 4 frequencies), a tower with
+#: a position-embedding table (4x4 patches) interpolated to each image's grid.
+GLM4V = dict(
+    text_config=dict(TEXT, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                     rope_parameters=dict(MROPE, partial_rotary_factor=0.5)),
+    vision_config=dict(QWEN_VISION, image_size=56),
+    image_token_id=300, image_start_token_id=301, image_end_token_id=302, video_token_id=303,
+    video_start_token_id=304, video_end_token_id=305)
 
 VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-vl": ("qwen2_vl", dict(
@@ -58,6 +66,8 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         image_token_index=300)),
     "idefics3": ("idefics3", dict(text_config=dict(TEXT, model_type="llama"),
                                   vision_config=SIGLIP, scale_factor=2, image_token_id=300)),
+    "glm4v": ("glm4v", GLM4V),
+    "glm4.6v": ("glm46v", GLM4V),  # GLM-4.1V's modeling, its towers built from the sub-configs
 }
 
 
@@ -129,6 +139,14 @@ QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
 QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
                "vision_eos_token": "<|vision_end|>"}
 QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+GLM_FAMILIES = ("glm4v", "glm4.6v")
+GLM_TOKENS = {"image_token": "<|image|>", "boi_token": "<|begin_of_image|>", "eoi_token": "<|end_of_image|>",
+              "video_token": "<|video|>", "bov_token": "<|begin_of_video|>", "eov_token": "<|end_of_video|>"}
+GLM_PLACEHOLDER = "<|begin_of_image|><|image|><|end_of_image|>"
+#: Families whose processor class needs torchvision (its video processor), and the image token
+#: their processor repeats once per merged 2x2 patch group: their folders hold the tokenizer
+#: and the image processor's files as a checkpoint does.
+IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES, "<|image_pad|>"), **dict.fromkeys(GLM_FAMILIES, "<|image|>")}
 
 
 def qwen_image_processor():
@@ -140,16 +158,28 @@ def qwen_image_processor():
                                     temporal_patch_size=2)
 
 
+def glm_image_processor(family: str):
+    """GLM-4.1V's (or GLM-4.6V's) PIL image processor at Qwen's tiny sizes (its pixel bounds
+    count the 2 temporal frames)."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.glm46v.image_processing_pil_glm46v import Glm46VImageProcessorPil
+
+    kind = Glm4vImageProcessorPil if family == "glm4v" else Glm46VImageProcessorPil
+    return kind(size={"shortest_edge": 2 * 28 * 28, "longest_edge": 2 * 28 * 28 * 16}, patch_size=14, merge_size=2,
+                temporal_patch_size=2)
+
+
 def add_processor(family: str, model_dir: Path) -> Path:
     """Save a processor beside a tiny VLM: a trained tokenizer of :data:`TEXT_VOCAB` entries
     plus the family's image tokens at the ids its config names (300 the image token; Gemma
-    3's begin/end of image 301/302; Qwen's video and vision start/end 301-303), an image
+    3's begin/end of image 301/302; Qwen's video and vision start/end 301-303; GLM's
+    begin/end of image 301/302, video and its begin/end 303-305), an image
     processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
     a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each; Qwen's
-    keeps the size within 28..112 pixels a side, a token per 28x28), and a template that puts
-    the processor's placeholder where a chat's image part is. A Qwen folder holds the
-    tokenizer and the image processor's files as a checkpoint does (its video processor
-    needs torchvision, which this environment lacks)."""
+    and GLM's keep the size within 28..112 pixels a side, a token per 28x28), and a template
+    that puts the processor's placeholder where a chat's image part is. A folder of an
+    :data:`IMAGE_ONLY` family holds the tokenizer and the image processor's files as a
+    checkpoint does (its video processor needs torchvision, which this environment lacks)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -164,16 +194,17 @@ def add_processor(family: str, model_dir: Path) -> Path:
 
     tokens = {"llava": {"image_token": "<image>"}, "idefics3": {"image_token": "<image>"},
               "gemma3": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                         "eoi_token": "<end_of_image>"}}.get(family, QWEN_TOKENS)
+                         "eoi_token": "<end_of_image>"},
+              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS)}.get(family, QWEN_TOKENS)
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
-    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
-    template = parts_template(QWEN_PLACEHOLDER if family in QWEN_FAMILIES
-                              else tokens.get("boi_token", tokens["image_token"]))
+    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
+    placeholders = {**dict.fromkeys(QWEN_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER)}
+    template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens["image_token"])))
     tokenizer.chat_template = template
-    if family in QWEN_FAMILIES:
+    if family in IMAGE_ONLY:
         tokenizer.save_pretrained(model_dir)
-        qwen_image_processor().save_pretrained(model_dir)
+        (glm_image_processor(family) if family in GLM_FAMILIES else qwen_image_processor()).save_pretrained(model_dir)
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(
