@@ -465,6 +465,39 @@ def test_a_tower_given_its_grid_s_host_inputs_never_reads_the_grid(family, tmp_p
             assert torch.equal(got.deepstack_features[level], tensor), (size, level)
 
 
+class ReachedTheBlocks(Exception):
+    """Raised at a vision tower's first block: what comes before the blocks ran."""
+
+
+@pytest.mark.parametrize("family", [*QWEN_FAMILIES, *GLM_FAMILIES])
+def test_a_tower_away_from_the_host_gets_its_grid_on_its_own_device(family, tmp_path):
+    """Within ``one_image_at_a_time`` a grid tower on a device (the meta device here) called
+    with its grid on the host, as the engine calls it, gets the grid on its own device beside
+    its host inputs: GLM-4.1V's tower reads the grid itself before its blocks (its position
+    embeddings, interpolated per patch to its image's grid), where a host grid fails. The
+    blocks take only what the host inputs give them (their attention splits by
+    ``cu_seqlens``, which has no values on the meta device), so the forward is stopped at the
+    first block's input: on the tower's device, one row per patch of the first image."""
+    from transformers import AutoModelForImageTextToText
+
+    from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    tower = grid_tower(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)).to("meta")
+    images = [reference_inputs(family, model_dir, size) for size in [(40, 24), (90, 20)]]
+    pixels = torch.cat([image["pixel_values"] for image in images]).to("meta")
+    grids = torch.cat([image["image_grid_thw"] for image in images])
+
+    def stop(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        raise ReachedTheBlocks(args[0] if args else kwargs["hidden_states"])
+
+    tower.blocks[0].register_forward_pre_hook(stop, with_kwargs=True)
+    with torch.inference_mode(), one_image_at_a_time(tower), pytest.raises(ReachedTheBlocks) as reached:
+        tower(pixels, grid_thw=grids)
+    states = reached.value.args[0]
+    assert states.device.type == "meta" and states.shape[0] == int(grids[0].prod()), (states.device, states.shape)
+
+
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "glm4v"])
 def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path):
     """``--compile`` on a grid tower compiles each of its blocks (dynamo's graphs, run by the
