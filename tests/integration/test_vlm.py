@@ -29,6 +29,8 @@ from layertap.producer.protocol.schema import ErrorType
 from layertap.producer.settings import Settings
 from layertap.producer.storage.registry import storage_for
 from tests.support.vlm import (
+    GLM_FAMILIES,
+    IMAGE_ONLY,
     QWEN_FAMILIES,
     TEXT_VOCAB,
     VLM_FAMILIES,
@@ -202,9 +204,10 @@ TEMPLATE_CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text"
 
 def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str, torch.Tensor]:
     """What plain transformers' processor gives the model for the test chat with a ``size``
-    image. Qwen's (whose processor class needs torchvision here): its image processor, and
-    the template's one ``<|image_pad|>`` repeated once per merged 2x2 patch group, as
-    Qwen's processor does, with ``mm_token_type_ids`` 1 at the image tokens. InternVL's (the
+    image. Qwen's and GLM's (whose processor classes need torchvision here): the image
+    processor, and the template's one image token (``<|image_pad|>``, ``<|image|>``) repeated
+    once per merged 2x2 patch group, as their processors do, with ``mm_token_type_ids`` 1 at
+    the image tokens (as GLM's processor marks image tokens outside a video). InternVL's (the
     same): its image processor with the processor class's image options (tiles), and the
     template's ``<IMG_CONTEXT>`` made ``<img>``, ``image_seq_length`` (the model's config)
     ``<IMG_CONTEXT>`` per tile, ``</img>``, as InternVL's processor does. LLaVA-OneVision's
@@ -230,27 +233,28 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
         text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(
             "<image>", "<image>" * sum(len(feature) for feature in features))
         return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"], **vision}
-    if family not in QWEN_FAMILIES:
+    if family not in IMAGE_ONLY:
         processor = AutoProcessor.from_pretrained(model_dir)
         return dict(processor(text=[processor.apply_chat_template(TEMPLATE_CHAT, tokenize=False)], images=[image],
                               return_tensors="pt"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
     count = int(vision["image_grid_thw"].prod()) // 4
-    text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace("<|image_pad|>",
-                                                                                 "<|image_pad|>" * count)
+    token = IMAGE_ONLY[family]
+    text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(token, token * count)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return {"input_ids": ids, "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
             "mm_token_type_ids": (ids == 300).long()}
 
 
 @pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl",
-                                    *QWEN_FAMILIES])
+                                    *QWEN_FAMILIES, *GLM_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
-    """Every family with a processor the tests can build (Qwen's and InternVL's through their
+    """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with
     text chats, run through the model's own ``forward``, several image chats in one padded
-    forward (each with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional
+    forward (each with its own M-RoPE positions on Qwen and GLM; GLM's position
+    embeddings interpolated per image; deepstack on Qwen3-VL; bidirectional
     image attention on Gemma 3; each chat's tiles, of several counts, on InternVL;
     LLaVA-NeXT's and LLaVA-OneVision's images of different tile counts, their pixel tiles
     zero-padded to the batch's most; OneVision's processor loaded without its video processor,
@@ -294,7 +298,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in QWEN_FAMILIES + ("idefics3", "internvl", "llava-next", "llava-onevision"):
+    if family in (*IMAGE_ONLY, "idefics3", "internvl", "llava-next", "llava-onevision"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
@@ -472,12 +476,13 @@ def test_a_bundle_of_image_chats_is_prepared_side_by_side_in_order(tmp_path):
         assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "glm4v"])
 def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_path):
     """Within ``one_image_at_a_time`` a grid tower (windowed attention on Qwen2.5-VL, deepstack
-    levels on Qwen3-VL) called on three images of different sizes returns, bit for bit, what
-    it returns for each image alone, merged in image order; it is the whole-batch call up to
-    rounding (fp32, 1e-5); and the tower's own forward is back afterwards."""
+    levels on Qwen3-VL, position embeddings interpolated per image on GLM-4.1V) called on three
+    images of different sizes returns, bit for bit, what it returns for each image alone,
+    merged in image order; it is the whole-batch call up to rounding (fp32, 1e-5); and the
+    tower's own forward is back afterwards."""
     from tests.support.vlm import load_reference
     from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time
 
@@ -529,7 +534,40 @@ def test_a_tower_given_its_grid_s_host_inputs_never_reads_the_grid(family, tmp_p
             assert torch.equal(got.deepstack_features[level], tensor), (size, level)
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+class ReachedTheBlocks(Exception):
+    """Raised at a vision tower's first block: what comes before the blocks ran."""
+
+
+@pytest.mark.parametrize("family", [*QWEN_FAMILIES, *GLM_FAMILIES])
+def test_a_tower_away_from_the_host_gets_its_grid_on_its_own_device(family, tmp_path):
+    """Within ``one_image_at_a_time`` a grid tower on a device (the meta device here) called
+    with its grid on the host, as the engine calls it, gets the grid on its own device beside
+    its host inputs: GLM-4.1V's tower reads the grid itself before its blocks (its position
+    embeddings, interpolated per patch to its image's grid), where a host grid fails. The
+    blocks take only what the host inputs give them (their attention splits by
+    ``cu_seqlens``, which has no values on the meta device), so the forward is stopped at the
+    first block's input: on the tower's device, one row per patch of the first image."""
+    from transformers import AutoModelForImageTextToText
+
+    from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    tower = grid_tower(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)).to("meta")
+    images = [reference_inputs(family, model_dir, size) for size in [(40, 24), (90, 20)]]
+    pixels = torch.cat([image["pixel_values"] for image in images]).to("meta")
+    grids = torch.cat([image["image_grid_thw"] for image in images])
+
+    def stop(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        raise ReachedTheBlocks(args[0] if args else kwargs["hidden_states"])
+
+    tower.blocks[0].register_forward_pre_hook(stop, with_kwargs=True)
+    with torch.inference_mode(), one_image_at_a_time(tower), pytest.raises(ReachedTheBlocks) as reached:
+        tower(pixels, grid_thw=grids)
+    states = reached.value.args[0]
+    assert states.device.type == "meta" and states.shape[0] == int(grids[0].prod()), (states.device, states.shape)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "glm4v"])
 def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path):
     """``--compile`` on a grid tower compiles each of its blocks (dynamo's graphs, run by the
     eager backend here: no code generation), not its whole forward; within
@@ -557,7 +595,7 @@ def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path)
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", [*QWEN_FAMILIES, *GLM_FAMILIES])
 def test_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_path):
     """``host_rope_positions`` of a right-padded batch of chats with images of different sizes
     gives each chat's real tokens the positions the model's own forward numbers for that

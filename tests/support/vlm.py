@@ -33,6 +33,14 @@ MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
 #: LLaVA-NeXT's and LLaVA-OneVision's anyres grids (multiples of the tower's 28x28 image): 2, 2, 4
 #: or 3 tiles plus the whole image.
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
+#: GLM-4.1V: half the head rotated (head_dim 16: M-RoPE sections over 4 frequencies), a tower with
+#: a position-embedding table (4x4 patches) interpolated to each image's grid.
+GLM4V = dict(
+    text_config=dict(TEXT, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                     rope_parameters=dict(MROPE, partial_rotary_factor=0.5)),
+    vision_config=dict(QWEN_VISION, image_size=56),
+    image_token_id=300, image_start_token_id=301, image_end_token_id=302, video_token_id=303,
+    video_start_token_id=304, video_end_token_id=305)
 
 VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-vl": ("qwen2_vl", dict(
@@ -75,6 +83,8 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=2, head_dim=16, image_size=56, patch_size=14),
         image_token_index=300, spatial_merge_size=2)),
+    "glm4v": ("glm4v", GLM4V),
+    "glm4.6v": ("glm46v", GLM4V),  # GLM-4.1V's modeling, its towers built from the sub-configs
 }
 
 
@@ -152,6 +162,14 @@ QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
 QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
                "vision_eos_token": "<|vision_end|>"}
 QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+GLM_FAMILIES = ("glm4v", "glm4.6v")
+GLM_TOKENS = {"image_token": "<|image|>", "boi_token": "<|begin_of_image|>", "eoi_token": "<|end_of_image|>",
+              "video_token": "<|video|>", "bov_token": "<|begin_of_video|>", "eov_token": "<|end_of_video|>"}
+GLM_PLACEHOLDER = "<|begin_of_image|><|image|><|end_of_image|>"
+#: Families whose processor class needs torchvision (its video processor), and the image token
+#: their processor repeats once per merged 2x2 patch group: their folders hold the tokenizer
+#: and the image processor's files as a checkpoint does.
+IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES, "<|image_pad|>"), **dict.fromkeys(GLM_FAMILIES, "<|image|>")}
 
 
 def qwen_image_processor():
@@ -177,18 +195,31 @@ def internvl_image_processor():
     return GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=True, max_patches=4)
 
 
+def glm_image_processor(family: str):
+    """GLM-4.1V's (or GLM-4.6V's) PIL image processor at Qwen's tiny sizes (its pixel bounds
+    count the 2 temporal frames)."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    from transformers.models.glm46v.image_processing_pil_glm46v import Glm46VImageProcessorPil
+
+    kind = Glm4vImageProcessorPil if family == "glm4v" else Glm46VImageProcessorPil
+    return kind(size={"shortest_edge": 2 * 28 * 28, "longest_edge": 2 * 28 * 28 * 16}, patch_size=14, merge_size=2,
+                temporal_patch_size=2)
+
+
 def add_processor(family: str, model_dir: Path) -> Path:
     """Save a processor beside a tiny VLM: a trained tokenizer of :data:`TEXT_VOCAB` entries
     plus the family's image tokens at the ids its config names (300 the image token; Gemma
-    3's begin/end of image 301/302; Qwen's video and vision start/end 301-303), an image
+    3's begin/end of image 301/302; Qwen's video and vision start/end 301-303; GLM's
+    begin/end of image 301/302, video and its begin/end 303-305), an image
     processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
     a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each;
     LLaVA-NeXT's and LLaVA-OneVision's tile an image on the :data:`PINPOINTS` grid that fits
     it best, plus the whole image, its tokens the unpadded grid with a newline a row; Qwen's
-    keeps the size within 28..112 pixels a side, a token per 28x28), and a template that puts
+    keeps the size within 28..112 pixels a side, a token per 28x28, GLM's the same), and a template that puts
     the processor's placeholder where a chat's image part is. A Qwen folder holds the
     tokenizer and the image processor's files as a checkpoint does (its video processor
-    needs torchvision, which this environment lacks). So does an InternVL one (its tokenizer
+    needs torchvision, which this environment lacks), as does a GLM one (both
+    :data:`IMAGE_ONLY`). So does an InternVL one (its tokenizer
     names its image context and begin/end tokens 300-302, video 303; its image processor cuts
     28x28 tiles, up to 4 plus a thumbnail, a token each; ``processor_config.json`` holds
     ``image_seq_length``, as a checkpoint's does: its processor class cannot be built here). A Mistral 3
@@ -220,17 +251,19 @@ def add_processor(family: str, model_dir: Path) -> Path:
                          "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS,
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
-                           "image_end_token": "[IMG_END]"}}.get(
+                           "image_end_token": "[IMG_END]"},
+              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS)}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
-    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == [300, 301, 302, 303][:len(tokens)]
-    template = parts_template(QWEN_PLACEHOLDER if family in QWEN_FAMILIES
-                              else tokens.get("boi_token", tokens.get("image_token", INTERNVL_PLACEHOLDER)))
+    assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
+    placeholders = {**dict.fromkeys(QWEN_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER)}
+    template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
+                                                                                          INTERNVL_PLACEHOLDER))))
     tokenizer.chat_template = template
-    if family in QWEN_FAMILIES:
+    if family in IMAGE_ONLY:
         tokenizer.save_pretrained(model_dir)
-        qwen_image_processor().save_pretrained(model_dir)
+        (glm_image_processor(family) if family in GLM_FAMILIES else qwen_image_processor()).save_pretrained(model_dir)
         return model_dir
     if family == "internvl":
         tokenizer.save_pretrained(model_dir)

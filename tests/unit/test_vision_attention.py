@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.vlm import QWEN_FAMILIES, build_tiny_vlm
+from tests.support.vlm import GLM_FAMILIES, QWEN_FAMILIES, build_tiny_vlm
 from layertap.worker.model.vision_attention import (
     VISION_ATTENTION_NAME,
     choose_vision_attention,
@@ -39,7 +39,7 @@ def tower_outputs(model) -> list[torch.Tensor]:
     return [tensor for tensor in output.values() if isinstance(tensor, torch.Tensor)]
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", [*QWEN_FAMILIES, *GLM_FAMILIES])
 def test_off_gpu_the_tower_is_plain_transformers(family: str, tmp_path) -> None:
     from transformers.utils.generic import is_flash_attention_requested
 
@@ -74,7 +74,7 @@ def test_each_sequence_attends_to_itself_alone() -> None:
     assert torch.equal(whole, F.scaled_dot_product_attention(query, key, value, scale=0.3).transpose(1, 2))
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", [*QWEN_FAMILIES, *GLM_FAMILIES])
 def test_chosen_for_cu_seqlens_towers_on_a_gpu_in_half_precision(family: str, tmp_path) -> None:
     model = load(family, tmp_path / "model")
     assert choose_vision_attention(model, CUDA, torch.bfloat16) == VISION_ATTENTION_NAME

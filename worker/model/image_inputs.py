@@ -35,12 +35,16 @@ from layertap.worker.model.layouts.base import BatchLayout
 PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids"})
 
 _ROPE = "each row's M-RoPE positions come from its own ids and image grids"
+_GLM = ("patches and grids concatenated per image (the tower interpolates its position embeddings to each "
+        "patch's own image grid)")
 #: Model types whose image chats batch (padded), and why that is exact.
 BATCHED_FAMILIES: dict[str, str] = {
     "qwen2_vl": f"patches and grids concatenated per image; {_ROPE}",
     "qwen2_5_vl": f"patches and grids concatenated per image (windowed vision attention within each image); {_ROPE}",
     "qwen3_vl": f"patches and grids concatenated per image; {_ROPE}; deepstack adds at each row's image positions",
     "qwen3_5": f"patches and grids concatenated per image; {_ROPE}; gated delta nets carry state along a row only",
+    "glm4v": f"{_GLM}; {_ROPE}",
+    "glm46v": f"{_GLM}; {_ROPE}",
     "gemma3": "one pixel tensor per image; bidirectional image attention is per row (token_type_ids)",
     "llava": "one pixel tensor per image, projected and placed at each row's image tokens",
     "llava_next": ("one row of anyres tiles per image, zero-padded to the batch's most (:data:`TILE_PADDED`); the "

@@ -1,6 +1,6 @@
 """A batch's vision tower run one image at a time, for towers that take a ``grid_thw`` (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3.5): each image's features are then bit for bit the features it gets
-alone, whatever else shares its batch.
+Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V): each image's features are then bit for bit the features
+it gets alone, whatever else shares its batch.
 
 Why: such a tower concatenates every image's patches into one sequence. Its attention keeps
 the images apart, but its matmuls run on all their rows at once, and the kernels a GPU picks
@@ -18,7 +18,10 @@ Given its grid on the host, the tower also gets every quantity it derives from t
 (rotary positions, sequence and window bounds, position-embedding taps: :func:`host_tower_inputs`)
 computed there by transformers' own helpers and copied without a sync: computed from a grid
 on the GPU, each takes one or more device syncs per image (``.tolist()``, ``.item()``), which
-drain the GPU's queue and leave it idle while the host issues the next kernels.
+drain the GPU's queue and leave it idle while the host issues the next kernels. The grid
+itself goes to the tower on its device too (copied without a sync): a tower may read it
+beyond those helpers in device arithmetic (GLM-4.1V's interpolates its position embeddings
+to each patch's image grid, indexing the grid by patch), where a host tensor fails.
 """
 
 from __future__ import annotations
@@ -127,7 +130,8 @@ def merge_tower_outputs(outputs: Sequence[Any]) -> Any:
 def one_image_at_a_time(tower: nn.Module | None) -> Iterator[None]:
     """Within the block, the grid ``tower`` (:func:`grid_tower`; nothing changes for None) runs
     each image of a call alone and merges the outputs (:func:`merge_tower_outputs`). A grid on
-    the host (where :func:`takes_host_inputs`) brings each image its :func:`host_tower_inputs`."""
+    the host (where :func:`takes_host_inputs`) brings each image its :func:`host_tower_inputs`
+    and reaches the tower on the pixels' device."""
     if tower is None:
         yield
         return
@@ -139,6 +143,7 @@ def one_image_at_a_time(tower: nn.Module | None) -> Iterator[None]:
     def alone(pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
         if on_host and grid_thw.device.type == "cpu":
             kwargs |= host_tower_inputs(tower, grid_thw, pixel_values.device)
+            grid_thw = to_device(grid_thw, pixel_values.device)  # for what it reads beyond the helpers
         return forward(pixel_values, grid_thw=grid_thw, **kwargs)
 
     def per_image(pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
