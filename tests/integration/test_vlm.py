@@ -166,12 +166,22 @@ TEMPLATE_CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text"
 
 def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str, torch.Tensor]:
     """What plain transformers' processor gives the model for the test chat with a ``size``
-    image. Qwen's (whose processor class needs torchvision here): its image processor, and
-    the template's one ``<|image_pad|>`` repeated once per merged 2x2 patch group, as
-    Qwen's processor does, with ``mm_token_type_ids`` 1 at the image tokens."""
+    image. Qwen's and Gemma 4's (whose processor classes need torchvision here): the image
+    processor, and the template's one placeholder expanded as their processors do (Qwen's
+    ``<|image_pad|>`` once per merged 2x2 patch group; Gemma 4's ``<|image|>`` into
+    ``<|image>``, one ``<|image|>`` per token the image processor counts, ``<image|>``),
+    with ``mm_token_type_ids`` 1 at the image tokens."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     image = Image.open(io.BytesIO(png_bytes(*size)))
+    if family == "gemma4":
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
+        tokens = "<|image>" + "<|image|>" * int(vision["num_soft_tokens_per_image"][0]) + "<image|>"
+        text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace("<|image|>", tokens)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return {"input_ids": ids, "pixel_values": vision["pixel_values"],
+                "image_position_ids": vision["image_position_ids"], "mm_token_type_ids": (ids == 300).long()}
     if family not in QWEN_FAMILIES:
         processor = AutoProcessor.from_pretrained(model_dir)
         return dict(processor(text=[processor.apply_chat_template(TEMPLATE_CHAT, tokenize=False)], images=[image],
@@ -186,13 +196,14 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
             "mm_token_type_ids": (ids == 300).long()}
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", *QWEN_FAMILIES])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "gemma4", *QWEN_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
-    """Every family with a processor the tests can build (Qwen's through its image-only path:
-    no torchvision here): chats with images of different sizes, sent with text chats, run
-    through the model's own ``forward``, several image chats in one padded forward (each
-    with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional image
-    attention on Gemma 3), one per forward on Idefics3 (tiles). Each file holds the token
+    """Every family with a processor the tests can build (Qwen's and Gemma 4's through their
+    image-only path: no torchvision here): chats with images of different sizes, sent with
+    text chats, run through the model's own ``forward``, several image chats in one padded
+    forward (each with its own M-RoPE positions on Qwen; deepstack on Qwen3-VL; bidirectional
+    image attention on Gemma 3 and in Gemma 4's sliding layers, with its per-layer inputs and
+    patch rows padded per image), one per forward on Idefics3 (tiles). Each file holds the token
     ids as the processor expands them, a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
     processor's output alone; the dataset batches an image file with a text file."""
@@ -231,7 +242,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in QWEN_FAMILIES + ("idefics3",):
+    if family in QWEN_FAMILIES + ("idefics3", "gemma4"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before

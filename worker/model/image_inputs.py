@@ -41,6 +41,9 @@ BATCHED_FAMILIES: dict[str, str] = {
     "gemma3": "one pixel tensor per image; bidirectional image attention is per row (token_type_ids)",
     "llava": "one pixel tensor per image, projected and placed at each row's image tokens",
     "llama4": "one pixel tensor per tile, projected and placed at each row's image tokens; chunked attention per row",
+    "gemma4": ("one row of patches per image, padded to the processor's fixed patch count (positions -1, masked and "
+               "pooled within the image); bidirectional image attention per row (mm_token_type_ids); per-layer "
+               "inputs per token"),
 }
 #: Model types whose image chats run one per forward, and why.
 SINGLE_REASONS: dict[str, str] = {
