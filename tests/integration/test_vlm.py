@@ -207,7 +207,9 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
     image. Qwen's and GLM's (whose processor classes need torchvision here): the image
     processor, and the template's one image token (``<|image_pad|>``, ``<|image|>``) repeated
     once per merged 2x2 patch group, as their processors do, with ``mm_token_type_ids`` 1 at
-    the image tokens (as GLM's processor marks image tokens outside a video). InternVL's (the
+    the image tokens (as GLM's processor marks image tokens outside a video). Gemma 4's (the
+    same): ``<|image|>`` into ``<|image>``, one ``<|image|>`` per token the image processor
+    counts, ``<image|>``, with ``mm_token_type_ids`` 1 at the image tokens. InternVL's (the
     same): its image processor with the processor class's image options (tiles), and the
     template's ``<IMG_CONTEXT>`` made ``<img>``, ``image_seq_length`` (the model's config)
     ``<IMG_CONTEXT>`` per tile, ``</img>``, as InternVL's processor does. LLaVA-OneVision's
@@ -216,6 +218,14 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, InternVLProcessor
 
     image = Image.open(io.BytesIO(png_bytes(*size)))
+    if family == "gemma4":
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
+        tokens = "<|image>" + "<|image|>" * int(vision["num_soft_tokens_per_image"][0]) + "<image|>"
+        text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace("<|image|>", tokens)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return {"input_ids": ids, "pixel_values": vision["pixel_values"],
+                "image_position_ids": vision["image_position_ids"], "mm_token_type_ids": (ids == 300).long()}
     if family == "internvl":
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt",
@@ -247,7 +257,7 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
             "mm_token_type_ids": (ids == 300).long()}
 
 
-@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl",
+@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl", "gemma4",
                                     *QWEN_FAMILIES, *GLM_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
@@ -255,7 +265,8 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     text chats, run through the model's own ``forward``, several image chats in one padded
     forward (each with its own M-RoPE positions on Qwen and GLM; GLM's position
     embeddings interpolated per image; deepstack on Qwen3-VL; bidirectional
-    image attention on Gemma 3; each chat's tiles, of several counts, on InternVL;
+    image attention on Gemma 3 and in Gemma 4's sliding layers, with its per-layer inputs and
+    patch rows padded per image; each chat's tiles, of several counts, on InternVL;
     LLaVA-NeXT's and LLaVA-OneVision's images of different tile counts, their pixel tiles
     zero-padded to the batch's most; OneVision's processor loaded without its video processor,
     its settings kept), one per
@@ -298,7 +309,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in (*IMAGE_ONLY, "idefics3", "internvl", "llava-next", "llava-onevision"):
+    if family in (*IMAGE_ONLY, "idefics3", "internvl", "gemma4", "llava-next", "llava-onevision"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before

@@ -85,6 +85,17 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         image_token_index=300, spatial_merge_size=2)),
     "glm4v": ("glm4v", GLM4V),
     "glm4.6v": ("glm46v", GLM4V),  # GLM-4.1V's modeling, its towers built from the sub-configs
+    "gemma4": ("gemma4", dict(  # per-layer inputs, a sliding and a full layer (its own head size, K as V),
+        # bidirectional image attention; the vision tower pools 3x3 patches of 4 pixels into a token
+        text_config=dict(TEXT, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                         use_bidirectional_attention="vision", hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=320, global_head_dim=16, num_global_key_value_heads=1,
+                         attention_k_eq_v=True),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+                           position_embedding_size=256),
+        audio_config=None, image_token_id=300, boi_token_id=301, eoi_token_id=302, audio_token_id=303,
+        boa_token_id=304, eoa_token_index=305, video_token_id=306)),
 }
 
 
@@ -170,6 +181,10 @@ GLM_PLACEHOLDER = "<|begin_of_image|><|image|><|end_of_image|>"
 #: their processor repeats once per merged 2x2 patch group: their folders hold the tokenizer
 #: and the image processor's files as a checkpoint does.
 IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES, "<|image_pad|>"), **dict.fromkeys(GLM_FAMILIES, "<|image|>")}
+#: Gemma 4's tokens (image, begin/end of image, audio, begin/end of audio: 300-305; its processor adds
+#: ``<|video|>``, 306); a template writes the image token, which its processor expands.
+GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                 "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
 
 
 def qwen_image_processor():
@@ -206,16 +221,27 @@ def glm_image_processor(family: str):
                 temporal_patch_size=2)
 
 
+def gemma4_image_processor():
+    """Gemma 4's image processor (transformers' PIL one) at the tiny sizes: an image resized, its
+    aspect kept, to at most 70 tokens of 3x3 patches of 4 pixels (630 patches, the rows past
+    the image's padded with position -1); 28x28 gives 64 tokens, 90x20 gives 51."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    return Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)
+
+
 def add_processor(family: str, model_dir: Path) -> Path:
     """Save a processor beside a tiny VLM: a trained tokenizer of :data:`TEXT_VOCAB` entries
     plus the family's image tokens at the ids its config names (300 the image token; Gemma
     3's begin/end of image 301/302; Qwen's video and vision start/end 301-303; GLM's
-    begin/end of image 301/302, video and its begin/end 303-305), an image
+    begin/end of image 301/302, video and its begin/end 303-305; Gemma 4's
+    :data:`GEMMA4_TOKENS`), an image
     processor that makes 28x28 images (4 patches of 14: 4 image tokens; Idefics3 resizes to
     a longest edge of 56 and splits into 28x28 tiles plus a global one, a token each;
     LLaVA-NeXT's and LLaVA-OneVision's tile an image on the :data:`PINPOINTS` grid that fits
     it best, plus the whole image, its tokens the unpadded grid with a newline a row; Qwen's
-    keeps the size within 28..112 pixels a side, a token per 28x28, GLM's the same), and a template that puts
+    keeps the size within 28..112 pixels a side, a token per 28x28, GLM's the same;
+    Gemma 4's keeps the aspect, up to 70 tokens, :func:`gemma4_image_processor`), and a template that puts
     the processor's placeholder where a chat's image part is. A Qwen folder holds the
     tokenizer and the image processor's files as a checkpoint does (its video processor
     needs torchvision, which this environment lacks), as does a GLM one (both
@@ -228,7 +254,9 @@ def add_processor(family: str, model_dir: Path) -> Path:
     ``PixtralProcessor``, written here: that class's module imports torchvision, so it
     cannot be built (nor loaded) here. So does a LLaVA-OneVision
     folder (its processor class, which holds a video processor too, cannot be built here), with the
-    class's settings in its ``processor_config.json``."""
+    class's settings in its ``processor_config.json``; a Gemma 4 folder the tokenizer and a
+    ``processor_config.json`` naming its image processor and audio feature extractor (its
+    processor class takes a video processor too, so it cannot be built here to save)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -243,6 +271,7 @@ def add_processor(family: str, model_dir: Path) -> Path:
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
     )
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
     from layertap.worker.model.tiny_model import build_tokenizer
 
@@ -251,13 +280,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
                          "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS,
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
-                           "image_end_token": "[IMG_END]"},
+                           "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS,
               **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS)}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
-    placeholders = {**dict.fromkeys(QWEN_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER)}
+    placeholders = {**dict.fromkeys(QWEN_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
+                    "gemma4": GEMMA4_TOKENS["image_token"]}
     template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
                                                                                           INTERNVL_PLACEHOLDER))))
     tokenizer.chat_template = template
@@ -286,6 +316,13 @@ def add_processor(family: str, model_dir: Path) -> Path:
         (model_dir / "processor_config.json").write_text(json.dumps({
             "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 4,
             "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}))
+        return model_dir
+    if family == "gemma4":
+        tokenizer.save_pretrained(model_dir)
+        parts = {"image_processor": gemma4_image_processor(), "feature_extractor": Gemma4AudioFeatureExtractor()}
+        config = {"processor_class": "Gemma4Processor", "image_seq_length": 70,
+                  **{name: json.loads(part.to_json_string()) for name, part in parts.items()}}
+        (model_dir / "processor_config.json").write_text(json.dumps(config, indent=2))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(

@@ -55,6 +55,9 @@ BATCHED_FAMILIES: dict[str, str] = {
     "llama4": "one pixel tensor per tile, projected and placed at each row's image tokens; chunked attention per row",
     "internvl": ("one pixel tensor per tile (each chat's tiles and thumbnail in its order), each tile through the "
                  "vision tower alone, projected and placed at the image tokens in batch order: each row's at its own"),
+    "gemma4": ("one row of patches per image, padded to the processor's fixed patch count (positions -1, masked and "
+               "pooled within the image); bidirectional image attention per row (mm_token_type_ids); per-layer "
+               "inputs per token"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres

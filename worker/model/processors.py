@@ -1,14 +1,16 @@
 """A vision-language model's processor (tokenizer + image processor + chat template), loaded
 from its checkpoint folder with ``AutoProcessor``.
 
-Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) InternVL's and LLaVA-OneVision's
-also hold a video processor, and every transformers video processor needs ``torchvision``. torchvision is not a
+Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), GLM-4.1V's, InternVL's,
+LLaVA-OneVision's and Gemma 4's also hold a video processor, and every transformers video
+processor needs ``torchvision``. torchvision is not a
 dependency: the only wheels this project's package index has for a given torch are CUDA
 builds (``libc10_cuda.so``), which do not import beside a CPU torch, and a CUDA machine
 has its own. Where the video processor is what fails, the processor's own class is loaded
 without it (:func:`images_only`): the same class, its ``__call__`` and placeholder
-expansion unchanged, its settings from ``processor_config.json``, with transformers' PIL
-image processor for the images. Video is not a job type, so nothing is lost.
+expansion unchanged, its other parts loaded as they are (Gemma 4's audio feature extractor
+included) and its settings from ``processor_config.json`` (InternVL's ``image_seq_length``), with
+transformers' PIL image processor for the images. Video is not a job type, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -27,35 +29,35 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 VIDEO = "video_processor"
 
 
-def init_options(cls: type) -> tuple[str, ...]:
-    """The named arguments of ``cls.__init__``, as ``ProcessorMixin.from_args_and_dict`` reads
-    them (only these of a ``processor_config.json`` reach ``__init__``)."""
-    code = cls.__init__.__code__
-    return code.co_varnames[1:code.co_argcount]
-
-
 def images_only(processor_class: type) -> type:
     """``processor_class`` (a ``ProcessorMixin`` with a video processor) without that attribute:
-    ``from_pretrained`` loads its image processor and tokenizer only (the image processor's
-    PIL backend where torchvision is missing), and ``__call__`` takes text and images. The
-    class's own options in ``processor_config.json`` (InternVL's ``image_seq_length``: its
-    image tokens per tile; LLaVA-OneVision's ``num_image_tokens``) reach its ``__init__`` as
-    they do ``processor_class``'s."""
-    options = tuple(name for name in init_options(processor_class) if name != VIDEO)
+    ``from_pretrained`` loads its other parts (image processor, tokenizer, an audio feature
+    extractor: every attribute but the video processor, the image processor's PIL backend where
+    torchvision is missing) and hands them to the class's own ``__init__`` by name, with
+    ``video_processor=None`` and the processor config's other fields; ``__call__`` takes text
+    and images."""
+    from transformers import ProcessorMixin
 
-    class ImagesOnly(processor_class):  # type: ignore[misc, valid-type]
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
-                     **kwargs: Any):
-            kwargs.pop(VIDEO, None)  # a processor_config.json may name one
-            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                             chat_template=chat_template, **kwargs)
+    every = processor_class.get_attributes()
+    kept = [name for name in every if name != VIDEO]
 
-        @staticmethod
-        def validate_init_kwargs(processor_config: dict[str, Any],
-                                 valid_kwargs: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-            """The config's entries this class's ``__init__`` takes (its own names and
-            ``processor_class``'s but the video processor) and the rest."""
-            return processor_class.validate_init_kwargs(processor_config, (*valid_kwargs, *options))
+    class WithoutVideo(ProcessorMixin):
+        """Between ``processor_class`` and ``ProcessorMixin``: its parts, by name, less the video processor."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            kwargs.update(zip(every, args))  # positional parts come in the class's attribute order
+            kwargs.pop(VIDEO, None)
+            ProcessorMixin.__init__(self, **kwargs)
+
+    class ImagesOnly(processor_class, WithoutVideo):  # type: ignore[misc, valid-type]
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return list(kept)
+
+        @classmethod
+        def from_args_and_dict(cls, args: list, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
+            parts = dict(zip(kept, args), **{VIDEO: None})  # a processor_config.json may name a video processor
+            return super().from_args_and_dict([], processor_dict, **parts, **kwargs)
 
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     return ImagesOnly
