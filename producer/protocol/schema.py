@@ -287,7 +287,7 @@ class ErrorType(str, Enum):
     invalid_layers = "invalid_layers"  # a layer id outside the model's range, or repeated
     empty_input = "empty_input"  # nothing to run: empty prompt, chat or token list
     too_long = "too_long"  # over max_length (truncate off) or the worker's token limit
-    bad_token_ids = "bad_token_ids"  # token ids outside the vocabulary
+    bad_token_ids = "bad_token_ids"  # token ids outside the vocabulary, or a model's image placeholder without an image
     chat_template = "chat_template"  # the chat cannot be rendered with the template
     bad_image = "bad_image"  # an image that cannot be read, is too big, does not decode or changed since submit
     no_image_support = "no_image_support"  # the job has images and this worker's model takes none (or no processor)

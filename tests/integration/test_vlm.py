@@ -76,6 +76,19 @@ def test_token_id_jobs_on_a_vlm_checkpoint_equal_its_own_forward(family, tmp_pat
         assert error <= TOLERANCE, f"{family}, {len(ids)} tokens: worst relative error {error}"
 
 
+@pytest.mark.parametrize("family", ["gemma4", "qwen2-vl"])
+def test_a_job_without_images_holding_an_image_placeholder_is_refused(family, tmp_path):
+    """Token ids (or text) holding the model's image placeholder, with no image: the model fills
+    those positions itself (Gemma 4 with padding, where no image comes), so the text decoder's
+    states there are not the model's; the job gets ``bad_token_ids`` and the next is served."""
+    model_dir = str(build_tiny_vlm(family, tmp_path / "model"))
+    with Extractor(model_dir, layers=[0, 2], device="cpu", dtype="float32") as extractor:
+        results = extractor.extract([[5, 6, 300, 7], [5, 6, 7]], tmp_path / "files", run="placeholders")
+    assert results[0].error_type == ErrorType.bad_token_ids, results[0]
+    assert "token id 300 is the model's placeholder image_token_" in results[0].error
+    assert results[1].ok, results[1].error
+
+
 def test_prompt_jobs_on_a_vlm_checkpoint_use_its_tokenizer(tmp_path):
     """With a tokenizer beside the weights (no image processor), chat jobs render and equal the reference."""
     model_dir = build_tiny_vlm("qwen2-vl", tmp_path / "model")

@@ -189,9 +189,16 @@ def build_tiny_type(model_type: str, out: Path, seed: int = 0) -> Path:
 #: M-RoPE's sections (time, height, width) for a tiny head of 8: they sum to half of it.
 TINY_MROPE = {"text_config": {"rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2]}}}
 #: Fields a vision-language type needs beyond :data:`SMALL` (keyed by model type).
+#: GLM's that rotate half of each head: a head of 16, so the sections cover its 4 rotated frequencies.
+HALF_ROTARY_MROPE = {"text_config": {**TINY_MROPE["text_config"], "head_dim": 16, "num_attention_heads": 2,
+                                     "num_key_value_heads": 1}}
 VLM_OVERRIDES: dict[str, dict[str, Any]] = {
-    name: TINY_MROPE for name in ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "glm4v", "glm4v_moe", "glm46v",
-                                  "glmga", "glm_ocr", "paddleocr_vl", "cosmos3_edge", "hy_v4_vl")
+    **{name: TINY_MROPE for name in ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "glm4v", "glm46v",
+                                     "paddleocr_vl", "cosmos3_edge", "hy_v4_vl")},
+    **{name: HALF_ROTARY_MROPE for name in ("glm4v_moe", "glm_ocr")},
+    "glmga": {"text_config": {**HALF_ROTARY_MROPE["text_config"],  # rotates its whole head of 16
+                              "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}},
+    "step3p7": {"text_config": {"sliding_window": 8}},  # its default leaves the window unset
 }
 
 

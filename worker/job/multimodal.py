@@ -62,6 +62,19 @@ def model_image_token_id(config: Any) -> int:
                                                "image_token_index, so its image positions cannot be told")
 
 
+#: Config fields naming the tokens whose positions a multimodal model fills with its own features.
+PLACEHOLDER_FIELDS = tuple(f"{kind}_token_{suffix}" for kind in ("image", "video", "audio")
+                           for suffix in ("id", "index"))
+
+
+def placeholder_token_ids(config: Any) -> dict[int, str]:
+    """The ids of ``config``'s image, video and audio placeholder tokens, each with its field's
+    name (none for a text model). A model puts its features there (Gemma 4 puts padding where
+    none come), so such a token in text is no input its text decoder alone computes as the model."""
+    return {value: name for name in PLACEHOLDER_FIELDS
+            if isinstance(value := getattr(config, name, None), int) and not isinstance(value, bool)}
+
+
 def expand_mask(rendered: list[int], mask: list[int], expanded: list[int], image_id: int) -> list[int]:
     """The loss mask of ``rendered`` carried over to the processor's ``expanded`` ids. The two
     are aligned (``difflib``, no junk heuristic): equal tokens keep their mask; tokens the

@@ -28,7 +28,7 @@ from layertap.producer.settings import Limits
 from layertap.worker.engine.teacher import logit_transform
 from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError
-from layertap.worker.job.multimodal import ImageChat, model_image_token_id, render_image_chat
+from layertap.worker.job.multimodal import ImageChat, model_image_token_id, placeholder_token_ids, render_image_chat
 from layertap.worker.model.image_inputs import staged_inputs
 from layertap.worker.model.loading import LoadedModel
 
@@ -92,6 +92,7 @@ class Preparer:
                 self._tokenizers.put(loaded.tokenizer if index == 0 else copy.deepcopy(loaded.tokenizer))
         self._longest_token_chars = longest_token_chars(loaded.tokenizer)
         self.context_length = context_length(loaded.model.config)
+        self._placeholders = placeholder_token_ids(loaded.model.config)
 
     def prepare(self, job: Job) -> PreparedInput:
         layer_ids = self.layers_of(job)
@@ -110,6 +111,8 @@ class Preparer:
             image_token_mask = chat.image_token_mask
         else:
             token_ids, loss_mask = self._tokenize_chat(job)
+        if model_inputs is None:
+            self._refuse_placeholders(token_ids)
         if model_inputs is not None and len(token_ids) > min(job.max_length or self.limits.max_tokens,
                                                              self.limits.max_tokens):
             raise JobError(ErrorType.too_long, f"the chat with its images is {len(token_ids)} tokens, over the limit; "
@@ -170,6 +173,17 @@ class Preparer:
         if bad is not None:
             raise JobError(ErrorType.bad_token_ids, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         return token_ids
+
+    def _refuse_placeholders(self, token_ids: list[int]) -> None:
+        """Raise ``bad_token_ids`` where a job without images holds one of the model's image, video
+        or audio placeholder tokens: the model would put features (or padding) there, which its
+        text decoder alone does not."""
+        found = next((token for token in token_ids if token in self._placeholders), None)
+        if found is not None:
+            raise JobError(ErrorType.bad_token_ids, f"token id {found} is the model's placeholder "
+                                                    f"{self._placeholders[found]} and the job has no image: the "
+                                                    "model fills those positions itself; send images as content "
+                                                    "parts of a chat")
 
     @contextmanager
     def _tokenizer(self) -> Iterator[Any]:

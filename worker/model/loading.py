@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -461,6 +462,10 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
                 place(model, placed)
         return with_split(describe(model, None, name=name or source, source=source, batching=batching), plans)
     config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    if getattr(config, "is_encoder_decoder", False):  # a multimodal one loads as image-text-to-text: refused here
+        raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
+                           "an encoder-decoder: its decoder cross-attends to its encoder's states, so it has no "
+                           "decoder-only forward of the tokens to read")
     torch_dtype = resolve_dtype(dtype, torch_device, config)
     tokenizer = load_tokenizer(source, revision, trust_remote_code)
     if chat_template is not None:
@@ -493,20 +498,23 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
         # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
         # a split (--gpus-per-worker, --split-stages) places each stage's layers on its device.
         options = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-                       device_map=placement)
+                       device_map=placement, output_loading_info=True)
         try:
             try:
-                model = auto_class(config).from_pretrained(source, **options)
+                model, loading_info = auto_class(config).from_pretrained(source, **options)
             except ValueError as exc:
                 if "does not support an attention implementation" not in str(exc):
                     raise
                 log.warning("%s; loading it with transformers' eager attention instead", str(exc).split(". ")[0])
-                model = auto_class(config).from_pretrained(source, attn_implementation="eager", **options)
+                model, loading_info = auto_class(config).from_pretrained(source, attn_implementation="eager",
+                                                                         **options)
         except ValueError as exc:
             if "Unrecognized configuration class" in str(exc):
                 raise ModelRefused(f"{type(config).__name__} ({config.model_type})",
                                    "transformers has no causal LM class for it, so it has no decoder to read") from None
             raise
+        refuse_unloaded_weights(model, loading_info)
+        refuse_image_only(model)
     if plans is not None:
         place(model, placement, dispatched=True)  # type: ignore[arg-type]
     report = LoadReport(time.monotonic() - started, rss_before, peak_rss_bytes(), weights_bytes(model))
@@ -524,6 +532,29 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     if scheme is not None:
         loaded.quantization, loaded.quant_compute = scheme, compute
     return loaded
+
+
+def refuse_unloaded_weights(model: nn.Module, loading_info: dict[str, Any]) -> None:
+    """Raise :class:`ModelRefused` where ``from_pretrained`` left weights of ``model`` out of its
+    checkpoint (missing, or of another shape): transformers initializes those at random and only
+    logs it, so every file would hold states of a model the checkpoint is not."""
+    unloaded = sorted(set(loading_info.get("missing_keys") or ()) | {
+        entry[0] if isinstance(entry, tuple) else entry for entry in loading_info.get("mismatched_keys") or ()})
+    if unloaded:
+        shown = ", ".join(unloaded[:3]) + (f" and {len(unloaded) - 3} more" if len(unloaded) > 3 else "")
+        raise ModelRefused(type(model).__name__, f"{len(unloaded)} of its weights are not in its checkpoint as its "
+                           f"class names them ({shown}): transformers would initialize them at random, so the "
+                           "files would not be the checkpoint's model")
+
+
+def refuse_image_only(model: nn.Module) -> None:
+    """Raise :class:`ModelRefused` for a model whose ``forward`` requires ``pixel_values`` (BLIP,
+    BLIP-2, InstructBLIP): it computes nothing for text alone, and its text decoder run bare may
+    not be run as it runs it (BLIP's attends both ways unless its parent says ``is_decoder``)."""
+    parameter = inspect.signature(type(model).forward).parameters.get("pixel_values")
+    if parameter is not None and parameter.default is inspect.Parameter.empty:
+        raise ModelRefused(type(model).__name__, "its forward requires pixel_values: it computes nothing for text "
+                           "alone, so there are no text states of it to read")
 
 
 def split_devices(device: torch.device, stages: int) -> list[str]:
