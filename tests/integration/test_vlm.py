@@ -698,3 +698,53 @@ def test_the_image_warm_up_runs_the_probe_chats_as_one_image_batch(tmp_path):
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         warm_up_images(extractor.processor.engine, extractor.processor.preparer)
     assert batches == []
+
+
+TWO_IMAGE_CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                               {"type": "text", "text": "hello model"}]},
+                  {"role": "assistant", "content": "the draft layer"}]
+
+
+def two_image_reference(family: str, model_dir, sizes: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """What plain transformers gives the model for one prompt with two images: its processor
+    with the images nested per prompt (``images=[[a, b]]``, as transformers takes several
+    images of one text); LLaVA-OneVision's by hand as :func:`reference_inputs` (its processor
+    class needs torchvision here), its image processor told the two are one prompt's."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    images = [Image.open(io.BytesIO(png_bytes(*size))) for size in sizes]
+    if family != "llava-onevision":
+        processor = AutoProcessor.from_pretrained(model_dir)
+        return dict(processor(text=[processor.apply_chat_template(TWO_IMAGE_CHAT, tokenize=False)], images=[images],
+                              return_tensors="pt"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vision = dict(AutoImageProcessor.from_pretrained(model_dir)(images=[images], return_tensors="pt"))
+    with torch.no_grad():
+        features = load_reference(str(model_dir)).model.get_image_features(**vision).pooler_output
+    text = tokenizer.apply_chat_template(TWO_IMAGE_CHAT, tokenize=False)
+    first, second, rest = text.split("<image>")
+    text = first + "<image>" * len(features[0]) + second + "<image>" * len(features[1]) + rest
+    return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"], **vision}
+
+
+@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3"])
+def test_a_chat_with_two_images_equals_the_model_on_that_prompt(family, tmp_path):
+    """Several images of one chat reach the processor as one prompt's (nested per prompt), so a
+    processor that treats a prompt's several images otherwise than one (LLaVA-OneVision tiles a
+    lone image, not each of several) gives what transformers gives: token ids and every layer
+    within 1e-5 of the plain model on the plain processor's output for that prompt."""
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    sizes = [(60, 60), (40, 24)]
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        png_bytes(*size)).decode()}} for size in sizes]
+    chat = {"messages": [{"role": "user", "content": [parts[0], {"type": "text", "text": "and"}, parts[1],
+                                                      {"type": "text", "text": "hello model"}]},
+                         {"role": "assistant", "content": "the draft layer"}]}
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        result = extractor.extract([chat], tmp_path / "files", run=f"{family}-two-images")[0]
+    assert result.ok, result.error
+    states = load_hidden_states(result.path)
+    inputs = two_image_reference(family, model_dir, sizes)
+    assert states["token_ids"].tolist() == inputs["input_ids"][0].tolist()
+    reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
+    assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE

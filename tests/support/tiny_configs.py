@@ -199,6 +199,11 @@ VLM_OVERRIDES: dict[str, dict[str, Any]] = {
     "glmga": {"text_config": {**HALF_ROTARY_MROPE["text_config"],  # rotates its whole head of 16
                               "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}},
     "step3p7": {"text_config": {"sliding_window": 8}},  # its default leaves the window unset
+    # two layers of each MLP kind, one without rotary; each layer its own KV source (72 by default)
+    "mistral_large4": {"text_config": {"num_hidden_layers": 2, "mlp_layer_types": ["dense", "sparse"],
+                                       "layer_types": ["indexed_attention"] * 2, "no_rope_layers": [1, 0],
+                                       "kv_source_layers": [0, 1]}},
+    "lfm2_vl": {"text_config": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}},
 }
 
 

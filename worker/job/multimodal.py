@@ -112,7 +112,9 @@ def render_image_chat(processor: Any, tokenizer: Any, job: Job, images: list[Loa
     text = tokenizer.decode(rendered, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     pictures = [Image.open(io.BytesIO(image.data)).convert("RGB") for image in images]
     try:
-        outputs = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+        # nested per prompt: one prompt's several images, as transformers takes them (LLaVA-OneVision
+        # tiles a lone image but not each of several; a flat list would be one prompt per image)
+        outputs = processor(text=[text], images=[pictures], return_tensors="pt", add_special_tokens=False)
     except Exception as exc:  # an image processor raises many types for an image it cannot take
         raise JobError(ErrorType.bad_image, f"the model's processor refused the chat's images "
                                             f"({type(exc).__name__}: {exc})") from None
