@@ -32,6 +32,7 @@ from tests.support.vlm import (
     GLM_FAMILIES,
     IMAGE_ONLY,
     QWEN_FAMILIES,
+    QWEN_MOE_FAMILIES,
     TEXT_VOCAB,
     VLM_FAMILIES,
     add_processor,
@@ -271,7 +272,7 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
 
 
 @pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl", "gemma4",
-                                    *QWEN_FAMILIES, *GLM_FAMILIES])
+                                    *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with

@@ -30,6 +30,8 @@ SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=14,
                    spatial_merge_size=2, temporal_patch_size=2)
 MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+QWEN_MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                decoder_sparse_step=1)
 #: LLaVA-NeXT's and LLaVA-OneVision's anyres grids (multiples of the tower's 28x28 image): 2, 2, 4
 #: or 3 tiles plus the whole image.
 PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
@@ -58,6 +60,15 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         image_token_id=300, video_token_id=301, vision_start_token_id=302)),
     "qwen3.5": ("qwen3_5", dict(
         text_config=dict(TEXT, **GDN), vision_config=dict(QWEN_VISION, num_position_embeddings=16),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302)),
+    "qwen3-vl-moe": ("qwen3_vl_moe", dict(  # Qwen3-VL-30B-A3B / 235B-A22B: the same tower, experts
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, mrope_interleaved=True), **QWEN_MOE),
+        vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0, 1], num_position_embeddings=16),
+        image_token_id=300, video_token_id=301, vision_start_token_id=302)),
+    "qwen3.5-moe": ("qwen3_5_moe", dict(  # the larger Qwen3.5 (397B-A17B): gated delta nets and experts
+        text_config=dict(TEXT, **GDN, **QWEN_MOE, shared_expert_intermediate_size=16,
+                         layer_types=["linear_attention", "full_attention"]),
+        vision_config=dict(QWEN_VISION, num_position_embeddings=16),
         image_token_id=300, video_token_id=301, vision_start_token_id=302)),
     "gemma3": ("gemma3", dict(text_config=dict(TEXT), vision_config=SIGLIP, mm_tokens_per_image=4,
                               image_token_index=300, boi_token_index=301, eoi_token_index=302)),
@@ -170,6 +181,8 @@ def parts_template(image_placeholder: str) -> str:
 
 
 QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
+#: The mixture-of-experts Qwen VLMs: Qwen's tower and processor, checked with image chats batched.
+QWEN_MOE_FAMILIES = ("qwen3-vl-moe", "qwen3.5-moe")
 QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
                "vision_eos_token": "<|vision_end|>"}
 QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -180,7 +193,8 @@ GLM_PLACEHOLDER = "<|begin_of_image|><|image|><|end_of_image|>"
 #: Families whose processor class needs torchvision (its video processor), and the image token
 #: their processor repeats once per merged 2x2 patch group: their folders hold the tokenizer
 #: and the image processor's files as a checkpoint does.
-IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES, "<|image_pad|>"), **dict.fromkeys(GLM_FAMILIES, "<|image|>")}
+IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, "<|image_pad|>"),
+              **dict.fromkeys(GLM_FAMILIES, "<|image|>")}
 #: Gemma 4's tokens (image, begin/end of image, audio, begin/end of audio: 300-305; its processor adds
 #: ``<|video|>``, 306); a template writes the image token, which its processor expands.
 GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
@@ -282,11 +296,11 @@ def add_processor(family: str, model_dir: Path) -> Path:
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                            "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS,
               **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS)}.get(
-        family, QWEN_TOKENS if family in QWEN_FAMILIES else {"image_token": "<image>"})
+        family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
-    placeholders = {**dict.fromkeys(QWEN_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
+    placeholders = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
                     "gemma4": GEMMA4_TOKENS["image_token"]}
     template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
                                                                                           INTERNVL_PLACEHOLDER))))

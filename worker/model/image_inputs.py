@@ -43,6 +43,9 @@ BATCHED_FAMILIES: dict[str, str] = {
     "qwen2_5_vl": f"patches and grids concatenated per image (windowed vision attention within each image); {_ROPE}",
     "qwen3_vl": f"patches and grids concatenated per image; {_ROPE}; deepstack adds at each row's image positions",
     "qwen3_5": f"patches and grids concatenated per image; {_ROPE}; gated delta nets carry state along a row only",
+    "qwen3_vl_moe": f"as qwen3_vl; {_ROPE}; experts route each token alone",
+    "qwen3_5_moe": f"as qwen3_5; {_ROPE}; gated delta nets carry state along a row only; experts route each token "
+                   "alone",
     "glm4v": f"{_GLM}; {_ROPE}",
     "glm46v": f"{_GLM}; {_ROPE}",
     "gemma3": "one pixel tensor per image; bidirectional image attention is per row (token_type_ids)",
