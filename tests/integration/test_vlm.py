@@ -164,7 +164,7 @@ def test_a_mistral3_checkpoint_whose_processor_needs_torchvision_serves_text_and
         results = extractor.extract([image_chat({"type": "image_url", "image_url": {"url": url}}), text_chat],
                                     tmp_path / "files", run="mistral3")
     assert loaded.processor is None and "PixtralProcessor requires the Torchvision" in loaded.processor_problem
-    assert loaded.image_batching.name == "single" and "image_sizes" in loaded.image_batching.reason
+    assert loaded.image_batching.name == "padded" and "image_sizes" in loaded.image_batching.reason
     assert results[0].error_type == ErrorType.no_image_support, results[0]
     assert "text and token-id jobs only" in results[0].error and "Torchvision" in results[0].error
     assert results[1].ok, results[1].error
@@ -404,6 +404,42 @@ def test_llama4_image_inputs_batched_together_equal_the_model_alone(tmp_path):
             states.append(captured.hidden_states.clone())
             captured.release()
     assert batches == [3, 1], batches
+    for (ids, inputs), got in zip(prompts, states):
+        reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
+        assert worst_token_relative_error(got, reference) <= TOLERANCE
+
+
+def test_mistral3_image_inputs_of_different_sizes_batched_together_equal_the_model_alone(tmp_path):
+    """Mistral 3 (Pixtral's tower; its processor class imports torchvision, so the pixels are
+    made here, as its image processor makes them: one [1, 3, H, W] tensor per chat with its
+    image_sizes): chats whose images differ in size run in one padded forward, their pixels
+    zero-padded to the batch's largest image, and every layer equals the plain model on each
+    chat alone (the tower crops each image to its own size)."""
+    from layertap.worker.engine.records import EngineRequest
+
+    model_dir = str(build_tiny_vlm("mistral3", tmp_path / "model"))
+    generator = torch.Generator().manual_seed(0)
+    prompts = []
+    for height, width, extra in ((28, 56, 5), (56, 56, 3), (56, 28, 6)):  # a token per 28x28, a break a row
+        rows = [[300] * (width // 28) + [301] for _ in range(height // 28)]
+        rows[-1][-1] = 302
+        ids = [5, 6, *[token for row in rows for token in row], *range(7, 7 + extra)]
+        prompts.append((ids, {"pixel_values": torch.randn(1, 3, height, width, generator=generator),
+                              "image_sizes": torch.tensor([[height, width]])}))
+    loaded = load_model(model_dir, name="mistral3", device="cpu", dtype="float32")
+    assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
+    layer_ids = [0, 1, 2]
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        states = []
+        for future in engine.submit_many([EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs)
+                                          for ids, inputs in prompts]):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    assert batches == [3], batches
     for (ids, inputs), got in zip(prompts, states):
         reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
         assert worst_token_relative_error(got, reference) <= TOLERANCE

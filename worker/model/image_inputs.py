@@ -58,6 +58,9 @@ BATCHED_FAMILIES: dict[str, str] = {
     "llama4": "one pixel tensor per tile, projected and placed at each row's image tokens; chunked attention per row",
     "internvl": ("one pixel tensor per tile (each chat's tiles and thumbnail in its order), each tile through the "
                  "vision tower alone, projected and placed at the image tokens in batch order: each row's at its own"),
+    "mistral3": ("one [images, 3, H, W] pixel tensor per chat, zero-padded to the batch's largest image "
+                 "(:data:`TILE_PADDED`) as Pixtral's processor pads a batch; the tower crops each image to its "
+                 "image_sizes, attends within each image alone, and the features go to each row's image tokens"),
     "gemma4": ("one row of patches per image, padded to the processor's fixed patch count (positions -1, masked and "
                "pooled within the image); bidirectional image attention per row (mm_token_type_ids); per-layer "
                "inputs per token"),
@@ -65,14 +68,11 @@ BATCHED_FAMILIES: dict[str, str] = {
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
 #: grid), as their image processor pads a batch: only where the model never reads the padding.
-TILE_PADDED = frozenset({"llava_next", "llava_onevision"})
+TILE_PADDED = frozenset({"llava_next", "llava_onevision", "mistral3"})
 #: Model types whose image chats run one per forward, and why.
 SINGLE_REASONS: dict[str, str] = {
     "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "
                  "that the model drops by value (a real all-zero tile would be dropped too)"),
-    "mistral3": ("its pixel_values are one [images, 3, H, W] tensor per prompt, padded to that prompt's largest "
-                 "image, so prompts whose images differ in size do not concatenate on dim 0 (the model crops each "
-                 "image to its image_sizes: padding them to one size would be exact, but merging does not pad)"),
 }
 
 
