@@ -29,6 +29,7 @@ from layertap.producer.protocol.schema import ErrorType
 from layertap.producer.settings import Settings
 from layertap.producer.storage.registry import storage_for
 from tests.support.vlm import (
+    DEEPSEEK_FAMILIES,
     GLM_FAMILIES,
     IMAGE_ONLY,
     QWEN_FAMILIES,
@@ -272,7 +273,7 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
 
 
 @pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl", "gemma4",
-                                    *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES])
+                                    *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES, *DEEPSEEK_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with
@@ -283,7 +284,8 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     patch rows padded per image; each chat's tiles, of several counts, on InternVL;
     LLaVA-NeXT's and LLaVA-OneVision's images of different tile counts, their pixel tiles
     zero-padded to the batch's most; OneVision's processor loaded without its video processor,
-    its settings kept), one per
+    its settings kept; DeepSeek-VL's, its hybrid's and Janus's images padded to a square, 4 tokens
+    each whatever the size, the hybrid's SAM pixels beside SigLIP's), one per
     forward on Idefics3 (tiles). Each file holds the token
     ids as the processor expands them, a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
@@ -764,7 +766,7 @@ def two_image_reference(family: str, model_dir, sizes: list[tuple[int, int]]) ->
     return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"], **vision}
 
 
-@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3"])
+@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", *DEEPSEEK_FAMILIES])
 def test_a_chat_with_two_images_equals_the_model_on_that_prompt(family, tmp_path):
     """Several images of one chat reach the processor as one prompt's (nested per prompt), so a
     processor that treats a prompt's several images otherwise than one (LLaVA-OneVision tiles a

@@ -107,7 +107,27 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                            position_embedding_size=256),
         audio_config=None, image_token_id=300, boi_token_id=301, eoi_token_id=302, audio_token_id=303,
         boa_token_id=304, eoa_token_index=305, video_token_id=306)),
+    "deepseek-vl": ("deepseek_vl", dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP,
+                                        image_token_id=300)),
+    "deepseek-vl-hybrid": ("deepseek_vl_hybrid", dict(  # SigLIP at 28x28 beside a SAM tower at 64x64 (8x8
+        # patches, windows of 3 padded per image, the second block global), its features brought to SigLIP's 2x2
+        text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=300,
+        high_res_vision_config=dict(hidden_size=32, output_channels=8, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=64, patch_size=8, window_size=3, global_attn_indexes=[1],
+                                    num_pos_feats=16, mlp_dim=64, initializer_range=0.02))),  # SAM's 1e-10: ~0
+    "janus": ("janus", dict(  # DeepSeek-VL's understanding path (a SigLIP-like tower) plus a VQ model for
+        # image generation, unused by a forward on text and images (GroupNorm's 32 groups: 32 channels)
+        text_config=dict(TEXT, model_type="llama"), image_token_id=300,
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                           projection_dim=32, num_image_tokens=4),
+        vq_config=dict(embed_dim=8, num_embeddings=32, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
+                       num_res_blocks=1, projection_dim=32, image_token_embed_dim=32))),
 }
+
+
+#: Learned gates a family's model initializes to 0, shutting a path off (DeepSeek-VL hybrid's weight of
+#: the SAM tower's global-attention features): set to 0.5 in the tiny model, so the tests see that path.
+GATES: dict[str, tuple[str, ...]] = {"deepseek-vl-hybrid": ("model.high_res_vision_alpha",)}
 
 
 def build_tiny_vlm(family: str, out: Path, seed: int = 0) -> Path:
@@ -118,6 +138,8 @@ def build_tiny_vlm(family: str, out: Path, seed: int = 0) -> Path:
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    for name in GATES.get(family, ()):
+        model.get_parameter(name).data.fill_(0.5)
     model.save_pretrained(out)
     return out
 
@@ -244,6 +266,34 @@ def gemma4_image_processor():
     return Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70)
 
 
+#: DeepSeek-VL's families (the hybrid's image processor also makes the SAM tower's high-resolution pixels).
+DEEPSEEK_FAMILIES = ("deepseek-vl", "deepseek-vl-hybrid", "janus")
+#: Janus's tokens: its processor puts ``num_image_tokens`` image tokens between begin/end of image (300-302).
+JANUS_TOKENS = {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"}
+
+
+def deepseek_processor(family: str, tokenizer: Any, template: str) -> Any:
+    """DeepSeek-VL's (or the hybrid's, or Janus's) processor with its PIL image processor: an image
+    resized to a longest edge of 28 and padded to a square (the hybrid's also to 64 for SAM), 4
+    image tokens each whatever its size, as the towers give (Janus's between begin/end of image)."""
+    from transformers import DeepseekVLHybridProcessor, DeepseekVLProcessor, JanusProcessor
+    from transformers.models.deepseek_vl.image_processing_pil_deepseek_vl import DeepseekVLImageProcessorPil
+    from transformers.models.deepseek_vl_hybrid.image_processing_pil_deepseek_vl_hybrid import (
+        DeepseekVLHybridImageProcessorPil,
+    )
+    from transformers.models.janus.image_processing_pil_janus import JanusImageProcessorPil
+
+    size = {"height": 28, "width": 28}
+    if family == "deepseek-vl-hybrid":
+        kind, images = DeepseekVLHybridProcessor, DeepseekVLHybridImageProcessorPil(
+            size=size, high_res_size={"height": 64, "width": 64})
+    else:
+        kind, images = {"deepseek-vl": (DeepseekVLProcessor, DeepseekVLImageProcessorPil),
+                        "janus": (JanusProcessor, JanusImageProcessorPil)}[family]
+        images = images(size=size)
+    return kind(image_processor=images, tokenizer=tokenizer, chat_template=template, num_image_tokens=4)
+
+
 def add_processor(family: str, model_dir: Path) -> Path:
     """Save a processor beside a tiny VLM: a trained tokenizer of :data:`TEXT_VOCAB` entries
     plus the family's image tokens at the ids its config names (300 the image token; Gemma
@@ -270,7 +320,8 @@ def add_processor(family: str, model_dir: Path) -> Path:
     folder (its processor class, which holds a video processor too, cannot be built here), with the
     class's settings in its ``processor_config.json``; a Gemma 4 folder the tokenizer and a
     ``processor_config.json`` naming its image processor and audio feature extractor (its
-    processor class takes a video processor too, so it cannot be built here to save)."""
+    processor class takes a video processor too, so it cannot be built here to save). DeepSeek-VL's,
+    its hybrid's and Janus's are their processor classes (:func:`deepseek_processor`)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -295,13 +346,13 @@ def add_processor(family: str, model_dir: Path) -> Path:
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                            "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS,
-              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS)}.get(
+              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS), "janus": JANUS_TOKENS}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
     placeholders = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
-                    "gemma4": GEMMA4_TOKENS["image_token"]}
+                    "gemma4": GEMMA4_TOKENS["image_token"], "janus": JANUS_TOKENS["image_token"]}
     template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
                                                                                           INTERNVL_PLACEHOLDER))))
     tokenizer.chat_template = template
@@ -337,6 +388,9 @@ def add_processor(family: str, model_dir: Path) -> Path:
         config = {"processor_class": "Gemma4Processor", "image_seq_length": 70,
                   **{name: json.loads(part.to_json_string()) for name, part in parts.items()}}
         (model_dir / "processor_config.json").write_text(json.dumps(config, indent=2))
+        return model_dir
+    if family in DEEPSEEK_FAMILIES:
+        deepseek_processor(family, tokenizer, template).save_pretrained(model_dir)
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(

@@ -64,6 +64,11 @@ BATCHED_FAMILIES: dict[str, str] = {
     "gemma4": ("one row of patches per image, padded to the processor's fixed patch count (positions -1, masked and "
                "pooled within the image); bidirectional image attention per row (mm_token_type_ids); per-layer "
                "inputs per token"),
+    "deepseek_vl": ("one fixed-size (padded to square) pixel tensor per image through SigLIP alone, aligned and "
+                    "placed at the image tokens in batch order: each row's at its own"),
+    "deepseek_vl_hybrid": ("as deepseek_vl, with high_res_pixel_values concatenated in the same order: the SAM "
+                           "tower (windows padded per image), its neck and convolutions see each image alone"),
+    "janus": "as deepseek_vl (its VQ model is for image generation, not run on a forward's pixel_values)",
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
