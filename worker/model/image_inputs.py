@@ -64,6 +64,10 @@ BATCHED_FAMILIES: dict[str, str] = {
     "gemma4": ("one row of patches per image, padded to the processor's fixed patch count (positions -1, masked and "
                "pooled within the image); bidirectional image attention per row (mm_token_type_ids); per-layer "
                "inputs per token"),
+    "kimi_k25": ("patches and grids concatenated per image (the tower attends within each image's cu_seqlens "
+                 "bounds, interpolates its position table to each image's grid and merges 2x2 within it); the "
+                 "features go to the image tokens in batch order; plain 1-D positions (no M-RoPE), so right "
+                 "padding leaves each row's as alone; experts route each token alone"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
