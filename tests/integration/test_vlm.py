@@ -787,3 +787,123 @@ def test_a_chat_with_two_images_equals_the_model_on_that_prompt(family, tmp_path
     assert states["token_ids"].tolist() == inputs["input_ids"][0].tolist()
     reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
     assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
+def kimi_image_inputs(image: Image.Image) -> dict[str, torch.Tensor]:
+    """Kimi K2.5's image processor's output for one image (its processor is torchvision's only, so
+    its steps are done here as ``image_processing_kimi_k25`` does them, at the defaults: patch 14,
+    merge 2, at most 512 pixels a side and 16,384 patches, which leave these sizes unresized): the
+    RGB pixels zero-padded at the bottom and right to a multiple of 28, rescaled and normalized as
+    one fused ``(x - 127.5) / 127.5`` (ImageNet's standard mean and std, 0.5), cut into 14x14
+    patches in raster order (``pixel_values`` ``[h * w, 3, 14, 14]``, ``image_grid_thw`` ``[[1, h, w]]``)."""
+    import numpy
+
+    pixels = torch.from_numpy(numpy.array(image.convert("RGB"))).permute(2, 0, 1)  # uint8 [3, H, W]
+    assert max(image.height, image.width) <= 512 and (image.height // 14) * (image.width // 14) <= 16384
+    height, width = (-(-side // 28) * 28 for side in (image.height, image.width))
+    padded = torch.nn.functional.pad(pixels, (0, width - image.width, 0, height - image.height), value=0)
+    normalized = (padded.float() - 127.5) / 127.5
+    grid_h, grid_w = height // 14, width // 14
+    patches = normalized.reshape(3, grid_h, 14, grid_w, 14).permute(1, 3, 0, 2, 4).reshape(grid_h * grid_w, 3, 14, 14)
+    return {"pixel_values": patches, "image_grid_thw": torch.tensor([[1, grid_h, grid_w]])}
+
+
+def test_kimi_k25_image_inputs_of_different_sizes_batched_together_equal_the_model_alone(tmp_path):
+    """Kimi K2.5 (DeepSeek-V3's decoder: MLA, experts; its image processor needs torchvision, so
+    its inputs are made here as it makes them, :func:`kimi_image_inputs`): chats with images of
+    different sizes (2, 4 and 9 tokens, and a chat of two images, 1 + 4) run in one padded
+    forward through the model's own ``forward``, the tower run one image at a time, and every
+    layer equals the plain model on each chat alone; a text request goes in a batch of its own."""
+    from layertap.worker.engine.records import EngineRequest
+
+    model_dir = str(build_tiny_vlm("kimi-k2.5", tmp_path / "model"))
+    generator = torch.Generator().manual_seed(0)
+
+    def noise(width: int, height: int) -> Image.Image:
+        return Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=generator,
+                                             dtype=torch.uint8).numpy())
+
+    prompts = []
+    for sizes, extra in ((((40, 24),), 10), (((90, 20),), 9), (((60, 60),), 6), (((28, 28), (90, 20)), 7)):
+        images = [kimi_image_inputs(noise(*size)) for size in sizes]
+        ids = [5, 6]
+        for image in images:  # <|media_begin|>, <|media_pad|> a merged 2x2 patch group, <|media_end|>
+            ids += [302, *[300] * (int(image["image_grid_thw"].prod()) // 4), 303]
+        prompts.append((ids + list(range(7, 7 + extra)), {name: torch.cat([image[name] for image in images])
+                                                         for name in ("pixel_values", "image_grid_thw")}))
+    assert len({len(ids) for ids, _ in prompts}) == len(prompts)
+    loaded = load_model(model_dir, name="kimi-k2.5", device="cpu", dtype="float32")
+    assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
+    assert loaded.grid_tower is not None
+    layer_ids = [0, 1, 2]
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        requests = [EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs) for ids, inputs in prompts]
+        requests.append(EngineRequest(torch.tensor([5, 6, 7, 8]), layer_ids))
+        states = []
+        for future in engine.submit_many(requests):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    assert batches == [len(prompts), 1], batches
+    for (ids, inputs), got in zip(prompts, states):
+        reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
+        error = worst_token_relative_error(got, reference)
+        assert error <= TOLERANCE, f"{len(ids)} tokens: worst relative error {error}"
+
+
+def test_a_kimi_k25_checkpoint_whose_image_processor_needs_torchvision_serves_text_and_refuses_images(tmp_path):
+    """Kimi K2.5 with a checkpoint's processor files: its image processor is torchvision's only (no
+    PIL one), so its processor does not load here, not even without its video processor. Its
+    image chats are ``no_image_support`` with that reason (they would batch padded: its
+    layout is planned all the same), and its text chats equal the plain model alone."""
+    from transformers import AutoTokenizer
+
+    model_dir = add_processor("kimi-k2.5", build_tiny_vlm("kimi-k2.5", tmp_path / "model"))
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(40, 24)).decode()
+    text_chat = [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        loaded = extractor.loaded
+        results = extractor.extract([image_chat({"type": "image_url", "image_url": {"url": url}}), text_chat],
+                                    tmp_path / "files", run="kimi")
+    assert loaded.processor is None and "Kimi_K25ImageProcessor" in loaded.processor_problem
+    assert "torchvision" in loaded.processor_problem and loaded.image_batching.name == "padded"
+    assert results[0].error_type == ErrorType.no_image_support, results[0]
+    assert "text and token-id jobs only" in results[0].error and "torchvision" in results[0].error
+    assert results[1].ok, results[1].error
+    states = load_hidden_states(results[1].path)
+    ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(text_chat, tokenize=True,
+                                                                      return_dict=True)["input_ids"]
+    assert states["token_ids"].tolist() == ids
+    reference = vlm_block_states(str(model_dir), [0, 1, 2], input_ids=torch.tensor([ids]))
+    assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
+def test_kimi_k25_s_tower_runs_one_image_at_a_time_deriving_its_grid_inputs_itself(tmp_path):
+    """Kimi K2.5's tower takes a grid, but numbers its patches unmerged, bounds whole clips and
+    takes a frame index and a merge index of its own, which ``host_tower_inputs`` does not
+    compute: it takes no host inputs (given them, it fails: no ``spatial_merge_size``). Within
+    ``one_image_at_a_time`` each of three images of different sizes gets, bit for bit, its
+    features alone, the whole-batch call's up to rounding (fp32, 1e-5)."""
+    from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time, takes_host_inputs
+
+    model_dir = str(build_tiny_vlm("kimi-k2.5", tmp_path / "model"))
+    tower = grid_tower(load_reference(model_dir))
+    assert tower is not None and not takes_host_inputs(tower)
+    generator = torch.Generator().manual_seed(0)
+    images = [kimi_image_inputs(Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=generator,
+                                                              dtype=torch.uint8).numpy()))
+              for width, height in [(40, 24), (90, 20), (60, 60)]]
+    pixels = torch.cat([image["pixel_values"] for image in images])
+    grids = torch.cat([image["image_grid_thw"] for image in images])
+    with torch.inference_mode():
+        whole = tower(pixels, grid_thw=grids).pooler_output
+        alone = [tower(image["pixel_values"], grid_thw=image["image_grid_thw"]).pooler_output for image in images]
+        with one_image_at_a_time(tower):
+            merged = tower(pixels, grid_thw=grids).pooler_output
+    assert "forward" not in tower.__dict__
+    assert merged.shape[0] == sum(int(grid.prod()) // 4 for grid in grids)
+    assert torch.equal(merged, torch.cat(alone))
+    assert torch.allclose(merged, whole, rtol=TOLERANCE, atol=TOLERANCE)

@@ -122,6 +122,16 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                            projection_dim=32, num_image_tokens=4),
         vq_config=dict(embed_dim=8, num_embeddings=32, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
                        num_res_blocks=1, projection_dim=32, image_token_embed_dim=32))),
+    "kimi-k2.5": ("kimi_k25", dict(  # DeepSeek-V3's decoder (MLA, a dense then an expert layer: 4 experts in 2
+        # groups); a tower of 14-pixel patches, 2x2 merged, its 4x4 position table interpolated to each grid
+        text_config=dict(TEXT, model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=16,
+                         first_k_dense_replace=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           patch_size=14, pos_emb_height=4, pos_emb_width=4),
+        projection_hidden_size=32, image_token_id=300, video_token_id=301, vision_start_token_id=302,
+        vision_end_token_id=303)),
 }
 
 
@@ -221,6 +231,10 @@ IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, "<|image_pad|>"
 #: ``<|video|>``, 306); a template writes the image token, which its processor expands.
 GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
                  "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+#: Kimi K2.5's tokens (image, video, begin/end of media: 300-303), its template's image placeholder.
+KIMI_TOKENS = {"image_token": "<|media_pad|>", "video_token": "<|kimi_k25_video_placeholder|>",
+               "media_begin_token": "<|media_begin|>", "media_end_token": "<|media_end|>"}
+KIMI_PLACEHOLDER = "<|media_begin|><|media_pad|><|media_end|>"
 
 
 def qwen_image_processor():
@@ -345,14 +359,15 @@ def add_processor(family: str, model_dir: Path) -> Path:
                          "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS,
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
-                           "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS,
+                           "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS, "kimi-k2.5": KIMI_TOKENS,
               **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS), "janus": JANUS_TOKENS}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
     placeholders = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
-                    "gemma4": GEMMA4_TOKENS["image_token"], "janus": JANUS_TOKENS["image_token"]}
+                    "gemma4": GEMMA4_TOKENS["image_token"], "janus": JANUS_TOKENS["image_token"],
+                    "kimi-k2.5": KIMI_PLACEHOLDER}
     template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
                                                                                           INTERNVL_PLACEHOLDER))))
     tokenizer.chat_template = template
@@ -391,6 +406,13 @@ def add_processor(family: str, model_dir: Path) -> Path:
         return model_dir
     if family in DEEPSEEK_FAMILIES:
         deepseek_processor(family, tokenizer, template).save_pretrained(model_dir)
+        return model_dir
+    if family == "kimi-k2.5":  # its image processor is torchvision's only: the files a checkpoint holds
+        tokenizer.save_pretrained(model_dir)
+        (model_dir / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Kimi_K25ImageProcessor", "patch_size": 14, "merge_size": 2,
+            "max_patches": 16384, "size": {"max_height": 512, "max_width": 512}}))
+        (model_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Kimi_K25Processor"}))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(

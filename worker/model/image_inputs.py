@@ -69,6 +69,10 @@ BATCHED_FAMILIES: dict[str, str] = {
     "deepseek_vl_hybrid": ("as deepseek_vl, with high_res_pixel_values concatenated in the same order: the SAM "
                            "tower (windows padded per image), its neck and convolutions see each image alone"),
     "janus": "as deepseek_vl (its VQ model is for image generation, not run on a forward's pixel_values)",
+    "kimi_k25": ("patches and grids concatenated per image (the tower attends within each image's cu_seqlens "
+                 "bounds, interpolates its position table to each image's grid and merges 2x2 within it); the "
+                 "features go to the image tokens in batch order; plain 1-D positions (no M-RoPE), so right "
+                 "padding leaves each row's as alone; experts route each token alone"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres

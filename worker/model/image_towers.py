@@ -1,5 +1,5 @@
 """A batch's vision tower run one image at a time, for towers that take a ``grid_thw`` (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V): each image's features are then bit for bit the features
+Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V, Kimi K2.5): each image's features are then bit for bit the features
 it gets alone, whatever else shares its batch.
 
 Why: such a tower concatenates every image's patches into one sequence. Its attention keeps
@@ -65,8 +65,12 @@ def _parameters(module: nn.Module) -> set[str]:
 
 def takes_host_inputs(tower: nn.Module | None) -> bool:
     """Whether :func:`host_tower_inputs` covers ``tower``: its module derives everything from
-    the grid through transformers' ``vision_utils`` helpers, which take precomputed values."""
-    if tower is None:
+    the grid through transformers' ``vision_utils`` helpers, which take precomputed values, and
+    numbers its patches by its own ``spatial_merge_size``, as :func:`host_tower_inputs` does. A
+    tower with none derives them otherwise (Kimi K2.5's numbers its patches unmerged, bounds a
+    whole clip, and takes a frame index and a merge index of its own): it gets its grid on its
+    device and derives them itself."""
+    if tower is None or not hasattr(tower, "spatial_merge_size"):
         return False
     try:
         from transformers import vision_utils
