@@ -64,15 +64,23 @@ BATCHED_FAMILIES: dict[str, str] = {
     "gemma4": ("one row of patches per image, padded to the processor's fixed patch count (positions -1, masked and "
                "pooled within the image); bidirectional image attention per row (mm_token_type_ids); per-layer "
                "inputs per token"),
+    "idefics2": ("one row of tiles per chat, zero-padded to the batch's most tiles and largest tile "
+                 "(:data:`TILE_PADDED`) as its processor pads a batch: the model drops all-zero tiles by value (alone "
+                 "too, with no tile kept where none is real), its tower and perceiver mask pixels past each tile's own "
+                 "(only whole real patches, positions from each tile's own grid), and the latents go to each row's "
+                 "image tokens"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
 #: grid), as their image processor pads a batch: only where the model never reads the padding.
-TILE_PADDED = frozenset({"llava_next", "llava_onevision", "mistral3"})
+TILE_PADDED = frozenset({"llava_next", "llava_onevision", "mistral3", "idefics2"})
 #: Model types whose image chats run one per forward, and why.
 SINGLE_REASONS: dict[str, str] = {
     "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "
                  "that the model drops by value (a real all-zero tile would be dropped too)"),
+    "smolvlm": ("Idefics3's modeling: a batch's rows of tiles are padded with all-zero tiles that the model drops by "
+                "value, and it keeps the first tile only where no tile of the whole batch is real, so a chat whose one "
+                "tile is all zero runs alone and fails in a batch"),
 }
 
 
