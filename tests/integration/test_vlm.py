@@ -273,7 +273,8 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
 
 
 @pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl", "gemma4",
-                                    *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES, *DEEPSEEK_FAMILIES])
+                                    *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES, *DEEPSEEK_FAMILIES,
+                                    "idefics2"])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with
@@ -766,7 +767,8 @@ def two_image_reference(family: str, model_dir, sizes: list[tuple[int, int]]) ->
     return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"], **vision}
 
 
-@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", *DEEPSEEK_FAMILIES])
+@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", *DEEPSEEK_FAMILIES,
+                                    "idefics2"])
 def test_a_chat_with_two_images_equals_the_model_on_that_prompt(family, tmp_path):
     """Several images of one chat reach the processor as one prompt's (nested per prompt), so a
     processor that treats a prompt's several images otherwise than one (LLaVA-OneVision tiles a
@@ -907,3 +909,92 @@ def test_kimi_k25_s_tower_runs_one_image_at_a_time_deriving_its_grid_inputs_itse
     assert merged.shape[0] == sum(int(grid.prod()) // 4 for grid in grids)
     assert torch.equal(merged, torch.cat(alone))
     assert torch.allclose(merged, whole, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def smolvlm_inputs(model_dir, image: Image.Image, image_processor=None) -> dict[str, torch.Tensor]:
+    """What SmolVLM's processor gives the model for :data:`TEMPLATE_CHAT` with ``image`` (its
+    class needs num2words and torchvision, neither installed here): its PIL image processor's
+    tiles and pixel mask, and ``<image>`` expanded by transformers' own
+    ``get_image_prompt_string`` for the image's rows and columns of tiles (a token per tile)."""
+    from transformers import AutoTokenizer
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    from tests.support.vlm import SMOLVLM_TOKENS, smolvlm_image_processor
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vision = (image_processor or smolvlm_image_processor())(images=[[image]], return_row_col_info=True,
+                                                            return_tensors="pt")
+    prompt = get_image_prompt_string(int(vision["rows"][0][0]), int(vision["cols"][0][0]), 1,
+                                     fake_token_around_image=SMOLVLM_TOKENS["fake_image_token"],
+                                     image_token=SMOLVLM_TOKENS["image_token"],
+                                     global_image_token=SMOLVLM_TOKENS["global_image_token"])
+    text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace("<image>", prompt)
+    return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"],
+            "pixel_values": vision["pixel_values"], "pixel_attention_mask": vision["pixel_attention_mask"]}
+
+
+def test_smolvlm_image_inputs_run_one_per_forward_and_equal_the_model_alone(tmp_path):
+    """SmolVLM with a checkpoint's processor files: its processor class needs num2words (and a
+    video processor, torchvision), so here its image chats are ``no_image_support`` with that
+    reason. Its image inputs, made here as its processor makes them (3 and 5 tiles: token
+    counts vary with the image), submitted together run one per forward (Idefics3's
+    modeling: ``SINGLE_REASONS``), and every layer equals the plain model alone."""
+    from layertap.worker.engine.records import EngineRequest
+
+    model_dir = str(add_processor("smolvlm", build_tiny_vlm("smolvlm", tmp_path / "model")))
+    prompts = [smolvlm_inputs(model_dir, Image.open(io.BytesIO(png_bytes(*size)))) for size in
+               ((40, 24), (90, 20), (60, 60))]
+    assert len({len(inputs["input_ids"][0]) for inputs in prompts}) == 2
+    loaded = load_model(model_dir, name="smolvlm", device="cpu", dtype="float32")
+    assert loaded.processor is None and "num2words" in loaded.processor_problem
+    assert loaded.image_batching.name == "single" and "all-zero tiles" in loaded.image_batching.reason
+    layer_ids = [0, 1, 2]
+    batches: list[int] = []
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(40, 24)).decode()
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        refused = extractor.extract([image_chat({"type": "image_url", "image_url": {"url": url}})],
+                                    tmp_path / "files", run="smolvlm")[0]
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        states = []
+        requests = [EngineRequest(inputs["input_ids"][0], layer_ids, model_inputs={
+            name: value for name, value in inputs.items() if name != "input_ids"}) for inputs in prompts]
+        for future in engine.submit_many(requests, together=True):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    assert refused.error_type == ErrorType.no_image_support and "num2words" in refused.error, refused
+    assert batches == [1, 1, 1], batches
+    for inputs, got in zip(prompts, states):
+        reference = vlm_block_states(model_dir, layer_ids, **inputs)
+        assert worst_token_relative_error(got, reference) <= TOLERANCE
+
+
+def test_a_smolvlm_chat_whose_one_tile_is_all_zero_runs_alone_but_not_padded_in_a_batch(tmp_path):
+    """Why SmolVLM runs its image chats one per forward: the model drops all-zero tiles by
+    value (the padding of a batch's rows of tiles) and keeps the first only where no tile of
+    the batch is real. A black image through an image processor that does not normalize
+    (one 28x28 tile, all zero) runs through the plain model alone; batched with another chat
+    as ``merge_image_inputs`` pads tiles, its tile is dropped and the model fails."""
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    from layertap.worker.model.image_inputs import merge_image_inputs
+
+    model_dir = str(build_tiny_vlm("smolvlm", tmp_path / "model"))
+    add_processor("smolvlm", tmp_path / "model")
+    plain = SmolVLMImageProcessorPil(size={"longest_edge": 28}, max_image_size={"longest_edge": 28},
+                                     do_normalize=False)
+    black = smolvlm_inputs(model_dir, Image.new("RGB", (20, 20)), plain)
+    other = smolvlm_inputs(model_dir, Image.open(io.BytesIO(png_bytes(90, 20))))
+    assert black["pixel_values"].shape[1] == 1 and not black["pixel_values"].any()
+    alone = vlm_block_states(model_dir, [0, 2], **black)
+    assert torch.isfinite(alone).all()
+    width = max(len(inputs["input_ids"][0]) for inputs in (black, other))
+    batch = merge_image_inputs([{name: value for name, value in inputs.items() if name != "input_ids"}
+                                for inputs in (black, other)], width, pad_tiles=True)
+    ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+    for row, inputs in enumerate((black, other)):
+        ids[row, :len(inputs["input_ids"][0])] = inputs["input_ids"][0]
+        mask[row, :len(inputs["input_ids"][0])] = 1
+    with pytest.raises(Exception, match="Image features and image tokens do not match"):
+        load_reference(model_dir)(input_ids=ids, attention_mask=mask, **batch, use_cache=False)

@@ -132,6 +132,12 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                            patch_size=14, pos_emb_height=4, pos_emb_width=4),
         projection_hidden_size=32, image_token_id=300, video_token_id=301, vision_start_token_id=302,
         vision_end_token_id=303)),
+    "smolvlm": ("smolvlm", dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, scale_factor=2,
+                                image_token_id=300)),  # Idefics3's modeling: a token per 28x28 tile
+    "idefics2": ("idefics2", dict(  # a perceiver resampler: 4 latents (tokens) per tile, whatever its size
+        text_config=dict(TEXT, model_type="mistral"), vision_config=SIGLIP, image_token_id=300,
+        perceiver_config=dict(hidden_size=32, resampler_n_latents=4, resampler_depth=2, resampler_n_heads=2,
+                              resampler_head_dim=16, num_key_value_heads=1))),
 }
 
 
@@ -308,6 +314,20 @@ def deepseek_processor(family: str, tokenizer: Any, template: str) -> Any:
     return kind(image_processor=images, tokenizer=tokenizer, chat_template=template, num_image_tokens=4)
 
 
+#: SmolVLM's image, tile-boundary and global-image tokens (300-302), as its processor reads them off the tokenizer.
+SMOLVLM_TOKENS = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                  "global_image_token": "<global-img>"}
+
+
+def smolvlm_image_processor():
+    """SmolVLM's PIL image processor at the tiny sizes: an image resized to a longest edge of 56,
+    then to multiples of 28, cut into 28x28 tiles (up to 2x2) plus a 28x28 global image, or
+    one 28x28 image where it fits in one tile (a token each)."""
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    return SmolVLMImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+
+
 def add_processor(family: str, model_dir: Path) -> Path:
     """Save a processor beside a tiny VLM: a trained tokenizer of :data:`TEXT_VOCAB` entries
     plus the family's image tokens at the ids its config names (300 the image token; Gemma
@@ -335,7 +355,12 @@ def add_processor(family: str, model_dir: Path) -> Path:
     class's settings in its ``processor_config.json``; a Gemma 4 folder the tokenizer and a
     ``processor_config.json`` naming its image processor and audio feature extractor (its
     processor class takes a video processor too, so it cannot be built here to save). DeepSeek-VL's,
-    its hybrid's and Janus's are their processor classes (:func:`deepseek_processor`)."""
+    its hybrid's and Janus's are their processor classes (:func:`deepseek_processor`). A SmolVLM
+    folder holds the tokenizer (:data:`SMOLVLM_TOKENS`), :func:`smolvlm_image_processor` and a
+    ``processor_config.json`` (``image_seq_len`` 1): its processor class needs num2words, not
+    installed here, besides its video processor. Idefics2's is built (``<image>`` and
+    ``<fake_token_around_image>`` at 300-301; its image processor splits an image into 4 crops
+    plus itself, each resized to edges of 28..56, aspect kept; 4 perceiver latents a tile)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -360,7 +385,8 @@ def add_processor(family: str, model_dir: Path) -> Path:
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                            "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS, "kimi-k2.5": KIMI_TOKENS,
-              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS), "janus": JANUS_TOKENS}.get(
+              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS), "janus": JANUS_TOKENS, "smolvlm": SMOLVLM_TOKENS,
+              "idefics2": {"image_token": "<image>", "image_boundary_token": "<fake_token_around_image>"}}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
@@ -414,6 +440,12 @@ def add_processor(family: str, model_dir: Path) -> Path:
             "max_patches": 16384, "size": {"max_height": 512, "max_width": 512}}))
         (model_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Kimi_K25Processor"}))
         return model_dir
+    if family == "smolvlm":
+        tokenizer.save_pretrained(model_dir)
+        smolvlm_image_processor().save_pretrained(model_dir)
+        (model_dir / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "SmolVLMProcessor", "image_seq_len": 1}))
+        return model_dir
     if family == "llava":
         processor = LlavaProcessor(
             image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
@@ -430,6 +462,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
                                                  do_image_splitting=True)
         processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                       image_seq_len=1)
+    elif family == "idefics2":
+        from transformers import Idefics2Processor
+        from transformers.models.idefics2.image_processing_pil_idefics2 import Idefics2ImageProcessorPil
+
+        image_processor = Idefics2ImageProcessorPil(size={"shortest_edge": 28, "longest_edge": 56},
+                                                    do_image_splitting=True)
+        processor = Idefics2Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                                      image_seq_len=VLM_FAMILIES[family][1]["perceiver_config"]["resampler_n_latents"])
     else:
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}),
                                     tokenizer=tokenizer, chat_template=template, image_seq_length=4)

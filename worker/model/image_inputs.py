@@ -73,15 +73,23 @@ BATCHED_FAMILIES: dict[str, str] = {
                  "bounds, interpolates its position table to each image's grid and merges 2x2 within it); the "
                  "features go to the image tokens in batch order; plain 1-D positions (no M-RoPE), so right "
                  "padding leaves each row's as alone; experts route each token alone"),
+    "idefics2": ("one row of tiles per chat, zero-padded to the batch's most tiles and largest tile "
+                 "(:data:`TILE_PADDED`) as its processor pads a batch: the model drops all-zero tiles by value (alone "
+                 "too, with no tile kept where none is real), its tower and perceiver mask pixels past each tile's own "
+                 "(only whole real patches, positions from each tile's own grid), and the latents go to each row's "
+                 "image tokens"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
 #: grid), as their image processor pads a batch: only where the model never reads the padding.
-TILE_PADDED = frozenset({"llava_next", "llava_onevision", "mistral3"})
+TILE_PADDED = frozenset({"llava_next", "llava_onevision", "mistral3", "idefics2"})
 #: Model types whose image chats run one per forward, and why.
 SINGLE_REASONS: dict[str, str] = {
     "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "
                  "that the model drops by value (a real all-zero tile would be dropped too)"),
+    "smolvlm": ("Idefics3's modeling: a batch's rows of tiles are padded with all-zero tiles that the model drops by "
+                "value, and it keeps the first tile only where no tile of the whole batch is real, so a chat whose one "
+                "tile is all zero runs alone and fails in a batch"),
 }
 
 
