@@ -107,6 +107,14 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                            position_embedding_size=256),
         audio_config=None, image_token_id=300, boi_token_id=301, eoi_token_id=302, audio_token_id=303,
         boa_token_id=304, eoa_token_index=305, video_token_id=306)),
+    "paligemma": ("paligemma", dict(  # PaliGemma 2: a Gemma 2 decoder (a sliding and a full layer), a prefix-LM
+        # (token_type_ids 0 attend both ways, 1 causally); a 28x28 image is 4 tokens
+        text_config=dict(TEXT, model_type="gemma2", sliding_window=8), vision_config=SIGLIP, projection_dim=32,
+        image_token_index=300)),
+    "aya-vision": ("aya_vision", dict(  # a Cohere 2 decoder (a sliding and a full layer); each 28x28 tile's 2x2
+        # patches pixel-shuffled into one token
+        text_config=dict(TEXT, model_type="cohere2", layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=8), vision_config=SIGLIP, downsample_factor=2, image_token_index=300)),
 }
 
 
@@ -199,6 +207,11 @@ IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, "<|image_pad|>"
 #: ``<|video|>``, 306); a template writes the image token, which its processor expands.
 GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
                  "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+#: Aya Vision's tokens: the patch token (the config's image token, 300), the template's ``<image>``, which its
+#: processor expands, begin/end of image, line break and the tile markers (301-306).
+AYA_TOKENS = {"img_patch_token": "<|IMG_PATCH|>", "image_token": "<image>", "start_of_img_token": "<|START_OF_IMG|>",
+              "end_of_img_token": "<|END_OF_IMG|>", "img_line_break_token": "<|IMG_LINE_BREAK|>",
+              "tile_token": "TILE", "tile_global_token": "TILE_GLOBAL"}
 
 
 def qwen_image_processor():
@@ -270,9 +283,15 @@ def add_processor(family: str, model_dir: Path) -> Path:
     folder (its processor class, which holds a video processor too, cannot be built here), with the
     class's settings in its ``processor_config.json``; a Gemma 4 folder the tokenizer and a
     ``processor_config.json`` naming its image processor and audio feature extractor (its
-    processor class takes a video processor too, so it cannot be built here to save)."""
+    processor class takes a video processor too, so it cannot be built here to save). PaliGemma's
+    processor (SigLIP's PIL image processor: 28x28, 4 tokens an image, whatever its size) puts the
+    tokenizer's BOS (``<bos>``, 301, added for it) after a prompt's last image and a newline after
+    its text; Aya Vision's (GOT-OCR2's PIL image processor as InternVL's: 28x28 tiles, a token each
+    after the pixel shuffle, plus a global tile) expands ``<image>`` into :data:`AYA_TOKENS`' markers
+    and patch tokens."""
     from transformers import (
         AutoTokenizer,
+        AyaVisionProcessor,
         CLIPImageProcessor,
         Gemma3ImageProcessor,
         Gemma3Processor,
@@ -280,12 +299,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
         Idefics3Processor,
         LlavaNextProcessor,
         LlavaProcessor,
+        PaliGemmaProcessor,
     )
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
     )
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     from layertap.worker.model.tiny_model import build_tokenizer
 
@@ -294,7 +315,7 @@ def add_processor(family: str, model_dir: Path) -> Path:
                          "eoi_token": "<end_of_image>"}, "internvl": INTERNVL_TOKENS,
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
-                           "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS,
+                           "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS, "aya-vision": AYA_TOKENS,
               **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS)}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
@@ -354,6 +375,13 @@ def add_processor(family: str, model_dir: Path) -> Path:
                                                  do_image_splitting=True)
         processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                       image_seq_len=1)
+    elif family == "paligemma":  # its processor puts the tokenizer's BOS after the last image (<bos>, 301)
+        tokenizer.add_special_tokens({"bos_token": "<bos>"})
+        image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28}, image_seq_length=4)
+        processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    elif family == "aya-vision":
+        processor = AyaVisionProcessor(image_processor=internvl_image_processor(), tokenizer=tokenizer,
+                                       chat_template=template, patch_size=14, img_size=28, downsample_factor=2)
     else:
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}),
                                     tokenizer=tokenizer, chat_template=template, image_seq_length=4)

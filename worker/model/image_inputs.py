@@ -64,6 +64,9 @@ BATCHED_FAMILIES: dict[str, str] = {
     "gemma4": ("one row of patches per image, padded to the processor's fixed patch count (positions -1, masked and "
                "pooled within the image); bidirectional image attention per row (mm_token_type_ids); per-layer "
                "inputs per token"),
+    "aya_vision": ("one pixel tensor per tile (each image's tiles and global tile in its order), each tile through the "
+                   "vision tower alone, pixel-shuffled and projected per tile, placed at the image tokens in batch "
+                   "order: each row's at its own; a causal decoder (sliding windows per row)"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
@@ -73,6 +76,9 @@ TILE_PADDED = frozenset({"llava_next", "llava_onevision", "mistral3"})
 SINGLE_REASONS: dict[str, str] = {
     "idefics3": ("its pixel_values hold one row of tiles per prompt, padded across a batch with all-zero tiles "
                  "that the model drops by value (a real all-zero tile would be dropped too)"),
+    "paligemma": ("a prefix-LM: its token_type_ids 0 (the processor's for a chat's whole text: no suffix) attend both "
+                  "ways, and a batch's right padding, token type 0 too, would be in each row's prefix, seen by its "
+                  "real tokens (its forward takes no attention mask here)"),
 }
 
 
