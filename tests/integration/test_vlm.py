@@ -5,7 +5,7 @@ of every prompt equals the plain model's own ``forward`` on that prompt alone (f
 Tiny random VLMs (``tests/support/vlm.py``), no hub. The weights-only folders have no
 tokenizer and no processor: token-id jobs need neither. Jobs with images run through the
 model's processor and its own ``forward``, several of different sizes in one padded
-forward where the family allows it (one per forward on Idefics3), and equal the plain model
+forward where the family allows it (one per forward on Idefics3 and PaliGemma), and equal the plain model
 on each alone; without a processor, or with a bad image, they get typed results
 (``no_image_support``, ``bad_image``) and the worker goes on.
 """
@@ -46,6 +46,8 @@ from layertap.worker.model.loading import load_model
 from layertap.worker.model.tiny_model import build_tokenizer
 
 LENGTHS = (3, 21, 9, 14)
+#: Families whose image chats run one per forward (``SINGLE_REASONS``).
+ONE_PER_FORWARD = ("idefics3", "paligemma")
 TOLERANCE = 1e-5
 
 
@@ -272,9 +274,10 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
             "mm_token_type_ids": (ids == 300).long()}
 
 
-@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl", "gemma4",
+@pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl",
+                                    "gemma4",
                                     *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES, *DEEPSEEK_FAMILIES,
-                                    "idefics2"])
+                                    "idefics2", "paligemma", "aya-vision"])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with
@@ -286,8 +289,9 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     LLaVA-NeXT's and LLaVA-OneVision's images of different tile counts, their pixel tiles
     zero-padded to the batch's most; OneVision's processor loaded without its video processor,
     its settings kept; DeepSeek-VL's, its hybrid's and Janus's images padded to a square, 4 tokens
-    each whatever the size, the hybrid's SAM pixels beside SigLIP's), one per
-    forward on Idefics3 (tiles). Each file holds the token
+    each whatever the size, the hybrid's SAM pixels beside SigLIP's; Aya Vision's tiles,
+    pixel-shuffled per tile), one per forward on Idefics3 (tiles) and PaliGemma (a prefix-LM:
+    right padding would be in each row's bidirectional prefix). Each file holds the token
     ids as the processor expands them, a loss mask with image positions 0, the
     image_token_mask, and every layer within 1e-5 of the plain model run on the plain
     processor's output alone; the dataset batches an image file with a text file."""
@@ -301,7 +305,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         loaded = extractor.loaded
         assert loaded.processor is not None, loaded.processor_problem
         layout = loaded.image_batching
-        assert layout.name == ("single" if family == "idefics3" else "padded"), layout.describe()
+        assert layout.name == ("single" if family in ONE_PER_FORWARD else "padded"), layout.describe()
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         results = extractor.extract([*chats, text_chat, text_chat | {"metadata": "again"}], tmp_path / "files",
                                     run=f"{family}-images")
@@ -322,11 +326,11 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert error <= TOLERANCE, f"image {size}: worst relative error {error}"
         assert states["image_token_mask"].tolist() == [int(token == 300) for token in ids]
     assert all(result.ok for result in results[4:])
-    if family == "idefics3":
-        assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
+    if family in ONE_PER_FORWARD:
+        assert batches.count(1) >= 4, f"{family}'s image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in (*IMAGE_ONLY, "idefics3", "internvl", "gemma4", "llava-next", "llava-onevision"):
+    if family in (*IMAGE_ONLY, "idefics3", "internvl", "gemma4", "llava-next", "llava-onevision", "aya-vision"):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
@@ -768,7 +772,7 @@ def two_image_reference(family: str, model_dir, sizes: list[tuple[int, int]]) ->
 
 
 @pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", *DEEPSEEK_FAMILIES,
-                                    "idefics2"])
+                                    "idefics2", "paligemma", "aya-vision"])
 def test_a_chat_with_two_images_equals_the_model_on_that_prompt(family, tmp_path):
     """Several images of one chat reach the processor as one prompt's (nested per prompt), so a
     processor that treats a prompt's several images otherwise than one (LLaVA-OneVision tiles a
@@ -998,3 +1002,44 @@ def test_a_smolvlm_chat_whose_one_tile_is_all_zero_runs_alone_but_not_padded_in_
         mask[row, :len(inputs["input_ids"][0])] = 1
     with pytest.raises(Exception, match="Image features and image tokens do not match"):
         load_reference(model_dir)(input_ids=ids, attention_mask=mask, **batch, use_cache=False)
+
+
+def test_paligemma_image_chats_are_one_bidirectional_prefix_that_padding_would_change(monkeypatch, tmp_path):
+    """PaliGemma is a prefix-LM: its processor gives a chat's whole text (no suffix) token_type_ids
+    0, so every token attends both ways, the image's too: the same image and prompt with another
+    reply give other states at the image tokens, and each file equals the plain model on the plain
+    processor's output alone. Listed as batching, the load-time self-check measures that right
+    padding (token type 0: in each row's prefix) changes the states and falls back to one per
+    forward (the processor's ``labels`` are no model input: batched, they failed to concatenate)."""
+    from transformers import AutoProcessor
+
+    from layertap.worker.model import image_inputs
+
+    monkeypatch.setitem(image_inputs.BATCHED_FAMILIES, "paligemma", "listed here to fail the self-check")
+    model_dir = add_processor("paligemma", build_tiny_vlm("paligemma", tmp_path / "model"))
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(40, 24)).decode()
+    replies = ["the draft layer", "one two three four"]
+    chats = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                        {"type": "text", "text": "hello model"}]},
+                           {"role": "assistant", "content": reply}]} for reply in replies]
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        layout = extractor.loaded.image_batching
+        results = extractor.extract(chats, tmp_path / "files", run="paligemma-prefix")
+    assert layout.name == "single", layout.describe()
+    assert "batching changes the hidden states on the image self-check" in layout.reason, layout.reason
+    processor = AutoProcessor.from_pretrained(model_dir)
+    files = []
+    for reply, result in zip(replies, results):
+        assert result.ok, result.error
+        files.append(load_hidden_states(result.path))
+        chat = [TEMPLATE_CHAT[0], {"role": "assistant", "content": reply}]
+        inputs = processor(text=[processor.apply_chat_template(chat, tokenize=False)],
+                           images=[Image.open(io.BytesIO(png_bytes(40, 24)))], return_tensors="pt")
+        assert not inputs["token_type_ids"].any()  # all prefix
+        assert files[-1]["token_ids"].tolist() == inputs["input_ids"][0].tolist()
+        reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
+        assert worst_token_relative_error(files[-1]["hidden_states"], reference) <= TOLERANCE
+    image = [file["image_token_mask"].bool()[:12] for file in files]  # the image comes first: its 4 tokens
+    assert int(image[0].sum()) == 4 and torch.equal(image[0], image[1])
+    seen = files[0]["hidden_states"][:12][image[0], 1] - files[1]["hidden_states"][:12][image[0], 1]
+    assert float(seen.norm(dim=-1).min()) > 1e-3  # the image tokens saw the reply after them

@@ -138,6 +138,14 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         text_config=dict(TEXT, model_type="mistral"), vision_config=SIGLIP, image_token_id=300,
         perceiver_config=dict(hidden_size=32, resampler_n_latents=4, resampler_depth=2, resampler_n_heads=2,
                               resampler_head_dim=16, num_key_value_heads=1))),
+    "paligemma": ("paligemma", dict(  # PaliGemma 2: a Gemma 2 decoder (a sliding and a full layer), a prefix-LM
+        # (token_type_ids 0 attend both ways, 1 causally); a 28x28 image is 4 tokens
+        text_config=dict(TEXT, model_type="gemma2", sliding_window=8), vision_config=SIGLIP, projection_dim=32,
+        image_token_index=300)),
+    "aya-vision": ("aya_vision", dict(  # a Cohere 2 decoder (a sliding and a full layer); each 28x28 tile's 2x2
+        # patches pixel-shuffled into one token
+        text_config=dict(TEXT, model_type="cohere2", layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=8), vision_config=SIGLIP, downsample_factor=2, image_token_index=300)),
 }
 
 
@@ -241,6 +249,11 @@ GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token
 KIMI_TOKENS = {"image_token": "<|media_pad|>", "video_token": "<|kimi_k25_video_placeholder|>",
                "media_begin_token": "<|media_begin|>", "media_end_token": "<|media_end|>"}
 KIMI_PLACEHOLDER = "<|media_begin|><|media_pad|><|media_end|>"
+#: Aya Vision's tokens: the patch token (the config's image token, 300), the template's ``<image>``, which its
+#: processor expands, begin/end of image, line break and the tile markers (301-306).
+AYA_TOKENS = {"img_patch_token": "<|IMG_PATCH|>", "image_token": "<image>", "start_of_img_token": "<|START_OF_IMG|>",
+              "end_of_img_token": "<|END_OF_IMG|>", "img_line_break_token": "<|IMG_LINE_BREAK|>",
+              "tile_token": "TILE", "tile_global_token": "TILE_GLOBAL"}
 
 
 def qwen_image_processor():
@@ -360,9 +373,15 @@ def add_processor(family: str, model_dir: Path) -> Path:
     ``processor_config.json`` (``image_seq_len`` 1): its processor class needs num2words, not
     installed here, besides its video processor. Idefics2's is built (``<image>`` and
     ``<fake_token_around_image>`` at 300-301; its image processor splits an image into 4 crops
-    plus itself, each resized to edges of 28..56, aspect kept; 4 perceiver latents a tile)."""
+    plus itself, each resized to edges of 28..56, aspect kept; 4 perceiver latents a tile). PaliGemma's
+        processor (SigLIP's PIL image processor: 28x28, 4 tokens an image, whatever its size) puts the
+    tokenizer's BOS (``<bos>``, 301, added for it) after a prompt's last image and a newline after
+    its text; Aya Vision's (GOT-OCR2's PIL image processor as InternVL's: 28x28 tiles, a token each
+    after the pixel shuffle, plus a global tile) expands ``<image>`` into :data:`AYA_TOKENS`' markers
+    and patch tokens."""
     from transformers import (
         AutoTokenizer,
+        AyaVisionProcessor,
         CLIPImageProcessor,
         Gemma3ImageProcessor,
         Gemma3Processor,
@@ -370,12 +389,14 @@ def add_processor(family: str, model_dir: Path) -> Path:
         Idefics3Processor,
         LlavaNextProcessor,
         LlavaProcessor,
+        PaliGemmaProcessor,
     )
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
     )
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     from layertap.worker.model.tiny_model import build_tokenizer
 
@@ -385,13 +406,15 @@ def add_processor(family: str, model_dir: Path) -> Path:
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                            "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS, "kimi-k2.5": KIMI_TOKENS,
+              "aya-vision": AYA_TOKENS,
               **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS), "janus": JANUS_TOKENS, "smolvlm": SMOLVLM_TOKENS,
               "idefics2": {"image_token": "<image>", "image_boundary_token": "<fake_token_around_image>"}}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
-    placeholders = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
+    placeholders = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, QWEN_PLACEHOLDER),
+                    **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
                     "gemma4": GEMMA4_TOKENS["image_token"], "janus": JANUS_TOKENS["image_token"],
                     "kimi-k2.5": KIMI_PLACEHOLDER}
     template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
@@ -470,6 +493,13 @@ def add_processor(family: str, model_dir: Path) -> Path:
                                                     do_image_splitting=True)
         processor = Idefics2Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
                                       image_seq_len=VLM_FAMILIES[family][1]["perceiver_config"]["resampler_n_latents"])
+    elif family == "paligemma":  # its processor puts the tokenizer's BOS after the last image (<bos>, 301)
+        tokenizer.add_special_tokens({"bos_token": "<bos>"})
+        image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28}, image_seq_length=4)
+        processor = PaliGemmaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    elif family == "aya-vision":
+        processor = AyaVisionProcessor(image_processor=internvl_image_processor(), tokenizer=tokenizer,
+                                       chat_template=template, patch_size=14, img_size=28, downsample_factor=2)
     else:
         processor = Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}),
                                     tokenizer=tokenizer, chat_template=template, image_seq_length=4)
@@ -483,7 +513,8 @@ def special_token_ids(config: Any) -> set[int]:
     found: set[int] = set()
     for key, value in config.to_dict().items():
         if isinstance(value, dict):
-            found |= {v for k, v in value.items() if isinstance(k, str) and k.endswith(("token_id", "token_index")) and isinstance(v, int)}
+            found |= {v for k, v in value.items()
+                      if isinstance(k, str) and k.endswith(("token_id", "token_index")) and isinstance(v, int)}
         elif key.endswith(("token_id", "token_index")) and isinstance(value, int):
             found.add(value)
     return found - {0, 1, 2}  # pad, bos, eos of the tiny vocabulary: ordinary text ids here

@@ -33,3 +33,10 @@ def test_a_change_across_a_trained_boundary_or_a_lost_trained_token_is_refused()
         expand_mask([1, 5, 6], [0, 1, 1], [1, 5], IMAGE)  # a trained token vanished
     with pytest.raises(JobError, match="across a trained span"):
         expand_mask([1, 5, 6], [0, 0, 1], [1, 5, 40, 6], IMAGE)  # inserted between untrained and trained
+
+
+def test_tokens_the_processor_adds_after_the_chat_are_untrained_even_after_a_trained_token():
+    """PaliGemma's processor ends a prompt with a newline: after the chat's last (trained) token,
+    outside every turn (this was refused as a change across a trained span)."""
+    assert expand_mask([1, IMAGE, 5, 6], [0, 0, 1, 1], [1, IMAGE, IMAGE, 5, 6, NEWLINE], IMAGE) == [0, 0, 0, 1, 1, 0]
+    assert expand_mask([5, 6], [0, 1], [BOI, 5, 6], IMAGE) == [0, 0, 1]

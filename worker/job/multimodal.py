@@ -23,8 +23,9 @@ from layertap.producer.protocol.schema import ErrorType, Job
 from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError
 
-#: Processor outputs that are not model inputs of their own (the engine builds input ids and masks).
-NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask"})
+#: Processor outputs that are not model inputs of their own (the engine builds input ids and masks;
+#: ``labels`` are training targets, PaliGemma's: one per token, they would not concatenate in a batch).
+NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "labels"})
 
 
 @dataclass
@@ -80,13 +81,18 @@ def expand_mask(rendered: list[int], mask: list[int], expanded: list[int], image
     are aligned (``difflib``, no junk heuristic): equal tokens keep their mask; tokens the
     processor put in place of others (its image runs, and around them such markers as
     Gemma 3's ``<start_of_image>`` and blank lines) take the mask of the tokens they replace,
-    which must be all one value; image tokens are always 0. Raises :class:`JobError` where a
-    replaced stretch straddles trained and untrained tokens, or trained tokens vanish."""
+    which must be all one value; tokens it adds before the chat's first token or after its
+    last (PaliGemma's newline closing its prefix) are outside every turn: 0; image tokens are
+    always 0. Raises :class:`JobError` where a replaced stretch straddles trained and untrained
+    tokens, or trained tokens vanish."""
     out: list[int] = []
     matcher = difflib.SequenceMatcher(None, rendered, expanded, autojunk=False)
     for operation, begin, end, new_begin, new_end in matcher.get_opcodes():
         if operation == "equal":
             out.extend(mask[begin:end])
+            continue
+        if begin == end and end in (0, len(mask)):  # added outside the chat
+            out.extend([0] * (new_end - new_begin))
             continue
         labels = set(mask[begin:end]) or {mask[begin - 1] if begin > 0 else 0} & {mask[end] if end < len(mask) else 0}
         if len(labels) != 1 or (new_begin == new_end and labels != {0}):

@@ -78,6 +78,9 @@ BATCHED_FAMILIES: dict[str, str] = {
                  "too, with no tile kept where none is real), its tower and perceiver mask pixels past each tile's own "
                  "(only whole real patches, positions from each tile's own grid), and the latents go to each row's "
                  "image tokens"),
+    "aya_vision": ("one pixel tensor per tile (each image's tiles and global tile in its order), each tile through the "
+                   "vision tower alone, pixel-shuffled and projected per tile, placed at the image tokens in batch "
+                   "order: each row's at its own; a causal decoder (sliding windows per row)"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
@@ -90,6 +93,9 @@ SINGLE_REASONS: dict[str, str] = {
     "smolvlm": ("Idefics3's modeling: a batch's rows of tiles are padded with all-zero tiles that the model drops by "
                 "value, and it keeps the first tile only where no tile of the whole batch is real, so a chat whose one "
                 "tile is all zero runs alone and fails in a batch"),
+    "paligemma": ("a prefix-LM: its token_type_ids 0 (the processor's for a chat's whole text: no suffix) attend both "
+                  "ways, and a batch's right padding, token type 0 too, would be in each row's prefix, seen by its "
+                  "real tokens (its forward takes no attention mask here)"),
 }
 
 
