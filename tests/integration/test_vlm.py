@@ -31,6 +31,7 @@ from layertap.producer.storage.registry import storage_for
 from tests.support.vlm import (
     GLM_FAMILIES,
     IMAGE_ONLY,
+    OMNI_FAMILIES,
     QWEN_FAMILIES,
     QWEN_MOE_FAMILIES,
     TEXT_VOCAB,
@@ -228,7 +229,9 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
     template's ``<IMG_CONTEXT>`` made ``<img>``, ``image_seq_length`` (the model's config)
     ``<IMG_CONTEXT>`` per tile, ``</img>``, as InternVL's processor does. LLaVA-OneVision's
     (the same): its image processor, and ``<image>`` repeated once per feature the model's own
-    ``get_image_features`` gives the image (its forward checks the count)."""
+    ``get_image_features`` gives the image (its forward checks the count). The Omni thinkers' (the
+    same): Qwen's, ``<|IMAGE|>`` repeated, with the attention mask their processors return (they
+    give no token types, and number M-RoPE positions only given a mask)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, InternVLProcessor
 
     image = Image.open(io.BytesIO(png_bytes(*size)))
@@ -257,6 +260,14 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
         text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(
             "<image>", "<image>" * sum(len(feature) for feature in features))
         return {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"], **vision}
+    if family in OMNI_FAMILIES:  # as Qwen's below, with the attention mask the Omni processors give (no token types)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
+        text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(
+            "<|IMAGE|>", "<|IMAGE|>" * (int(vision["image_grid_thw"].prod()) // 4))
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": vision["pixel_values"],
+                "image_grid_thw": vision["image_grid_thw"]}
     if family not in IMAGE_ONLY:
         processor = AutoProcessor.from_pretrained(model_dir)
         return dict(processor(text=[processor.apply_chat_template(TEMPLATE_CHAT, tokenize=False)], images=[image],
@@ -272,7 +283,7 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
 
 
 @pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl", "gemma4",
-                                    *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES])
+                                    *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES, *OMNI_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with
@@ -323,7 +334,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"Idefics3's image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in (*IMAGE_ONLY, "idefics3", "internvl", "gemma4", "llava-next", "llava-onevision"):
+    if family in (*IMAGE_ONLY, "idefics3", "internvl", "gemma4", "llava-next", "llava-onevision", *OMNI_FAMILIES):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
@@ -785,3 +796,30 @@ def test_a_chat_with_two_images_equals_the_model_on_that_prompt(family, tmp_path
     assert states["token_ids"].tolist() == inputs["input_ids"][0].tolist()
     reference = vlm_block_states(str(model_dir), [0, 1, 2], **inputs)
     assert worst_token_relative_error(states["hidden_states"], reference) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", OMNI_FAMILIES)
+def test_omni_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_path):
+    """The Omni thinkers' ``get_rope_index`` takes no ``mm_token_type_ids`` (their processors give
+    none) and their forward numbers M-RoPE only given an attention mask (the engine passes none):
+    ``host_rope_positions`` of a right-padded batch (images of different sizes) gives each
+    chat's real tokens the positions the model's own ``compute_3d_position_ids`` numbers for that
+    chat alone with its processor's mask, image tokens sharing positions (not 0..T-1)."""
+    from layertap.worker.model.image_inputs import host_rope_positions, rope_index_module
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    model = load_reference(str(model_dir))
+    chats = [reference_inputs(family, model_dir, size) for size in [(40, 24), (60, 60), (90, 20)]]
+    token_ids = [chat["input_ids"][0] for chat in chats]
+    width = max(len(ids) for ids in token_ids) + 3
+    positions = host_rope_positions(rope_index_module(model), token_ids,
+                                    [{"pixel_values": chat["pixel_values"], "image_grid_thw": chat["image_grid_thw"]}
+                                     for chat in chats], width)
+    assert positions is not None and positions.shape == (3, len(chats), width)
+    for row, chat in enumerate(chats):
+        alone = model.model.compute_3d_position_ids(input_ids=chat["input_ids"], image_grid_thw=chat["image_grid_thw"],
+                                                    video_grid_thw=None, inputs_embeds=None,
+                                                    attention_mask=chat["attention_mask"], cache=None)
+        length = len(token_ids[row])
+        assert torch.equal(positions[:, row, :length], alone[:, 0]), row
+    assert len(set(positions[0, 1, :len(token_ids[1])].tolist())) < len(token_ids[1])  # 60x60: 4 image tokens, one t

@@ -43,6 +43,12 @@ GLM4V = dict(
     vision_config=dict(QWEN_VISION, image_size=56),
     image_token_id=300, image_start_token_id=301, image_end_token_id=302, video_token_id=303,
     video_start_token_id=304, video_end_token_id=305)
+#: The Omni thinkers (Qwen2.5-Omni, Qwen3-Omni-MoE): a 1-layer audio tower (never run: no audio jobs) and
+#: the ids of image, video, vision begin/end, audio and audio begin/end, 300-306.
+OMNI_AUDIO = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                  output_dim=32, max_source_positions=32, n_window=4)
+OMNI_IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303,
+                audio_token_id=304, audio_start_token_id=305, audio_end_token_id=306)
 
 VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-vl": ("qwen2_vl", dict(
@@ -107,6 +113,14 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                            position_embedding_size=256),
         audio_config=None, image_token_id=300, boi_token_id=301, eoi_token_id=302, audio_token_id=303,
         boa_token_id=304, eoa_token_index=305, video_token_id=306)),
+    "qwen2.5-omni": ("qwen2_5_omni_thinker", dict(  # Qwen2.5-VL's tower and M-RoPE numbered by the Omni rules
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, type="mrope")),
+        vision_config=dict(QWEN_VISION, fullatt_block_indexes=[1], window_size=56), audio_config=OMNI_AUDIO,
+        **OMNI_IDS)),
+    "qwen3-omni-moe": ("qwen3_omni_moe_thinker", dict(  # Qwen3-VL's tower (deepstack), experts
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, mrope_interleaved=True), **QWEN_MOE),
+        vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0, 1], num_position_embeddings=16),
+        audio_config=dict(OMNI_AUDIO, downsample_hidden_size=8), **OMNI_IDS)),
 }
 
 
@@ -199,6 +213,13 @@ IMAGE_ONLY = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, "<|image_pad|>"
 #: ``<|video|>``, 306); a template writes the image token, which its processor expands.
 GEMMA4_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
                  "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+OMNI_FAMILIES = ("qwen2.5-omni", "qwen3-omni-moe")
+#: The Omni processors' tokens (Qwen2.5-Omni's names), at the ids of :data:`OMNI_IDS`.
+OMNI_TOKENS = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "vision_bos_token": "<|vision_bos|>",
+               "vision_eos_token": "<|vision_eos|>", "audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
+               "audio_eos_token": "<|audio_eos|>"}
+OMNI_PLACEHOLDER = "<|vision_bos|><|IMAGE|><|vision_eos|>"
+OMNI_PROCESSORS = {"qwen2.5-omni": "Qwen2_5OmniProcessor", "qwen3-omni-moe": "Qwen3OmniMoeProcessor"}
 
 
 def qwen_image_processor():
@@ -270,7 +291,10 @@ def add_processor(family: str, model_dir: Path) -> Path:
     folder (its processor class, which holds a video processor too, cannot be built here), with the
     class's settings in its ``processor_config.json``; a Gemma 4 folder the tokenizer and a
     ``processor_config.json`` naming its image processor and audio feature extractor (its
-    processor class takes a video processor too, so it cannot be built here to save)."""
+    processor class takes a video processor too, so it cannot be built here to save); an Omni folder
+    (:data:`OMNI_FAMILIES`) the tokenizer (:data:`OMNI_TOKENS`) and one ``preprocessor_config.json`` holding
+    Qwen's image processor, a Whisper feature extractor and the processor class's name, as the Omni
+    checkpoints have it (the class takes a video processor too)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
@@ -295,13 +319,13 @@ def add_processor(family: str, model_dir: Path) -> Path:
               "llava-onevision": {"image_token": "<image>", "video_token": "<video>"},
               "mistral3": {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                            "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS,
-              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS)}.get(
+              **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS), **dict.fromkeys(OMNI_FAMILIES, OMNI_TOKENS)}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
     assert tokenizer.convert_tokens_to_ids(list(tokens.values())) == list(range(300, 300 + len(tokens)))
     placeholders = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, QWEN_PLACEHOLDER), **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
-                    "gemma4": GEMMA4_TOKENS["image_token"]}
+                    "gemma4": GEMMA4_TOKENS["image_token"], **dict.fromkeys(OMNI_FAMILIES, OMNI_PLACEHOLDER)}
     template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
                                                                                           INTERNVL_PLACEHOLDER))))
     tokenizer.chat_template = template
@@ -337,6 +361,15 @@ def add_processor(family: str, model_dir: Path) -> Path:
         config = {"processor_class": "Gemma4Processor", "image_seq_length": 70,
                   **{name: json.loads(part.to_json_string()) for name, part in parts.items()}}
         (model_dir / "processor_config.json").write_text(json.dumps(config, indent=2))
+        return model_dir
+    if family in OMNI_FAMILIES:  # one preprocessor_config.json for both parts, as the Omni checkpoints have
+        from transformers import WhisperFeatureExtractor
+
+        tokenizer.save_pretrained(model_dir)
+        parts = [qwen_image_processor(), WhisperFeatureExtractor(feature_size=16)]
+        config = {key: value for part in parts for key, value in json.loads(part.to_json_string()).items()}
+        (model_dir / "preprocessor_config.json").write_text(json.dumps(
+            dict(config, processor_class=OMNI_PROCESSORS[family]), indent=2))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(
