@@ -823,3 +823,47 @@ def test_omni_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, 
         length = len(token_ids[row])
         assert torch.equal(positions[:, row, :length], alone[:, 0]), row
     assert len(set(positions[0, 1, :len(token_ids[1])].tolist())) < len(token_ids[1])  # 60x60: 4 image tokens, one t
+
+
+def test_lfm2_vl_image_inputs_of_different_tilings_batched_together_equal_the_model_alone(tmp_path):
+    """LFM2-VL (short convolutions; a SigLIP2 NaFlex tower; its image processor needs torchvision,
+    so the inputs are made here as it makes them: one row per tile of ``max_num_patches`` patches,
+    the tile's ``h * w`` first and zeros after, ``pixel_attention_mask`` 1 over them, its
+    ``spatial_shapes``; a token per 2x2 patches): chats of 1, 3 (two tiles and a thumbnail of
+    another shape) and 1 tiles of different grids run in one padded forward through the model's
+    own ``forward``, and every layer equals the plain model on each chat alone."""
+    from layertap.worker.engine.records import EngineRequest
+
+    model_dir = str(build_tiny_vlm("lfm2-vl", tmp_path / "model"))
+    patches, size = 64, 3 * 4 * 4  # the processor's max_num_patches; a patch's values
+    generator = torch.Generator().manual_seed(0)
+
+    def tiles(grids: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        pixels = torch.zeros(len(grids), patches, size)
+        mask = torch.zeros(len(grids), patches, dtype=torch.int32)
+        for tile, (height, width) in enumerate(grids):
+            pixels[tile, :height * width] = torch.randn(height * width, size, generator=generator)
+            mask[tile, :height * width] = 1
+        return {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": torch.tensor(grids)}
+
+    prompts = []
+    for grids, extra in (([(8, 8)], 20), ([(8, 8), (8, 8), (4, 6)], 3), ([(6, 4)], 27)):  # 38, 43, 35 tokens
+        image = [300] * sum(height * width // 4 for height, width in grids)
+        prompts.append(([5, 6, *image, *range(7, 7 + extra)], tiles(grids)))
+    loaded = load_model(model_dir, name="lfm2-vl", device="cpu", dtype="float32")
+    assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
+    layer_ids = [0, 1, 2]
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        states = []
+        for future in engine.submit_many([EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs)
+                                          for ids, inputs in prompts]):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    assert batches == [3], batches
+    for (ids, inputs), got in zip(prompts, states):
+        reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
+        assert worst_token_relative_error(got, reference) <= TOLERANCE

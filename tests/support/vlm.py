@@ -121,6 +121,12 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         text_config=dict(TEXT, rope_scaling=dict(MROPE, mrope_interleaved=True), **QWEN_MOE),
         vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0, 1], num_position_embeddings=16),
         audio_config=dict(OMNI_AUDIO, downsample_hidden_size=8), **OMNI_IDS)),
+    "lfm2-vl": ("lfm2_vl", dict(  # LFM2's short convolutions and attention; a SigLIP2 (NaFlex) tower: patches of 4
+        # pixels, each tile's own grid, 2x2 merged into a token
+        text_config=dict(TEXT, model_type="lfm2", layer_types=["conv", "full_attention"]),
+        vision_config=dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_patches=16, patch_size=4),
+        image_token_id=300, projector_hidden_size=32, downsample_factor=2)),
 }
 
 

@@ -69,6 +69,9 @@ BATCHED_FAMILIES: dict[str, str] = {
                              "without which the model numbers no M-RoPE); no audio or video in a chat"),
     "qwen3_omni_moe_thinker": (f"as qwen3_vl; {_ROPE} (by the Omni rules, as qwen2_5_omni_thinker); experts route "
                                "each token alone; no audio or video in a chat"),
+    "lfm2_vl": ("one row of patches per tile, padded to the processor's fixed patch count (max_num_patches, masked by "
+                "pixel_attention_mask; each tile attends and is merged within its own spatial_shapes); short "
+                "convolutions and attention causal per row"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
