@@ -32,6 +32,7 @@ from tests.support.vlm import (
     DEEPSEEK_FAMILIES,
     GLM_FAMILIES,
     IMAGE_ONLY,
+    OMNI_FAMILIES,
     QWEN_FAMILIES,
     QWEN_MOE_FAMILIES,
     TEXT_VOCAB,
@@ -231,10 +232,20 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
     template's ``<IMG_CONTEXT>`` made ``<img>``, ``image_seq_length`` (the model's config)
     ``<IMG_CONTEXT>`` per tile, ``</img>``, as InternVL's processor does. LLaVA-OneVision's
     (the same): its image processor, and ``<image>`` repeated once per feature the model's own
-    ``get_image_features`` gives the image (its forward checks the count)."""
+    ``get_image_features`` gives the image (its forward checks the count). The Omni thinkers' (the
+    same): Qwen's, ``<|IMAGE|>`` repeated, with the attention mask their processors return (they
+    give no token types, and number M-RoPE positions only given a mask)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, InternVLProcessor
 
     image = Image.open(io.BytesIO(png_bytes(*size)))
+    if family in OMNI_FAMILIES:  # as Qwen's below, with the attention mask the Omni processors give (no token types)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
+        text = tokenizer.apply_chat_template(TEMPLATE_CHAT, tokenize=False).replace(
+            "<|IMAGE|>", "<|IMAGE|>" * (int(vision["image_grid_thw"].prod()) // 4))
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": vision["pixel_values"],
+                "image_grid_thw": vision["image_grid_thw"]}
     if family == "gemma4":
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         vision = AutoImageProcessor.from_pretrained(model_dir)(images=[image], return_tensors="pt")
@@ -277,7 +288,7 @@ def reference_inputs(family: str, model_dir, size: tuple[int, int]) -> dict[str,
 @pytest.mark.parametrize("family", ["llava", "llava-next", "llava-onevision", "gemma3", "idefics3", "internvl",
                                     "gemma4",
                                     *QWEN_FAMILIES, *QWEN_MOE_FAMILIES, *GLM_FAMILIES, *DEEPSEEK_FAMILIES,
-                                    "idefics2", "paligemma", "aya-vision"])
+                                    "idefics2", "paligemma", "aya-vision", *OMNI_FAMILIES])
 def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     """Every family with a processor the tests can build (Qwen's, GLM's and InternVL's through their
     image-only path: no torchvision here): chats with images of different sizes, sent with
@@ -330,7 +341,8 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
         assert batches.count(1) >= 4, f"{family}'s image chats did not run one per forward: {batches}"
     else:
         assert sum(batches) == 6 and len(batches) <= 3, f"the image chats were not batched together: {batches}"
-    if family in (*IMAGE_ONLY, "idefics3", "internvl", "gemma4", "llava-next", "llava-onevision", "aya-vision"):
+    if family in (*IMAGE_ONLY, "idefics3", "internvl", "gemma4", "llava-next", "llava-onevision", "aya-vision",
+                  *OMNI_FAMILIES):
         assert len(lengths) >= 2, lengths  # images of different sizes gave chats of different lengths
     items = [load_item(result.job_id, result.path, [0, 1, 2]) for result in (results[0], results[4])]
     assert "image_token_mask" not in items[1]  # a text chat's file is as before
@@ -1043,3 +1055,73 @@ def test_paligemma_image_chats_are_one_bidirectional_prefix_that_padding_would_c
     assert int(image[0].sum()) == 4 and torch.equal(image[0], image[1])
     seen = files[0]["hidden_states"][:12][image[0], 1] - files[1]["hidden_states"][:12][image[0], 1]
     assert float(seen.norm(dim=-1).min()) > 1e-3  # the image tokens saw the reply after them
+
+
+@pytest.mark.parametrize("family", OMNI_FAMILIES)
+def test_omni_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_path):
+    """The Omni thinkers' ``get_rope_index`` takes no ``mm_token_type_ids`` (their processors give
+    none) and their forward numbers M-RoPE only given an attention mask (the engine passes none):
+    ``host_rope_positions`` of a right-padded batch (images of different sizes) gives each
+    chat's real tokens the positions the model's own ``compute_3d_position_ids`` numbers for that
+    chat alone with its processor's mask, image tokens sharing positions (not 0..T-1)."""
+    from layertap.worker.model.image_inputs import host_rope_positions, rope_index_module
+
+    model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
+    model = load_reference(str(model_dir))
+    chats = [reference_inputs(family, model_dir, size) for size in [(40, 24), (60, 60), (90, 20)]]
+    token_ids = [chat["input_ids"][0] for chat in chats]
+    width = max(len(ids) for ids in token_ids) + 3
+    positions = host_rope_positions(rope_index_module(model), token_ids,
+                                    [{"pixel_values": chat["pixel_values"], "image_grid_thw": chat["image_grid_thw"]}
+                                     for chat in chats], width)
+    assert positions is not None and positions.shape == (3, len(chats), width)
+    for row, chat in enumerate(chats):
+        alone = model.model.compute_3d_position_ids(input_ids=chat["input_ids"], image_grid_thw=chat["image_grid_thw"],
+                                                    video_grid_thw=None, inputs_embeds=None,
+                                                    attention_mask=chat["attention_mask"], cache=None)
+        length = len(token_ids[row])
+        assert torch.equal(positions[:, row, :length], alone[:, 0]), row
+    assert len(set(positions[0, 1, :len(token_ids[1])].tolist())) < len(token_ids[1])  # 60x60: 4 image tokens, one t
+
+def test_lfm2_vl_image_inputs_of_different_tilings_batched_together_equal_the_model_alone(tmp_path):
+    """LFM2-VL (short convolutions; a SigLIP2 NaFlex tower; its image processor needs torchvision,
+    so the inputs are made here as it makes them: one row per tile of ``max_num_patches`` patches,
+    the tile's ``h * w`` first and zeros after, ``pixel_attention_mask`` 1 over them, its
+    ``spatial_shapes``; a token per 2x2 patches): chats of 1, 3 (two tiles and a thumbnail of
+    another shape) and 1 tiles of different grids run in one padded forward through the model's
+    own ``forward``, and every layer equals the plain model on each chat alone."""
+    from layertap.worker.engine.records import EngineRequest
+
+    model_dir = str(build_tiny_vlm("lfm2-vl", tmp_path / "model"))
+    patches, size = 64, 3 * 4 * 4  # the processor's max_num_patches; a patch's values
+    generator = torch.Generator().manual_seed(0)
+
+    def tiles(grids: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        pixels = torch.zeros(len(grids), patches, size)
+        mask = torch.zeros(len(grids), patches, dtype=torch.int32)
+        for tile, (height, width) in enumerate(grids):
+            pixels[tile, :height * width] = torch.randn(height * width, size, generator=generator)
+            mask[tile, :height * width] = 1
+        return {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": torch.tensor(grids)}
+
+    prompts = []
+    for grids, extra in (([(8, 8)], 20), ([(8, 8), (8, 8), (4, 6)], 3), ([(6, 4)], 27)):  # 38, 43, 35 tokens
+        image = [300] * sum(height * width // 4 for height, width in grids)
+        prompts.append(([5, 6, *image, *range(7, 7 + extra)], tiles(grids)))
+    loaded = load_model(model_dir, name="lfm2-vl", device="cpu", dtype="float32")
+    assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
+    layer_ids = [0, 1, 2]
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        states = []
+        for future in engine.submit_many([EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs)
+                                          for ids, inputs in prompts]):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    assert batches == [3], batches
+    for (ids, inputs), got in zip(prompts, states):
+        reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
+        assert worst_token_relative_error(got, reference) <= TOLERANCE

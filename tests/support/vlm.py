@@ -43,6 +43,12 @@ GLM4V = dict(
     vision_config=dict(QWEN_VISION, image_size=56),
     image_token_id=300, image_start_token_id=301, image_end_token_id=302, video_token_id=303,
     video_start_token_id=304, video_end_token_id=305)
+#: The Omni thinkers (Qwen2.5-Omni, Qwen3-Omni-MoE): a 1-layer audio tower (never run: no audio jobs) and
+#: the ids of image, video, vision begin/end, audio and audio begin/end, 300-306.
+OMNI_AUDIO = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                  output_dim=32, max_source_positions=32, n_window=4)
+OMNI_IDS = dict(image_token_id=300, video_token_id=301, vision_start_token_id=302, vision_end_token_id=303,
+                audio_token_id=304, audio_start_token_id=305, audio_end_token_id=306)
 
 VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-vl": ("qwen2_vl", dict(
@@ -146,6 +152,20 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         # patches pixel-shuffled into one token
         text_config=dict(TEXT, model_type="cohere2", layer_types=["sliding_attention", "full_attention"],
                          sliding_window=8), vision_config=SIGLIP, downsample_factor=2, image_token_index=300)),
+    "qwen2.5-omni": ("qwen2_5_omni_thinker", dict(  # Qwen2.5-VL's tower and M-RoPE numbered by the Omni rules
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, type="mrope")),
+        vision_config=dict(QWEN_VISION, fullatt_block_indexes=[1], window_size=56), audio_config=OMNI_AUDIO,
+        **OMNI_IDS)),
+    "qwen3-omni-moe": ("qwen3_omni_moe_thinker", dict(  # Qwen3-VL's tower (deepstack), experts
+        text_config=dict(TEXT, rope_scaling=dict(MROPE, mrope_interleaved=True), **QWEN_MOE),
+        vision_config=dict(QWEN_VISION, deepstack_visual_indexes=[0, 1], num_position_embeddings=16),
+        audio_config=dict(OMNI_AUDIO, downsample_hidden_size=8), **OMNI_IDS)),
+    "lfm2-vl": ("lfm2_vl", dict(  # LFM2's short convolutions and attention; a SigLIP2 (NaFlex) tower: patches of 4
+        # pixels, each tile's own grid, 2x2 merged into a token
+        text_config=dict(TEXT, model_type="lfm2", layer_types=["conv", "full_attention"]),
+        vision_config=dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_patches=16, patch_size=4),
+        image_token_id=300, projector_hidden_size=32, downsample_factor=2)),
 }
 
 
@@ -254,6 +274,13 @@ KIMI_PLACEHOLDER = "<|media_begin|><|media_pad|><|media_end|>"
 AYA_TOKENS = {"img_patch_token": "<|IMG_PATCH|>", "image_token": "<image>", "start_of_img_token": "<|START_OF_IMG|>",
               "end_of_img_token": "<|END_OF_IMG|>", "img_line_break_token": "<|IMG_LINE_BREAK|>",
               "tile_token": "TILE", "tile_global_token": "TILE_GLOBAL"}
+OMNI_FAMILIES = ("qwen2.5-omni", "qwen3-omni-moe")
+#: The Omni processors' tokens (Qwen2.5-Omni's names), at the ids of :data:`OMNI_IDS`.
+OMNI_TOKENS = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "vision_bos_token": "<|vision_bos|>",
+               "vision_eos_token": "<|vision_eos|>", "audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>",
+               "audio_eos_token": "<|audio_eos|>"}
+OMNI_PLACEHOLDER = "<|vision_bos|><|IMAGE|><|vision_eos|>"
+OMNI_PROCESSORS = {"qwen2.5-omni": "Qwen2_5OmniProcessor", "qwen3-omni-moe": "Qwen3OmniMoeProcessor"}
 
 
 def qwen_image_processor():
@@ -378,7 +405,9 @@ def add_processor(family: str, model_dir: Path) -> Path:
     tokenizer's BOS (``<bos>``, 301, added for it) after a prompt's last image and a newline after
     its text; Aya Vision's (GOT-OCR2's PIL image processor as InternVL's: 28x28 tiles, a token each
     after the pixel shuffle, plus a global tile) expands ``<image>`` into :data:`AYA_TOKENS`' markers
-    and patch tokens."""
+    and patch tokens. An Omni folder (:data:`OMNI_FAMILIES`) holds the tokenizer
+    (:data:`OMNI_TOKENS`) and one ``preprocessor_config.json`` holding Qwen's image processor, a Whisper feature extractor and the processor class's name, as the Omni
+    checkpoints have it (the class takes a video processor too)."""
     from transformers import (
         AutoTokenizer,
         AyaVisionProcessor,
@@ -408,7 +437,8 @@ def add_processor(family: str, model_dir: Path) -> Path:
                            "image_end_token": "[IMG_END]"}, "gemma4": GEMMA4_TOKENS, "kimi-k2.5": KIMI_TOKENS,
               "aya-vision": AYA_TOKENS,
               **dict.fromkeys(GLM_FAMILIES, GLM_TOKENS), "janus": JANUS_TOKENS, "smolvlm": SMOLVLM_TOKENS,
-              "idefics2": {"image_token": "<image>", "image_boundary_token": "<fake_token_around_image>"}}.get(
+              "idefics2": {"image_token": "<image>", "image_boundary_token": "<fake_token_around_image>"},
+              **dict.fromkeys(OMNI_FAMILIES, OMNI_TOKENS)}.get(
         family, QWEN_TOKENS if family in QWEN_FAMILIES + QWEN_MOE_FAMILIES else {"image_token": "<image>"})
     build_tokenizer("qwen3", vocab_size=TEXT_VOCAB).save_pretrained(model_dir / "tokenizer-base")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer-base", extra_special_tokens=tokens)
@@ -416,7 +446,7 @@ def add_processor(family: str, model_dir: Path) -> Path:
     placeholders = {**dict.fromkeys(QWEN_FAMILIES + QWEN_MOE_FAMILIES, QWEN_PLACEHOLDER),
                     **dict.fromkeys(GLM_FAMILIES, GLM_PLACEHOLDER),
                     "gemma4": GEMMA4_TOKENS["image_token"], "janus": JANUS_TOKENS["image_token"],
-                    "kimi-k2.5": KIMI_PLACEHOLDER}
+                    "kimi-k2.5": KIMI_PLACEHOLDER, **dict.fromkeys(OMNI_FAMILIES, OMNI_PLACEHOLDER)}
     template = parts_template(placeholders.get(family, tokens.get("boi_token", tokens.get("image_token",
                                                                                           INTERNVL_PLACEHOLDER))))
     tokenizer.chat_template = template
@@ -468,6 +498,15 @@ def add_processor(family: str, model_dir: Path) -> Path:
         smolvlm_image_processor().save_pretrained(model_dir)
         (model_dir / "processor_config.json").write_text(json.dumps(
             {"processor_class": "SmolVLMProcessor", "image_seq_len": 1}))
+        return model_dir
+    if family in OMNI_FAMILIES:  # one preprocessor_config.json for both parts, as the Omni checkpoints have
+        from transformers import WhisperFeatureExtractor
+
+        tokenizer.save_pretrained(model_dir)
+        parts = [qwen_image_processor(), WhisperFeatureExtractor(feature_size=16)]
+        config = {key: value for part in parts for key, value in json.loads(part.to_json_string()).items()}
+        (model_dir / "preprocessor_config.json").write_text(json.dumps(
+            dict(config, processor_class=OMNI_PROCESSORS[family]), indent=2))
         return model_dir
     if family == "llava":
         processor = LlavaProcessor(

@@ -22,6 +22,7 @@ the real device and dtype and falls back to one per forward where they differ.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 
@@ -81,6 +82,13 @@ BATCHED_FAMILIES: dict[str, str] = {
     "aya_vision": ("one pixel tensor per tile (each image's tiles and global tile in its order), each tile through the "
                    "vision tower alone, pixel-shuffled and projected per tile, placed at the image tokens in batch "
                    "order: each row's at its own; a causal decoder (sliding windows per row)"),
+    "qwen2_5_omni_thinker": (f"as qwen2_5_vl; {_ROPE} (by the Omni rules: the host's, given each row's attention mask, "
+                             "without which the model numbers no M-RoPE); no audio or video in a chat"),
+    "qwen3_omni_moe_thinker": (f"as qwen3_vl; {_ROPE} (by the Omni rules, as qwen2_5_omni_thinker); experts route "
+                               "each token alone; no audio or video in a chat"),
+    "lfm2_vl": ("one row of patches per tile, padded to the processor's fixed patch count (max_num_patches, masked by "
+                "pixel_attention_mask; each tile attends and is merged within its own spatial_shapes); short "
+                "convolutions and attention causal per row"),
 }
 #: Model types whose per-image tensors are zero-padded past dim 0 to a batch's largest before they
 #: are concatenated (LLaVA-NeXT's ``pixel_values`` ``[1, tiles, C, H, W]``, tiles per its anyres
@@ -160,7 +168,8 @@ def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int,
     return merged
 
 
-#: The processor outputs a model's ``get_rope_index`` numbers an image chat's M-RoPE positions from.
+#: The processor outputs a model's ``get_rope_index`` numbers an image chat's M-RoPE positions from
+#: (those its signature names: the Omni thinkers' takes no ``mm_token_type_ids``).
 ROPE_FIELDS = ("mm_token_type_ids", "image_grid_thw")
 
 
@@ -177,16 +186,23 @@ def host_rope_positions(owner: nn.Module, token_ids: Sequence[torch.Tensor],
                         inputs: Sequence[dict[str, torch.Tensor]], width: int) -> torch.Tensor | None:
     """The M-RoPE ``position_ids`` of a batch (``token_ids`` right-padded with 0 to ``width``,
     each chat's processor outputs in batch order) computed on the host by the model's own
-    ``get_rope_index`` with the arguments its forward gives it (no attention mask): the same
-    integers, with none of the device syncs its per-row loop takes on a GPU. None where a chat
-    lacks a :data:`ROPE_FIELDS` field (the model then numbers them itself)."""
-    if not all(name in chat for chat in inputs for name in ROPE_FIELDS):
+    ``get_rope_index`` with the :data:`ROPE_FIELDS` it takes and, where it takes one, the
+    attention mask the processor gives each chat (1 over its tokens; 0 over the padding): the
+    same numbers as the model on each chat's processor outputs alone, with none of the device
+    syncs its per-row loop takes on a GPU. The engine's forward gets no mask, and the Omni
+    thinkers number M-RoPE only given one (else 0..T-1). None where a chat lacks a field it
+    takes (the model then numbers them itself)."""
+    taken = set(inspect.signature(owner.get_rope_index).parameters)
+    names = [name for name in ROPE_FIELDS if name in taken]
+    if "image_grid_thw" not in names or not all(name in chat for chat in inputs for name in names):
         return None
     ids = torch.zeros(len(token_ids), width, dtype=torch.long)
+    mask = torch.zeros(len(token_ids), width, dtype=torch.long)
     for row, chat_ids in enumerate(token_ids):
         ids[row, :chat_ids.shape[0]] = chat_ids
-    fields = merge_image_inputs([{name: chat[name].cpu() for name in ROPE_FIELDS} for chat in inputs], width)
-    return owner.get_rope_index(ids, **fields)[0]
+        mask[row, :chat_ids.shape[0]] = 1
+    fields = merge_image_inputs([{name: chat[name].cpu() for name in names} for chat in inputs], width)
+    return owner.get_rope_index(ids, **fields, **({"attention_mask": mask} if "attention_mask" in taken else {}))[0]
 
 
 #: What a file's states of an image chat are (``fileformat.MetaKey.IMAGE_FEATURES``).

@@ -2,7 +2,7 @@
 from its checkpoint folder with ``AutoProcessor``.
 
 Qwen-VL processors (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), GLM-4.1V's, InternVL's,
-LLaVA-OneVision's and Gemma 4's also hold a video processor, and every transformers video
+LLaVA-OneVision's, Gemma 4's and the Omni thinkers' also hold a video processor, and every transformers video
 processor needs ``torchvision``. torchvision is not a
 dependency: the only wheels this project's package index has for a given torch are CUDA
 builds (``libc10_cuda.so``), which do not import beside a CPU torch, and a CUDA machine
@@ -15,6 +15,7 @@ transformers' PIL image processor for the images. Video is not a job type, so no
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,25 @@ def images_only(processor_class: type) -> type:
     return ImagesOnly
 
 
-def _processor_class(config: Any) -> type | None:
-    """The processor class transformers maps ``config``'s model type to (None if none)."""
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
+def _processor_class(config: Any, source: str, revision: str | None) -> type | None:
+    """The processor class ``AutoProcessor`` loads for ``source``: the one its processor files
+    name (``processor_class``, as the checkpoint saved it: an Omni thinker's
+    ``preprocessor_config.json`` names ``Qwen2_5OmniProcessor``, which transformers maps to the
+    whole Omni model's type, not the thinker's), else the one transformers maps ``config``'s
+    model type to (None if neither)."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING, processor_class_from_name
+    from transformers.utils import cached_file
 
+    for name in PROCESSOR_FILES:
+        try:
+            path = cached_file(source, name, revision=revision, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+            named = json.loads(Path(path).read_text()).get("processor_class") if path else None
+            found = processor_class_from_name(named) if isinstance(named, str) else None
+        except (OSError, ValueError, ImportError, AttributeError):
+            continue
+        if found is not None:
+            return found
     return PROCESSOR_MAPPING.get(type(config), None)
 
 
@@ -98,7 +114,7 @@ def load_processor(model: nn.Module, source: str, revision: str | None,
         return AutoProcessor.from_pretrained(source, **options), ""
     except (ImportError, OSError, ValueError, TypeError, AttributeError) as exc:
         problem = exc
-    processor_class = None if is_torchvision_available() else _processor_class(model.config)
+    processor_class = None if is_torchvision_available() else _processor_class(model.config, source, revision)
     if processor_class is not None and _has_video_processor(processor_class):
         try:
             processor = images_only(processor_class).from_pretrained(source, **options)
