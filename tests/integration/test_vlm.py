@@ -525,6 +525,25 @@ def test_image_chats_that_do_not_batch_fall_back_to_one_per_forward(monkeypatch,
         assert worst_token_relative_error(load_hidden_states(result.path)["hidden_states"], reference) <= TOLERANCE
 
 
+def test_the_image_self_check_compares_with_the_positions_the_model_numbers_itself(monkeypatch, tmp_path):
+    """The image self-check's "alone" is the model run on one chat's processor output, its mask
+    given and no positions: a host M-RoPE numbering that is wrong (here layertap's own helper
+    numbers image tokens as text, 0..T-1 along every axis, as the Omni thinkers' was before) is
+    caught there, and image chats fall back to one per forward with the reason, where batched
+    and alone would both carry it and agree."""
+    from layertap.worker.engine import runner
+
+    def as_text(owner, token_ids, inputs, width):
+        return torch.arange(width).expand(3, len(token_ids), width)
+
+    monkeypatch.setattr(runner, "host_rope_positions", as_text)
+    model_dir = add_processor("qwen2-vl", build_tiny_vlm("qwen2-vl", tmp_path / "model"))
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        layout = extractor.loaded.image_batching
+    assert layout.name == "single", layout.describe()
+    assert "batching changes the hidden states on the image self-check" in layout.reason, layout.reason
+
+
 def test_a_bundle_of_image_chats_is_prepared_side_by_side_in_order(tmp_path):
     """One call with several chats with images (a bundle: prepared on the preparer threads
     together), a bad image and a text chat among them: each result in its place, the bad

@@ -89,6 +89,14 @@ class DeviceClock:
                 self._busy_s += start.elapsed_time(end) / 1000.0
 
 
+def real_tokens_mask(token_ids: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """``[B, width]`` int64: 1 over each chat's tokens, 0 over its right padding (a processor's mask)."""
+    mask = torch.zeros(len(token_ids), width, dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        mask[row, :ids.shape[0]] = 1
+    return mask
+
+
 def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Sequence[torch.Tensor],
                     model_inputs: list[dict[str, torch.Tensor]]) -> None:
     """Chats with images (``input_ids`` ``[B, T]`` right-padded from each chat's ``token_ids``,
@@ -109,7 +117,9 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Seq
                   value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
                   for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
     extras = merge_image_inputs(on_device, input_ids.shape[1], pads_tiles(loaded.model))
-    if loaded.rope_index is not None:
+    if loaded.own_positions:  # the self-check's reference: the model's own numbering, given each chat's mask
+        extras["attention_mask"] = to_device(real_tokens_mask(token_ids, input_ids.shape[1]), device)
+    elif loaded.rope_index is not None:
         positions = host_rope_positions(loaded.rope_index, token_ids, model_inputs, input_ids.shape[1])
         if positions is not None:
             extras["position_ids"] = to_device(positions, device)

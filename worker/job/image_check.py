@@ -3,7 +3,9 @@
 
 Where the model's image chats batch (``layertap.worker.model.image_inputs``), probe chats with random
 images of different sizes and texts of different lengths are prepared the way jobs are
-(the model's chat template and processor), run together in one forward and each alone, and
+(the model's chat template and processor), run together in one forward and each alone as a
+user runs the model on its processor's output (its attention mask, the positions it numbers
+itself: ``loading.each_image_chat_alone``), and
 compared on every layer ``0..L`` with the text check's tolerance. Where they differ (or no
 probe chat can be prepared), image chats fall back to one per forward, with a warning that
 says why; a model that runs them one per forward already is not checked (that is the
@@ -26,7 +28,7 @@ from layertap.worker.engine.self_check import CheckReport, captured_states, comp
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.tokenize import PreparedInput, Preparer
 from layertap.worker.model.image_inputs import one_per_forward
-from layertap.worker.model.loading import LoadedModel, transformers_attention
+from layertap.worker.model.loading import LoadedModel, each_image_chat_alone
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ def check_image_batching(engine: Engine, preparer: Preparer) -> CheckReport | No
         return None
     try:
         batched = captured_states(engine.submit_many(probe_requests(prepared, layer_ids), together=True))
-        with transformers_attention(loaded):
+        with each_image_chat_alone(loaded):
             alone = [captured_states([engine.submit(request)])[0]
                      for request in probe_requests(prepared, layer_ids)]
     except EngineError as exc:

@@ -98,6 +98,7 @@ class LoadedModel:
     vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
     grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``image_towers``), found once
     rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``image_inputs``), found once
+    own_positions: bool = False  # image chats run as the model runs them alone (the image self-check's reference)
 
     @property
     def architecture(self) -> str:
@@ -382,6 +383,21 @@ def each_sequence_alone(loaded: LoadedModel) -> Iterator[None]:
             yield
         finally:
             loaded.batching = served
+
+
+@contextlib.contextmanager
+def each_image_chat_alone(loaded: LoadedModel) -> Iterator[None]:
+    """Within the block image chats run as a user runs the model on its processor's output:
+    transformers' attention, the chat's attention mask, and the positions the model numbers
+    itself (no host-computed M-RoPE ``position_ids``). That is the image self-check's
+    reference, so it covers the host numbering too (the Omni thinkers number none without a
+    mask; a wrong host numbering would otherwise pass, batched and alone alike)."""
+    with transformers_attention(loaded):
+        loaded.own_positions = True
+        try:
+            yield
+        finally:
+            loaded.own_positions = False
 
 
 def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> None:
