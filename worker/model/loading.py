@@ -388,16 +388,17 @@ def each_sequence_alone(loaded: LoadedModel) -> Iterator[None]:
 @contextlib.contextmanager
 def each_image_chat_alone(loaded: LoadedModel) -> Iterator[None]:
     """Within the block image chats run as a user runs the model on its processor's output:
-    transformers' attention, the chat's attention mask, and the positions the model numbers
-    itself (no host-computed M-RoPE ``position_ids``). That is the image self-check's
+    one chat per forward, unpadded, transformers' attention, the chat's attention mask, and the
+    positions the model numbers itself (no host-computed M-RoPE ``position_ids``). That is the image self-check's
     reference, so it covers the host numbering too (the Omni thinkers number none without a
     mask; a wrong host numbering would otherwise pass, batched and alone alike)."""
     with transformers_attention(loaded):
-        loaded.own_positions = True
+        served, loaded.own_positions = loaded.image_batching, True
+        loaded.image_batching = layout_class("single")("the image self-check's reference: each chat alone")
         try:
             yield
         finally:
-            loaded.own_positions = False
+            loaded.image_batching, loaded.own_positions = served, False
 
 
 def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> None:
