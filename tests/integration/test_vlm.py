@@ -544,6 +544,29 @@ def test_the_image_self_check_compares_with_the_positions_the_model_numbers_itse
     assert "batching changes the hidden states on the image self-check" in layout.reason, layout.reason
 
 
+def test_a_family_not_known_to_batch_runs_its_image_chats_plain(monkeypatch, tmp_path):
+    """Image chats of a family whose batching no test verified run one per forward and plain,
+    as the model runs its processor's output: none of the worker's host numbering reaches them
+    (broken here, as in the test above, and the files are still the model's own)."""
+    from layertap.worker.engine import runner
+    from layertap.worker.model import image_inputs
+
+    monkeypatch.delitem(image_inputs.BATCHED_FAMILIES, "qwen2_vl")
+    monkeypatch.setattr(runner, "host_rope_positions",
+                        lambda owner, token_ids, inputs, width: torch.arange(width).expand(3, len(token_ids), width))
+    model_dir = add_processor("qwen2-vl", build_tiny_vlm("qwen2-vl", tmp_path / "model"))
+    sizes = [(40, 24), (60, 60)]
+    chats = [image_chat({"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png_bytes(*size)).decode()}}) for size in sizes]
+    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
+        assert extractor.loaded.image_batching.name == "single", extractor.loaded.image_batching.describe()
+        results = extractor.extract(chats, tmp_path / "files", run="plain")
+    for size, result in zip(sizes, results):
+        assert result.ok, result.error
+        reference = vlm_block_states(str(model_dir), [0, 1, 2], **reference_inputs("qwen2-vl", model_dir, size))
+        assert worst_token_relative_error(load_hidden_states(result.path)["hidden_states"], reference) <= TOLERANCE
+
+
 def test_a_bundle_of_image_chats_is_prepared_side_by_side_in_order(tmp_path):
     """One call with several chats with images (a bundle: prepared on the preparer threads
     together), a bad image and a text chat among them: each result in its place, the bad

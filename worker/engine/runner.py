@@ -110,21 +110,28 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Seq
     What the model derives from the image grids (M-RoPE positions, the tower's positions and
     bounds) is computed on the host by its own functions where it can be, and the grid stays
     there: the forward then takes no device sync before its placeholder check, and the host
-    can queue a batch's tower while the GPU still runs the one before."""
+    can queue a batch's tower while the GPU still runs the one before.
+
+    That holds where the chats batch (a family whose batching its tests and the image
+    self-check verified). One chat per forward (every other family, and the image self-check's
+    reference) runs plain, as a user runs the model on its processor's output: the chat's
+    attention mask, the positions and tower inputs the model derives itself."""
     device = loaded.device
-    on_host = HOST_GRID if takes_host_inputs(loaded.grid_tower) else frozenset()
+    plain = image_layout(loaded).slow
+    tower = None if plain else loaded.grid_tower
+    on_host = HOST_GRID if takes_host_inputs(tower) else frozenset()
     on_device = [{name: value if name in on_host else
                   value.to(device, loaded.dtype if value.is_floating_point() else value.dtype, non_blocking=True)
                   for name, value in chat.items()} for chat in model_inputs]  # pinned (staged_inputs): asynchronous
     extras = merge_image_inputs(on_device, input_ids.shape[1], pads_tiles(loaded.model))
-    if loaded.own_positions:  # the self-check's reference: the model's own numbering, given each chat's mask
+    if plain:
         extras["attention_mask"] = to_device(real_tokens_mask(token_ids, input_ids.shape[1]), device)
     elif loaded.rope_index is not None:
         positions = host_rope_positions(loaded.rope_index, token_ids, model_inputs, input_ids.shape[1])
         if positions is not None:
             extras["position_ids"] = to_device(positions, device)
     with (transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention),
-          one_image_at_a_time(loaded.grid_tower)):
+          one_image_at_a_time(tower)):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
 

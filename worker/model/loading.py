@@ -98,7 +98,6 @@ class LoadedModel:
     vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
     grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``image_towers``), found once
     rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``image_inputs``), found once
-    own_positions: bool = False  # image chats run as the model runs them alone (the image self-check's reference)
 
     @property
     def architecture(self) -> str:
@@ -387,18 +386,18 @@ def each_sequence_alone(loaded: LoadedModel) -> Iterator[None]:
 
 @contextlib.contextmanager
 def each_image_chat_alone(loaded: LoadedModel) -> Iterator[None]:
-    """Within the block image chats run as a user runs the model on its processor's output:
-    one chat per forward, unpadded, transformers' attention, the chat's attention mask, and the
-    positions the model numbers itself (no host-computed M-RoPE ``position_ids``). That is the image self-check's
-    reference, so it covers the host numbering too (the Omni thinkers number none without a
-    mask; a wrong host numbering would otherwise pass, batched and alone alike)."""
+    """Within the block image chats run one per forward, unpadded, which runs them plain (as a
+    user runs the model on its processor's output: transformers' attention, the chat's mask, the
+    positions and tower inputs the model derives itself; ``engine.runner.run_with_images``).
+    That is the image self-check's reference, so it covers the worker's host numbering too (a
+    wrong one would otherwise pass, batched and alone alike)."""
     with transformers_attention(loaded):
-        served, loaded.own_positions = loaded.image_batching, True
+        served = loaded.image_batching
         loaded.image_batching = layout_class("single")("the image self-check's reference: each chat alone")
         try:
             yield
         finally:
-            loaded.image_batching, loaded.own_positions = served, False
+            loaded.image_batching = served
 
 
 def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> None:
