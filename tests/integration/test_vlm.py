@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import os
 import warnings
 
 import pytest
@@ -57,7 +58,14 @@ def worst_token_relative_error(got: torch.Tensor, reference: torch.Tensor) -> fl
     return float(errors.max())
 
 
-@pytest.mark.parametrize("family", sorted(VLM_FAMILIES))
+#: The families whose token-id jobs CI checks here: the three issue 25 names, and the text decoders
+#: least like the others (per-layer inputs; MLA and experts). ``LAYERTAP_FULL_SWEEP=1`` runs every
+#: family; ``tests/integration/test_vlm_types.py`` sweeps every VLM type's token ids besides.
+TEXT_FAMILIES = sorted(VLM_FAMILIES) if os.environ.get("LAYERTAP_FULL_SWEEP") else [
+    "qwen3.5", "gemma3", "llama4", "gemma4", "kimi-k2.5"]
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
 def test_token_id_jobs_on_a_vlm_checkpoint_equal_its_own_forward(family, tmp_path):
     model_dir = str(build_tiny_vlm(family, tmp_path / "model"))
     loaded = load_model(model_dir, name=family, device="cpu", dtype="float32")
