@@ -25,7 +25,7 @@ from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, 
 from layertap.worker.engine.teacher import TeacherHead
 from layertap.worker.model.capture import StopForward
 from layertap.worker.model.batching import layout_class
-from layertap.worker.model.image_inputs import host_rope_positions, merge_image_inputs, pads_tiles
+from layertap.worker.model.image_inputs import host_rope_positions, merge_image_inputs, pads_tiles, real_tokens_mask
 from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.layouts.base import BatchLayout, to_device
 from layertap.worker.model.loading import LoadedModel, transformers_attention
@@ -87,14 +87,6 @@ class DeviceClock:
                 end.synchronize()
                 self._pending.popleft()
                 self._busy_s += start.elapsed_time(end) / 1000.0
-
-
-def real_tokens_mask(token_ids: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """``[B, width]`` int64: 1 over each chat's tokens, 0 over its right padding (a processor's mask)."""
-    mask = torch.zeros(len(token_ids), width, dtype=torch.long)
-    for row, ids in enumerate(token_ids):
-        mask[row, :ids.shape[0]] = 1
-    return mask
 
 
 def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Sequence[torch.Tensor],

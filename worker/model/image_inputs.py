@@ -168,6 +168,14 @@ def merge_image_inputs(inputs: Sequence[dict[str, torch.Tensor]], width: int,
     return merged
 
 
+def real_tokens_mask(token_ids: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """``[B, width]`` int64: 1 over each chat's tokens, 0 over its right padding (a processor's mask)."""
+    mask = torch.zeros(len(token_ids), width, dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        mask[row, :ids.shape[0]] = 1
+    return mask
+
+
 #: The processor outputs a model's ``get_rope_index`` numbers an image chat's M-RoPE positions from
 #: (those its signature names: the Omni thinkers' takes no ``mm_token_type_ids``).
 ROPE_FIELDS = ("mm_token_type_ids", "image_grid_thw")
@@ -197,10 +205,9 @@ def host_rope_positions(owner: nn.Module, token_ids: Sequence[torch.Tensor],
     if "image_grid_thw" not in names or not all(name in chat for chat in inputs for name in names):
         return None
     ids = torch.zeros(len(token_ids), width, dtype=torch.long)
-    mask = torch.zeros(len(token_ids), width, dtype=torch.long)
     for row, chat_ids in enumerate(token_ids):
         ids[row, :chat_ids.shape[0]] = chat_ids
-        mask[row, :chat_ids.shape[0]] = 1
+    mask = real_tokens_mask(token_ids, width)
     fields = merge_image_inputs([{name: chat[name].cpu() for name in names} for chat in inputs], width)
     return owner.get_rope_index(ids, **fields, **({"attention_mask": mask} if "attention_mask" in taken else {}))[0]
 
