@@ -436,14 +436,31 @@ def test_llama4_image_inputs_batched_together_equal_the_model_alone(tmp_path):
         assert worst_token_relative_error(got, reference) <= TOLERANCE
 
 
+def engine_image_states(loaded, prompts: list, layer_ids: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """Each ``(token ids, model inputs)`` prompt's captured states, submitted together through the
+    engine of an Extractor on ``loaded`` (for families whose processor cannot be built here), and
+    the jobs per forward."""
+    from layertap.worker.engine.records import EngineRequest
+
+    batches: list[int] = []
+    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        states = []
+        for future in engine.submit_many([EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs)
+                                          for ids, inputs in prompts]):
+            captured = future.result().wait()
+            states.append(captured.hidden_states.clone())
+            captured.release()
+    return states, batches
+
+
 def test_mistral3_image_inputs_of_different_sizes_batched_together_equal_the_model_alone(tmp_path):
     """Mistral 3 (Pixtral's tower; its processor class imports torchvision, so the pixels are
     made here, as its image processor makes them: one [1, 3, H, W] tensor per chat with its
     image_sizes): chats whose images differ in size run in one padded forward, their pixels
     zero-padded to the batch's largest image, and every layer equals the plain model on each
     chat alone (the tower crops each image to its own size)."""
-    from layertap.worker.engine.records import EngineRequest
-
     model_dir = str(build_tiny_vlm("mistral3", tmp_path / "model"))
     generator = torch.Generator().manual_seed(0)
     prompts = []
@@ -456,16 +473,7 @@ def test_mistral3_image_inputs_of_different_sizes_batched_together_equal_the_mod
     loaded = load_model(model_dir, name="mistral3", device="cpu", dtype="float32")
     assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
     layer_ids = [0, 1, 2]
-    batches: list[int] = []
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
-        engine = extractor.processor.engine
-        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
-        states = []
-        for future in engine.submit_many([EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs)
-                                          for ids, inputs in prompts]):
-            captured = future.result().wait()
-            states.append(captured.hidden_states.clone())
-            captured.release()
+    states, batches = engine_image_states(loaded, prompts, layer_ids)
     assert batches == [3], batches
     for (ids, inputs), got in zip(prompts, states):
         reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)
@@ -1140,8 +1148,6 @@ def test_lfm2_vl_image_inputs_of_different_tilings_batched_together_equal_the_mo
     ``spatial_shapes``; a token per 2x2 patches): chats of 1, 3 (two tiles and a thumbnail of
     another shape) and 1 tiles of different grids run in one padded forward through the model's
     own ``forward``, and every layer equals the plain model on each chat alone."""
-    from layertap.worker.engine.records import EngineRequest
-
     model_dir = str(build_tiny_vlm("lfm2-vl", tmp_path / "model"))
     patches, size = 64, 3 * 4 * 4  # the processor's max_num_patches; a patch's values
     generator = torch.Generator().manual_seed(0)
@@ -1161,16 +1167,7 @@ def test_lfm2_vl_image_inputs_of_different_tilings_batched_together_equal_the_mo
     loaded = load_model(model_dir, name="lfm2-vl", device="cpu", dtype="float32")
     assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
     layer_ids = [0, 1, 2]
-    batches: list[int] = []
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
-        engine = extractor.processor.engine
-        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
-        states = []
-        for future in engine.submit_many([EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs)
-                                          for ids, inputs in prompts]):
-            captured = future.result().wait()
-            states.append(captured.hidden_states.clone())
-            captured.release()
+    states, batches = engine_image_states(loaded, prompts, layer_ids)
     assert batches == [3], batches
     for (ids, inputs), got in zip(prompts, states):
         reference = vlm_block_states(model_dir, layer_ids, input_ids=torch.tensor([ids]), **inputs)

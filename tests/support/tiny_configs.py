@@ -166,18 +166,29 @@ def build_tiny_type(model_type: str, out: Path, seed: int = 0) -> Path:
     """Build the type's tiny causal LM with seeded random float32 weights and save it to ``out``:
     one layer of each kind first; where the type objects (its validation, or a forward of a few
     tokens), its default layer pattern on two layers. Raises the last error when neither builds."""
+    from transformers import AutoModelForCausalLM
+
+    return _build_tiny(model_type, out, seed, AutoModelForCausalLM, OVERRIDES, run_forward=True)
+
+
+def _build_tiny(model_type: str, out: Path, seed: int, auto_class: Any, overrides: dict[str, dict[str, Any]],
+                run_forward: bool) -> Path:
+    """The type's tiny model as ``auto_class`` builds it from :func:`_shrunk` fields (one layer of
+    each kind, else the default pattern on two layers; ``run_forward``: a forward of a few tokens
+    must run too), saved to ``out``. Raises the last error when neither builds."""
     import torch
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
     error: Exception | None = None
     for per_layer in (True, False):
         try:
-            config = config_class(**_shrunk(config_class, OVERRIDES.get(model_type, {}), per_layer))
+            config = config_class(**_shrunk(config_class, overrides.get(model_type, {}), per_layer))
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-            with torch.no_grad():
-                model(torch.arange(3, 11)[None], use_cache=False)
+            model = auto_class.from_config(config, dtype=torch.float32).eval()
+            if run_forward:
+                with torch.no_grad():
+                    model(torch.arange(3, 11)[None], use_cache=False)
         except Exception as exc:  # noqa: BLE001 (transformers' strict dataclasses raise their own error types)
             error = exc
             continue
@@ -219,19 +230,6 @@ def build_tiny_vlm_type(model_type: str, out: Path, seed: int = 0) -> Path:
     field shrunk through its text and vision configs) with seeded random float32 weights and
     save it to ``out``; as :func:`build_tiny_type`, one layer of each kind first, else its
     default layer pattern on two layers. Raises the last error when neither builds."""
-    import torch
-    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
-    config_class = CONFIG_MAPPING[model_type]
-    error: Exception | None = None
-    for per_layer in (True, False):
-        try:
-            config = config_class(**_shrunk(config_class, VLM_OVERRIDES.get(model_type, {}), per_layer))
-            torch.manual_seed(seed)
-            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-        except Exception as exc:  # noqa: BLE001 (transformers' strict dataclasses raise their own error types)
-            error = exc
-            continue
-        model.save_pretrained(out)
-        return out
-    raise error  # type: ignore[misc]
+    return _build_tiny(model_type, out, seed, AutoModelForImageTextToText, VLM_OVERRIDES, run_forward=False)

@@ -369,35 +369,34 @@ def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def each_sequence_alone(loaded: LoadedModel) -> Iterator[None]:
+def _one_per_forward(loaded: LoadedModel, field: str, reason: str) -> Iterator[None]:
+    """Within the block ``loaded.<field>`` (a layout) is the one-per-forward layout, under
+    transformers' attention; the served layout again after it."""
+    with transformers_attention(loaded):
+        served = getattr(loaded, field)
+        setattr(loaded, field, layout_class("single")(reason))
+        try:
+            yield
+        finally:
+            setattr(loaded, field, served)
+
+
+def each_sequence_alone(loaded: LoadedModel) -> contextlib.AbstractContextManager[None]:
     """Within the block every text batch is one sequence run as the model runs it by itself:
     transformers' attention for it (:func:`transformers_attention`), and no ``position_ids``
     (the one-per-forward layout), so the model numbers the positions itself. That is the
     self-check's reference: packing passes positions restarting at 0, which a model that
     numbers its own otherwise (Kosmos-2.5 from its padding id + 1) would not compute."""
-    with transformers_attention(loaded):
-        served = loaded.batching
-        loaded.batching = layout_class("single")("the self-check's reference: each sequence alone")
-        try:
-            yield
-        finally:
-            loaded.batching = served
+    return _one_per_forward(loaded, "batching", "the self-check's reference: each sequence alone")
 
 
-@contextlib.contextmanager
-def each_image_chat_alone(loaded: LoadedModel) -> Iterator[None]:
+def each_image_chat_alone(loaded: LoadedModel) -> contextlib.AbstractContextManager[None]:
     """Within the block image chats run one per forward, unpadded, which runs them plain (as a
     user runs the model on its processor's output: transformers' attention, the chat's mask, the
     positions and tower inputs the model derives itself; ``engine.runner.run_with_images``).
     That is the image self-check's reference, so it covers the worker's host numbering too (a
     wrong one would otherwise pass, batched and alone alike)."""
-    with transformers_attention(loaded):
-        served = loaded.image_batching
-        loaded.image_batching = layout_class("single")("the image self-check's reference: each chat alone")
-        try:
-            yield
-        finally:
-            loaded.image_batching = served
+    return _one_per_forward(loaded, "image_batching", "the image self-check's reference: each chat alone")
 
 
 def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> None:
