@@ -178,6 +178,8 @@ class Preparer:
         """Raise ``bad_token_ids`` where a job without images holds one of the model's image, video
         or audio placeholder tokens: the model would put features (or padding) there, which its
         text decoder alone does not."""
+        if not self._placeholders:  # a text model: nothing to look for, on the hot path of every job
+            return
         found = next((token for token in token_ids if token in self._placeholders), None)
         if found is not None:
             raise JobError(ErrorType.bad_token_ids, f"token id {found} is the model's placeholder "
