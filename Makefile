@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # one process.
 TEST_PROCESSES ?= 4
 
-.PHONY: demo test test-unit install clean redis-secret
+.PHONY: demo test test-unit test-gpu install clean redis-secret
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ test: $(STAMP)
 # The edit loop: no Redis, no processes, under a minute.
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# GPU-only tests (CUDA graphs): skipped where no NVIDIA GPU is visible, as on CI.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest tests/gpu $(PYTEST_ARGS)
 
 redis-secret:
 	deploy/make-redis-secret

@@ -128,6 +128,22 @@ def plain_inputs(processor: Any, chats: list[dict[str, Any]], images: Path) -> A
     return processor(text=texts, images=pictures, padding=True, return_tensors="pt")
 
 
+def text_ids(length: int, placeholders: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """``length`` random ids of the tokenizer's vocabulary, none of them a placeholder of the
+    model's (the worker refuses those in a job without images: ``bad_token_ids``)."""
+    ids = torch.randint(0, VOCAB, (length,), generator=generator)
+    while bool((taken := torch.isin(ids, placeholders)).any()):
+        ids[taken] = torch.randint(0, VOCAB, (int(taken.sum()),), generator=generator)
+    return ids.tolist()
+
+
+def refuse_errors(key: str, part: PartResult) -> None:
+    """Stop the bench on a part with error results: its tokens/s would not be the figure asked."""
+    if part.errors:
+        raise SystemExit(f"{key}: {part.errors} of {part.jobs} jobs ended with an error result, first: "
+                         f"{part.notes.get('first_error')}")
+
+
 def language_layers(model: Any) -> Any:
     return model.model.language_model.layers
 
@@ -212,9 +228,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="both queue parts with --compile (decoder layers "
                                                                "and vision blocks compiled)")
     args = parser.parse_args()
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from layertap.producer.protocol.layers import eagle3_layer_ids
+    from layertap.worker.job.multimodal import placeholder_token_ids
     from layertap.worker.model.loading import resolve_device
     from layertap.worker.model.processors import load_processor
 
@@ -252,16 +269,19 @@ def main() -> None:
     cfg = BenchConfig(model=str(model_dir), device=args.device, dtype="bfloat16", layers=layer_ids,
                       storage=str(storage), compile=args.compile)
     parts["d images"] = run_queue(cfg, [], layer_ids, storage / "d-images", jobs=chats, images_root=images)
+    refuse_errors("d images", parts["d images"])
     print(f"  d images: {parts['d images'].tokens / parts['d images'].seconds:,.0f} tokens/s", flush=True)
     queued = [load_file(str(next((storage / "d-images").rglob(f"p{i}.safetensors"))))
               for i in range(len(compared))]
     same_tokens = [int(file["token_ids"].shape[0]) == n for file, n in zip(queued, lengths)]
     generator = torch.Generator().manual_seed(1)
     mean_length = round(parts["d images"].tokens / max(1, parts["d images"].jobs))
-    text_prompts = [torch.randint(0, VOCAB, (mean_length,), generator=generator).tolist() for _ in chats]
+    placeholders = torch.tensor(sorted(placeholder_token_ids(AutoConfig.from_pretrained(model_dir))))
+    text_prompts = [text_ids(mean_length, placeholders, generator) for _ in chats]
     shutil.rmtree(storage / "d-images", ignore_errors=True)
     parts["d text"] = run_queue(cfg, text_prompts, layer_ids, storage / "d-text")
     shutil.rmtree(storage / "d-text", ignore_errors=True)
+    refuse_errors("d text", parts["d text"])
     print(f"  d text: {parts['d text'].tokens / parts['d text'].seconds:,.0f} tokens/s", flush=True)
     for part in parts.values():
         part.tokens_per_s = part.tokens / part.seconds

@@ -67,6 +67,8 @@ class WorkerSettings(BaseModel):
     prepare_ahead_batches: int = Field(default=2, ge=0)  # task threads prepare jobs while fewer batches are queued
     host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
+    # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
+    tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.tower_graphs.SIZES)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
     gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
     gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process: one model split over them (layertap.worker.model.split)

@@ -27,7 +27,8 @@ from layertap.worker.engine.self_check import check_with_fallback
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.tokenize import Preparer
-from layertap.worker.model.loading import LoadedModel, compile_decoder_layers, load_model
+from layertap.worker.model.loading import LoadedModel, compile_decoder_layers, load_model, use_tower_graphs
+from layertap.worker.model.tower_graphs import SIZES as tower_graph_sizes
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,15 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     max_padding: float = MAX_PADDING,
                     host_buffers: int = 3, writer_threads: int = 8, prepare_ahead: int = 2,
                     compile_layers: bool = False, images_root: Path | None = None,
-                    on_fatal: Callable[[BaseException], None] | None = None) -> JobProcessor:
+                    on_fatal: Callable[[BaseException], None] | None = None,
+                    tower_graphs: int = tower_graph_sizes) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
     The engine passes the batching self-check first (``layertap.worker.engine.self_check``), falling back
     to slower exact layouts where batching changes the states, or this raises
     :class:`~layertap.worker.model.batching.ModelRefused` and nothing is served; then image chats get
-    theirs (``layertap.worker.job.image_check``: one per forward where batched ones differ)."""
+    theirs (``layertap.worker.job.image_check``: one per forward where batched ones differ), and
+    a batched grid tower on a GPU its CUDA graphs, for up to ``tower_graphs`` image sizes."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 
@@ -56,6 +59,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
 
     engine, report = check_with_fallback(loaded, start_engine)
     check_image_batching(engine, preparer)
+    use_tower_graphs(loaded, tower_graphs)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
         compile_decoder_layers(loaded)
     elif loaded.quant_compute.startswith("fp8") and loaded.device.type == "cuda":

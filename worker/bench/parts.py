@@ -162,7 +162,8 @@ def run_engine(loaded: LoadedModel, prompts: list[list[int]], layer_ids: list[in
         busy = engine.busy_seconds() - busy_before
     finally:
         engine.stop()
-    part = PartResult("c: engine in-process", seconds, sum(map(len, prompts)), len(prompts), dir_bytes(out),
+    tokens = sum(len(prompt) for prompt, result in zip(prompts, results) if result.ok)  # errors computed nothing
+    part = PartResult("c: engine in-process", seconds, tokens, len(prompts), dir_bytes(out),
                       errors=sum(not r.ok for r in results),
                       device_idle_share=max(0.0, 1 - busy / seconds),
                       notes={"batches": engine.stats.batches, "oom_splits": engine.stats.oom_splits})

@@ -94,7 +94,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     label = f"d: queue end to end, {expected} workers (--gpus {cfg.gpus})" if cfg.gpus else "d: queue end to end"
     if cfg.backlog:
         label += ", draining a backlog"
-    tokens = sum(map(len, prompts)) if jobs is None else sum(r.num_tokens or 0 for r in results.values())
+    tokens = sum(r.num_tokens or 0 for r in results.values() if r.ok)  # an error result computed nothing
     count = len(prompts) if jobs is None else len(jobs)
     part = PartResult(label, seconds, tokens, count, dir_bytes(out),
                       errors=len(errors), device_idle_share=max(0.0, 1 - busy / seconds))

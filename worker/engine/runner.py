@@ -97,7 +97,8 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Seq
     implementation transformers chose for it (a vision tower that cuts its patches by
     ``cu_seqlens``: one varlen flash call per layer on a GPU,
     ``layertap.worker.model.vision_attention``), such a tower one image at a time
-    (``layertap.worker.model.image_towers``): the capture hooks see what enters each decoder layer.
+    (``layertap.worker.model.image_towers``; on a GPU as its image size's CUDA graph where it has
+    one, ``layertap.worker.model.tower_graphs``): the capture hooks see what enters each decoder layer.
 
     What the model derives from the image grids (M-RoPE positions, the tower's positions and
     bounds) is computed on the host by its own functions where it can be, and the grid stays
@@ -123,7 +124,7 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Seq
         if positions is not None:
             extras["position_ids"] = to_device(positions, device)
     with (transformers_attention(loaded), vision_attention(loaded.model, loaded.vision_attention),
-          one_image_at_a_time(tower)):
+          one_image_at_a_time(tower, loaded.tower_graphs)):
         loaded.model(input_ids=input_ids, **extras, use_cache=False)
 
 

@@ -30,12 +30,15 @@ import contextlib
 import inspect
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from layertap.worker.model.layouts.base import to_device
+
+if TYPE_CHECKING:
+    from layertap.worker.model.tower_graphs import TowerGraphs
 
 
 def vision_module(model: nn.Module, parameter: str) -> nn.Module | None:
@@ -131,11 +134,12 @@ def merge_tower_outputs(outputs: Sequence[Any]) -> Any:
 
 
 @contextlib.contextmanager
-def one_image_at_a_time(tower: nn.Module | None) -> Iterator[None]:
+def one_image_at_a_time(tower: nn.Module | None, graphs: TowerGraphs | None = None) -> Iterator[None]:
     """Within the block, the grid ``tower`` (:func:`grid_tower`; nothing changes for None) runs
     each image of a call alone and merges the outputs (:func:`merge_tower_outputs`). A grid on
     the host (where :func:`takes_host_inputs`) brings each image its :func:`host_tower_inputs`
-    and reaches the tower on the pixels' device."""
+    and reaches the tower on the pixels' device; with ``graphs`` (a GPU), such an image runs as
+    its size's CUDA graph where it has one (``layertap.worker.model.tower_graphs``)."""
     if tower is None:
         yield
         return
@@ -145,10 +149,16 @@ def one_image_at_a_time(tower: nn.Module | None) -> Iterator[None]:
     on_host = takes_host_inputs(tower)
 
     def alone(pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
-        if on_host and grid_thw.device.type == "cpu":
-            kwargs |= host_tower_inputs(tower, grid_thw, pixel_values.device)
-            grid_thw = to_device(grid_thw, pixel_values.device)  # for what it reads beyond the helpers
-        return forward(pixel_values, grid_thw=grid_thw, **kwargs)
+        if not (on_host and grid_thw.device.type == "cpu"):
+            return forward(pixel_values, grid_thw=grid_thw, **kwargs)
+
+        def derive() -> dict[str, Any]:  # the grid also on the device, for what the tower reads beyond the helpers
+            return {**kwargs, **host_tower_inputs(tower, grid_thw, pixel_values.device),
+                    "grid_thw": to_device(grid_thw, pixel_values.device)}
+
+        if graphs is None or any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+            return forward(pixel_values, **derive())  # (a graph would hold the caller's tensors fixed)
+        return graphs.run(pixel_values, grid_thw, derive, forward)
 
     def per_image(pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
         if grid_thw.shape[0] == 1:

@@ -43,13 +43,14 @@ from layertap.worker.model.capture import LayerCapture, UncapturableStream, prob
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
 from layertap.worker.model.aligned_mlp import align_tower_mlps
 from layertap.worker.model.image_inputs import plan_image_batching, rope_index_module
-from layertap.worker.model.image_towers import grid_tower
+from layertap.worker.model.image_towers import grid_tower, takes_host_inputs
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.quant.fp8 import choose_compute
 from layertap.worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
 from layertap.worker.model.classes import auto_class
 from layertap.worker.model.processors import load_processor
 from layertap.worker.model.split.stages import ModelSplit, place, plan_split
+from layertap.worker.model.tower_graphs import TowerGraphs
 from layertap.worker.model.vision_attention import choose_vision_attention
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LoadedModel:
     vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
     grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``image_towers``), found once
     rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``image_inputs``), found once
+    tower_graphs: TowerGraphs | None = None  # the grid tower's CUDA graphs by image size (``tower_graphs``), GPU only
 
     @property
     def architecture(self) -> str:
@@ -416,6 +418,17 @@ def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> No
             layer._old_forward = torch.compile(layer._old_forward, dynamic=True, backend=backend)
         else:
             layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
+
+
+def use_tower_graphs(loaded: LoadedModel, limit: int) -> None:
+    """Replay ``loaded``'s grid tower as CUDA graphs by image size (``layertap.worker.model.tower_graphs``)
+    in batched image forwards, for up to ``limit`` sizes: where chats with images batch, for a
+    tower given its inputs on the host (:func:`~layertap.worker.model.image_towers.takes_host_inputs`)
+    that attends by one varlen flash op (``vision_attention``: a GPU, bf16/fp16), so that its
+    forward never waits on the device. Else (or ``limit`` 0) nothing changes."""
+    batched = loaded.image_batching is not None and not loaded.image_batching.slow
+    if limit and batched and loaded.vision_attention is not None and takes_host_inputs(loaded.grid_tower):
+        loaded.tower_graphs = TowerGraphs(limit)
 
 
 def load_tokenizer(source: str, revision: str | None, trust_remote_code: bool) -> Any | None:
