@@ -11,7 +11,8 @@
    stops before) and the vision tower alone (on all images at once, and one image at a time as a
    worker runs it, with its grid on the host, and the host time to issue that), each with the
    vision tower's varlen flash attention (``layertap.worker.model.vision_attention``) and, without
-   ``--compile``, with transformers' per-window SDPA; the tower's outputs of the two compared.
+   ``--compile``, with transformers' per-window SDPA; the tower's outputs of the two compared;
+   where a worker would use them, also with the tower's CUDA graphs (``tower_graphs``).
    On a GPU, also where one batch's forward waits on the device (torch's sync debug mode).
 3. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
    by device time and the top operators by host time.
@@ -39,8 +40,9 @@ from layertap.worker.bench.measure import sync
 from layertap.worker.engine.runner import run_with_images
 from layertap.worker.model.image_inputs import staged_inputs
 from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
-from layertap.worker.model.loading import compile_decoder_layers, load_model, transformers_attention
+from layertap.worker.model.loading import compile_decoder_layers, load_model, transformers_attention, use_tower_graphs
 from layertap.worker.model.processors import load_processor
+from layertap.worker.model.tower_graphs import SIZES
 from layertap.worker.model.vision_attention import vision_attention
 
 
@@ -93,6 +95,8 @@ def main() -> None:
     loaded = load_model(str(model_dir), device=str(device), dtype="bfloat16")
     if args.compile:
         compile_decoder_layers(loaded)
+    use_tower_graphs(loaded, SIZES)  # as a worker does (a GPU, a batched grid tower): timed with and without
+    graphs, loaded.tower_graphs = loaded.tower_graphs, None
     processor, problem = load_processor(loaded.model, str(model_dir), None, False)
     assert processor is not None, problem
     report: dict[str, Any] = {"device": str(device), "shape": args.shape,
@@ -147,9 +151,9 @@ def main() -> None:
         with torch.inference_mode():
             run_with_images(loaded, input_ids, [chat["input_ids"] for chat in batch], inputs)
 
-    def tower(name: str | None, per_image: bool = False) -> Any:
+    def tower(name: str | None, per_image: bool = False, tower_graphs: Any = None) -> Any:
         with (torch.inference_mode(), transformers_attention(loaded), vision_attention(loaded.model, name),
-              one_image_at_a_time(loaded.grid_tower) if per_image else contextlib.nullcontext()):
+              one_image_at_a_time(loaded.grid_tower, tower_graphs) if per_image else contextlib.nullcontext()):
             return visual(pixels, grid_thw=worker_grid if per_image else grid).pooler_output
 
     def syncs(step: Any) -> list[str]:
@@ -186,6 +190,14 @@ def main() -> None:
             device, lambda: tower(name, per_image=True))
         forwards[f"tower host ms to issue ({label}, one image at a time)"] = host_ms(lambda: tower(name, True))
     loaded.vision_attention = chosen
+    if graphs is not None:  # the tower's CUDA graphs (the second call of timed() captures them)
+        loaded.tower_graphs = graphs
+        forwards["batch ms (vision varlen flash, tower CUDA graphs)"] = 1e3 * timed(device, forward)
+        forwards["tower ms (one image at a time, CUDA graphs)"] = 1e3 * timed(
+            device, lambda: tower(chosen, True, graphs))
+        forwards["tower host ms to issue (one image at a time, CUDA graphs)"] = host_ms(
+            lambda: tower(chosen, True, graphs))
+        forwards["tower CUDA graphs"] = {"sizes": graphs.sizes, "off": graphs.off}
     if device.type == "cuda":
         lines = syncs(forward)
         forwards["device syncs in one batch's forward"] = len(lines)
@@ -194,7 +206,8 @@ def main() -> None:
         fast, plain = tower(chosen).float(), tower(None).float()
         forwards["tower output relative difference (flash vs per-window SDPA)"] = float(
             (fast - plain).norm() / plain.norm())
-    batch_ms = forwards.get("batch ms (vision varlen flash)") or forwards["batch ms (per-window SDPA)"]
+    batch_ms = (forwards.get("batch ms (vision varlen flash, tower CUDA graphs)") or
+                forwards.get("batch ms (vision varlen flash)") or forwards["batch ms (per-window SDPA)"])
     forwards["tokens_per_s (forward alone)"] = forwards["tokens"] / (batch_ms / 1e3)
     forwards["processing share of a chat's time (one thread)"] = serial / (serial + batch_ms / 1e3 / len(batch))
     report["forward"] = forwards
