@@ -23,7 +23,9 @@ placeholders expanded):
    root, the worker's own processor and batching); its first ``--compare`` files against fp32;
 6. **d text**: the queue with token-id jobs of the same lengths (the text-only figure).
 
-Prints a table and writes JSON. ``--queue-only`` runs steps 1, 2, 5 and 6 alone.
+Prints a table and writes JSON. ``--queue-only`` runs steps 1, 2, 5 and 6 alone; ``--no-text`` leaves
+out step 6 (an A/B of the image part, such as ``LAYERTAP_WORKER__TOWER_GRAPHS=0`` in the environment,
+which the queue's worker reads).
 ``--shape qwen2.5-vl-tiny --device cpu --conversations 16 --image-tokens 16 --text-tokens 40`` is a
 smoke test on any machine.
 """
@@ -225,6 +227,7 @@ def main() -> None:
     parser.add_argument("--layers", default=None, help="layer ids (default EAGLE-3's [2, L//2, L-3, L])")
     parser.add_argument("--queue-only", action="store_true", help="d images and d text only (no p, no "
                                                                   "exactness comparison)")
+    parser.add_argument("--no-text", action="store_true", help="no d text (the image part alone)")
     parser.add_argument("--compile", action="store_true", help="both queue parts with --compile (decoder layers "
                                                                "and vision blocks compiled)")
     args = parser.parse_args()
@@ -279,10 +282,11 @@ def main() -> None:
     placeholders = torch.tensor(sorted(placeholder_token_ids(AutoConfig.from_pretrained(model_dir))))
     text_prompts = [text_ids(mean_length, placeholders, generator) for _ in chats]
     shutil.rmtree(storage / "d-images", ignore_errors=True)
-    parts["d text"] = run_queue(cfg, text_prompts, layer_ids, storage / "d-text")
-    shutil.rmtree(storage / "d-text", ignore_errors=True)
-    refuse_errors("d text", parts["d text"])
-    print(f"  d text: {parts['d text'].tokens / parts['d text'].seconds:,.0f} tokens/s", flush=True)
+    if not args.no_text:
+        parts["d text"] = run_queue(cfg, text_prompts, layer_ids, storage / "d-text")
+        shutil.rmtree(storage / "d-text", ignore_errors=True)
+        refuse_errors("d text", parts["d text"])
+        print(f"  d text: {parts['d text'].tokens / parts['d text'].seconds:,.0f} tokens/s", flush=True)
     for part in parts.values():
         part.tokens_per_s = part.tokens / part.seconds
     speed = {key: part.tokens_per_s for key, part in parts.items()}
@@ -292,7 +296,7 @@ def main() -> None:
         "tokens_per_conversation": parts["d images"].tokens / len(chats),
         "parts": {key: vars(part) for key, part in parts.items()},
         "ratios": {**({"d images / p": speed["d images"] / speed["p"]} if "p" in speed else {}),
-                   "d images / d text": speed["d images"] / speed["d text"]},
+                   **({"d images / d text": speed["d images"] / speed["d text"]} if "d text" in speed else {})},
         "relative_error_vs_fp32_per_layer": {"plain HF bf16 alone": worst_per_layer(list(zip(plain_bf16, exact))),
                                              "layertap bf16 (queue)": worst_per_layer(
                                                  [(file["hidden_states"].float(), states)
