@@ -93,11 +93,14 @@ def build_tiny(name: str, out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tests.support.tiny_configs import fill_zero_parameters
+
     model_type, overrides, _ = ARCHITECTURES[name]
     fields = {**BASE, **overrides}
     fields = {key: value for key, value in fields.items() if value is not None}
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fill_zero_parameters(model, seed)
     model.save_pretrained(out)
     return out

@@ -171,6 +171,29 @@ def build_tiny_type(model_type: str, out: Path, seed: int = 0) -> Path:
     return _build_tiny(model_type, out, seed, AutoModelForCausalLM, OVERRIDES, run_forward=True)
 
 
+#: The spread of the values :func:`fill_zero_parameters` gives.
+FILLED_STD = 0.1
+
+
+def fill_zero_parameters(model: Any, seed: int) -> list[str]:
+    """Give every all-zero parameter of ``model`` (biases aside) seeded random values, N(0, 0.1),
+    and return their names. Transformers zero-initializes gates, sinks, position tables and
+    length scales (Mllama's cross-attention gates, DeepSeek-VL hybrid's alpha, InternVL's and
+    SAM towers' position embeddings, Mistral Large 4's length-scaled softmax, Doge's mask...):
+    their paths then add nothing, and a test comparing batched with alone could not see them
+    computed wrongly. Zero biases stay (a bias adds the same at every position)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    filled = []
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.is_floating_point() and not name.endswith("bias") and not bool(parameter.any()):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * FILLED_STD)
+                filled.append(name)
+    return filled
+
+
 def _build_tiny(model_type: str, out: Path, seed: int, auto_class: Any, overrides: dict[str, dict[str, Any]],
                 run_forward: bool) -> Path:
     """The type's tiny model as ``auto_class`` builds it from :func:`_shrunk` fields (one layer of
@@ -186,6 +209,7 @@ def _build_tiny(model_type: str, out: Path, seed: int, auto_class: Any, override
             config = config_class(**_shrunk(config_class, overrides.get(model_type, {}), per_layer))
             torch.manual_seed(seed)
             model = auto_class.from_config(config, dtype=torch.float32).eval()
+            fill_zero_parameters(model, seed)
             if run_forward:
                 with torch.no_grad():
                     model(torch.arange(3, 11)[None], use_cache=False)

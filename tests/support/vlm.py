@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tests.support.reference import hooked_block_states
+from tests.support.tiny_configs import fill_zero_parameters
 
 TEXT_VOCAB = 300  # prompts draw ids below this: none is an image placeholder
 TEXT: dict[str, Any] = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -169,11 +170,6 @@ VLM_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-#: Learned gates a family's model initializes to 0, shutting a path off (DeepSeek-VL hybrid's weight of
-#: the SAM tower's global-attention features): set to 0.5 in the tiny model, so the tests see that path.
-GATES: dict[str, tuple[str, ...]] = {"deepseek-vl-hybrid": ("model.high_res_vision_alpha",)}
-
-
 def build_tiny_vlm(family: str, out: Path, seed: int = 0) -> Path:
     """Build the family's tiny VLM with random (seeded) float32 weights and save it to ``out``."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -182,8 +178,7 @@ def build_tiny_vlm(family: str, out: Path, seed: int = 0) -> Path:
     config = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    for name in GATES.get(family, ()):
-        model.get_parameter(name).data.fill_(0.5)
+    fill_zero_parameters(model, seed)  # DeepSeek-VL hybrid's alpha, InternVL's position embeddings...
     model.save_pretrained(out)
     return out
 

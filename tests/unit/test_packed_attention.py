@@ -34,3 +34,15 @@ def test_packed_attention_equals_each_prompt_alone(lengths, kv_heads):
     expected = alone(query, key, value, bounds, kv_heads != heads)
     assert got.shape == (1, total, heads, dim)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_a_mask_the_model_made_itself_is_refused_not_ignored():
+    """transformers builds no mask for packed attention, so a mask that reaches it is the model's
+    own (Doge adds a per-key score bias through it): packed attention cannot apply it, and says so
+    instead of attending without it."""
+    from layertap.worker.model.attention import UnsupportedAttention
+
+    query = key = value = torch.randn(1, 2, 6, 8)
+    bias = torch.randn(1, 2, 6, 6)
+    with packed_sequences([0, 2, 6]), pytest.raises(UnsupportedAttention, match="mask of its own"):
+        packed_attention(None, query, key, value, bias, scaling=8 ** -0.5)

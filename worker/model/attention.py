@@ -110,6 +110,9 @@ def packed_attention(
         raise UnsupportedAttention("attention logit softcapping is not supported by packed attention")
     if kwargs.get("s_aux") is not None:
         raise UnsupportedAttention("attention sinks are not supported by packed attention")
+    if attention_mask is not None:  # transformers builds none for this implementation: the model made its own
+        raise UnsupportedAttention("the model hands its attention a mask of its own (a score bias, such as Doge's "
+                                   "dynamic mask), which packed attention does not apply")
     bounds = getattr(_state, "bounds", None)
     total = query.shape[2]
     if bounds is None:

@@ -1,7 +1,7 @@
 """Packed: every prompt of a batch in one row, positions restarting at each prompt, attention
 told the boundaries (``layertap.worker.model.attention``). No padding. Exact only where *every* token
 mixer is attention through transformers' attention interface that needs no feature packed
-attention lacks (sinks, logit softcapping, ALiBi, chunked masks). The scheduler's cost is the
+attention lacks (sinks, logit softcapping, ALiBi, chunked masks, a mask the model builds itself). The scheduler's cost is the
 sum of the lengths: later jobs fill the gaps, first fit, in arrival order.
 """
 
@@ -53,6 +53,8 @@ def attention_features(model: nn.Module) -> list[str]:
         features.append("ALiBi")
     if "chunked_attention" in (getattr(config, "layer_types", None) or []):
         features.append("chunked attention")  # its chunk mask is built outside the attention function
+    if any(hasattr(part, "prepare_dynamic_mask") for part in model.modules()):
+        features.append("a dynamic mask")  # Doge's per-key score bias, handed to attention as its mask
     return features
 
 
