@@ -19,7 +19,8 @@ Format version 2 adds ``weights_fingerprint``, ``content_id`` and ``header_check
 * ``content_id`` is :func:`content_id` of the header's :data:`IDENTITY_KEYS`: everything that
   decides the file's bytes (the job's own fields through ``spec_hash``, the resolved layers,
   stored and compute dtype, the model's source, revision and weights fingerprint, a quantized
-  checkpoint's scheme and compute path, the tokenizer and chat template, the format version). A worker answers a job from an existing file only
+  checkpoint's scheme and compute path, the tokenizer and chat template, the format version, and
+  the fixes since that changed the model's files, where it has any). A worker answers a job from an existing file only
   when the file's ``content_id`` is the one it would write now.
 * ``header_checksum`` is the CRC-32 of the canonical JSON of the other metadata and the tensor
   shapes (:func:`header_checksum`): one changed character anywhere in them is found.
@@ -120,6 +121,9 @@ class MetaKey:
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
     WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (layertap.worker.model.loading.weights_fingerprint)
+    # The fixes that changed what this model's files hold (the worker's ``model.fixes``), where it has any:
+    # a file written before one lacks it, so it no longer matches what a worker would write.
+    COMPUTE_FIXES = "compute_fixes"
     CONTENT_ID = "content_id"  # content_id() of the IDENTITY_KEYS below
     CHECKSUMS = "checksums"  # JSON {tensor name: crc32 hex}
     HEADER_CHECKSUM = "header_checksum"  # header_checksum() of the rest of the metadata and the tensor shapes
@@ -131,6 +135,9 @@ IDENTITY_KEYS = (MetaKey.FORMAT_VERSION, MetaKey.SPEC_HASH, MetaKey.MODEL_SOURCE
                  MetaKey.WEIGHTS_FINGERPRINT, MetaKey.TOKENIZER_FINGERPRINT, MetaKey.LAYERS,
                  MetaKey.LAYER_CONVENTION, MetaKey.DTYPE, MetaKey.COMPUTE_DTYPE, MetaKey.QUANTIZATION,
                  MetaKey.QUANT_COMPUTE)
+#: Identity keys added later, counted only where a file has them: files written before them (and
+#: files of models they do not concern) keep their ``content_id``.
+LATER_IDENTITY_KEYS = (MetaKey.COMPUTE_FIXES,)
 #: Metadata every layertap file has (what readers and the manifest rely on).
 REQUIRED_METADATA = (MetaKey.FORMAT, MetaKey.FORMAT_VERSION, MetaKey.MODEL, MetaKey.LAYERS, MetaKey.NUM_LAYERS,
                      MetaKey.DTYPE, MetaKey.JOB_ID, MetaKey.RUN, MetaKey.SPEC_HASH, MetaKey.CHECKSUMS)
@@ -149,8 +156,11 @@ def crc32_hex(data: Any) -> str:
 
 def content_id(metadata: dict[str, str]) -> str:
     """The content identity of a file with this header metadata (or of one a worker would write):
-    a hash of its :data:`IDENTITY_KEYS` values (a missing key counts as empty)."""
-    return content_hash({key: metadata.get(key, "") for key in IDENTITY_KEYS})[:32]
+    a hash of its :data:`IDENTITY_KEYS` values (a missing key counts as empty) and of the
+    :data:`LATER_IDENTITY_KEYS` it has (an empty or missing one is not counted)."""
+    identity = {key: metadata.get(key, "") for key in IDENTITY_KEYS}
+    identity |= {key: metadata[key] for key in LATER_IDENTITY_KEYS if metadata.get(key)}
+    return content_hash(identity)[:32]
 
 
 def header_checksum(metadata: dict[str, str], shapes: dict[str, list[int]]) -> str:

@@ -370,3 +370,52 @@ def test_version_1_files_are_read_and_computed_again(tiny_models, tmp_path):
         again = extractor.extract([PROMPT], tmp_path)[0]
     assert again.ok and not again.cached
     assert ff.metadata_of(path)[ff.MetaKey.FORMAT_VERSION] == ff.FORMAT_VERSION == "2"
+
+
+def as_written_before_the_fixes(path: Path) -> None:
+    """Rewrite the file's header as a release before ``compute_fixes`` wrote it: no such key, its
+    ``content_id`` and header checksum made without it (a valid file, tensors untouched)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    metadata = header["__metadata__"]
+    del metadata[ff.MetaKey.COMPUTE_FIXES]
+    metadata[ff.MetaKey.CONTENT_ID] = ff.content_id(metadata)
+    shapes = {name: entry["shape"] for name, entry in header.items() if name != "__metadata__"}
+    metadata[ff.MetaKey.HEADER_CHECKSUM] = ff.header_checksum(metadata, shapes)
+    raw = json.dumps(header).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+
+
+def test_a_file_written_before_a_fix_of_its_model_is_computed_again(tiny_models, tmp_path):
+    """Doge's files changed with a fix (``layertap.worker.model.fixes``): a worker writes the fix into
+    their identity (``compute_fixes``) and answers a job from disk only from a file that has it; a
+    valid file written before the fix (no such key) is computed again. A model without fixes
+    writes no such key, and ``content_id`` does not count an empty one: its files keep their
+    identity across the change."""
+    from layertap.worker import Extractor
+    from layertap.worker.model.fixes import FIXES
+    from tests.support.tiny_configs import build_tiny_type
+
+    doge = build_tiny_type("doge", tmp_path / "doge")
+    out = tmp_path / "out"
+    with Extractor(str(doge), name="tiny-doge", layers=[0, 1, 2], device="cpu") as extractor:
+        first = extractor.extract([[5, 6, 7, 8, 9]], out)[0]
+        assert first.ok and not first.cached
+        metadata = ff.verify_file(first.path).metadata
+        assert metadata[ff.MetaKey.COMPUTE_FIXES] == FIXES["doge"]
+        states = tensors_of(first.path)
+        assert extractor.extract([[5, 6, 7, 8, 9]], out)[0].cached
+
+        as_written_before_the_fixes(Path(first.path))
+        assert ff.MetaKey.COMPUTE_FIXES not in ff.verify_file(first.path).metadata  # valid, as written before
+        again = extractor.extract([[5, 6, 7, 8, 9]], out)[0]
+    assert again.ok and not again.cached and again.path == first.path
+    assert ff.verify_file(again.path).metadata[ff.MetaKey.COMPUTE_FIXES] == FIXES["doge"]
+    assert_same_tensors(again.path, states)
+
+    with Extractor(str(tiny_models["qwen3"]), name=MODEL, layers=[1], device="cpu") as extractor:
+        plain = ff.verify_file(extractor.extract([PROMPT], tmp_path / "plain")[0].path).metadata
+    assert ff.MetaKey.COMPUTE_FIXES not in plain
+    assert ff.content_id({**plain, ff.MetaKey.COMPUTE_FIXES: ""}) == plain[ff.MetaKey.CONTENT_ID]

@@ -59,6 +59,7 @@ from layertap.worker.job.errors import JobError
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
 from layertap.worker.job.writer import FileTaken, OnDisk, examine, write_job_file
 from layertap.worker.model.image_inputs import image_features_note
+from layertap.worker.model.fixes import fixes_of
 from layertap.worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class JobProcessor:
         # a bundle's chats with images are prepared side by side (as many as the preparer has tokenizers)
         self._preparers = ThreadPoolExecutor(max_workers=TOKENIZER_POOL, thread_name_prefix="layertap-prepare")
         self._awaiting_engine = 0
+        self._fixes = fixes_of(loaded.model.config)
         self._awaiting_lock = threading.Lock()
 
     @property
@@ -344,6 +346,8 @@ class JobProcessor:
             MetaKey.COMPUTE_DTYPE: recorded_name(loaded.dtype),
             **loaded.quantization_header(),  # a quantized checkpoint's scheme and compute path
         }
+        if self._fixes:  # fixes that changed this model's files (only where any: ``model.fixes``)
+            identity[MetaKey.COMPUTE_FIXES] = self._fixes
         return {**identity, MetaKey.CONTENT_ID: ff.content_id(identity)}
 
     def _start(self, job: Job, target: _Target) -> _Started:
