@@ -158,7 +158,7 @@ def one_image_at_a_time(tower: nn.Module | None, graphs: TowerGraphs | None = No
 
         if graphs is None or any(isinstance(value, torch.Tensor) for value in kwargs.values()):
             return forward(pixel_values, **derive())  # (a graph would hold the caller's tensors fixed)
-        return graphs.run(pixel_values, grid_thw, derive, forward)
+        return graphs.run(pixel_values, grid_thw, derive, forward, options=repr(sorted(kwargs.items())))
 
     def per_image(pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
         if grid_thw.shape[0] == 1:

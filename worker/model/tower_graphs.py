@@ -83,11 +83,12 @@ class TowerGraphs:
         return len(self._graphs)
 
     def run(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, derive: Callable[[], dict[str, Any]],
-            forward: Callable[..., Any]) -> Any:
+            forward: Callable[..., Any], options: str = "") -> Any:
         """The tower's output for one image (``grid_thw``: its ``[1, 3]`` grid, on the host):
         ``forward(pixel_values, **derive())`` eagerly, or its size's graph replayed (a copy of
-        its output). ``derive``: the forward's keyword arguments for this grid, on the device."""
-        key = (tuple(grid_thw.flatten().tolist()), tuple(pixel_values.shape), pixel_values.dtype)
+        its output). ``derive``: the forward's keyword arguments for this grid, on the device;
+        ``options``: what else decides them (the caller's other arguments), part of the key."""
+        key = (tuple(grid_thw.flatten().tolist()), tuple(pixel_values.shape), pixel_values.dtype, options)
         graph = self._graphs.get(key)
         if graph is not None:
             graph.pixels.copy_(pixel_values)
