@@ -33,8 +33,9 @@ from layertap.worker.model.image_towers import merge_tower_outputs
 
 log = logging.getLogger(__name__)
 
-#: Image sizes that get a graph by default (``worker.tower_graphs``): about 17 MB each for a
-#: Qwen2.5-VL-7B tower at 1,000 visual tokens (its pixels and output), the pool shared.
+#: Image sizes that get a graph by default (``worker.tower_graphs``): each holds its static pixels
+#: and outputs, about 27 MB for a Qwen2.5-VL-7B tower at 1,000 visual tokens (4,096 patches); the
+#: graphs' working memory is one shared pool.
 SIZES = 64
 
 
