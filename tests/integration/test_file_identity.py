@@ -14,6 +14,7 @@ import os
 import shutil
 import struct
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,15 +56,22 @@ def damage_byte(path: Path, offset_from_end: int = 3) -> None:
     path.write_bytes(bytes(data))
 
 
-def rewrite_metadata(path: Path, key: str, value: str) -> None:
-    """Change one header metadata value in place, keeping the file a parseable safetensors file."""
+def edit_header(path: Path, edit: Callable[[dict], None]) -> dict:
+    """Apply ``edit`` to the file's safetensors header (JSON) in place, tensors untouched, keeping
+    it a parseable safetensors file; returns the edited header."""
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + length])
-    header["__metadata__"][key] = value
+    edit(header)
     raw = json.dumps(header).encode()
     raw += b" " * ((8 - len(raw) % 8) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+    return header
+
+
+def rewrite_metadata(path: Path, key: str, value: str) -> None:
+    """Change one header metadata value in place, keeping the file a parseable safetensors file."""
+    edit_header(path, lambda header: header["__metadata__"].__setitem__(key, value))
 
 
 @pytest.fixture(scope="module")
@@ -358,34 +366,27 @@ def test_version_1_files_are_read_and_computed_again(tiny_models, tmp_path):
 
     with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu") as extractor:
         path = Path(extractor.extract([PROMPT], tmp_path)[0].path)
-        data = path.read_bytes()
-        (length,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + length])
-        for key in ("weights_fingerprint", "content_id", "header_checksum"):
-            del header["__metadata__"][key]
-        header["__metadata__"]["format_version"] = "1"
-        raw = json.dumps(header).encode()
-        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+
+        def as_version_1(header: dict) -> None:
+            for key in ("weights_fingerprint", "content_id", "header_checksum"):
+                del header["__metadata__"][key]
+            header["__metadata__"]["format_version"] = "1"
+
+        header = edit_header(path, as_version_1)
         assert load_hidden_states(path)["hidden_states"].shape[1] == len(json.loads(header["__metadata__"]["layers"]))
         again = extractor.extract([PROMPT], tmp_path)[0]
     assert again.ok and not again.cached
     assert ff.metadata_of(path)[ff.MetaKey.FORMAT_VERSION] == ff.FORMAT_VERSION == "2"
 
 
-def as_written_before_the_fixes(path: Path) -> None:
-    """Rewrite the file's header as a release before ``compute_fixes`` wrote it: no such key, its
-    ``content_id`` and header checksum made without it (a valid file, tensors untouched)."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
+def as_written_before_the_fixes(header: dict) -> None:
+    """A header as a release before ``compute_fixes`` wrote it: no such key, its ``content_id``
+    and header checksum made without it (a valid file; for :func:`edit_header`)."""
     metadata = header["__metadata__"]
     del metadata[ff.MetaKey.COMPUTE_FIXES]
     metadata[ff.MetaKey.CONTENT_ID] = ff.content_id(metadata)
     shapes = {name: entry["shape"] for name, entry in header.items() if name != "__metadata__"}
     metadata[ff.MetaKey.HEADER_CHECKSUM] = ff.header_checksum(metadata, shapes)
-    raw = json.dumps(header).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
 
 
 def test_a_file_written_before_a_fix_of_its_model_is_computed_again(tiny_models, tmp_path):
@@ -408,7 +409,7 @@ def test_a_file_written_before_a_fix_of_its_model_is_computed_again(tiny_models,
         states = tensors_of(first.path)
         assert extractor.extract([[5, 6, 7, 8, 9]], out)[0].cached
 
-        as_written_before_the_fixes(Path(first.path))
+        edit_header(Path(first.path), as_written_before_the_fixes)
         assert ff.MetaKey.COMPUTE_FIXES not in ff.verify_file(first.path).metadata  # valid, as written before
         again = extractor.extract([[5, 6, 7, 8, 9]], out)[0]
     assert again.ok and not again.cached and again.path == first.path

@@ -175,9 +175,9 @@ def build_tiny_type(model_type: str, out: Path, seed: int = 0) -> Path:
 FILLED_STD = 0.1
 
 
-def fill_zero_parameters(model: Any, seed: int) -> list[str]:
-    """Give every all-zero parameter of ``model`` (biases aside) seeded random values, N(0, 0.1),
-    and return their names. Transformers zero-initializes gates, sinks, position tables and
+def fill_zero_parameters(model: Any, seed: int) -> None:
+    """Give every all-zero parameter of ``model`` (biases aside) seeded random values, N(0, 0.1).
+    Transformers zero-initializes gates, sinks, position tables and
     length scales (Mllama's cross-attention gates, DeepSeek-VL hybrid's alpha, InternVL's and
     SAM towers' position embeddings, Mistral Large 4's length-scaled softmax, Doge's mask...):
     their paths then add nothing, and a test comparing batched with alone could not see them
@@ -185,13 +185,10 @@ def fill_zero_parameters(model: Any, seed: int) -> list[str]:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    filled = []
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.is_floating_point() and not name.endswith("bias") and not bool(parameter.any()):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * FILLED_STD)
-                filled.append(name)
-    return filled
 
 
 def _build_tiny(model_type: str, out: Path, seed: int, auto_class: Any, overrides: dict[str, dict[str, Any]],
