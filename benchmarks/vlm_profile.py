@@ -14,7 +14,10 @@
    ``--compile``, with transformers' per-window SDPA; the tower's outputs of the two compared;
    where a worker would use them, also with the tower's CUDA graphs (``tower_graphs``).
    On a GPU, also where one batch's forward waits on the device (torch's sync debug mode).
-3. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
+3. **ceiling**: the batch as a worker's engine runs it (``BatchRunner``: capture of the EAGLE-3
+   layers, copy to host buffers, no logits), against token-id chats of the same lengths run the
+   worker's text way: the forward-alone ratio of image to text tokens/s, which no queue can pass;
+4. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
    by device time and the top operators by host time.
 
 ``--shape qwen2.5-vl-tiny --device cpu --image-tokens 16 --text-tokens 40`` runs on any machine.
@@ -35,9 +38,13 @@ from typing import Any
 import torch
 from PIL import Image
 
-from vlm import conversations, template_chat, write_model
+from vlm import conversations, template_chat, text_ids, write_model
+from layertap.producer.protocol.layers import eagle3_layer_ids
 from layertap.worker.bench.measure import sync
-from layertap.worker.engine.runner import run_with_images
+from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
+from layertap.worker.engine.records import EngineRequest
+from layertap.worker.engine.runner import BatchRunner, run_with_images
+from layertap.worker.job.multimodal import placeholder_token_ids
 from layertap.worker.model.image_inputs import staged_inputs
 from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.loading import compile_decoder_layers, load_model, transformers_attention, use_tower_graphs
@@ -71,6 +78,36 @@ def timed(device: torch.device, step: Any, repeats: int = 3) -> float:
         sync(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def ceiling(loaded: Any, batch: list[dict], device: torch.device) -> dict[str, Any]:
+    """Milliseconds of ``batch`` as the worker's engine runs it (``BatchRunner``, capturing the
+    EAGLE-3 layers), and of token-id chats of the same lengths (no placeholder ids) run the
+    worker's text way; with the tokens/s ratio of the two."""
+    layer_ids = eagle3_layer_ids(loaded.num_layers)
+    lengths = [len(chat["input_ids"]) for chat in batch]
+    capacity = slot_capacity(sum(lengths), len(layer_ids), loaded.model.config.get_text_config().hidden_size,
+                             loaded.dtype)
+    runner = BatchRunner(loaded, HostStaging(1, capacity, pinned=device.type == "cuda"), pad_to=1)
+    placeholders = torch.tensor(sorted(placeholder_token_ids(loaded.model.config)))
+    generator = torch.Generator().manual_seed(0)
+    kinds = {"images": [EngineRequest(chat["input_ids"], layer_ids, output_dtype=loaded.dtype,
+                                      model_inputs=chat["inputs"]) for chat in batch],
+             "text": [EngineRequest(torch.tensor(text_ids(n, placeholders, generator)), layer_ids,
+                                    output_dtype=loaded.dtype) for n in lengths]}
+
+    def run(requests: list[EngineRequest]) -> None:
+        output, holders = runner.run(requests)
+        if output.ready is not None:
+            output.ready.synchronize()
+        for _ in requests:
+            holders.release_handle()()
+
+    found: dict[str, Any] = {"layers": layer_ids, "tokens": sum(lengths)}
+    for kind, requests in kinds.items():
+        found[f"{kind} ms (engine batch)"] = 1e3 * timed(device, lambda: run(requests))
+    found["images / text, tokens/s (forward alone)"] = found["text ms (engine batch)"] / found["images ms (engine batch)"]
+    return found
 
 
 def main() -> None:
@@ -213,7 +250,11 @@ def main() -> None:
     report["forward"] = forwards
     print(json.dumps(forwards, indent=2), flush=True)
 
-    # 3. profile
+    # 3. ceiling
+    report["ceiling"] = ceiling(loaded, batch, device)
+    print(json.dumps(report["ceiling"], indent=2), flush=True)
+
+    # 4. profile
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
