@@ -17,6 +17,8 @@
 3. **ceiling**: the batch as a worker's engine runs it (``BatchRunner``: capture of the EAGLE-3
    layers, copy to host buffers, no logits), against token-id chats of the same lengths run the
    worker's text way: the forward-alone ratio of image to text tokens/s, which no queue can pass;
+   and that image batch again while ``--threads`` threads, then as many processes, prepare chats
+   beside it (how much a worker's preparers slow its engine);
 4. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
    by device time and the top operators by host time.
 
@@ -29,6 +31,8 @@ import argparse
 import contextlib
 import io
 import json
+import multiprocessing
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +58,8 @@ from layertap.worker.model.vision_attention import vision_attention
 
 
 def process(processor: Any, chat: dict[str, Any], images: Path, loaded: Any, **image_options: Any) -> dict:
-    """One chat as a task thread prepares it: ``input_ids`` and the staged model inputs."""
+    """One chat as a task thread prepares it: ``input_ids`` and the staged model inputs (not staged
+    without ``loaded``)."""
     data = (images / chat["messages"][0]["content"][0]["image"]).read_bytes()
     picture = Image.open(io.BytesIO(data)).convert("RGB")
     text = processor.tokenizer.apply_chat_template(template_chat(chat), tokenize=False)
@@ -62,9 +67,19 @@ def process(processor: Any, chat: dict[str, Any], images: Path, loaded: Any, **i
                         **image_options)
     inputs = {name: value for name, value in outputs.items()
               if name not in ("input_ids", "attention_mask") and isinstance(value, torch.Tensor)}
-    if not image_options:
+    if not image_options and loaded is not None:
         inputs = staged_inputs(inputs, loaded.dtype, loaded.device)
     return {"input_ids": outputs["input_ids"][0], "inputs": inputs}
+
+
+def preparing_forever(model_dir: str, images: str, chats: list[dict[str, Any]], stop: Any) -> None:
+    """A preparer process's load: ``chats`` processed over and over until ``stop`` is set (no GPU)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    while not stop.is_set():
+        for chat in chats:
+            process(processor, chat, Path(images), None)
 
 
 def timed(device: torch.device, step: Any, repeats: int = 3) -> float:
@@ -107,6 +122,53 @@ def ceiling(loaded: Any, batch: list[dict], device: torch.device) -> dict[str, A
     for kind, requests in kinds.items():
         found[f"{kind} ms (engine batch)"] = 1e3 * timed(device, lambda: run(requests))
     found["images / text, tokens/s (forward alone)"] = found["text ms (engine batch)"] / found["images ms (engine batch)"]
+    found["images step"] = lambda: run(kinds["images"])
+    return found
+
+
+def mean_ms(device: torch.device, step: Any, repeats: int = 6) -> float:
+    """Mean milliseconds of ``step()`` over ``repeats`` runs after a warm-up (a step under load)."""
+    step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+        sync(device)
+    return 1e3 * (time.perf_counter() - start) / repeats
+
+
+def contention(step: Any, device: torch.device, processor: Any, chats: list[dict[str, Any]], images: Path,
+               loaded: Any, model_dir: Path, workers: int) -> dict[str, float]:
+    """The engine's image batch (``step``) timed alone, then while ``workers`` threads of this process
+    prepare chats as a worker's preparers do (decode, processor, pinned staging), then while as many
+    processes do (the same without the staging): how much preparing beside the engine slows it."""
+    found = {"engine batch ms, nothing beside it": mean_ms(device, step)}
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            for chat in chats:
+                process(processor, chat, images, loaded)
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    found[f"engine batch ms, {workers} threads preparing chats beside it"] = mean_ms(device, step)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    context = multiprocessing.get_context("spawn")
+    halt = context.Event()
+    processes = [context.Process(target=preparing_forever, args=(str(model_dir), str(images), chats, halt),
+                                 daemon=True) for _ in range(workers)]
+    for child in processes:
+        child.start()
+    time.sleep(8.0)  # their imports and processor loads
+    found[f"engine batch ms, {workers} processes preparing chats beside it"] = mean_ms(device, step)
+    halt.set()
+    for child in processes:
+        child.join(30)
     return found
 
 
@@ -252,6 +314,9 @@ def main() -> None:
 
     # 3. ceiling
     report["ceiling"] = ceiling(loaded, batch, device)
+    step = report["ceiling"].pop("images step")
+    report["ceiling"]["contention"] = contention(step, device, processor, chats, images, loaded, model_dir,
+                                                 args.threads)
     print(json.dumps(report["ceiling"], indent=2), flush=True)
 
     # 4. profile
