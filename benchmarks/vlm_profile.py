@@ -17,8 +17,9 @@
 3. **ceiling**: the batch as a worker's engine runs it (``BatchRunner``: capture of the EAGLE-3
    layers, copy to host buffers, no logits), against token-id chats of the same lengths run the
    worker's text way: the forward-alone ratio of image to text tokens/s, which no queue can pass;
-   and that image batch again while ``--threads`` threads, then as many processes, prepare chats
-   beside it (how much a worker's preparers slow its engine);
+   and that image batch again while ``--threads`` threads (at torch's default CPU threads per
+   operation, and at 1), then as many processes, prepare chats beside it (how much a worker's
+   preparers slow its engine);
 4. **profile**: ``torch.profiler`` of one such batch (the worker's choice): the top kernels
    by device time and the top operators by host time.
 
@@ -76,6 +77,7 @@ def preparing_forever(model_dir: str, images: str, chats: list[dict[str, Any]], 
     """A preparer process's load: ``chats`` processed over and over until ``stop`` is set (no GPU)."""
     from transformers import AutoProcessor
 
+    torch.set_num_threads(1)
     processor = AutoProcessor.from_pretrained(model_dir)
     while not stop.is_set():
         for chat in chats:
@@ -138,26 +140,37 @@ def mean_ms(device: torch.device, step: Any, repeats: int = 6) -> float:
 
 
 def contention(step: Any, device: torch.device, processor: Any, chats: list[dict[str, Any]], images: Path,
-               loaded: Any, model_dir: Path, workers: int) -> dict[str, float]:
-    """The engine's image batch (``step``) timed alone, then while ``workers`` threads of this process
-    prepare chats as a worker's preparers do (decode, processor, pinned staging), then while as many
-    processes do (the same without the staging): how much preparing beside the engine slows it."""
-    found = {"engine batch ms, nothing beside it": mean_ms(device, step)}
-    stop = threading.Event()
+               loaded: Any, model_dir: Path, workers: int) -> dict[str, Any]:
+    """The engine's image batch (``step``) timed alone and while ``workers`` threads of this process
+    prepare chats as a worker's preparers do (decode, processor, pinned staging), at torch's default
+    CPU threads per operation and at 1, with the chats/s those threads prepare; then while as many
+    processes (1 CPU thread each) prepare them: how much preparing beside the engine slows it."""
+    found: dict[str, Any] = {}
+    default = torch.get_num_threads()
+    for per_op in (default, 1):
+        torch.set_num_threads(per_op)
+        label = f"torch CPU threads {per_op}"
+        found[f"{label}: engine batch ms, nothing beside it"] = mean_ms(device, step)
+        with ThreadPoolExecutor(workers) as pool:
+            start = time.perf_counter()
+            list(pool.map(lambda chat: process(processor, chat, images, loaded), chats))
+            found[f"{label}: chats/s prepared on {workers} threads"] = len(chats) / (time.perf_counter() - start)
+        stop = threading.Event()
 
-    def loop() -> None:
-        while not stop.is_set():
-            for chat in chats:
-                process(processor, chat, images, loaded)
+        def loop() -> None:
+            while not stop.is_set():
+                for chat in chats:
+                    process(processor, chat, images, loaded)
 
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(workers)]
-    for thread in threads:
-        thread.start()
-    time.sleep(1.0)
-    found[f"engine batch ms, {workers} threads preparing chats beside it"] = mean_ms(device, step)
-    stop.set()
-    for thread in threads:
-        thread.join()
+        threads = [threading.Thread(target=loop, daemon=True) for _ in range(workers)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        found[f"{label}: engine batch ms, {workers} threads preparing chats beside it"] = mean_ms(device, step)
+        stop.set()
+        for thread in threads:
+            thread.join()
+    torch.set_num_threads(default)
     context = multiprocessing.get_context("spawn")
     halt = context.Event()
     processes = [context.Process(target=preparing_forever, args=(str(model_dir), str(images), chats, halt),
@@ -165,7 +178,7 @@ def contention(step: Any, device: torch.device, processor: Any, chats: list[dict
     for child in processes:
         child.start()
     time.sleep(8.0)  # their imports and processor loads
-    found[f"engine batch ms, {workers} processes preparing chats beside it"] = mean_ms(device, step)
+    found[f"engine batch ms, {workers} processes (1 CPU thread each) preparing chats beside it"] = mean_ms(device, step)
     halt.set()
     for child in processes:
         child.join(30)
