@@ -69,6 +69,9 @@ class WorkerSettings(BaseModel):
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
     tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.tower_graphs.SIZES)
+    # torch CPU threads per operation; 0 = 1 on a GPU (its preparers and writers share the host with the
+    # thread that issues batches), torch's own on the CPU; OMP_NUM_THREADS, where set, is kept (worker.ops.cpu_threads)
+    cpu_threads: int = Field(default=0, ge=0)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
     gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
     gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process: one model split over them (layertap.worker.model.split)

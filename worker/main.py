@@ -27,6 +27,7 @@ from layertap.worker.extractor import build_processor
 from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.model.loading import load_model
 from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
+from layertap.worker.ops.cpu_threads import set_cpu_threads
 from layertap.worker.ops.lifecycle import ServiceGroup
 from layertap.worker.ops.logs import configure_logging
 from layertap.worker.ops.metrics import WorkerMetrics
@@ -92,6 +93,7 @@ def run_worker(settings: Settings) -> int:
                         quant_compute=ws.quant_compute, stages=ws.split_stages, token_budget=ws.token_budget,
                         captured_layers=len(ws.layers) if ws.layers else None)
     check_layers(ws.layers, loaded.num_layers)
+    set_cpu_threads(ws.cpu_threads, loaded.device)
     log.info("serving %s (%s, %d layers, hidden %d) on %s as %s; queue %s; jobs use --model %s", loaded.name,
              loaded.architecture, loaded.num_layers, loaded.hidden_size, loaded.device,
              str(loaded.dtype).removeprefix("torch."), keys.model_queue(loaded.name), loaded.name)
