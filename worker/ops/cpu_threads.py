@@ -5,8 +5,9 @@ processor's resizing and normalizing, the pinned copy), writes files and issues 
 work, on several threads at once. torch gives each CPU operation a team of as many threads as the
 host has cores, so four preparer threads make four such teams, the host is oversubscribed, and the
 engine thread that issues the batch waits for a core: on an H200 host (16 cores) an image batch
-took 447 ms instead of 404 while four threads prepared chats beside it, and 406 ms with one thread
-per operation, which also prepared 70 chats/s instead of 44 (BENCHMARKS.md, twelfth session).
+took 447 ms instead of 404 while four threads prepared chats beside it, and 406 ms (393 alone) with
+one thread per operation, at which the four threads prepared chats no slower (70 chats/s, against 69
+at torch's 16; BENCHMARKS.md, twelfth session).
 vLLM sets one thread per operation for the same reason (``OMP_NUM_THREADS=1`` unless set).
 
 A CPU worker computes its model with those teams: it keeps torch's own count. An explicit
