@@ -26,8 +26,8 @@ from layertap.producer.transport.redis_conn import connect
 from layertap.worker.extractor import build_processor
 from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.model.loading import load_model
-from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
 from layertap.worker.ops.cpu_threads import set_cpu_threads
+from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
 from layertap.worker.ops.lifecycle import ServiceGroup
 from layertap.worker.ops.logs import configure_logging
 from layertap.worker.ops.metrics import WorkerMetrics

@@ -44,12 +44,7 @@ def set_cpu_threads(setting: int, device: torch.device) -> int:
     threads = cpu_threads_for(setting, device)
     if threads is not None:
         torch.set_num_threads(threads)
-    if setting:
-        chosen_by = "worker.cpu_threads"
-    elif threads is not None:
-        chosen_by = "a GPU worker's default"
-    else:
-        chosen_by = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "torch's own count on the CPU"
     count = torch.get_num_threads()
-    log.info("CPU threads per torch operation: %d (%s)", count, chosen_by)
+    log.info("CPU threads per torch operation: %d (worker.cpu_threads %d, device %s, OMP_NUM_THREADS %s)", count,
+             setting, device.type, os.environ.get("OMP_NUM_THREADS") or "unset")
     return count
