@@ -32,10 +32,13 @@ from layertap.producer.protocol.fileformat import MetaKey, metadata_of
 from tests.support.architectures import (
     FALLBACKS,
     NOT_BUILT,
+    ONE_PER_BATCH,
     REFUSED,
+    SELECTION_ENGAGED,
     SERVED_SINCE_ISSUE_24,
     SHIFTED_HIDDEN_STATES,
     build_tiny,
+    check_layout,
 )
 from tests.support.processes import cli
 from tests.support.reference import block_input_states, reference_states
@@ -47,8 +50,9 @@ from layertap.worker.model.loading import load_model
 LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
 TOLERANCE = 1e-5
 TYPES = decoder_only_types()
-WRITTEN = set(FALLBACKS) | set(REFUSED) | set(NOT_BUILT)
-CI_TYPES = [t for i, t in enumerate(TYPES) if t in WRITTEN or t in SERVED_SINCE_ISSUE_24 or i % 8 == 0]
+WRITTEN = set(FALLBACKS) | set(ONE_PER_BATCH) | set(REFUSED) | set(NOT_BUILT)
+ALWAYS = set(WRITTEN) | set(SERVED_SINCE_ISSUE_24) | set(SELECTION_ENGAGED)
+CI_TYPES = [t for i, t in enumerate(TYPES) if t in ALWAYS or i % 8 == 0]
 SWEPT = TYPES if os.environ.get("LAYERTAP_FULL_SWEEP") else CI_TYPES
 
 
@@ -64,8 +68,8 @@ def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 def test_the_written_expectations_name_only_types_transformers_has():
-    assert WRITTEN | set(SERVED_SINCE_ISSUE_24) <= set(TYPES), sorted(WRITTEN - set(TYPES))
-    assert not set(FALLBACKS) & set(REFUSED)
+    assert ALWAYS <= set(TYPES), sorted(ALWAYS - set(TYPES))
+    assert not set(FALLBACKS) & set(REFUSED) and not set(ONE_PER_BATCH) & (set(FALLBACKS) | set(REFUSED))
 
 
 @pytest.mark.parametrize("model_type", SWEPT)
@@ -84,12 +88,7 @@ def test_batched_files_equal_each_prompt_alone(model_type, tmp_path, caplog):
         assert REFUSED[model_type][0] in str(refused), str(refused)
         return
     assert model_type not in REFUSED, f"{model_type} was served: {loaded.batching.describe()}"
-    fell_back = "failed the load-time self-check" in loaded.batching.reason
-    assert fell_back == (model_type in FALLBACKS), loaded.batching.describe()
-    if fell_back:
-        assert loaded.batching.name == FALLBACKS[model_type][0], loaded.batching.describe()
-    if loaded.batching.slow:
-        assert "one prompt per batch, which is slow: padded batching failed" in caplog.text
+    check_layout(model_type, loaded.batching, caplog.text, FALLBACKS, ONE_PER_BATCH)
     layer_ids = list(range(loaded.num_layers + 1))
     batches: list[tuple[int, int]] = []
     with extractor:
@@ -115,6 +114,18 @@ def test_batched_files_equal_each_prompt_alone(model_type, tmp_path, caplog):
             assert got.shape == reference.flatten(2).shape
             errors = worst_token_relative_error(got, reference)
             assert errors.max() <= TOLERANCE, f"{model_type}, {len(ids)} tokens: error per layer {errors.tolist()}"
+
+
+def test_the_self_check_refuses_padded_deepseek_v4_without_the_structural_rule(tmp_path):
+    """Issue 44's mutation: padded batching forced on DeepSeek-V4 (the structural rule that serves it
+    one prompt per batch bypassed) is refused by the load-time self-check, whose probes run from 3
+    tokens past several times its window, compression blocks and indexer top-k."""
+    model_dir = str(build_tiny_type("deepseek_v4", tmp_path / "model"))
+    loaded = load_model(model_dir, name="forced", device="cpu", dtype="float32", batching="padded")
+    with pytest.raises(ModelRefused, match="cannot serve DeepseekV4ForCausalLM: padded batching changes the hidden "
+                                           r"states on the load-time self-check \(batched vs alone: .*8 probes of "
+                                           "3-64 tokens; span named: 8 "):
+        Extractor(loaded)
 
 
 def test_forced_packing_of_a_hybrid_is_refused_by_the_self_check(tmp_path):

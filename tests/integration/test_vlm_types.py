@@ -22,14 +22,15 @@ from layertap.producer.files.reader import load_hidden_states
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.batching import ModelRefused
 from layertap.worker.model.loading import load_model
+from tests.support.architectures import check_layout
 from tests.support.tiny_configs import build_tiny_vlm_type, image_text_types
 from tests.support.vlm import special_token_ids, text_reference_states
-from tests.support.vlm_types import FALLBACKS, NOT_BUILT, REFUSED, TEXT_THROUGH_DECODER
+from tests.support.vlm_types import FALLBACKS, NOT_BUILT, ONE_PER_BATCH, REFUSED, TEXT_THROUGH_DECODER
 
 LENGTHS = (3, 29, 12, 21, 7)
 TOLERANCE = 1e-5
 TYPES = image_text_types()
-WRITTEN = set(FALLBACKS) | set(NOT_BUILT) | set(REFUSED) | set(TEXT_THROUGH_DECODER)
+WRITTEN = set(FALLBACKS) | set(ONE_PER_BATCH) | set(NOT_BUILT) | set(REFUSED) | set(TEXT_THROUGH_DECODER)
 CI_TYPES = [t for i, t in enumerate(TYPES) if t in WRITTEN or i % 4 == 0]
 SWEPT = TYPES if os.environ.get("LAYERTAP_FULL_SWEEP") else CI_TYPES
 
@@ -46,7 +47,7 @@ def test_the_written_expectations_name_only_types_transformers_has():
 
 
 @pytest.mark.parametrize("model_type", SWEPT)
-def test_token_id_jobs_on_every_vlm_type_equal_its_own_forward(model_type, tmp_path):
+def test_token_id_jobs_on_every_vlm_type_equal_its_own_forward(model_type, tmp_path, caplog):
     if model_type in NOT_BUILT:
         with pytest.raises(Exception):  # noqa: B017 (the type's own error; the written reason says which)
             build_tiny_vlm_type(model_type, tmp_path / "model")
@@ -60,10 +61,7 @@ def test_token_id_jobs_on_every_vlm_type_equal_its_own_forward(model_type, tmp_p
         assert REFUSED[model_type][0] in str(refused), str(refused)
         return
     assert model_type not in REFUSED, f"{model_type} was served: {loaded.batching.describe()}"
-    fell_back = "failed the load-time self-check" in loaded.batching.reason
-    assert fell_back == (model_type in FALLBACKS), loaded.batching.describe()
-    if fell_back:
-        assert loaded.batching.name == FALLBACKS[model_type][0], loaded.batching.describe()
+    check_layout(model_type, loaded.batching, caplog.text, FALLBACKS, ONE_PER_BATCH)
     layer_ids = list(range(loaded.num_layers + 1))
     batches: list[int] = []
     inputs = prompts(loaded.vocab_size, special_token_ids(loaded.model.config))

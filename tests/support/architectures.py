@@ -33,16 +33,15 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str]] = {
 }
 
 #: The sweep (``tests/integration/test_architectures.py``) over every decoder-only type
-#: (``tests.support.tiny_configs``): the types that end on a layout other than packed or padded
-#: after the load-time self-check, with why.
-DSA = ("sparse attention (DSA): its indexer's top-k picks differ in a padded batch from the prompt alone (the "
-       "self-check measures it); one prompt per forward is the reference run itself")
+#: (``tests.support.tiny_configs``): the types no batching layout admits by their structure, served
+#: one prompt per batch from the start (the phrase their layout's reason holds).
+DSA = "a lightning indexer (index_topk)"  # its top-k breaks exact ties by the batch's width (the layout says why)
+ONE_PER_BATCH: dict[str, str] = {name: DSA for name in ("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text",
+                                                          "hy_v4", "deepseek_v4")}
+#: The types that end on a layout other than the one planned after the load-time self-check, with why.
 FALLBACKS: dict[str, tuple[str, str]] = {
-    "deepseek_v32": ("single", DSA),
-    "glm_moe_dsa": ("single", DSA),
-    "axk2": ("single", DSA),
-    "dots3_note_text": ("single", DSA),
-    "hy_v4": ("single", DSA),
+    "doge": ("single", "its dynamic mask keeps the top keep_window_size keys of a row as wide as the padded batch "
+             "(the self-check measures it); one prompt per forward is the reference run itself"),
     "phimoe": ("padded", "packed attention does not apply its sliding window as its own attention does (the "
                "self-check measures it); padded batches run its own attention"),
     "qwen2_moe": ("padded", "packed attention does not apply its sliding window as its own attention does (the "
@@ -52,6 +51,24 @@ FALLBACKS: dict[str, tuple[str, str]] = {
 #: Types once refused falsely or unable to be captured (issue 24), now served exactly: the CI
 #: portion of the sweep always runs them.
 SERVED_SINCE_ISSUE_24 = ("longcat_flash", "modernbert-decoder", "deepseek_v4", "qwen4_exp_text", "gemma3n_text")
+#: Types whose selective path (window, block, indexer) the tiny configs engage since issue 44, where
+#: their defaults left it idle: the CI portion of the sweep always runs them too.
+SELECTION_ENGAGED = ("deepseek_v4", "doge", "gpt_neo", "minimax", "minimax_m3_vl_text", "modernbert-decoder")
+
+
+def check_layout(model_type: str, batching: Any, log_text: str, fallbacks: dict[str, tuple[str, str]],
+                 one_per_batch: dict[str, str]) -> None:
+    """The type ended on the layout its written expectation says: one prompt per batch by its
+    structure, a fallback after the self-check, or the planned layout; a slow one says why in the log."""
+    if model_type in one_per_batch:
+        assert batching.name == "single" and one_per_batch[model_type] in batching.reason, batching.describe()
+    fell_back = "failed the load-time self-check" in batching.reason
+    assert fell_back == (model_type in fallbacks), batching.describe()
+    if fell_back:
+        assert batching.name == fallbacks[model_type][0], batching.describe()
+    assert batching.slow == (model_type in one_per_batch or fallbacks.get(model_type, ("",))[0] == "single")
+    if batching.slow:
+        assert f"served one prompt per batch, which is slow: {batching.reason}" in log_text
 
 #: Types refused at load: (a phrase of the refusal, why that refusal holds).
 LOOPED = "runs the same decoder block more than once per forward: which pass is layer i's input is not defined"

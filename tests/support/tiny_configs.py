@@ -3,9 +3,10 @@ listed by code (:func:`decoder_only_types`), not by hand.
 
 :func:`tiny_config` starts from the type's default config and shrinks every size field it
 has (hidden 32, 2 layers, vocabulary 128, 4 experts...), recursively through its sub-configs,
-so the type's distinctive parts stay present but small. :data:`OVERRIDES` holds the few
-fields a type needs beyond that (a layer pattern that must keep both mixers, a window
-shorter than the prompts).
+so the type's distinctive parts stay present but small, and every selective path (window,
+chunk, compression block, indexer top-k) is shorter than the sweep's prompts, so it selects.
+:data:`OVERRIDES` holds the few fields a type needs beyond that (a layer pattern that must keep
+both mixers, a window under a generic name).
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ SMALL: dict[str, Any] = {
     "zero_expert_num": 2, "n_group": 1, "topk_group": 1,
     "q_lora_rank": 16, "kv_lora_rank": 16, "o_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 8, "qk_head_dim": 16, "o_groups": 2,
-    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 8,
+    "index_n_heads": 2, "index_head_dim": 8,
+    # selective paths engaged by the sweep's prompts (3 to 41 tokens): a top-k of 2 key blocks of 4,
+    # compression blocks of 4 and 8, windows and chunks of 8
+    "index_topk": 2, "index_topk_blocks": 2, "index_block_size": 4,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "keep_window_size": 8, "local_attention": 8,
     "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "linear_head_dim": 8, "linear_num_heads": 4,
     "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 8,
@@ -64,6 +70,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                       layer_types=["full_attention", "sliding_attention"]),
     "phimoe": dict(sliding_window=8),
     "dots1": dict(n_routed_experts=4, n_shared_experts=1),  # its defaults (None) build no MoE layer that runs
+    # windows and blocks under generic names, shorter than the prompts (their defaults: 256)
+    "gpt_neo": dict(window_size=8),
+    "minimax": dict(block_size=8),
 }
 
 

@@ -14,10 +14,11 @@ BIDIRECTIONAL = "its text attends both ways, so right padding is seen by the rea
 FALLBACKS: dict[str, tuple[str, str]] = {
     "kosmos-2": ("padded", PACKED_POSITIONS),
     "kosmos-2.5": ("padded", PACKED_POSITIONS),
-    "hy_v4_vl": ("single", DSA),
-    "mistral_large4": ("single", DSA),
     "paligemma": ("single", "prefix-LM: without token types " + BIDIRECTIONAL),
 }
+
+#: Types no batching layout admits by their structure: served one prompt per batch from the start.
+ONE_PER_BATCH: dict[str, str] = {"hy_v4_vl": DSA, "mistral_large4": DSA}
 
 #: Types whose own forward takes no text without images (the reference is their ``get_decoder()``), why.
 TEXT_THROUGH_DECODER: dict[str, str] = {

@@ -1,5 +1,10 @@
-"""The load-time self-check: a few random sequences batched the model's way, against each
-run alone, on the real device and dtype, before the worker takes a job.
+"""The load-time self-check: random sequences batched the model's way, against each run
+alone, on the real device and dtype, before the worker takes a job.
+
+The probes (``layertap.worker.engine.probes``) run from 3 tokens to several times the largest
+window, chunk, compression block or top-k span the model's config names, all in one batch, so
+the selective paths that padding or a neighbour could change (windows, indexers, compressed
+blocks) engage on them.
 
 "Alone" is one sequence per forward as the model runs it by itself: the attention
 implementation transformers chose for it (SDPA, or its own) and the positions it numbers
@@ -21,22 +26,22 @@ check catches gross faults (a mixer that leaks state, a model that mixes the bat
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.errors import EngineError
+from layertap.worker.engine.probes import ProbePlan, plan_probes
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.model.batching import ModelRefused, fallback
 from layertap.worker.model.loading import LoadedModel, each_sequence_alone, use_layout
 
 log = logging.getLogger(__name__)
 
-#: Lengths of the probe sequences (distinct: padded batches pad all but the longest).
-PROBE_LENGTHS = (29, 24, 31, 20)
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
 HALF_TOLERANCE = 0.1
 
@@ -46,65 +51,93 @@ class CheckReport:
     worst_relative_error: float
     worst_layer: int
     tolerance: float
+    probes: str = ""  # what was run (``ProbePlan.describe``); empty for the image check
+    seconds: float = 0.0  # the check's wall time
 
     def describe(self) -> str:
+        ran = f"; {self.probes} in {self.seconds:.2f} s" if self.probes else ""
         return (f"batched vs alone: worst relative error {self.worst_relative_error:.2g} (layer "
-                f"{self.worst_layer}; tolerance {self.tolerance:g})")
+                f"{self.worst_layer}; tolerance {self.tolerance:g}){ran}")
 
 
 def relative_error_per_layer(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """``[T, n_layers, (copies,) H]`` pair -> ``[n_layers]`` relative Frobenius errors over the finite
     values. Non-finite values are a fault of the model, not of batching (each job that meets
     them gets a ``non_finite`` error): they must sit at the same places in both, else the
-    layer's error is infinite."""
-    got, reference = got.double().flatten(2), reference.double().flatten(2)
-    finite = got.isfinite()
-    same_places = (finite == reference.isfinite()).all(dim=2).all(dim=0)
-    got, reference = got.where(finite, 0.0), reference.where(finite, 0.0)
-    errors = (got - reference).norm(dim=(0, 2)) / reference.norm(dim=(0, 2)).clamp_min(1e-30)
-    return errors.where(same_places, torch.inf)
+    layer's error is infinite. One layer at a time in float64, so a long probe's copy stays small."""
+    got, reference = got.flatten(2), reference.flatten(2)
+    errors = torch.empty(got.shape[1], dtype=torch.float64)
+    for layer in range(got.shape[1]):
+        ours, theirs = got[:, layer].double(), reference[:, layer].double()
+        finite = ours.isfinite()
+        if not bool((finite == theirs.isfinite()).all()):
+            errors[layer] = torch.inf
+            continue
+        ours, theirs = ours.where(finite, 0.0), theirs.where(finite, 0.0)
+        errors[layer] = (ours - theirs).norm() / theirs.norm().clamp_min(1e-30)
+    return errors
 
 
 def compare_states(batched: list[torch.Tensor], alone: list[torch.Tensor], dtype: torch.dtype) -> CheckReport:
     """The worst layer's relative error of batched against alone states (per sequence), with
     the tolerance of ``dtype``."""
-    errors = torch.stack([relative_error_per_layer(b, a) for b, a in zip(batched, alone)]).amax(dim=0)
+    return worst_of([relative_error_per_layer(b, a) for b, a in zip(batched, alone)], dtype)
+
+
+def worst_of(errors_per_sequence: list[torch.Tensor], dtype: torch.dtype) -> CheckReport:
+    """The report of per-sequence ``[n_layers]`` errors: the worst layer over all sequences."""
+    errors = torch.stack(errors_per_sequence).amax(dim=0)
     worst_layer = int(errors.argmax())
     return CheckReport(float(errors[worst_layer]), worst_layer, TOLERANCE.get(dtype, HALF_TOLERANCE))
 
 
 def captured_states(futures: list[Future]) -> list[torch.Tensor]:
-    """The futures' states (float32 copies; the host buffers are released)."""
+    """The futures' states (copies in their captured dtype; the host buffers are released)."""
     states = []
     for future in futures:
         captured = future.result().wait()
         try:
-            states.append(captured.hidden_states.float().clone())
+            states.append(captured.hidden_states.clone())
         finally:
             captured.release()
     return states
+
+
+def probe_plan(loaded: LoadedModel) -> ProbePlan:
+    """The probes for ``loaded`` (its text config, captured width and dtype)."""
+    return plan_probes(loaded.model.config.get_text_config(), loaded.num_layers,
+                       loaded.hidden_size * loaded.capture.stream.copies, loaded.dtype.itemsize)
 
 
 def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
     """Run the self-check through ``engine`` (started, before real jobs); raises
     :class:`ModelRefused` when batching changes the states."""
     loaded = engine.loaded
+    started = time.perf_counter()
+    plan = probe_plan(loaded)
+    if plan.short_of:
+        log.warning("%s: the self-check's longest probe is %d tokens, short of its span: %s", loaded.architecture,
+                    max(plan.lengths), plan.short_of)
     generator = torch.Generator().manual_seed(seed)
     layer_ids = list(range(loaded.num_layers + 1))
-    probes = [torch.randint(0, loaded.vocab_size, (n,), generator=generator) for n in PROBE_LENGTHS]
+    probes = [torch.randint(0, loaded.vocab_size, (n,), generator=generator) for n in plan.lengths]
     path = loaded.batching.name
+    errors, finite = [], True
     try:
         batched = captured_states(engine.submit_many([EngineRequest(ids, layer_ids) for ids in probes],
                                                       together=True))
         with each_sequence_alone(loaded):
-            alone = [captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0] for ids in probes]
+            for ids, got in zip(probes, batched):  # one alone copy at a time: a long probe's states are large
+                alone = captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0]
+                finite = finite and bool(alone.isfinite().all())
+                errors.append(relative_error_per_layer(got, alone))
     except EngineError as exc:
         raise ModelRefused(loaded.architecture, f"its forward fails with {path} batching on the load-time self-check "
                                                 f"({exc})") from None
-    if not all(bool(states.isfinite().all()) for states in alone):
+    if not finite:
         log.warning("%s gives NaN/Inf hidden states on random inputs; jobs that meet them get non_finite errors",
                     loaded.architecture)
-    report = compare_states(batched, alone, loaded.dtype)
+    report = replace(worst_of(errors, loaded.dtype), probes=plan.describe(), seconds=time.perf_counter() - started)
     if not report.worst_relative_error <= report.tolerance:  # NaN fails too
         raise ModelRefused(
             loaded.architecture, f"{path} batching changes the hidden states on the load-time self-check "

@@ -17,7 +17,10 @@ from typing import Any
 _KOSMOS = "2026-12-03 packed positions numbered from 0, not from the padding id + 1 (now padded)"
 #: model type (a config's ``model_type``, the top level's or its text config's) -> its fixes.
 FIXES: dict[str, str] = {
-    "doge": "2026-12-03 packed attention ran without its dynamic mask (now padded)",
+    "deepseek_v4": "2026-12-05 padded batches picked other compressed-sparse key blocks than the prompt alone "
+                   "(now one prompt per batch)",
+    "doge": "2026-12-03 packed attention ran without its dynamic mask (now padded); 2026-12-05 padded batches kept "
+            "other keys than the prompt alone past keep_window_size (now one prompt per batch)",
     "kosmos-2": _KOSMOS,
     "kosmos-2.5": _KOSMOS,
     "kosmos_2_text_model": _KOSMOS,

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from layertap.worker.model.attention import ATTENTION_NAME, packed_sequences
 from layertap.worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
+from layertap.worker.model.layouts.padded import key_selection
 
 #: ``config.layer_types`` entries that are attention (transformers' own vocabulary).
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
@@ -64,6 +65,9 @@ class Packed(BatchLayout):
 
     @classmethod
     def admits(cls, model: nn.Module, layers: nn.ModuleList) -> str | None:
+        selection = key_selection(model)
+        if selection:
+            return selection
         mixers = stateful_mixers(model, layers)
         if mixers:
             return "token mixers that carry state along a row: " + "; ".join(mixers)

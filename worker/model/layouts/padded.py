@@ -2,8 +2,12 @@
 own attention implementation. Exact for any causal model whose batch rows do not interact: a
 real token never sees the padding after it, so linear attention, SSM, convolution and
 recurrent mixers (which carry state along a row) are exact too, and so are sinks, softcapping
-and ALiBi. A model that mixes rows (a sparse-attention indexer over the whole batch, say) fails
-the load-time self-check and falls back to one prompt per batch.
+and ALiBi. Not admitted: a lightning indexer (:func:`key_selection`, DeepSeek-V3.2's sparse
+attention and its kin), whose ReLU scores tie at exactly 0 for many keys and whose top-k breaks
+those ties by the width of the score row and the batch's shape, both of which padding changes:
+a padded prompt picks other keys than the prompt alone (DeepSeek-V4's compressed-sparse layers
+did, by 6% in float32). A model that mixes rows otherwise fails the load-time self-check and
+falls back to one prompt per batch.
 
 The scheduler's cost is ``jobs x longest`` (the longest rounded up to ``pad_to``): the jobs
 closest in length to the head join while the cost stays within the budget and padding stays
@@ -18,6 +22,18 @@ import torch
 from torch import nn
 
 from layertap.worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
+
+
+#: The config field of a lightning indexer (DeepSeek-V3.2's sparse attention): its top-k over keys.
+INDEXER_TOPK_FIELD = "index_topk"
+
+
+def key_selection(model: nn.Module) -> str | None:
+    """Why a batch changes which keys the model attends to, or None."""
+    if not getattr(model.config.get_text_config(), INDEXER_TOPK_FIELD, None):
+        return None
+    return (f"a lightning indexer ({INDEXER_TOPK_FIELD}): its ReLU scores tie at 0 and its top-k breaks ties by "
+            "the width of the score row, which a batch changes, so batched prompts pick other keys than alone")
 
 
 def padded_length(longest: int, pad_to: int) -> int:
@@ -42,7 +58,7 @@ class Padded(BatchLayout):
 
     @classmethod
     def admits(cls, model: nn.Module, layers: nn.ModuleList) -> str | None:
-        return None
+        return key_selection(model)
 
     def select(self, lengths: Sequence[int], compatible: Sequence[bool], limits: BatchLimits) -> list[int]:
         head = lengths[0]
