@@ -46,6 +46,7 @@ class StreamCounts:
     duplicates: int = 0  # results of a job already consumed (or in this consumer's buffer)
     missing: int = 0  # ok results whose file is gone
     damaged: int = 0  # ok results whose file does not load
+    foreign: int = 0  # ok results naming a path that is not the job's own file in this run (forged)
     claimed: int = 0  # entries taken over from a dead consumer
     recovered: int = 0  # jobs this consumer queued from the ledger (trimmed before the group read them)
     unrecoverable: int = 0  # of those, ok jobs whose file is gone (also counted in ``missing`` when taken)

@@ -4,8 +4,10 @@ Built from the run's ledger (``layertap.producer.client.runs.ok_files``, which `
 entries were trimmed first (by job id, found on disk under the run's storage roots), then
 the stream's: each job id once (its last ok result; later duplicates of a job that ran
 twice are the same file), in the order jobs first finished ok. A job's ``metadata`` comes
-from its result, else from its file's header. Each file's header is read (``verify=True`` also checks every tensor's checksum), and
-the file must name the same job; a job whose file is missing or damaged is reported as
+from its result, else from its file's header. A result's path must be the job's own file in
+the run (``storage.registry.own_file``: not another run's file, no ``..``), each file's header
+is read (``verify=True`` also checks every tensor's checksum), and the file must name the same
+job; a job whose path is not its own file, or whose file is missing or damaged, is reported as
 :class:`Skipped`, never listed. Parquet needs ``pyarrow`` (the ``[data]`` extra); JSONL
 needs nothing. Memory: one (path, metadata) pair per ok job while the stream is read.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 from layertap.producer.protocol import fileformat as ff
 from layertap.producer.protocol.fileformat import FileFormatError, MetaKey
-from layertap.producer.storage.registry import storage_for
+from layertap.producer.storage.registry import foreign_path, own_file, storage_for
 
 WRITE_BATCH = 10_000
 
@@ -78,10 +80,13 @@ def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, veri
     )
 
 
-def collect(results: dict[str, tuple[str, str | None]], *, verify: bool = False,
+def collect(results: dict[str, tuple[str, str | None]], *, run: str, verify: bool = False,
             storage_options: dict[str, Any] | None = None) -> Iterator[ManifestEntry | Skipped]:
-    """An entry (or why not) for each ok result, in order."""
+    """An entry (or why not) for each ok result of ``run`` (job id -> (path, metadata)), in order."""
     for job_id, (path, metadata) in results.items():
+        if own_file(path, run, job_id, storage_options) is None:
+            yield Skipped(job_id, path, foreign_path(path, run))
+            continue
         try:
             yield entry_from_file(job_id, path, metadata, verify=verify, storage_options=storage_options)
         except (FileFormatError, OSError, KeyError, ValueError) as exc:

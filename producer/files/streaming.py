@@ -40,7 +40,10 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    since: its status is no longer ``error``) and counted; a result of a job the group already
    consumed ok, or held in this consumer's buffer, is acknowledged and counted as a duplicate (with
    ``delete_after`` the file a re-run wrote again is removed); an ok result whose file is gone
-   or damaged is acknowledged and counted (a damaged file is left for ``layertap inspect``);
+   or damaged (any header problem: ``FileFormatError``) is acknowledged and counted (a damaged
+   file is left for ``layertap inspect``); an ok result whose path is not the job's own file in
+   this run (``storage.registry.own_file``: a forged entry naming another run's file or a ``..``
+   path) is acknowledged (its job not recorded as consumed), counted ``foreign`` and logged;
 6. it stops when the run is complete: sealed (the enqueue that feeds it has sent its last row,
    ``keys.run_sealed_key``; ``wait_for_seal=False`` skips this for runs submitted whole),
    every submitted job has a final result, nothing new is in either stream and no consumer of
@@ -81,7 +84,7 @@ from layertap.producer.protocol.fileformat import FileFormatError
 from layertap.producer.protocol.naming import check_name
 from layertap.producer.protocol.schema import Result, Status
 from layertap.producer.settings import Settings
-from layertap.producer.storage.registry import storage_for
+from layertap.producer.storage.registry import foreign_path, own_file, storage_for
 from layertap.producer.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
@@ -252,27 +255,33 @@ class _Consumer:
             self.counts.errors += 1
             self.reader.finish(stream, entry_id, result.job_id, Status.error)
             return False
+        options = self.ds.settings.storage_options
+        path = own_file(result.path, self.ds.run, result.job_id, options) if result.path else ""
+        if path is None:  # not a result of this run: acknowledged, the job not recorded as consumed
+            self.counts.foreign += 1
+            log.warning("job %s: %s; skipped", result.job_id, foreign_path(result.path, self.ds.run))
+            self.reader.ack(stream, entry_id)
+            return False
         consumed = retrying(lambda: self.reader.consumed(result.job_id), REDIS_GIVE_UP_S)
         if result.job_id in self.buffered_jobs or consumed == Status.ok.value:
             self.counts.duplicates += 1
-            if self.ds.delete_after and result.job_id not in self.buffered_jobs and result.path:
-                self.finisher.delete(result.job_id, result.path)  # a re-run of a consumed job wrote its file again
+            if self.ds.delete_after and result.job_id not in self.buffered_jobs and path:
+                self.finisher.delete(result.job_id, path)  # a re-run of a consumed job wrote its file again
             self.reader.ack(stream, entry_id)
             return False
         if result.layers is None:  # recovered from the ledger, and this process cannot read the file's header
-            gone = not result.path or not storage_for(result.path, self.ds.settings.storage_options).exists(result.path)
-            return self._skip(stream, entry_id, result, FileNotFoundError(result.path) if gone
-                              else FileFormatError(f"{result.path}: its header does not read"))
+            gone = not path or not storage_for(path, options).exists(path)
+            return self._skip(stream, entry_id, result, FileNotFoundError(path) if gone
+                              else FileFormatError(f"{path}: its header does not read"))
         missing = [layer for layer in self.ds.layers or [] if layer not in result.layers]
         if missing:
             raise ValueError(f"job {result.job_id} has layers {result.layers}, not {missing}")
         try:
-            item = load_item(result.job_id, result.path or "", result.layers, layers=self.ds.layers,
-                             dtype=self.ds.dtype, max_length=self.ds.max_length, verify=self.ds.verify,
-                             storage_options=self.ds.settings.storage_options)
+            item = load_item(result.job_id, path, result.layers, layers=self.ds.layers, dtype=self.ds.dtype,
+                             max_length=self.ds.max_length, verify=self.ds.verify, storage_options=options)
         except (FileFormatError, SafetensorError, OSError) as exc:
             return self._skip(stream, entry_id, result, exc)
-        self.buffer.append((Taken(stream, entry_id, result.job_id, result.path or ""), item))
+        self.buffer.append((Taken(stream, entry_id, result.job_id, path), item))
         self.buffered_jobs.add(result.job_id)
         return True
 

@@ -26,13 +26,16 @@ Format version 2 adds ``weights_fingerprint``, ``content_id`` and ``header_check
   shapes (:func:`header_checksum`): one changed character anywhere in them is found.
 
 Every problem with a header (not JSON, missing or mistyped entries, a checksum that does not
-match) raises :class:`FileFormatError`; version 1 files (no identity, no header checksum) are
-still read.
+match, JSON nested deeper or holding more arrays and objects than a layertap header can, a size
+or offset past the file's end, a length larger than the file) raises :class:`FileFormatError`,
+and the bounds are checked before the JSON is parsed or a size multiplied out; version 1 files
+(no identity, no header checksum) are still read.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -82,6 +85,14 @@ _ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "U16": 2, "U8": 1, "BOOL": 1, FLOAT8: 1, "F8_E5M2": 1}
 _CHUNK = 16 * 1024 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
+#: A header is an object of tensor entries (each an object with two lists) and string metadata: 3
+#: levels, 3 arrays and objects per tensor; the JSON in its metadata strings (layers, checksums) 1 level.
+_MAX_JSON_DEPTH = 8
+_MAX_JSON_BRACKETS = 8192
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+#: Digits of a decimal metadata value (``num_hidden_layers``, ``topk``, ``residual_copies``, ``format_version``).
+_MAX_DIGITS = 18
 
 
 class MetaKey:
@@ -200,51 +211,84 @@ def read_file_header(path: str | Path, *, name: str | Path | None = None) -> Fil
         return parse_header(handle, path, name=name)
 
 
-def parse_header(handle: BinaryIO, path: str | Path = "", *, name: str | Path | None = None) -> FileHeader:
-    """Parse the safetensors header at the start of ``handle`` (the file at ``path``; ``name``: what
-    errors call it, by default ``path``). Raises :class:`FileFormatError`."""
+def parse_header(handle: BinaryIO, path: str | Path = "", *, name: str | Path | None = None,
+                 file_size: int | None = None) -> FileHeader:
+    """Parse the safetensors header at the start of ``handle`` (the file at ``path``, ``file_size``
+    bytes: by default its end; ``name``: what errors call it, by default ``path``). Every length,
+    size and offset is checked against the file's size. Raises :class:`FileFormatError`."""
     label = path if name is None else name
+    if file_size is None:
+        file_size = handle.seek(0, 2)
+        handle.seek(0)
     raw_len = handle.read(8)
     if len(raw_len) != 8:
         raise FileFormatError(f"{label}: file is shorter than a safetensors header (truncated?)")
     (header_len,) = struct.unpack("<Q", raw_len)
     if header_len > _MAX_HEADER:
         raise FileFormatError(f"{label}: header length {header_len} is implausible (corrupt file?)")
+    if 8 + header_len > file_size:
+        raise FileFormatError(f"{label}: header length {header_len} runs past the end of the file "
+                              f"({file_size} bytes; truncated?)")
     raw = handle.read(header_len)
     if len(raw) != header_len:
         raise FileFormatError(f"{label}: header is truncated ({len(raw)} of {header_len} bytes)")
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise FileFormatError(f"{label}: header is not valid JSON ({exc})") from None
+    header = _bounded_json(label, text, "header")
     if not isinstance(header, dict):
         raise FileFormatError(f"{label}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FileFormatError(f"{label}: header metadata is not an object of strings")
-    _check_entries(label, header)
+    _check_entries(label, header, 8 + header_len, file_size)
     _check_metadata(label, metadata, header)
     return FileHeader(Path(path), header, dict(metadata), 8 + header_len)
 
 
-def _check_entries(path: str | Path, header: dict[str, Any]) -> None:
+def _bounded_json(path: str | Path, text: str, what: str) -> Any:
+    """``text`` (``what`` of the file at ``path``) parsed as JSON, after its nesting and its number of
+    arrays and objects are checked against what a layertap header can hold (strings not counted):
+    no deep recursion, no huge structure built. Raises :class:`FileFormatError`."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    level = 0
+    for bracket in brackets[:_MAX_JSON_BRACKETS + 1]:
+        level += 1 if bracket in "[{" else -1
+        if level > _MAX_JSON_DEPTH:
+            raise FileFormatError(f"{path}: {what} nests arrays and objects more than {_MAX_JSON_DEPTH} levels deep, "
+                                  "deeper than a layertap header can (corrupt file?)")
+    if len(brackets) > _MAX_JSON_BRACKETS:
+        raise FileFormatError(f"{path}: {what} has {len(brackets)} brackets, more than the {_MAX_JSON_BRACKETS} "
+                              "a layertap header can (corrupt file?)")
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # not JSON, or a number of more digits than Python converts
+        raise FileFormatError(f"{path}: {what} is not valid JSON ({exc})") from None
+
+
+def _check_entries(path: str | Path, header: dict[str, Any], data_start: int, file_size: int) -> None:
     """Each tensor entry has a known dtype, a shape of sizes and offsets that hold exactly its
-    bytes, and the tensors' ranges do not overlap."""
+    bytes, within the file (its data starts at byte ``data_start`` of ``file_size``), and the
+    tensors' ranges do not overlap."""
     ranges = []
     for name, info in header.items():
         if not isinstance(info, dict):
             raise FileFormatError(f"{path}: header entry {name!r} is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _ITEM_SIZES:
-            raise FileFormatError(f"{path}: tensor {name!r} has no known dtype ({dtype!r})")
+        if not isinstance(dtype, str) or dtype not in _ITEM_SIZES:
+            raise FileFormatError(f"{path}: tensor {name!r} has no known dtype ({_brief(dtype)})")
         if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
-            raise FileFormatError(f"{path}: tensor {name!r} has no valid shape ({shape!r})")
+            raise FileFormatError(f"{path}: tensor {name!r} has no valid shape ({_brief(shape)})")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
                 or offsets[0] > offsets[1]):
-            raise FileFormatError(f"{path}: tensor {name!r} has no valid data_offsets ({offsets!r})")
-        if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * _ITEM_SIZES[dtype]:
+            raise FileFormatError(f"{path}: tensor {name!r} has no valid data_offsets ({_brief(offsets)})")
+        if data_start + offsets[1] > file_size:
+            raise FileFormatError(f"{path}: tensor {name!r} ends at byte {data_start + offsets[1]} but the file "
+                                  f"has {file_size} bytes (truncated)")
+        if not _holds(shape, _ITEM_SIZES[dtype], offsets[1] - offsets[0]):
             raise FileFormatError(f"{path}: tensor {name!r} holds {offsets[1] - offsets[0]} bytes, not the "
-                                  f"{shape} x {dtype} its header gives")
+                                  f"{_brief(shape)} x {dtype} its header gives")
         ranges.append((offsets[0], offsets[1], name))
     ranges.sort()
     for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:]):
@@ -256,8 +300,27 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _holds(shape: list[int], item_size: int, span: int) -> bool:
+    """A tensor of ``shape`` has exactly ``span`` bytes; the product stops once it passes ``span``,
+    so a size such as 2**70 is never multiplied out (nor overflows)."""
+    if 0 in shape:
+        return span == 0
+    total = item_size
+    for size in shape:
+        total *= size
+        if total > span:
+            return False
+    return total == span
+
+
+def _brief(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters (a header's values can be any size)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 def _is_decimal(text: str) -> bool:
-    return text.isascii() and text.isdigit()
+    return text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS
 
 
 def _check_metadata(path: str | Path, meta: dict[str, str], header: dict[str, Any]) -> None:
@@ -272,7 +335,7 @@ def _check_metadata(path: str | Path, meta: dict[str, str], header: dict[str, An
         layers = _json_field(path, meta, MetaKey.LAYERS)
         if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
             raise FileFormatError(f"{path}: header metadata 'layers' is not a JSON list of layer ids")
-    for key in (MetaKey.NUM_LAYERS, MetaKey.TOPK):
+    for key in (MetaKey.NUM_LAYERS, MetaKey.TOPK, MetaKey.RESIDUAL_COPIES):
         if key in meta and not _is_decimal(meta[key]):
             raise FileFormatError(f"{path}: header metadata {key!r} is not a number ({meta[key][:40]!r})")
     if MetaKey.CHECKSUMS in meta:
@@ -282,10 +345,7 @@ def _check_metadata(path: str | Path, meta: dict[str, str], header: dict[str, An
 
 
 def _json_field(path: str | Path, meta: dict[str, str], key: str) -> Any:
-    try:
-        return json.loads(meta[key])
-    except json.JSONDecodeError:
-        raise FileFormatError(f"{path}: header metadata {key!r} is not valid JSON") from None
+    return _bounded_json(path, meta[key], f"header metadata {key!r}")
 
 
 def layers_of(header: FileHeader) -> list[int]:
@@ -317,7 +377,7 @@ def verify_stream(handle: BinaryIO, path: str | Path, file_size: int, *, checksu
     file or an object store's ranged reader) of the file at ``path``; ``name`` (by default
     ``path``) is what errors call it."""
     handle.seek(0)
-    parsed = parse_header(handle, path, name=name)
+    parsed = parse_header(handle, path, name=name, file_size=file_size)
     path = path if name is None else name
     header, meta, data_start = parsed.tensors, parsed.metadata, parsed.data_start
     if meta.get(MetaKey.FORMAT) != FORMAT_NAME:
@@ -326,12 +386,7 @@ def verify_stream(handle: BinaryIO, path: str | Path, file_size: int, *, checksu
     _check_shapes(path, header, meta)
     recorded = _recorded_checksums(path, meta)
     for name, info in header.items():
-        begin, end = info["data_offsets"]
-        if data_start + end > file_size:
-            raise FileFormatError(
-                f"{path}: tensor {name!r} ends at byte {data_start + end} but the file has "
-                f"{file_size} bytes (truncated)"
-            )
+        begin, end = info["data_offsets"]  # within the file (parse_header)
         expected = recorded.get(name)
         if expected is None:
             raise FileFormatError(f"{path}: no checksum recorded for tensor {name!r}")

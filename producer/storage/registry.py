@@ -1,6 +1,7 @@
 """Which class serves a storage root, by its URL scheme (a bare path is local), imported lazily:
 a backend's library loads only when a root of its scheme is used, and a missing one is named
-with the extra that brings it (``layertap.producer.extras``). A new backend: one module, one line here."""
+with the extra that brings it (``layertap.producer.extras``). A new backend: one module, one line here.
+:func:`own_file` is the check a reader makes of a path taken from a result."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from layertap.producer.extras import need
-from layertap.producer.protocol.naming import url_scheme
+from layertap.producer.protocol.naming import is_safe_name, storage_root_of, url_scheme
 from layertap.producer.storage.base import Storage
 
 #: scheme -> ("module:Class", the library it needs, the extra that installs it); "" where none
@@ -35,3 +36,23 @@ def storage_for(root: str | Path, options: dict[str, Any] | None = None) -> Stor
         need(library, f"storage at {scheme}://", extra)
     module, _, name = target.partition(":")
     return getattr(import_module(module), name)(root, options)
+
+
+def own_file(address: str, run: str, job_id: str, options: dict[str, Any] | None = None) -> str | None:
+    """``address`` as a reader acts on it if it is the file of ``run``/``job_id`` under the storage
+    root it names (``naming.storage_root_of``), by that storage's :meth:`Storage.owned` (the check
+    before a delete: local paths with every symlink resolved); None for anything else, as a result
+    entry is data anyone who can write to Redis could forge: another run's or job's file, a ``..``
+    path, a symlink that leads elsewhere, a name with a NUL (no file has one), a URL of a scheme no
+    backend serves."""
+    if "\0" in address or (url_scheme(address) or "file") not in BACKENDS:
+        return None
+    if not (is_safe_name(run) and is_safe_name(job_id)):
+        return None
+    root = storage_root_of(address, run, job_id)
+    return None if root is None else storage_for(root, options).owned(address, run, job_id)
+
+
+def foreign_path(address: str, run: str) -> str:
+    """What a reader reports of a result's path that :func:`own_file` refuses."""
+    return f"its result names {address!r}, which is not the job's own file in run {run}"

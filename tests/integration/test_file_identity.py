@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -56,16 +57,25 @@ def damage_byte(path: Path, offset_from_end: int = 3) -> None:
     path.write_bytes(bytes(data))
 
 
+def split_file(data: bytes) -> tuple[dict, bytes]:
+    """A safetensors file's header (JSON) and its tensor bytes."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + length]), data[8 + length:]
+
+
+def with_header(header: dict, tensors: bytes) -> bytes:
+    """A safetensors file of ``header`` (padded to 8 bytes, as safetensors writes it) and ``tensors``."""
+    raw = json.dumps(header).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw + tensors
+
+
 def edit_header(path: Path, edit: Callable[[dict], None]) -> dict:
     """Apply ``edit`` to the file's safetensors header (JSON) in place, tensors untouched, keeping
     it a parseable safetensors file; returns the edited header."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
+    header, tensors = split_file(path.read_bytes())
     edit(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+    path.write_bytes(with_header(header, tensors))
     return header
 
 
@@ -195,18 +205,33 @@ def test_weights_fingerprint_reads_little_sees_a_rewrite_and_ignores_times(tmp_p
     assert weights_fingerprint(folder) == latest
 
 
+#: What each of :func:`hostile_headers` is refused with (part of the ``FileFormatError``'s message).
+HOSTILE = {"nested_200000": "levels deep", "shape_2_70": "its header gives", "offsets_past_end": "(truncated)",
+           "length_past_end": "runs past the end of the file"}
+
+
+def hostile_headers(path: Path) -> dict[str, bytes]:
+    """Headers crafted to crash a reader (issue 45), none with a header checksum (a header without
+    one is read): JSON nested 200,000 levels deep, a shape of 2**70, a tensor's offsets past the
+    file's end, a header length larger than the file."""
+    data = path.read_bytes()
+    header, tensors = split_file(data)
+    del header["__metadata__"][ff.MetaKey.HEADER_CHECKSUM]
+    nested = b'{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    huge, past = json.loads(json.dumps(header)), json.loads(json.dumps(header))
+    huge["hidden_states"]["shape"][0] = 2**70
+    past["hidden_states"]["data_offsets"] = [offset + len(data) for offset in past["hidden_states"]["data_offsets"]]
+    return {"nested_200000": struct.pack("<Q", len(nested)) + nested + tensors,
+            "shape_2_70": with_header(huge, tensors), "offsets_past_end": with_header(past, tensors),
+            "length_past_end": struct.pack("<Q", len(data)) + data[8:]}
+
+
 def corrupt_headers(path: Path) -> dict[str, bytes]:
     """Ways to damage a written file's header: bad JSON, a missing key, a wrong type, one character
-    of ``layers`` changed (still JSON, and not)."""
+    of ``layers`` changed (still JSON, and not), and the :func:`hostile_headers`; without a header
+    checksum, ``layers`` nested 200,000 deep and ``residual_copies`` not a number."""
     data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
-
-    def with_header(changed: dict) -> bytes:
-        raw = json.dumps(changed).encode()
-        raw += b" " * ((8 - len(raw) % 8) % 8)
-        return struct.pack("<Q", len(raw)) + raw + data[8 + length:]
-
+    header, tensors = split_file(data)
     layers = header["__metadata__"]["layers"]
     missing = json.loads(json.dumps(header))
     del missing["hidden_states"]["dtype"]
@@ -217,9 +242,15 @@ def corrupt_headers(path: Path) -> dict[str, bytes]:
     layer_char, layer_json = json.loads(json.dumps(header)), json.loads(json.dumps(header))
     layer_char["__metadata__"]["layers"] = layers[:-1] + "}"
     layer_json["__metadata__"]["layers"] = layers.replace("2", "1", 1)
-    return {"bad_json": data[:9] + b"{" + data[10:], "missing_key": with_header(missing),
-            "wrong_type": with_header(mistyped), "no_layers": with_header(no_layers),
-            "layers_char": with_header(layer_char), "layers_value": with_header(layer_json)}
+    del header["__metadata__"][ff.MetaKey.HEADER_CHECKSUM]
+    nested_layers, copies = json.loads(json.dumps(header)), json.loads(json.dumps(header))
+    nested_layers["__metadata__"]["layers"] = "[" * 200_000 + "]" * 200_000
+    copies["__metadata__"][ff.MetaKey.RESIDUAL_COPIES] = "two"
+    return {"bad_json": data[:9] + b"{" + data[10:], "missing_key": with_header(missing, tensors),
+            "wrong_type": with_header(mistyped, tensors), "no_layers": with_header(no_layers, tensors),
+            "layers_char": with_header(layer_char, tensors), "layers_value": with_header(layer_json, tensors),
+            "layers_nested": with_header(nested_layers, tensors), "copies_text": with_header(copies, tensors),
+            **hostile_headers(path)}
 
 
 def test_every_header_problem_is_a_file_format_error(tiny_models, tmp_path):
@@ -232,15 +263,20 @@ def test_every_header_problem_is_a_file_format_error(tiny_models, tmp_path):
         result = extractor.extract([PROMPT], tmp_path / "good")[0]
     good = Path(result.path)
     for name, data in corrupt_headers(good).items():
-        path = tmp_path / f"{name}.safetensors"
+        path = job_path(tmp_path / name, result.run, result.job_id)  # the job's own place: read, not refused
+        path.parent.mkdir(parents=True)
         path.write_bytes(data)
-        for read in (lambda: ff.verify_file(path), lambda: load_hidden_states(path),
-                     lambda: load_hidden_states(path, verify=False), lambda: load_hidden_states(path, framework="np"),
+        with pytest.raises(ff.FileFormatError, match=re.escape(HOSTILE[name]) if name in HOSTILE else None) as raised:
+            ff.verify_file(path)
+        assert str(raised.value).startswith(f"{path}: "), raised.value
+        for read in (lambda: load_hidden_states(path), lambda: load_hidden_states(path, verify=False),
+                     lambda: load_hidden_states(path, framework="np"),
+                     lambda: load_hidden_states(path, framework="np", verify=False),
                      lambda: load_item(result.job_id, path, [0, 2])):
             with pytest.raises(ff.FileFormatError):
                 read()
-        skipped = list(collect({result.job_id: (str(path), None)}, verify=True))
-        assert isinstance(skipped[0], Skipped), name
+        skipped = list(collect({result.job_id: (str(path), None)}, run=result.run, verify=True))
+        assert skipped == [Skipped(result.job_id, str(path), str(raised.value))], name
 
 
 def submit_again(client, job: Job, entries_before: int) -> None:
@@ -356,6 +392,59 @@ def test_a_streaming_trainer_restarts_past_a_damaged_header(workers, redis_serve
     rest, dataset = trainer()
     assert sorted(first + rest) == sorted(job.job_id for job in jobs if job.job_id != damaged)
     assert dataset.counts.damaged == 1
+
+
+def test_hostile_headers_are_skipped_reported_and_computed_again(workers, redis_server, client, run_name, tmp_path):
+    """Issue 45: a file of each :func:`hostile_headers` in a run. A streaming trainer restarted
+    while it holds some of them (it re-reads those first) skips and counts each and trains on
+    every other sample; ``layertap manifest --verify`` reports each and lists the rest; each job
+    sent again is computed again and its file replaced (not a dead letter)."""
+    from layertap.producer.dataset import StreamingHiddenStatesDataset
+
+    jobs = {job.job_id: job for job in (client.submit({"job_id": f"h{i:02d}", "prompt": f"hostile sample {i}"},
+                                                      model=MODEL, run=run_name) for i in range(10))}
+    client.seal(run_name)
+    results = client.wait(run_name, list(jobs), timeout=600)
+    order = [result.job_id for result in client.results(run_name)]
+
+    def trainer(**options) -> tuple[list[str], StreamingHiddenStatesDataset]:
+        dataset = StreamingHiddenStatesDataset(run_name, redis_url=redis_server.url, time_limit_s=600, group="g",
+                                               **options)
+        return [item["job_id"] for item in dataset], dataset
+
+    first, _ = trainer(read_count=8, max_items=2)  # it read 8 entries: 6 stay pending for it
+    assert first == order[:2]
+    damaged = dict(zip(order[2:4] + order[8:10], HOSTILE))  # two of them pending, two not read yet
+    expected = {job_id: tensors_of(results[job_id].path) for job_id in damaged}
+    for job_id, name in damaged.items():
+        path = Path(results[job_id].path)
+        path.write_bytes(hostile_headers(path)[name])
+    rest, dataset = trainer(read_count=4)
+    assert sorted(first + rest) == sorted(set(order) - set(damaged))
+    assert dataset.counts.damaged == len(damaged)
+
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
+    manifest = tmp_path / "m.jsonl"
+    argv = cli("manifest", "--run", run_name, "--out", str(manifest), "--verify")
+    reported = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert reported.returncode == 2, reported.stderr
+    for job_id, name in damaged.items():
+        assert f"error: job {job_id}: {results[job_id].path}: " in reported.stderr
+        assert HOSTILE[name] in reported.stderr.split(f"error: job {job_id}: ")[1].splitlines()[0]
+    assert sorted(json.loads(line)["job_id"] for line in manifest.read_text().splitlines()) == sorted(
+        set(order) - set(damaged))
+
+    for count, job_id in enumerate(damaged, start=len(order)):
+        submit_again(client, jobs[job_id], count)
+    latest = client.latest(run_name)
+    for job_id in damaged:
+        assert latest[job_id].ok and not latest[job_id].cached, latest[job_id]
+        again = tensors_of(latest[job_id].path)  # computed alone now, in a batch of the run before
+        assert torch.equal(again["token_ids"], expected[job_id]["token_ids"])
+        torch.testing.assert_close(again["hidden_states"], expected[job_id]["hidden_states"], atol=1e-5, rtol=1e-5)
+    listed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(json.loads(line)["job_id"] for line in manifest.read_text().splitlines()) == sorted(order)
 
 
 def test_version_1_files_are_read_and_computed_again(tiny_models, tmp_path):

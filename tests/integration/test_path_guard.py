@@ -1,11 +1,15 @@
 """Paths taken from Redis are data anyone who can write to Redis could forge: ``run delete --files``
 and a ``delete_after`` trainer remove a job's own file under the storage root and nothing else
-(not a canary outside it, not one reached through a symlink or ``..``)."""
+(not a canary outside it, not one reached through a symlink or ``..``), and no reader (a streaming
+trainer, ``layertap manifest``) reads any file but the job's own in its own run."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
+from pathlib import Path
 
 from layertap.producer.dataset import StreamingHiddenStatesDataset
 from layertap.producer.protocol import keys
@@ -76,12 +80,53 @@ def test_a_delete_after_trainer_removes_nothing_outside_the_storage_root(workers
     real = client.wait(run_name, [job.job_id], timeout=60)[job.job_id].path
     group = "train"
     outside, linked, dotted = canaries(tmp_path, storage_root, run_name)
+    elsewhere = job_path(tmp_path / "elsewhere", run_name, "forged-c")  # its job's place under another root
+    elsewhere.parent.mkdir(parents=True)
+    elsewhere.write_text("keep me as well")
     for job_id, path in (("forged-a", outside), ("linked-job", job_path(storage_root, run_name, "linked-job")),
-                         ("forged-b", dotted)):
+                         ("forged-b", dotted), ("forged-c", elsewhere)):
         client.redis.hset(keys.run_consumed_hash(run_name, group), job_id, "ok")  # the duplicate branch
         forge_ok(client, run_name, job_id, path)
     trainer = StreamingHiddenStatesDataset(run_name, group=group, delete_after=True, time_limit_s=60,
                                            settings=Settings(redis_url=redis_server.url, storage_root=storage_root))
     assert [item["job_id"] for item in trainer] == [job.job_id]
-    assert trainer.counts.duplicates == 3
-    assert outside.exists() and linked.exists() and not os.path.exists(real)
+    assert trainer.counts.foreign == 3 and trainer.counts.duplicates == 1  # forged-c is its job's file, elsewhere
+    assert outside.exists() and linked.exists() and elsewhere.exists() and not os.path.exists(real)
+
+
+def test_a_forged_result_is_read_by_no_reader(workers, redis_server, client, run_name, storage_root, tmp_path,
+                                               caplog):
+    """Reading is path-checked as deleting is: an ok entry in this run's stream that names another
+    run's file, or a ``..`` path under the root, is not yielded to the run's streaming trainer
+    (counted ``foreign`` and logged; the file is left) nor listed by ``layertap manifest``
+    (reported, exit 2); the run's own jobs are."""
+    other = f"{run_name}-b"
+    theirs = client.submit({"prompt": "another run's sample"}, model=MODEL, run=other)
+    ours = sorted(client.submit({"token_ids": [5, 6, 7, i]}, model=MODEL, run=run_name).job_id for i in range(2))
+    client.seal(run_name)
+    their_path = client.wait(other, [theirs.job_id], timeout=600)[theirs.job_id].path
+    client.wait(run_name, ours, timeout=600)
+    dotted = f"{storage_root}/{run_name}/../{other}/{Path(their_path).parent.name}/{theirs.job_id}.safetensors"
+    assert os.path.samefile(dotted, their_path)
+    forged = {theirs.job_id: their_path, "dotted": dotted}
+    for job_id, path in forged.items():
+        forge_ok(client, run_name, job_id, path)
+
+    manifest = tmp_path / "m.jsonl"
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
+    listed = subprocess.run(cli("manifest", "--run", run_name, "--out", str(manifest)), env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert listed.returncode == 2, listed.stderr
+    for job_id, path in forged.items():
+        assert f"error: job {job_id}: its result names {path!r}, which is not the job's own file in run " \
+               f"{run_name}" in listed.stderr, listed.stderr
+    assert sorted(json.loads(line)["job_id"] for line in manifest.read_text().splitlines()) == ours
+
+    trainer = StreamingHiddenStatesDataset(run_name, delete_after=True, time_limit_s=600,
+                                           settings=Settings(redis_url=redis_server.url, storage_root=storage_root))
+    with caplog.at_level(logging.WARNING, logger="layertap.producer.files.streaming"):
+        assert sorted(item["job_id"] for item in trainer) == ours
+    assert trainer.counts.foreign == len(forged) and trainer.counts.yielded == len(ours)
+    skipped = [record.getMessage() for record in caplog.records if "not the job's own file" in record.getMessage()]
+    assert len(skipped) == len(forged), skipped
+    assert os.path.exists(their_path)
