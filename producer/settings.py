@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -26,11 +26,14 @@ from pydantic_settings import (
 
 from layertap.producer.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
 from layertap.producer.protocol.keys import DEFAULT_CONSUMER_GROUP
+from layertap.producer.protocol.naming import MAX_NAME_CHARS, check_printable_name
 
 if TYPE_CHECKING:
     from layertap.producer.storage.base import Storage
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+#: Most characters of ``worker.model``, a folder path or hub id (Linux's PATH_MAX).
+MAX_PATH_CHARS = 4096
 #: The default hang bound: this much time per batch, plus its tokens at the slowest prefill assumed.
 HANG_BASE_S = 60.0
 WORST_TOKENS_PER_S = 200.0
@@ -102,6 +105,17 @@ class WorkerSettings(BaseModel):
     def shutdown_deadline_s(self, max_tokens: int) -> float:
         """``shutdown_timeout``, else the hang bound plus a minute for the writes and publishes after it."""
         return self.shutdown_timeout or self.hang_bound_s(max_tokens) + HANG_BASE_S
+
+    @field_validator("model", "served_model_name", "node_name")
+    @classmethod
+    def _names(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """The names that reach queue and heartbeat keys and log lines pass the one name rule
+        (``naming.check_printable_name``); ``model`` too, as the served name may be its folder's,
+        with a path's length (a served name longer than a job's ``model`` is reached by no job)."""
+        if value is None:
+            return None
+        return check_printable_name(value, f"worker.{info.field_name}",
+                                    MAX_PATH_CHARS if info.field_name == "model" else MAX_NAME_CHARS)
 
     @field_validator("layers", mode="before")
     @classmethod

@@ -8,7 +8,9 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
   a job with an ``error`` result is sent again (its status entry is cleared first);
 * **repeats**: a job this enqueue already sent (same run and id: a repeated row) is
   skipped; "already sent" is read from the run's submitted hash (its time is at or after
-  this enqueue's start), so it costs no memory per row;
+  this enqueue's start). A repeat of a row's own ``job_id`` with other content is a bad row
+  naming itself, never skipped silently: the jobs sent under their own ids are remembered as
+  fingerprints (``layertap.producer.ingest.sent``, 16 bytes a job; content-hash ids cost nothing);
 * **bundles**: jobs go out in bundles (``layertap.producer.client.bundler``, ``settings.bundle``): a job
   counts as sent once it is in one, and every bundle is sent before the limiter reads
   Redis and before the runs are sealed;
@@ -38,6 +40,7 @@ from pydantic import ValidationError
 
 from layertap.producer.client.client import Client
 from layertap.producer.ingest.formats import RowConverter, UndetectableFormat
+from layertap.producer.ingest.sent import SentJobs
 from layertap.producer.ingest.sources import SourceRow
 from layertap.producer.protocol import keys
 from layertap.producer.protocol.images import ImageError, load_images, with_image_digests
@@ -67,8 +70,8 @@ class Planned:
 class Outcome(str, Enum):
     submitted = "submitted"
     already_ok = "already_ok"  # the run has an ok result for this job
-    repeated = "repeated"  # this enqueue already sent this job (a repeated row)
-    bad = "bad"
+    repeated = "repeated"  # this enqueue already sent this job, same content (a repeated row)
+    bad = "bad"  # not sent: invalid, or its own job_id already sent by this enqueue with other content
 
 
 def job_from_data(data: Any, defaults: dict[str, Any], max_job_bytes: int | None = None, *,
@@ -170,6 +173,7 @@ class Enqueuer:
         self.batch_size = batch_size
         self.started_at = time.time()
         self.fed: set[str] = set()  # runs this enqueue unsealed
+        self.sent_jobs = SentJobs()  # the jobs with their own ids sent, to tell a repeated row's content
 
     def run(self, items: Iterable[Planned | BadRow]) -> Iterator[tuple[Outcome, Planned | BadRow]]:
         """Yield what happened to each item, in order of decision (bad rows as soon as they are read);
@@ -215,10 +219,20 @@ class Enqueuer:
                 yield Outcome.already_ok, item
             elif (key in sent or self.bundler.holds(*key)
                   or (submitted_at is not None and float(submitted_at) >= self.started_at)):
-                yield Outcome.repeated, item
+                yield self._repeated(item)
             else:
                 sent.add(key)
+                self.sent_jobs.add(job)
                 yield self._submit(item, reopen=status is not None or submitted_at is not None)
+
+    def _repeated(self, item: Planned) -> tuple[Outcome, Planned | BadRow]:
+        """A repeat of a job already sent: skipped, or a bad row when this enqueue sent its id with other content."""
+        job = item.job
+        if self.sent_jobs.other_content(job):
+            return Outcome.bad, BadRow(item.where, f"job_id {job.job_id!r} of run {job.run!r} was sent by an earlier "
+                                                   "row of this enqueue with other content; this row was not sent "
+                                                   "(give each row its own id)")
+        return Outcome.repeated, item
 
     def _submit(self, item: Planned, *, reopen: bool) -> tuple[Outcome, Planned | BadRow]:
         job = item.job

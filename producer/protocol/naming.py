@@ -1,6 +1,10 @@
 """Names that become paths or keys: validation, content-hash ids and the file layout.
 
-Invariants: a run name or job id that passes :func:`check_name` is a single safe path
+Invariants: every name that reaches a Redis key or a log line (model, run, job id, consumer
+group and consumer, worker node) passes :func:`check_printable_name`: no control, format or
+separator character of any script (tab, CR, LF, DEL, U+0085, U+2028 included), so a key holds
+what it says and a log line cannot be forged. A run name or job id that passes :func:`check_name`
+(which applies that rule first) is also a single safe path
 component (no separators, no ``..``, no NUL or control characters, bounded length), so
 ``<root>/<run>/<fan-out>/<job_id>.safetensors`` always stays under ``<root>``. A path taken from
 Redis is acted on (deleted, linked) only as :func:`file_under_root` returns it, so a forged
@@ -20,6 +24,8 @@ from typing import Any, TypeGuard
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: A Hugging Face hub repo id: ``name`` or ``org/name`` (models and datasets alike).
 HUB_ID_PATTERN = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
+#: Most characters of a name that is not a path component (a model: a hub id, a shape or a folder path).
+MAX_NAME_CHARS = 256
 FILE_SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 #: Hex digits of the fan-out folder: 16**3 = 4096 folders keep 10^7 files at ~2.4k per folder.
@@ -31,10 +37,33 @@ def is_safe_name(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and NAME_PATTERN.fullmatch(value) is not None and ".." not in value
 
 
-def check_name(value: str, what: str) -> str:
-    """Return ``value`` if it is a safe name, else raise ``ValueError`` saying why."""
+def check_printable_name(value: object, what: str, max_chars: int = MAX_NAME_CHARS) -> str:
+    """Return ``value`` if it is a string of 1 to ``max_chars`` printable characters, else raise
+    ``ValueError`` saying why. Printable is ``str.isprintable``: no character of Unicode's Other
+    (control, format, surrogate, private use, unassigned) or Separator categories but the ASCII
+    space; so tab, CR, LF, DEL, U+0085, U+2028, U+2029 and U+200B are refused."""
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string")
+    if not 1 <= len(value) <= max_chars:
+        raise ValueError(f"{what} must have 1 to {max_chars} characters, not {len(value)}")
+    _refuse_unprintable(value, what)
+    return value
+
+
+def _refuse_unprintable(value: str, what: str) -> None:
+    """Raise ``ValueError`` naming the first character of ``value`` that is not printable."""
+    bad = next((char for char in value if not char.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"{what} {value[:80]!r} holds the character U+{ord(bad):04X}: names reach Redis keys and "
+                         "log lines, so control, format and separator characters are not allowed")
+
+
+def check_name(value: str, what: str) -> str:
+    """Return ``value`` if it is a safe name, else raise ``ValueError`` saying why (a character
+    that is not printable by :func:`check_printable_name`'s rule named as such)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string")
+    _refuse_unprintable(value, what)
     if not is_safe_name(value):
         raise ValueError(
             f"{what} {value[:80]!r} is not allowed: use 1-128 characters from "

@@ -4,7 +4,9 @@ Invariants:
 * a job has exactly one input: ``prompt``, ``messages`` or ``token_ids``;
 * ``job_id`` defaults to a content hash of everything that decides the file's content
   (model, input, layers, options), so the same job enqueued twice has the same id;
-* ``run`` and ``job_id`` are safe path components (``naming.check_name``);
+* ``run`` and ``job_id`` are safe path components (``naming.check_name``) and ``model`` a
+  printable name (``naming.check_printable_name``): no control, format or separator character
+  reaches a queue key or a log line;
 * a message's ``content`` is text or a list of text and image parts (``layertap.producer.protocol.images``:
   an image is a data URL or a path under the images root with the sha256 of its bytes, so
   the content hash covers every image's bytes);
@@ -38,7 +40,7 @@ from pydantic import (
 
 from layertap.producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
 from layertap.producer.protocol.images import ContentPart, TextPart, image_parts, part_text
-from layertap.producer.protocol.naming import check_name, content_hash
+from layertap.producer.protocol.naming import check_name, check_printable_name, content_hash
 
 #: Control characters refused in text: all below U+0020 but tab, newline and carriage return.
 _CONTROL_CHARACTER = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
@@ -191,7 +193,12 @@ class Job(BaseModel):
     metadata: str | None = Field(default=None, max_length=65536)
     provenance: dict[str, Any] | None = None  # where the input came from (``layertap regenerate``); not content
 
-    @field_validator("model", "prompt", "metadata")
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str) -> str:
+        return check_printable_name(value, "model")
+
+    @field_validator("prompt", "metadata")
     @classmethod
     def _text(cls, value: str | None) -> str | None:
         return None if value is None else check_text(value, "text")

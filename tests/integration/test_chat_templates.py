@@ -9,13 +9,15 @@ pieces marked 1.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
 
 from layertap.producer.files.reader import load_hidden_states
 from layertap.producer.protocol.fileformat import MetaKey, metadata_of
-from layertap.producer.protocol.schema import ErrorType
+from layertap.producer.protocol.schema import ErrorType, json_size
+from layertap.producer.settings import Settings
 from tests.support.jobs import CHAT, chatml_reference, llama_reference
 from tests.support.processes import WorkerProcess
 from tests.support.reference import load
@@ -201,3 +203,22 @@ def test_template_that_drops_tools_or_reasoning_is_an_error(model, job, message,
     result = client.wait(run_name, [sent.job_id], timeout=60)[sent.job_id]
     assert result.error_type is ErrorType.chat_template
     assert message in (result.error or "")
+
+
+def test_a_tools_job_near_the_byte_limit_that_cannot_fit_is_too_long_before_tokenizing(marked_worker, client,
+                                                                                      run_name):
+    """Issue 45, item 4: tools just under ``max_job_bytes`` that cannot fit the context are refused
+    from the rendered chat's length (a template that renders them), before any tokenizer call:
+    the error says so, where a tokenized chat's would count its tokens."""
+    limit = Settings().limits.max_job_bytes
+    sentence = "the weather in red city, "
+    description = sentence * ((limit - 4096) // len(sentence))
+    job = {"messages": TOOL_CHAT, "tools": [{**TOOL, "function": {**TOOL["function"], "description": description}}]}
+    assert limit - 8192 < json_size({**job, "model": "tiny-qwen3-marked", "run": run_name}) < limit
+    sent = client.submit(job, model="tiny-qwen3-marked", run=run_name)
+    result = client.wait(run_name, [sent.job_id], timeout=120)[sent.job_id]
+    assert result.error_type is ErrorType.too_long, result.error
+    found = re.match(r"the rendered chat is (\d+) characters, so at least (\d+) tokens: over the limit of 32768, "
+                     r"found before tokenizing", result.error or "")
+    assert found, result.error
+    assert int(found.group(1)) > len(description) and int(found.group(2)) > 32768

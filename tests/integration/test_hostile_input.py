@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
+import re
+import subprocess
 import time
 import uuid
 
 import pytest
+from pydantic import ValidationError
 
 from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType, JobTooLarge
+from layertap.producer.protocol.schema import ErrorType, Job, JobTooLarge
+from tests.support.processes import cli
 
 E = ErrorType
 OK_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -122,6 +127,36 @@ def test_huge_tools_are_refused_by_the_client_before_validation(client, run_name
     with pytest.raises(JobTooLarge, match="tools included"):
         client.submit(HUGE_TOOLS, run=run_name)
     assert client.redis.hlen(keys.run_submitted_hash(run_name)) == 0
+
+
+#: Characters no name may hold (issue 45, item 4): controls, DEL, C1, line and paragraph separators, a format character.
+UNPRINTABLE = ["\t", "\n", "\r", "\x7f", "\u0085", "\u2028", "\u2029", "\u200b"]
+
+
+@pytest.mark.parametrize("char", UNPRINTABLE, ids=[f"U+{ord(c):04X}" for c in UNPRINTABLE])
+def test_a_name_holding_a_control_or_separator_character_is_refused_everywhere(char, workers, client, run_name):
+    """A model, run or job id holding ``char`` is refused by the schema, the Client (no queue key is
+    made) and the worker (``invalid_job``, not a lookup of the model), each naming the character."""
+    named = f"U+{ord(char):04X}"
+    for field, value in [("model", f"tiny{char}qwen3"), ("run", f"r{char}un"), ("job_id", f"j{char}ob")]:
+        with pytest.raises(ValidationError, match=re.escape(named)):
+            Job(**{"model": "tiny-qwen3", "prompt": "hi", field: value})
+    with pytest.raises(ValidationError, match=re.escape(named)):
+        client.submit({"prompt": "hi"}, model=f"tiny-qwen3{char}", run=run_name)
+    assert not client.redis.exists(keys.model_queue(f"tiny-qwen3{char}"))
+    since = last_entry_id(client, run_name)
+    send_raw(client, {"model": f"tiny-qwen3{char}", "prompt": "hi", "run": run_name, "job_id": "named"})
+    result = next_result(client, run_name, since, "named")
+    assert result.error_type == E.invalid_job and named in (result.error or "")
+
+
+@pytest.mark.parametrize("flag", ["--name", "--node-name"])
+def test_a_worker_name_holding_a_control_character_is_refused_at_start(flag, tiny_models):
+    """Refused before the model loads or Redis is reached (the address given leads nowhere)."""
+    env = {**os.environ, "LAYERTAP_REDIS_URL": "redis://127.0.0.1:1/0"}
+    started = subprocess.run(cli("worker", "--model", str(tiny_models["qwen3"]), flag, "tiny\tqwen3@x",
+                                 "--device", "cpu"), env=env, capture_output=True, text=True, timeout=60)
+    assert started.returncode == 1 and "U+0009" in started.stderr and "Traceback" not in started.stderr
 
 
 def test_two_positional_arguments_are_refused(workers, client, run_name):

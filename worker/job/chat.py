@@ -30,7 +30,7 @@ has them (the mask is then exactly what those blocks enclose, by transformers'
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from transformers.utils import chat_template_utils
@@ -168,13 +168,16 @@ class ChatRenderer:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                loss_on: Literal["all", "last", "none"] = "all",
-                generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+                loss_on: Literal["all", "last", "none"] = "all", generation_prompt: bool = False,
+                check_rendered: Callable[[str], None] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered chat and a 0/1 loss mask over them (1 = trained assistant tokens;
     all 0 with ``loss_on="none"``). With ``generation_prompt`` the text ends with the template's
-    generation prompt, which is never trained on."""
+    generation prompt, which is never trained on. ``check_rendered`` gets the chat's text once
+    it is rendered, before any other rendering or tokenizing (it raises to stop there)."""
     renderer = ChatRenderer(tokenizer, messages, tools)
     text = renderer.render(len(messages), generation_prompt=False)
+    if check_rendered is not None:
+        check_rendered(text)
     if tools and text == renderer.render(len(messages), generation_prompt=False, tools=False):
         raise JobError(ErrorType.chat_template, "the chat template ignores tools: this model's template does not "
                                                 "render them (give the worker a template that does)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,18 +198,32 @@ class Preparer:
         finally:
             self._tokenizers.put(tokenizer)
 
-    def _refuse_unfittable(self, job: Job, chars: int) -> None:
-        """``too_long`` before tokenizing when ``chars`` of text cannot make fewer tokens than the limit."""
+    def _refuse_unfittable(self, job: Job, chars: int, what: str) -> None:
+        """``too_long`` before tokenizing when ``chars`` characters of text cannot make ``limit``
+        tokens or fewer. The bound: no token covers more characters of text than the longest
+        token string of the vocabulary (:func:`longest_token_chars`; special and added tokens
+        included), so the text makes at least ``chars / longest`` tokens; the bound divides by
+        :data:`UNFITTABLE_MARGIN` times that again, for normalizers that drop or merge characters
+        (a vocabulary of long tokens makes the bound loose). Checked on a prompt, on a chat's
+        message text before it is rendered, and on the rendered chat (tools and every template
+        part included: the very text tokenized) before anything else is rendered or tokenized,
+        so a job near ``max_job_bytes`` whose characters cannot fit costs one rendering and no
+        tokenization."""
         limit, _ = self._length_limit(job)
-        fewest = chars // max(1, UNFITTABLE_MARGIN * self._longest_token_chars)  # margin: normalizers may drop text
+        fewest = chars // max(1, UNFITTABLE_MARGIN * self._longest_token_chars)
         if not job.truncate and fewest > limit:
-            raise JobError(ErrorType.too_long, f"{chars} characters make at least {fewest} tokens, over the limit of "
-                                               f"{limit}; set truncate=true to keep the first {limit}")
+            raise JobError(ErrorType.too_long, f"{what} is {chars} characters, so at least {fewest} tokens: over the "
+                                               f"limit of {limit}, found before tokenizing; set truncate=true to keep "
+                                               f"the first {limit}")
+
+    def _refuse_unfittable_render(self, job: Job) -> Callable[[str], None]:
+        """The check ``render_chat`` applies to a chat's rendered text (``check_rendered``)."""
+        return lambda text: self._refuse_unfittable(job, len(text), "the rendered chat")
 
     def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
         if not prompt.strip():
             raise JobError(ErrorType.empty_input, "prompt is empty")
-        self._refuse_unfittable(job, len(prompt))
+        self._refuse_unfittable(job, len(prompt), "the prompt")
         with self._tokenizer() as tokenizer:
             token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if not token_ids:
@@ -230,14 +244,15 @@ class Preparer:
         if job.loss_on != "none" and not any(m["role"] == "assistant" for m in messages):
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on "
                                                           "(loss_on='none' extracts it for analysis)")
-        self._refuse_unfittable(job, chars)
+        self._refuse_unfittable(job, chars, "the chat's message text")
         return messages
 
     def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
         messages = self._checked_chat(job)
         with self._tokenizer() as tokenizer:
             return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on,
-                               generation_prompt=bool(job.generation_prompt))
+                               generation_prompt=bool(job.generation_prompt),
+                               check_rendered=self._refuse_unfittable_render(job))
 
     def _image_chat(self, job: Job) -> ImageChat:
         """A chat with images through the model's processor: every image checked first
@@ -253,7 +268,8 @@ class Preparer:
             raise JobError(ErrorType.no_image_support, f"this worker serves text and token-id jobs only: "
                                                        f"{self.loaded.processor_problem}")
         with self._tokenizer() as tokenizer:
-            chat = render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config))
+            chat = render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config),
+                                     self._refuse_unfittable_render(job))
         chat.model_inputs = staged_inputs(chat.model_inputs, self.loaded.dtype, self.loaded.device)
         return chat
 
