@@ -109,12 +109,12 @@ def probe_plan(loaded: LoadedModel) -> ProbePlan:
                        loaded.hidden_size * loaded.capture.stream.copies, loaded.dtype.itemsize)
 
 
-def check_batching(engine: Engine, seed: int = 0) -> CheckReport:
-    """Run the self-check through ``engine`` (started, before real jobs); raises
-    :class:`ModelRefused` when batching changes the states."""
+def check_batching(engine: Engine, seed: int = 0, plan: ProbePlan | None = None) -> CheckReport:
+    """Run the self-check through ``engine`` (started, before real jobs) with ``plan``'s probes
+    (default: :func:`probe_plan`); raises :class:`ModelRefused` when batching changes the states."""
     loaded = engine.loaded
     started = time.perf_counter()
-    plan = probe_plan(loaded)
+    plan = plan or probe_plan(loaded)
     if plan.short_of:
         log.warning("%s: the self-check's longest probe is %d tokens, short of its span: %s", loaded.architecture,
                     max(plan.lengths), plan.short_of)
