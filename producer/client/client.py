@@ -112,8 +112,8 @@ class Client:
         """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
         (each job's latest send time: a pending record older than it no longer covers the job,
-        ``layertap.producer.transport.ledger``) and every message's pending record are written first, in
-        one round trip."""
+        ``layertap.producer.transport.ledger``) is written first, in one round trip; each message's
+        pending record goes in the transaction that queues it."""
         now = time.time()
         sends, sent = [], []
         for jobs in messages:
@@ -123,13 +123,15 @@ class Client:
             else:
                 task, task_id = keys.EXTRACT_BUNDLE_TASK, keys.bundle_task_id(first.run, uuid.uuid4().hex)
                 args = [[payload for _, payload in jobs]]
-            sends.append((task, args, {"submitted_at": now}, keys.model_queue(first.model), task_id))
-            sent.append(ledger.SentMessage(keys.model_queue(first.model), task_id,
-                                           [(job.run, job.job_id or "") for job, _ in jobs], len(jobs) > 1))
+            queue = keys.model_queue(first.model)
+            pairs = [(job.run, job.job_id or "") for job, _ in jobs]
+            record = ledger.pending_record(queue, task_id, now, pairs if len(jobs) > 1 else None)
+            sends.append((task, args, {"submitted_at": now}, queue, task_id, record))
+            sent.append(ledger.SentMessage(queue, task_id, pairs, len(jobs) > 1))
         wait_s = self.settings.redis_wait_s
         retrying(lambda: ledger.record_sent(self.redis, sent, now), wait_s)
-        for task, args, kwargs, queue, task_id in sends:
-            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task), wait_s)
+        for task, args, kwargs, queue, task_id, record in sends:
+            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task, record), wait_s)
 
     def bundler(self, *, check: bool | None = None, **overrides: Any) -> Bundler:
         """A :class:`~layertap.producer.client.bundler.Bundler` sending this client's jobs in bundles

@@ -38,6 +38,9 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 
 #: Hash task id -> JSON {"queue", "submitted_at"}: messages (jobs, bundles) sent and not yet finished.
 PENDING_HASH = f"{PREFIX}:pending"
+#: Message header carrying the message's pending record: the broker transport writes the record
+#: in the transaction that queues the message (``ledger.push_recorded``).
+PENDING_HEADER = "layertap_pending"
 #: Set of the queues the Client has sent jobs to (bounded by the models ever used).
 PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"
 #: Hash task id -> time the reconciler first found the job neither queued, held nor finished.
@@ -193,6 +196,11 @@ def run_sealed_key(run: str) -> str:
 def attempts_key(run: str, job_id: str) -> str:
     """Counter of how many times a job started (crash requeues included)."""
     return f"{PREFIX}:attempts:{run}:{job_id}"
+
+
+def start_token_key(token: str) -> str:
+    """Marker that one delivery's starts were counted (``token``: fresh per delivery), so a retried count adds none."""
+    return f"{PREFIX}:started:{token}"
 
 
 def worker_heartbeat_key(node: str) -> str:

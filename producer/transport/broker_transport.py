@@ -39,6 +39,12 @@ drop its connection and open a new one several times a second, each leaving two 
 open (1,180 after 120 s). Here a refused fetch waits a second and tries again on the same
 connection, and a refused sweep is skipped until the next, so the consumer keeps its connection.
 
+**Sending loses nothing.** A message that carries its pending record (the Client's and a
+worker's split halves: ``keys.PENDING_HEADER``) is pushed in the same server-side step that
+writes the record (``ledger.push_recorded``). A Redis at ``maxmemory`` refuses both or neither, so the
+reconciler never finds a record whose message is still on its way (it called such a message
+lost, then the push went through and the job was dropped unrun as already handled).
+
 **Fetching loses nothing.** kombu pops a message with ``BRPOP`` and only then records it in
 ``unacked``: a worker killed (or a connection lost) between the two lost the message. Here a
 channel consuming one queue fetches with ``BLMOVE <queue> <in-flight list> RIGHT LEFT``
@@ -66,6 +72,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from layertap.producer.protocol import keys
+from layertap.producer.transport import ledger
 from layertap.producer.transport.redis_conn import refuses_writes
 
 REUSED_CLIENT_SCHEMES = ("redis", "rediss")
@@ -190,6 +197,20 @@ class Channel(kombu_redis.Channel):
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """kombu's push; a message that carries its pending record (``keys.PENDING_HEADER``) is
+        queued with the record in one step (see the module doc, "Sending loses nothing")."""
+        headers = message.get("headers") or {}
+        record, task_id = headers.get(keys.PENDING_HEADER), headers.get("id")
+        if not isinstance(record, str) or not isinstance(task_id, str):
+            super()._put(queue, message, **kwargs)
+            return
+        if kwargs.get("_publish_batch") is not None:  # a non-transactional pipeline: the pair could split
+            raise ValueError(f"message {task_id} carries its pending record and cannot go in a publish batch")
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        with self.conn_or_acquire() as client:
+            ledger.push_recorded(client, key, dumps(message), task_id, record)
 
     def _drop_fetched(self, inflight: str, raw: bytes) -> None:
         with self.conn_or_acquire() as client:

@@ -82,9 +82,10 @@ def make_celery(settings: Settings) -> Celery:
 
 
 def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: str, task_id: str,
-                 task: str = keys.EXTRACT_TASK) -> AsyncResult:
+                 task: str = keys.EXTRACT_TASK, pending: str | None = None) -> AsyncResult:
     """Send one ``layertap.extract`` message (``args == [job payload]``), or with ``task``
-    ``layertap.extract_bundle`` one bundle (``args == [[job payload, ...]]``).
+    ``layertap.extract_bundle`` one bundle (``args == [[job payload, ...]]``). ``pending``: the
+    message's pending record (``ledger.pending_record``), written with its push.
 
     Monitors (Flower, task events) show the job by model, run and id (a bundle by model,
     run and its number of jobs) rather than by its input: Celery's default repr of the
@@ -96,4 +97,6 @@ def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: st
         summary["jobs"] = len(jobs)
     else:
         summary["job_id"] = jobs[0]["job_id"]
-    return app.send_task(task, args=args, kwargs=kwargs, queue=queue, task_id=task_id, argsrepr=repr([summary]))
+    headers = {keys.PENDING_HEADER: pending} if pending is not None else None
+    return app.send_task(task, args=args, kwargs=kwargs, queue=queue, task_id=task_id, argsrepr=repr([summary]),
+                         headers=headers)

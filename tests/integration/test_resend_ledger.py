@@ -1,7 +1,8 @@
-"""The pending ledger on a second run (issue 22, items 5 and 14): a message whose pending record
-was written but which never reached Redis (the send refused at ``maxmemory``) and whose jobs were
-then sent again by a re-run of ``layertap enqueue`` never turns those ok jobs ``lost``; a lost
-bundle holding jobs of several runs ends each job in its own run. Real Redis, real worker."""
+"""The pending ledger on a second run (issue 22, items 5 and 14; issue 45, item 1): a message
+whose send Redis refused at ``maxmemory`` leaves no pending record (the record goes in the step
+that queues the message), and its jobs sent again by a re-run of ``layertap enqueue`` end ok and
+never ``lost``; a lost bundle holding jobs of several runs ends each job in its own run. Real
+Redis, real worker."""
 
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def steady_memory(client: redis.Redis) -> int:
     return readings[-1]
 
 
-def test_a_resent_job_that_ended_ok_is_never_published_lost(make_worker, private_redis, run_name, tmp_path):
-    """A real ``maxmemory`` refusal between the pending record and the send; the documented resume
-    (run the same ``layertap enqueue`` again) sends the jobs in a new bundle and they end ok; the
-    reconciler then finds the first record's message nowhere and must not publish ``lost`` over
-    them (before the fix: ``lost`` for all, and every status became ``error``)."""
+def test_a_refused_send_leaves_no_record_and_the_resent_jobs_end_ok(make_worker, private_redis, run_name, tmp_path):
+    """A real ``maxmemory`` refusal after the run's ledger write, of the send itself: no pending
+    record is left for a message that was never queued (before issue 45 one was, and the
+    reconciler published ``lost`` for a message whose push was still being retried); the
+    documented resume (run the same ``layertap enqueue`` again) sends the jobs in a new bundle,
+    they end ok, and none is ever published ``lost``."""
     rows = [{"id": f"row-{i:02d}", "text": f"prompt number {i} of a run that is resumed " + "word " * 80}
             for i in range(ROWS)]
     path = tmp_path / "rows.jsonl"
@@ -56,16 +58,17 @@ def test_a_resent_job_that_ended_ok_is_never_published_lost(make_worker, private
         warm = [Job(model="tiny-elsewhere", run=f"{run_name}-warm", prompt=f"warm {i}").with_id() for i in range(3)]
         list(Enqueuer(client, max_inflight=1000).run(Planned(job.job_id, job) for job in warm))  # opens connections
         jobs = [Job(model=MODEL, run=run_name, job_id=row["id"], prompt=row["text"]).with_id() for row in rows]
-        # Redis counts the commands' buffers: measured, the ledger write goes in under a limit 36-54 kB
-        # above the steady use and passes it; the message (~30 kB) is then refused
+        # Redis counts the commands' buffers: measured, the run's ledger write goes in under a limit
+        # 36-54 kB above the steady use and passes it; the message (~30 kB) is then refused
         client.redis.config_set("maxmemory", steady_memory(client.redis) + 45_000)
         with pytest.raises((redis.exceptions.OutOfMemoryError, OperationalError)) as refused:
             list(Enqueuer(client, max_inflight=1000).run(Planned(job.job_id, job) for job in jobs))
         assert refuses_writes(refused.value)
         client.redis.config_set("maxmemory", 0)
         assert client.redis.llen(queue) == 0  # the bundle was never sent...
-        stale = [task_id for task_id in client.redis.hkeys(keys.PENDING_HASH) if task_id.startswith(f"{run_name}:")]
-        assert stale and all(map(keys.is_bundle_task_id, stale))  # ...but its pending record was written
+        assert client.redis.hget(keys.run_submitted_hash(run_name), rows[0]["id"])  # ...after the run's ledger write
+        assert [task_id for task_id in client.redis.hkeys(keys.PENDING_HASH) if task_id.startswith(f"{run_name}:")] \
+            == []  # ...and left no pending record
 
         # the resume is sent before the worker (and its reconciler) starts, so the order does not hang
         # on how fast a process starts: the sweep that follows meets the record and the newer send
@@ -76,9 +79,8 @@ def test_a_resent_job_that_ended_ok_is_never_published_lost(make_worker, private
         make_worker("resumer@localhost")
         results = client.wait(run_name, [row["id"] for row in rows], timeout=120)
         assert all(result.ok for result in results.values())
-        # the worker's reconciler sweeps every ORPHAN_TIMEOUT: the stale record ends, with no result
-        wait_for(lambda: not any(client.redis.hexists(keys.PENDING_HASH, task_id) for task_id in stale),
-                 30 * ORPHAN_TIMEOUT, "the stale records to end")
+        wait_for(lambda: not [task_id for task_id in client.redis.hkeys(keys.PENDING_HASH)
+                              if task_id.startswith(f"{run_name}:")], 30 * ORPHAN_TIMEOUT, "the run's records to end")
         statuses = client.redis.hgetall(keys.run_status_hash(run_name))
         assert statuses == {row["id"]: Status.ok.value for row in rows}
         assert [r for r in client.results(run_name) if r.error_type is ErrorType.lost] == []

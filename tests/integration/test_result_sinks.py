@@ -112,8 +112,9 @@ def test_the_reconcilers_lost_results_pass_the_same_sinks(private_redis, run_nam
     with Client(Settings(redis_url=private_redis.url)) as client:
         pairs = [(run_name, f"job-{i}") for i in range(3)]
         task_id = keys.bundle_task_id(run_name, "gone")
-        ledger.record_sent(client.redis, [ledger.SentMessage(keys.model_queue("tiny-nobody"), task_id, pairs, True)],
-                           1.0)
+        pipe = client.redis.pipeline(transaction=True)  # a record whose message never arrived (purged, say)
+        ledger.record_pending(pipe, keys.model_queue("tiny-nobody"), task_id, 1.0, pairs)
+        pipe.execute()
         ended = Result(job_id="job-0", run=run_name, status="ok", path="/elsewhere", model="tiny-nobody")
         ResultPublisher(client.redis).publish_many([ended], None, None)  # no sink: not the webhook's
         raw = redis.Redis.from_url(private_redis.url)

@@ -50,6 +50,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import redis
@@ -60,6 +61,7 @@ from layertap.producer.protocol.schema import ErrorType, Job, Result, Status
 from layertap.producer.transport.backoff import Backoff
 from layertap.producer.transport import ledger
 from layertap.producer.transport.celery_app import send_extract
+from layertap.producer.transport.redis_conn import retrying
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.pipeline import STORAGE_FAULT, JobProcessor
 from layertap.worker.queue.publisher import ResultPublisher, wait_out_redis
@@ -150,11 +152,14 @@ class WorkerService:
         return results[0].model_dump(mode="json")
 
     def _count_attempts(self, jobs: list[Job]) -> tuple[list[int], set[str]]:
-        """Count one start of each job (one round trip); their counts, and which of their runs are cancelled."""
+        """Count one start of each job (one step, once however often Redis makes it retry); their
+        counts, and which of their runs are cancelled."""
         run_names = sorted({job.run for job in jobs})
         pairs = [(job.run, job.job_id or "") for job in jobs]
         what = f"counting an attempt of {jobs[0].job_id}" if len(jobs) == 1 else f"counting {len(jobs)} attempts"
-        return wait_out_redis(lambda: ledger.count_starts(self.redis, pairs, run_names), what, self.publisher.give_up_s)
+        token = uuid.uuid4().hex
+        return wait_out_redis(lambda: ledger.count_starts(self.redis, pairs, run_names, token), what,
+                              self.publisher.give_up_s)
 
     def handle_bundle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, queue: str | None,
                       refusal: str | None = None) -> dict[str, int]:
@@ -267,22 +272,21 @@ class WorkerService:
 
     def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
                task_id: str, queue: str | None) -> None:
-        """Send ``jobs`` as two bundles instead of this message, whose starts are undone (``counts``: after)."""
+        """Send ``jobs`` as two bundles instead of this message, whose starts are undone (``counts``:
+        after). Each half is queued with its pending record, both waited out while Redis refuses
+        writes; only then is this message's record ended, so no job is left without a message."""
         assert self.app is not None, "a worker that takes bundles sends their halves"
         queue = queue or keys.model_queue(jobs[0].model)
         middle, now = len(jobs) // 2, time.time()
-        halves = []
         for part in (slice(0, middle), slice(middle, None)):
             counted = {job.job_id or "": count for job, count in zip(jobs[part], counts[part])}
-            halves.append((keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex), [payloads[part]],
-                           {**kwargs, "counted": counted, "excused": counted},
-                           [(job.run, job.job_id or "") for job in jobs[part]]))
+            half_id = keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex)
+            record = ledger.pending_record(queue, half_id, now, [(job.run, job.job_id or "") for job in jobs[part]])
+            retrying(partial(send_extract, self.app, [payloads[part]], {**kwargs, "counted": counted, "excused": counted},
+                             queue, half_id, keys.EXTRACT_BUNDLE_TASK, record), self.publisher.give_up_s)
         pairs = [(job.run, job.job_id or "") for job in jobs]
-        records = [(half_id, half_jobs) for half_id, _, _, half_jobs in halves]
-        wait_out_redis(lambda: ledger.split_message(self.redis, pairs, records, queue, task_id, now),
+        wait_out_redis(lambda: ledger.split_message(self.redis, pairs, queue, task_id),
                        f"splitting bundle {task_id}", self.publisher.give_up_s)
-        for half_id, args, half_kwargs, _ in halves:
-            send_extract(self.app, args, half_kwargs, queue, half_id, keys.EXTRACT_BUNDLE_TASK)
         log.warning("bundle %s of %d jobs started before and did not finish (its worker died?): sent it again "
                     "as two bundles of %d and %d", task_id, len(jobs), middle, len(jobs) - middle)
 

@@ -80,13 +80,16 @@ class ResultPublisher:
         wait_out_redis(lambda: ledger.publish(self.redis, results, message, queue, also_delete), what, self.give_up_s)
         tell(self.sinks, "after_publish", results)
 
-    def publish_unless_ended(self, results: list[Result], message: str, queue: str, sent_at: float) -> int:
-        """The reconciler's publish: each of ``results`` (jobs of the lost message ``message``, sent
-        at ``sent_at``) unless its job has a final result or was sent again, and the message's
-        pending record ended, in one transaction; returns how many were published. The sinks see
-        only those, after the commit."""
-        flags = wait_out_redis(lambda: ledger.publish_unless_ended(self.redis, results, message, queue, sent_at),
+    def end_lost_message(self, results: list[Result], message: str, queue: str, sent_at: float) -> int | None:
+        """The reconciler's publish (``ledger.end_lost_message``): None, changing nothing, if the
+        message ``message`` is queued, in flight or held after all; else each of ``results`` (its
+        jobs' results; it was sent at ``sent_at``) unless its job has a final result or was sent
+        again, with the message's pending record ended, in one step; how many were published. The
+        sinks see only those, after the commit."""
+        flags = wait_out_redis(lambda: ledger.end_lost_message(self.redis, results, message, queue, sent_at),
                                f"ending the jobs of lost message {message}", self.give_up_s)
+        if flags is None:
+            return None
         published = [result for result, flag in zip(results, flags) if flag]
         tell(self.sinks, "before_publish", published)
         tell(self.sinks, "after_publish", published)

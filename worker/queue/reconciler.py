@@ -3,9 +3,10 @@
 A worker fetches a message atomically into its queue's in-flight list and moves it from
 there into kombu's ``unacked`` record in one transaction (``layertap.producer.transport.broker_transport``),
 so a message is always queued, in flight, or held. A fetcher that dies (or loses its
-connection) between the two leaves the message in the in-flight list. To find it, the Client
-records every message it sends (one job, or a bundle: ``layertap.producer.transport.ledger``) as
-*pending* and the worker that publishes the message's last final result removes the record
+connection) between the two leaves the message in the in-flight list. To find it, every message
+the Client sends (one job, or a bundle: ``layertap.producer.transport.ledger``) is recorded as
+*pending* in the step that queues it, with its push time on the server's clock (so a queue is in
+send order, and a record never exists for a message still on its way), and the worker that publishes the message's last final result removes the record
 in the same transaction. Below, a "job" is a message: a bundle's task id stands for all its jobs.
 Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the pending records: a job is
 *missing* when it is older than the oldest message still in its queue (queues are FIFO: it
@@ -14,14 +15,16 @@ and is not finished. A job found missing on two sweeps at least ``grace`` second
 (covering a delivery in progress) has its in-flight message put back at the head of its
 queue (a server-side script: the body never leaves Redis). A false alarm only costs a
 duplicate delivery, which the worker answers from disk (jobs are idempotent). A missing job
-whose message is nowhere (the client died between recording and sending, the queue was
-purged by hand, Redis lost writes) gets an error result of type ``lost`` (``layertap
+whose message is nowhere (the queue was purged by hand, Redis lost writes, an older client
+died between recording and sending) gets an error result of type ``lost`` (``layertap
 enqueue`` sends it again), or ``cancelled`` if its run is cancelled (``layertap.producer.client.runs``):
 every job still ends with exactly one result. A job of that message that already has a final
 result, or was sent again after it (its submitted-hash time is later than the record's:
 ``layertap.producer.transport.ledger``; the resend has its own record), gets none: the check and the
-publishing are one server-side step (the ledger's ``publish_unless_ended.lua``), so a job that
-ended ok is never turned ``lost``; those results go out through the worker's one publisher, so
+publishing are one server-side step (the ledger's ``end_lost_message.lua``), so a job that
+ended ok is never turned ``lost``, and that step first looks for the message in the queue's
+head region, its in-flight list and ``unacked`` once more and changes nothing where it is
+found: a message still queued or held is never called lost; those results go out through the worker's one publisher, so
 the result sinks see them too. Every state change of a sweep is the ledger's.
 
 A sweep reads ids and times, never a message body, and never the backlog: the held task
@@ -42,7 +45,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import time
 from typing import Any
 
 import redis
@@ -103,18 +105,20 @@ class Reconciler:
         """One pass; returns how many jobs were put back in their queue."""
         if not take_turn(self.redis, keys.RECONCILE_LOCK, self.node, self.interval):
             return 0
-        now = time.time()
+        seconds, micros = self.redis.time()
+        now = seconds + micros / 1e6  # the server's clock: the send times it compares with are the server's
         held = self._held_task_ids()
         suspects = {keys.as_text(task_id): float(seen)
                     for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
         queues = self._adopt_unsorted_records()
-        missing: set[str] = set()
+        missing: dict[str, float] = {}
         for queue in sorted(queues):
             missing.update(self._missing_from(queue, held, now))
         cleared = [task_id for task_id in suspects if task_id not in missing]
         ledger.note_suspects(self.redis, cleared, {task_id: now for task_id in missing if task_id not in suspects})
-        due = sorted(task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace)
-        return sum(self._resend(task_id) for task_id in due)
+        due = [task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace]
+        # newest first: each goes back to the head, so the oldest ends first in line (the queue stays in send order)
+        return sum(self._resend(task_id) for task_id in sorted(due, key=lambda task_id: -missing[task_id]))
 
     def _adopt_unsorted_records(self) -> set[str]:
         """The queues with pending jobs; first, if some pending record has no send-time member
@@ -144,20 +148,21 @@ class Reconciler:
             held.update(_held_task_id(raw) for raw in self.redis.hmget(keys.UNACKED_HASH, untagged) if raw)
         return held
 
-    def _missing_from(self, queue: str, held: set[str | None], now: float) -> list[str]:
-        """Pending jobs of ``queue`` sent before its head and over ``grace`` ago that no worker holds."""
+    def _missing_from(self, queue: str, held: set[str | None], now: float) -> dict[str, float]:
+        """Pending jobs of ``queue`` sent before its head and over ``grace`` ago that no worker holds,
+        with their send times."""
         cutoff = self._oldest_queued(queue)
         if cutoff is None:
-            return []
+            return {}
         sent = keys.pending_sent_zset(queue)
-        before = self.redis.zrangebyscore(sent, "-inf", f"({min(cutoff, now - self.grace)!r}")
-        candidates = [task_id for task_id in map(keys.as_text, before) if task_id not in held]
+        before = self.redis.zrangebyscore(sent, "-inf", f"({min(cutoff, now - self.grace)!r}", withscores=True)
+        candidates = {keys.as_text(task_id): float(at) for task_id, at in before if keys.as_text(task_id) not in held}
         pipe = self.redis.pipeline(transaction=False)
         for task_id in candidates:
             pipe.hexists(keys.PENDING_HASH, task_id)
-        recorded = pipe.execute() if candidates else []
-        ledger.forget_sent(self.redis, queue, [task_id for task_id, exists in zip(candidates, recorded) if not exists])
-        return [task_id for task_id, exists in zip(candidates, recorded) if exists]
+        recorded = dict(zip(candidates, pipe.execute())) if candidates else {}
+        ledger.forget_sent(self.redis, queue, [task_id for task_id, exists in recorded.items() if not exists])
+        return {task_id: at for task_id, at in candidates.items() if recorded[task_id]}
 
     def _oldest_queued(self, queue: str) -> float | None:
         """Send time of the message next in line in ``queue``: +inf if empty, None if unknown."""
@@ -189,7 +194,11 @@ class Reconciler:
         cancelled = ledger.cancelled_runs(self.redis, sorted({run for run, _ in found}))
         results = [ledger.cancelled_result(run, job_id, worker=self.node, model=model) if run in cancelled
                    else ledger.lost_result(run, job_id, worker=self.node, model=model) for run, job_id in found]
-        published = self.publisher.publish_unless_ended(results, task_id, queue, float(pending["submitted_at"]))
+        published = self.publisher.end_lost_message(results, task_id, queue, float(pending["submitted_at"]))
+        if published is None:
+            log.info("message %s was found queued or held after all (a restore put it behind newer messages); "
+                     "not ended", task_id)
+            return False
         log.log(logging.INFO if cancelled or not published else logging.ERROR,
                 "message %s (%d job(s)) is nowhere (not queued, in flight or held): published %d `lost` or "
                 "`cancelled` error result(s); the other jobs have a final result or were sent again",

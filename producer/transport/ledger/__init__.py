@@ -5,14 +5,15 @@ run as redis-py's ``Script``: ``EVALSHA``, loaded again after a Redis restart; q
 pipeline, as ``EVAL`` with the text). The
 operations, by the step of a job's life they record:
 
-* **submitted**: :func:`record_sent` (each job's latest send time in ``keys.run_submitted_hash``
-  and each message's pending record, one ``MULTI``), :func:`reopen`, :func:`seal`;
-* **pending**: :func:`record_pending`, :func:`clear_pending`, :func:`message_jobs` (module doc below);
+* **submitted**: :func:`record_sent` (each job's latest send time in ``keys.run_submitted_hash``,
+  one ``MULTI``), :func:`reopen`, :func:`seal`;
+* **pending**: :func:`pending_record`, :func:`push_recorded` (a message and its record, one
+  script), :func:`record_pending`, :func:`clear_pending`, :func:`message_jobs` (module doc below);
 * **attempts**: :func:`count_starts`, :func:`split_message`, :func:`clear_attempts`;
 * **dead letters**: :func:`dead_letter`, :func:`dead_letters`, :func:`remove_dead_letters`;
 * **the final publish**: :func:`publish` (``xadd_and_index.lua``: stream entry and its index,
   pub/sub, status, cancelled set, pending record ended, one ``MULTI``) and, for the reconciler,
-  :func:`publish_unless_ended` (``publish_unless_ended.lua``);
+  :func:`end_lost_message` (``end_lost_message.lua``);
 * **cancel**: :func:`cancel` (``cancel.lua``, works at ``maxmemory`` on Redis 7+), :func:`cancelled_runs`;
 * **lost**: the reconciler's :func:`head_delivery_tag`, :func:`restore_inflight`,
   :func:`note_suspects`, :func:`adopt_records`, :func:`forget_sent`;
@@ -21,19 +22,23 @@ operations, by the step of a job's life they record:
   :func:`finish` (``finish.lua``), :func:`ack`, :func:`queue_recovered`, :func:`mark_recovered`,
   :func:`take_lock` / :func:`release_lock` (``release_lock.lua``).
 
-The pending ledger: one record per message, written by its sender before sending.
-A record (``keys.PENDING_HASH``: JSON with the queue, the send time and, for a bundle, its
+The pending ledger: one record per message, written in the same step as the push that
+queues the message (:func:`push_recorded`, from the broker transport, for a message that carries
+its record in the ``keys.PENDING_HEADER`` header): a record never exists for a message that was
+not queued, however long Redis refuses the push, so the reconciler never ends a message that is
+still on its way. A record (``keys.PENDING_HASH``: JSON with the queue, the send time and, for a bundle, its
 job ids, with the run of each job not of the task id's run; ``keys.pending_sent_zset``: the
 send time by queue) lets the reconciler (``layertap.worker.queue.reconciler``) find a message lost
 between the queue and a worker: it puts the message back from its queue's in-flight list, or,
 where the message is nowhere, gives each of its jobs a final result. No copy of the message's
-body is kept. The Client writes one record per message it sends (one job, or a bundle of
-jobs), a worker one per half of a bundle it splits; the worker that publishes the message's
+body is kept. The Client's messages carry one record each (one job, or a bundle of jobs), a worker's one per
+half of a bundle it splits; the worker that publishes the message's
 last final result removes it in the same transaction (:func:`publish`). A record covers a job
 only while the job was not sent again after it: the record is written with each job's latest
 send time in the run's submitted hash, so a record older than that time is stale for the job
 (the job's newer message has its own record), and a record whose message is gone never ends a
-job that has a final result or was sent again (:func:`publish_unless_ended`).
+job that has a final result or was sent again, nor a message that is still queued, in flight
+or held (:func:`end_lost_message`).
 
 Callers own retries (``redis_conn.retrying``, the worker's ``wait_out_redis``): every function
 here is one attempt, and the multi-command ones are one transaction or one script.
@@ -57,6 +62,13 @@ from layertap.producer.protocol.schema import ErrorType, Result, Status
 from layertap.producer.transport.script_flags import for_server
 
 ATTEMPTS_TTL_S = 7 * 24 * 3600
+#: How many messages from a queue's head :func:`end_lost_message` searches: restores put messages
+#: back at the head, and a queue is in push order (:func:`push_recorded`), so a message sent
+#: before the head that is still queued sits among the restored ones there (at most as many as
+#: workers held at once).
+RESTORED_SCAN = 10000
+#: How long a delivery's start token lives: longer than a worker waits out Redis for one call.
+START_TOKEN_TTL_S = 3600
 TRIM_PAGE = 1000
 
 
@@ -112,13 +124,12 @@ class SentMessage(NamedTuple):
 
 
 def record_sent(client: redis.Redis, messages: Sequence[SentMessage], now: float) -> None:
-    """Before sending: each job's latest send time (``keys.run_submitted_hash``) and each message's
-    pending record, in one transaction."""
+    """Before sending: each job's latest send time (``keys.run_submitted_hash``), in one transaction.
+    Each message's pending record goes with its push (:func:`push_recorded`)."""
     pipe = client.pipeline(transaction=True)
     for message in messages:
         for run, job_id in message.jobs:
             pipe.hset(keys.run_submitted_hash(run), job_id, now)
-        record_pending(pipe, message.queue, message.task_id, now, message.jobs if message.bundle else None)
     pipe.execute()
 
 
@@ -139,11 +150,10 @@ def seal(client: redis.Redis, run: str, sealed: bool = True) -> None:
         client.delete(key)
 
 
-def record_pending(pipe: Pipeline, queue: str, task_id: str, now: float,
-                   bundle_jobs: list[tuple[str, str]] | None = None) -> None:
-    """Queue on ``pipe`` the record of message ``task_id`` about to be sent to ``queue`` (a
-    bundle's: with the ``(run, job id)`` of each of its jobs; runs other than the task id's are
-    kept per job, so a lost bundle's results go to each job's own run)."""
+def pending_record(queue: str, task_id: str, now: float, bundle_jobs: Sequence[tuple[str, str]] | None = None) -> str:
+    """The JSON record of message ``task_id`` sent to ``queue`` at ``now`` (a bundle's: with the
+    ``(run, job id)`` of each of its jobs; runs other than the task id's are kept per job, so a
+    lost bundle's results go to each job's own run)."""
     record: dict[str, Any] = {"queue": queue, "submitted_at": now}
     if bundle_jobs is not None:
         own_run = task_id.partition(":")[0]
@@ -151,9 +161,32 @@ def record_pending(pipe: Pipeline, queue: str, task_id: str, now: float,
         other_runs = {job_id: run for run, job_id in bundle_jobs if run != own_run}
         if other_runs:
             record["runs"] = other_runs
-    pipe.hset(keys.PENDING_HASH, task_id, json.dumps(record))
-    pipe.zadd(keys.pending_sent_zset(queue), {task_id: now})
+    return json.dumps(record)
+
+
+def record_pending(pipe: Pipeline, queue: str, task_id: str, now: float,
+                   bundle_jobs: Sequence[tuple[str, str]] | None = None) -> None:
+    """Queue on ``pipe`` the record of message ``task_id`` (:func:`pending_record`) without its
+    push: what an older client wrote before sending (the tests' stand-in for a message whose push
+    was lost)."""
+    _write_pending(pipe, task_id, pending_record(queue, task_id, now, bundle_jobs))
+
+
+def _write_pending(pipe: Pipeline, task_id: str, record: str) -> None:
+    fields = json.loads(record)
+    queue = fields["queue"]
+    pipe.hset(keys.PENDING_HASH, task_id, record)
+    pipe.zadd(keys.pending_sent_zset(queue), {task_id: float(fields["submitted_at"])})
     pipe.sadd(keys.PENDING_QUEUES_SET, queue)
+
+
+def push_recorded(client: redis.Redis, queue_key: str, body: str, task_id: str, record: str) -> None:
+    """Queue a message (``LPUSH body`` onto ``queue_key``) with its pending ``record``, in one step
+    (``push_recorded.lua``): both or neither, so a record never outlives a push that Redis
+    refused. The record's send-time member is the push time on the server's clock."""
+    queue = json.loads(record)["queue"]
+    _run(client, "push_recorded", [queue_key, keys.PENDING_HASH, keys.pending_sent_zset(queue), keys.PENDING_QUEUES_SET],
+         [task_id, record, body, queue])
 
 
 def clear_pending(pipe: Pipeline, queue: str | None, task_id: str) -> None:
@@ -182,31 +215,25 @@ def is_pending(client: redis.Redis, task_id: str) -> bool:
 
 
 # -- attempts -----------------------------------------------------------------------------
-def count_starts(client: redis.Redis, jobs: Sequence[tuple[str, str]],
-                 runs: Sequence[str]) -> tuple[list[int], set[str]]:
-    """Count one start of each ``(run, job id)`` (one round trip; each counter lives
-    ``ATTEMPTS_TTL_S``); their counts, and which of ``runs`` are cancelled."""
-    pipe = client.pipeline(transaction=False)
-    for run, job_id in jobs:
-        attempts = keys.attempts_key(run, job_id)
-        pipe.incr(attempts)
-        pipe.expire(attempts, ATTEMPTS_TTL_S)
-    for run in runs:
-        pipe.exists(keys.run_cancelled_key(run))
-    replies = pipe.execute()
-    counts = [int(value) for value in replies[0:2 * len(jobs):2]]
-    return counts, {run for run, cancelled in zip(runs, replies[2 * len(jobs):]) if cancelled}
+def count_starts(client: redis.Redis, jobs: Sequence[tuple[str, str]], runs: Sequence[str],
+                 token: str) -> tuple[list[int], set[str]]:
+    """Count one start of each ``(run, job id)`` of one delivery (``count_starts.lua``: all or
+    nothing; each counter lives ``ATTEMPTS_TTL_S``); their counts, and which of ``runs`` are
+    cancelled. ``token`` names the delivery: a call repeated with it counts nothing again."""
+    replies = _run(client, "count_starts",
+                   [keys.start_token_key(token), *(keys.attempts_key(run, job_id) for run, job_id in jobs),
+                    *(keys.run_cancelled_key(run) for run in runs)],
+                   [len(jobs), ATTEMPTS_TTL_S, START_TOKEN_TTL_S])
+    counts = [int(value) for value in replies[:len(jobs)]]
+    return counts, {run for run, cancelled in zip(runs, replies[len(jobs):]) if int(cancelled)}
 
 
-def split_message(client: redis.Redis, jobs: Sequence[tuple[str, str]],
-                  halves: Sequence[tuple[str, list[tuple[str, str]]]], queue: str, task_id: str, now: float) -> None:
-    """A bundle split in two: undo one start of each of its ``jobs``, record each half's message
-    (``(task id, its jobs)``) and end this one's record, in one transaction."""
+def split_message(client: redis.Redis, jobs: Sequence[tuple[str, str]], queue: str, task_id: str) -> None:
+    """A bundle split in two, its halves queued (each with its record): undo one start of each of
+    its ``jobs`` and end this one's record, in one transaction."""
     pipe = client.pipeline(transaction=True)
     for run, job_id in jobs:
         pipe.decr(keys.attempts_key(run, job_id))
-    for half_id, half_jobs in halves:
-        record_pending(pipe, queue, half_id, now, half_jobs)
     clear_pending(pipe, queue, task_id)
     pipe.execute()
 
@@ -259,20 +286,26 @@ def publish(client: redis.Redis, results: Sequence[Result], message: str | None,
     pipe.execute()
 
 
-def publish_unless_ended(client: redis.Redis, results: Sequence[Result], message: str, queue: str,
-                         sent_at: float) -> list[bool]:
-    """Publish each of ``results`` (jobs of message ``message``, sent at ``sent_at``) unless its job
-    has a final result or was sent again (``publish_unless_ended.lua``), and end the message's
-    pending record, in one transaction; whether each was published."""
-    pipe = client.pipeline(transaction=True)
+def end_lost_message(client: redis.Redis, results: Sequence[Result], message: str, queue: str,
+                     sent_at: float) -> list[bool] | None:
+    """The reconciler's end of message ``message`` of ``queue`` (sent at ``sent_at``), found nowhere:
+    one script (``end_lost_message.lua``) that first looks for it in the queue's head region, its
+    in-flight list and kombu's ``unacked`` keys, and changes nothing if it is there (None); else
+    publishes each of ``results`` unless its job has a final result or was sent again, and ends the
+    message's record. Returns whether each was published."""
+    script_keys = [queue, keys.inflight_list(queue), keys.UNACKED_HASH, keys.PENDING_HASH, keys.SUSPECT_HASH,
+                   keys.pending_sent_zset(queue)]
+    args: list[Any] = [message, keys.DELIVERY_TAG_SEPARATOR, repr(sent_at), RESTORED_SCAN]
     for result in results:
-        _run(pipe, "publish_unless_ended",
-             [keys.results_stream(result.run), keys.run_result_ids_hash(result.run), keys.run_status_hash(result.run),
-              keys.run_submitted_hash(result.run), keys.run_cancelled_jobs_set(result.run)],
-             [keys.RESULT_FIELD, result.model_dump_json(), result.job_id, repr(sent_at), result.status.value,
-              int(result.error_type is ErrorType.cancelled)])
-    clear_pending(pipe, queue, message)
-    return [bool(int(reply)) for reply in pipe.execute()[:len(results)]]
+        script_keys += [keys.results_stream(result.run), keys.run_result_ids_hash(result.run),
+                        keys.run_status_hash(result.run), keys.run_submitted_hash(result.run),
+                        keys.run_cancelled_jobs_set(result.run)]
+        args += [keys.RESULT_FIELD, result.model_dump_json(), result.job_id, result.status.value,
+                 int(result.error_type is ErrorType.cancelled)]
+    reply = _run(client, "end_lost_message", script_keys, args)
+    if isinstance(reply, int):
+        return None
+    return [bool(int(flag)) for flag in reply]
 
 
 # -- cancel -------------------------------------------------------------------------------
