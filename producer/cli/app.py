@@ -18,6 +18,7 @@ import typer
 from layertap.producer import __version__
 from layertap.producer.cli import data as cli_data
 from layertap.producer.cli import dlq as cli_dlq
+from layertap.producer.cli import draft as cli_draft
 from layertap.producer.cli import regen as cli_regen
 from layertap.producer.cli import runs as cli_runs
 from layertap.producer.cli import worker as cli_worker
@@ -100,7 +101,7 @@ def inspect(
     except FileFormatError as exc:
         if MetaKey.CHECKSUMS in storage_for(file).read_header(file).metadata:
             raise  # a layertap file that fails its check: damaged, never to be waved through
-        raise CliError(f"{exc}; it has no layertap checksums (a file vLLM wrote, say): "
+        raise CliError(f"{exc}; it has no layertap checksums and is not laid out as vLLM writes its files: "
                        "`layertap inspect --no-verify` reads it unchecked") from None
     if plot is not None:
         from layertap.producer.files.plots import plot_file
@@ -128,6 +129,7 @@ def demo(
 
 
 cli_data.register(app)
+cli_draft.register(app)
 cli_regen.register(app)
 cli_worker.register(app)
 cli_dlq.register(app)

@@ -14,7 +14,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.progress import (
@@ -27,6 +27,9 @@ from rich.progress import (
 
 from layertap.producer.cli.common import err_console, fail
 from layertap.producer.ingest.formats import InputFormat
+
+if TYPE_CHECKING:
+    from layertap.producer.files.export_config import ExportLayers
 
 MAX_REPORTED_ROWS = 100
 
@@ -280,7 +283,8 @@ def export(
                                     "model's last layer."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
-    """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder)."""
+    """Export a run as training data for another trainer (vLLM speculators: hs_{i}.safetensors + a datasets folder,
+    float8 files as bfloat16 copies, the layer ids in speculators.yaml); prints the layer ids."""
     from layertap.producer.files.export import check_entries, export_speculators
     from layertap.producer.files.manifest import iter_manifest
     from layertap.producer.settings import Settings
@@ -294,17 +298,34 @@ def export(
     def entries() -> Any:
         return listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
 
-    with one_line_errors():  # every file's layers and dtype agree before anything is written
+    with one_line_errors():  # every file's layers agree before anything is written
         check_entries(entries(), check_layers=not any_layers)
     with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
         quiet_datasets()
         report = export_speculators(counted(entries(), step), out, check_layers=not any_layers,
                                     storage_options=Settings().storage_options)
     freq = ", token_freq.pt" if report.token_freq else " (no token_freq.pt: torch is not installed)"
+    dequantized = f", {report.dequantized} float8 written as bfloat16" if report.dequantized else ""
     err_console.print(f"{report.rows} rows, {report.tokens} tokens -> {out} ({report.linked} files linked, "
-                      f"{report.copied} copied{freq})", markup=False, highlight=False)
+                      f"{report.copied} copied{dequantized}{freq})", markup=False, highlight=False)
+    assert report.layers is not None  # an export has rows
+    print_export_layers(report.layers, out)
     if listing is not None:
         listing.fail_if_skipped()
+
+
+def print_export_layers(found: ExportLayers, out: Path) -> None:
+    """Say which layer ids an export holds and how speculators is to be told (``export_config``)."""
+    from layertap.producer.files.export_config import SPECULATORS_CONFIG
+
+    head = f"layers {found.layers} (vLLM ids, L = {found.num_hidden_layers})"
+    target = found.target_layer_ids
+    if target is None:
+        tail = f"; they do not end with {found.num_hidden_layers}: no {SPECULATORS_CONFIG} written"
+    else:
+        tail = (f": target layer ids {target} in {out / SPECULATORS_CONFIG} (speculators train --config it, "
+                f"or --target-layer-ids {' '.join(map(str, target))})")
+    print(head + tail, flush=True)
 
 
 def quiet_datasets() -> None:

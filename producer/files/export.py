@@ -1,6 +1,6 @@
-"""``layertap export --format speculators``: a run in the layout vLLM's speculators trainer reads.
+"""``layertap export --format speculators``: a run in the layout speculators (0.9) trains from.
 
-Layout (``scripts/train.py --data-path OUT --hidden-states-path OUT/hidden_states``)::
+Layout (``speculators train --config OUT/speculators.yaml --verifier-name-or-path MODEL``)::
 
     OUT/data-*.arrow, dataset_info.json, state.json   HF datasets, save_to_disk; torch format
         input_ids  list[int64]   the file's token_ids
@@ -8,14 +8,19 @@ Layout (``scripts/train.py --data-path OUT --hidden-states-path OUT/hidden_state
         seq_len    int64         len(input_ids)
         job_id     string        the layertap job of the row
     OUT/token_freq.pt            {token id: count} over loss_mask == 1 tokens (when torch is installed)
-    OUT/hidden_states/hs_{i}.safetensors   row i's layertap file: a hard link, else a copy (or a download)
+    OUT/hidden_states/hs_{i}.safetensors   row i's layertap file: a hard link, else a copy (or a download);
+                                           of a float8 file, its bfloat16 copy (``dequantized``)
+    OUT/hidden_states/hs_{i}.safetensors.lock   empty: vLLM's ``load_hidden_states`` opens it first
+    OUT/layertap-export.json, OUT/speculators.yaml   the layer ids (``export_config``)
 
 speculators loads ``hs_{i}`` with safetensors, takes ``hidden_states[:, :-1]`` as the
 auxiliary layers and ``hidden_states[:, -1]`` as the verifier's last layer, and checks
-``token_ids == input_ids``. So every file must hold the same layers, ending with vLLM
-id ``L`` (the last decoder layer before the final norm); the export refuses otherwise
-unless ``check_layers=False``. The extra tensors and header of a layertap file are ignored
-by it, so files are linked as they are (no bytes copied on one filesystem).
+``token_ids == input_ids``. So every file must hold the same layers, in ascending order (vLLM's,
+``protocol.layers``), at least two, ending with vLLM id ``L`` (the last decoder layer before the
+final norm); the export refuses otherwise (the last check is skipped with ``check_layers=False``).
+The extra tensors and header of a layertap file are ignored by it, so files are linked as they
+are (no bytes copied on one filesystem). hs_connectors' ``file`` backend removes a lock file the
+first time it reads its file; the data stays.
 
 Nothing is left half-written: :func:`check_entries` reads every entry's header facts before
 anything is written (``layertap export`` runs it first), and an export that fails anyway (a
@@ -35,8 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from layertap.producer.extras import need
+from layertap.producer.files.dequantized import FLOAT8, write_dequantized
+from layertap.producer.files.export_config import ExportLayers, write_export_config
 from layertap.producer.files.manifest import ManifestEntry
 from layertap.producer.protocol import fileformat as ff
+from layertap.producer.storage.local import add_lock_file
 from layertap.producer.storage.registry import storage_for
 
 HS_FOLDER = "hidden_states"
@@ -48,7 +56,11 @@ class ExportReport:
     tokens: int = 0
     linked: int = 0
     copied: int = 0
+    dequantized: int = 0  # float8 files written as their bfloat16 copies
     token_freq: bool = False
+    layers: ExportLayers | None = None  # every file's (the first row's, checked against it)
+    model: str = ""
+    hidden_size: int = 0
 
 
 def read_tokens(path: Path) -> tuple[Any, Any]:
@@ -64,36 +76,35 @@ def read_tokens(path: Path) -> tuple[Any, Any]:
     return token_ids, mask
 
 
-def refuse_float8(entry: ManifestEntry) -> None:
-    """speculators would read float8 codes without their per-row scales: refuse, always."""
-    if entry.dtype.startswith("float8"):
-        raise ValueError(f"job {entry.job_id} is stored as {entry.dtype}: speculators would read raw float8 codes "
-                         "without their scales; extract with dtype bfloat16 for a speculators export")
-
-
-def check_speculators_layers(entry: ManifestEntry, first: ManifestEntry) -> None:
-    """Refuse files speculators would misread: layers differing between files, or not ending with ``L``."""
+def check_speculators_layers(entry: ManifestEntry, first: ManifestEntry, *, last_layer: bool = True) -> None:
+    """Refuse files speculators would misread: layers differing between files, not in vLLM's ascending
+    order (files written before layertap stored them so), fewer than two, or (``last_layer``) not ending with ``L``."""
     if list(entry.layers) != list(first.layers):
         raise ValueError(f"job {entry.job_id} has layers {entry.layers} but job {first.job_id} has {first.layers}: "
                          "speculators needs the same layers in every file")
-    if entry.layers[-1] != entry.num_hidden_layers:
+    if list(entry.layers) != sorted(entry.layers):
+        raise ValueError(f"job {entry.job_id} has layers {entry.layers}, not in ascending order: vLLM feeds a draft "
+                         "its layers in ascending order; extract the run again (workers now store them so)")
+    if len(entry.layers) < 2:
+        raise ValueError(f"job {entry.job_id} has layers {entry.layers}: speculators needs auxiliary layers "
+                         "before the last")
+    if last_layer and entry.layers[-1] != entry.num_hidden_layers:
         raise ValueError(f"job {entry.job_id} has layers {entry.layers}: speculators reads the last one as the "
                          f"verifier's last layer, vLLM id {entry.num_hidden_layers} (ask for layers ending "
                          "with -1), or export with --any-layers")
 
 
-def check_entries(entries: Iterable[ManifestEntry], *, check_layers: bool = True) -> int:
-    """Refuse, before anything is written, what :func:`export_speculators` would refuse midway:
-    float8 files, and with ``check_layers`` layers differing between files or not ending with
-    ``L``. Returns how many entries there are."""
+def check_entries(entries: Iterable[ManifestEntry], *, check_layers: bool = True) -> ExportLayers:
+    """Refuse, before anything is written, what :func:`export_speculators` would refuse midway
+    (:func:`check_speculators_layers`; ``check_layers=False`` skips its last-layer check) and an
+    empty run; return the layers every entry holds."""
     first: ManifestEntry | None = None
-    count = 0
-    for count, entry in enumerate(entries, 1):
+    for entry in entries:
         first = first or entry
-        refuse_float8(entry)
-        if check_layers:
-            check_speculators_layers(entry, first)
-    return count
+        check_speculators_layers(entry, first, last_layer=check_layers)
+    if first is None:
+        raise ValueError("nothing to export: no ok results")
+    return ExportLayers(list(first.layers), first.num_hidden_layers)
 
 
 def export_speculators(entries: Iterable[ManifestEntry], out: str | Path, *, check_layers: bool = True,
@@ -134,15 +145,22 @@ def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_lay
 
         first: ManifestEntry | None = None
         for index, entry in enumerate(entries):
-            first = first or entry
-            refuse_float8(entry)
-            if check_layers:
-                check_speculators_layers(entry, first)
+            if first is None:
+                first = entry
+                report.layers = ExportLayers(list(entry.layers), entry.num_hidden_layers)
+                report.model, report.hidden_size = entry.model, entry.hidden_size
+            check_speculators_layers(entry, first, last_layer=check_layers)
             target = hs_folder / f"hs_{index}.safetensors"
-            linked = storage_for(entry.path, storage_options).copy_to(entry.path, target)  # a link, or a copy
+            if entry.dtype == FLOAT8:
+                write_dequantized(entry.path, target, storage_options)
+                report.dequantized += 1
+            elif storage_for(entry.path, storage_options).copy_to(entry.path, target):  # a link, or a copy
+                report.linked += 1
+            else:
+                report.copied += 1
+            add_lock_file(target)
             token_ids, mask = read_tokens(target)
             report.rows, report.tokens = report.rows + 1, report.tokens + len(token_ids)
-            report.linked, report.copied = report.linked + linked, report.copied + (not linked)
             ids, counts = np.unique(token_ids[mask == 1], return_counts=True)
             token_freq.update(dict(zip(ids.tolist(), counts.tolist())))
             if on_row:
@@ -165,6 +183,9 @@ def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_lay
             save_token_freq(dict(token_freq), out / "token_freq.pt")
             report.token_freq = True
         dataset.save_to_disk(str(out))
+    assert report.layers is not None  # set with the first row
+    write_export_config(out, report.layers, model=report.model, hidden_size=report.hidden_size, rows=report.rows,
+                        tokens=report.tokens)
     return report
 
 

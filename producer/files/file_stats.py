@@ -15,6 +15,8 @@ from layertap.producer.protocol.fileformat import (
     SCALE_SUFFIX,
     FileHeader,
     MetaKey,
+    check_vllm_file,
+    is_vllm_file,
     read_file_header,
     verify_file,
 )
@@ -23,12 +25,15 @@ from layertap.producer.storage.registry import storage_for
 
 
 def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
-    """A JSON-ready description of one file (a path or URL)."""
+    """A JSON-ready description of one file (a path or URL); ``verify`` checks a layertap file whole,
+    a file vLLM wrote as far as it can be (``fileformat.check_vllm_file``: it has no checksums)."""
     storage = storage_for(path)
     with storage.local(str(path)) as local:
-        if verify:
-            verify_file(local, name=path)
         header = read_file_header(local, name=path)
+        if verify and is_vllm_file(header):
+            check_vllm_file(header, path)
+        elif verify:
+            verify_file(local, name=path)
         meta = header.metadata
         tensors = {name: {"shape": info["shape"], "dtype": info["dtype"]} for name, info in header.tensors.items()}
         layers = json.loads(meta.get(MetaKey.LAYERS, "[]"))

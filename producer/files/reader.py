@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from layertap.producer.protocol import fp8
-from layertap.producer.protocol.fileformat import FileFormatError, check_checksums, read_file_header, verify_file
+from layertap.producer.protocol.fileformat import (
+    FileFormatError,
+    check_checksums,
+    check_vllm_file,
+    is_vllm_file,
+    read_file_header,
+    verify_file,
+)
 from layertap.producer.storage.registry import storage_for
 
 
@@ -37,13 +44,20 @@ def load_hidden_states(
     values (their ``_scale`` tensors consumed) unless ``dequantize=False``, which gives the
     stored tensors as they are (with numpy: raw uint8 codes).
     The default framework is ``"pt"`` where torch is installed and ``"np"`` where it is not
-    (the client install).
+    (the client install). A file vLLM wrote (``fileformat.is_vllm_file``: no header metadata,
+    only ``hidden_states`` and ``token_ids``) has no checksums: ``verify`` checks its dtypes and
+    shapes (``fileformat.check_vllm_file``) and nothing of its bytes.
     """
     if framework is None:
         framework = "pt" if importlib.util.find_spec("torch") is not None else "np"
     with storage_for(path, storage_options).local(str(path)) as local:
-        in_place = verify and framework == "pt" and device == "cpu"  # checksums on the loaded bytes
-        header = verify_file(local, checksums=not in_place, name=path) if verify else read_file_header(local, name=path)
+        header = read_file_header(local, name=path)
+        vllm = is_vllm_file(header)
+        in_place = verify and not vllm and framework == "pt" and device == "cpu"  # checksums on the loaded bytes
+        if verify and vllm:
+            check_vllm_file(header, path)
+        elif verify:
+            header = verify_file(local, checksums=not in_place, name=path)
         meta = header.metadata
         if framework == "pt":
             import torch

@@ -25,6 +25,10 @@ Format version 2 adds ``weights_fingerprint``, ``content_id`` and ``header_check
 * ``header_checksum`` is the CRC-32 of the canonical JSON of the other metadata and the tensor
   shapes (:func:`header_checksum`): one changed character anywhere in them is found.
 
+A file vLLM's hidden-states connector wrote (:func:`is_vllm_file`: no header metadata, exactly
+``hidden_states`` and ``token_ids``) records no checksums, layers or model: :func:`check_vllm_file`
+checks what can be checked of it (dtypes, shapes, the token count).
+
 Every problem with a header (not JSON, missing or mistyped entries, a checksum that does not
 match, JSON nested deeper or holding more arrays and objects than a layertap header can, a size
 or offset past the file's end, a length larger than the file) raises :class:`FileFormatError`,
@@ -77,6 +81,8 @@ ALLOWED_DTYPES: dict[str, set[str]] = {
     TOPK_IDS: {"I32"},
 }
 REQUIRED_TENSORS = (HIDDEN_STATES, TOKEN_IDS)
+#: The safetensors dtypes of ``hidden_states`` in a file vLLM wrote (the model's dtype).
+VLLM_STATE_DTYPES = {"BF16", "F16", "F32"}
 #: numpy views of safetensors dtypes: bfloat16 is read as uint16 and widened, float8 stays raw codes.
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8,
                  "BF16": np.uint16, FLOAT8: np.uint8}
@@ -135,6 +141,8 @@ class MetaKey:
     # The fixes that changed what this model's files hold (the worker's ``model.fixes``), where it has any:
     # a file written before one lacks it, so it no longer matches what a worker would write.
     COMPUTE_FIXES = "compute_fixes"
+    # An export's bfloat16 copy of a float8 file (layertap.producer.files.dequantized): the dtype it was decoded from.
+    DEQUANTIZED_FROM = "dequantized_from"
     CONTENT_ID = "content_id"  # content_id() of the IDENTITY_KEYS below
     CHECKSUMS = "checksums"  # JSON {tensor name: crc32 hex}
     HEADER_CHECKSUM = "header_checksum"  # header_checksum() of the rest of the metadata and the tensor shapes
@@ -179,6 +187,17 @@ def header_checksum(metadata: dict[str, str], shapes: dict[str, list[int]]) -> s
     tensor's shape: what the writer records and every header reader checks (version 2)."""
     rest = {key: value for key, value in metadata.items() if key != MetaKey.HEADER_CHECKSUM}
     return crc32_hex(canonical_json({"metadata": rest, "shapes": shapes}).encode("utf-8"))
+
+
+def sealed_metadata(metadata: dict[str, str], tensor_bytes: dict[str, Any],
+                    shapes: dict[str, list[int]]) -> dict[str, str]:
+    """``metadata`` with what a writer records last: the ``checksums`` of each tensor's raw bytes
+    (``tensor_bytes``: name -> a bytes-like object) and the :func:`header_checksum` over all of it
+    and the tensors' ``shapes``."""
+    sums = {name: crc32_hex(data) for name, data in tensor_bytes.items()}
+    sealed = {**metadata, MetaKey.CHECKSUMS: json.dumps(sums, sort_keys=True)}
+    sealed[MetaKey.HEADER_CHECKSUM] = header_checksum(sealed, shapes)
+    return sealed
 
 
 @dataclass(frozen=True)
@@ -358,6 +377,26 @@ def layers_of(header: FileHeader) -> list[int]:
 def metadata_of(path: str | Path) -> dict[str, str]:
     """The header metadata of a file, without loading any tensor."""
     return read_file_header(path).metadata
+
+
+def is_vllm_file(header: FileHeader) -> bool:
+    """Whether a file is laid out as vLLM's hidden-states connector writes it: no header metadata
+    (so no layertap file: every one has some), exactly ``hidden_states`` and ``token_ids``."""
+    return not header.metadata and set(header.tensors) == set(REQUIRED_TENSORS)
+
+
+def check_vllm_file(header: FileHeader, name: str | Path | None = None) -> None:
+    """Check what a vLLM file's header allows (:func:`is_vllm_file`; it records no checksums, layers
+    or model): ``hidden_states`` ``[T, n, H]`` in the model's dtype with ``n, H >= 1``, ``token_ids``
+    ``[T]`` int64. Raises :class:`FileFormatError` (``name``: what it calls the file)."""
+    label = header.path if name is None else name
+    hidden, tokens = header.tensors[HIDDEN_STATES], header.tensors[TOKEN_IDS]
+    if hidden["dtype"] not in VLLM_STATE_DTYPES or len(hidden["shape"]) != 3 or 0 in hidden["shape"][1:]:
+        raise FileFormatError(f"{label}: hidden_states is {hidden['dtype']} {hidden['shape']}, not [tokens, layers, "
+                              f"hidden] in one of {sorted(VLLM_STATE_DTYPES)} (a file vLLM wrote)")
+    if tokens["dtype"] != "I64" or tokens["shape"] != hidden["shape"][:1]:
+        raise FileFormatError(f"{label}: token_ids is {tokens['dtype']} {tokens['shape']} but hidden_states has "
+                              f"{hidden['shape'][0]} tokens (int64 [tokens] expected)")
 
 
 def verify_file(path: str | Path, *, checksums: bool = True, name: str | Path | None = None) -> FileHeader:

@@ -75,6 +75,12 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def add_lock_file(path: Path) -> None:
+    """Create the (unlocked) lock file of a local file that is complete before anyone reads it (an
+    export's ``hs_{i}``): vLLM's ``load_hidden_states`` opens ``<file>.lock`` first and fails without one."""
+    os.close(os.open(lock_path(path), os.O_CREAT | os.O_WRONLY, 0o644))
+
+
 def _fsync_path(path: Path | str, flags: int = os.O_RDONLY) -> None:
     fd = os.open(path, flags)
     try:

@@ -191,19 +191,25 @@ def test_status_shows_running_jobs_and_no_live_workers(day, tmp_path):
     assert alone.returncode == 0 and "no live workers" in alone.stdout, alone.stderr
 
 
-def test_inspect_names_the_norm_and_suggests_no_verify_for_a_vllm_file(day):
+def test_inspect_reads_a_vllm_file_and_suggests_no_verify_for_another_tools(day):
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((5, 2, 8)).astype(np.float32)
     path = day.work / "vllm-request.safetensors"  # as vLLM's connector writes: two tensors, no metadata
     save_file({"hidden_states": hidden, "token_ids": np.arange(5, dtype=np.int64)}, str(path))
-    checked = day.layertap("inspect", str(path))
-    assert checked.returncode == 1
-    assert "not a layertap file" in checked.stderr and "layertap inspect --no-verify" in checked.stderr
-    unchecked = day.layertap("inspect", str(path), "--no-verify")
-    assert unchecked.returncode == 0, unchecked.stderr
-    assert "mean token L2 norm" in unchecked.stdout
-    first_layer = next(line for line in unchecked.stdout.splitlines() if re.match(r"│ 0\s+│", line))
+    checked = day.layertap("inspect", str(path))  # its dtypes and shapes checked: it has no checksums
+    assert checked.returncode == 0, checked.stderr
+    assert "mean token L2 norm" in checked.stdout
+    first_layer = next(line for line in checked.stdout.splitlines() if re.match(r"│ 0\s+│", line))
     expected = np.linalg.norm(hidden[:, 0, :], axis=-1).mean()
     assert f"{expected:.4g}" in first_layer
+
+    other = day.work / "other-tool.safetensors"  # metadata of its own: neither a layertap nor a vLLM file
+    save_file({"hidden_states": hidden, "token_ids": np.arange(5, dtype=np.int64)}, str(other),
+              metadata={"format": "pt"})
+    refused = day.layertap("inspect", str(other))
+    assert refused.returncode == 1
+    assert "not a layertap file" in refused.stderr and "layertap inspect --no-verify" in refused.stderr
+    unchecked = day.layertap("inspect", str(other), "--no-verify")
+    assert unchecked.returncode == 0 and f"{expected:.4g}" in unchecked.stdout, unchecked.stderr

@@ -24,8 +24,8 @@ def test_queue_path_matches_transformers(arch, arch_workers, tiny_models, client
     model_dir = str(tiny_models[arch])
     _, tokenizer = load(model_dir)
     num_layers = 4
-    asked = [num_layers, 0, -2, 2]  # unordered on purpose: file order = order asked
-    resolved = [4, 0, 3, 2]
+    asked = [num_layers, 0, -2, 2]  # unordered on purpose: files hold them ascending, as vLLM captures them
+    resolved = [0, 2, 3, 4]
     jobs = [client.submit({"prompt": p}, model=f"tiny-{arch}", run=run_name, layers=asked) for p in PROMPTS]
     token_job = client.submit({"token_ids": [5, 17, 33, 2, 9, 101]}, model=f"tiny-{arch}", run=run_name,
                               layers=[-1, 1])
@@ -48,7 +48,7 @@ def test_queue_path_matches_transformers(arch, arch_workers, tiny_models, client
     token_result = results[token_job.job_id]
     assert token_result.ok, token_result.error
     files = load_hidden_states(token_result.path)
-    torch.testing.assert_close(files["hidden_states"], reference_states(model_dir, [5, 17, 33, 2, 9, 101], [4, 1]),
+    torch.testing.assert_close(files["hidden_states"], reference_states(model_dir, [5, 17, 33, 2, 9, 101], [1, 4]),
                                atol=1e-5, rtol=1e-5)
 
 

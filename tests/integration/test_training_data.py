@@ -1,9 +1,11 @@
 """Consuming a run: the manifest lists each ok job once with its file's facts; HiddenStatesDataset
 yields the documented tensors and collate pads them; the speculators export loads with
-datasets.load_from_disk and its files with vLLM's reader protocol."""
+datasets.load_from_disk and its files with vLLM's reader protocol, carries the layer ids where
+speculators reads them (checked by check-draft), and writes float8 files as bfloat16 states."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -13,14 +15,17 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from layertap.producer.dataset import HiddenStatesDataset, collate
 from layertap.producer.files.manifest import iter_manifest
 from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.fileformat import MetaKey, metadata_of
+from tests.integration.test_training_record import FLOAT32_ATOL, FP8_RELATIVE, FP8_SUBNORMAL
 from tests.support.processes import cli
-from tests.support.reference import load
+from tests.support.reference import load, reference_states
 
 CHATS = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
@@ -117,11 +122,26 @@ def test_manifest_dataset_and_collate(finished_run, tiny_models, tmp_path):
         assert torch.equal(batch["hidden_states"][b, :length], dataset[b]["hidden_states"])
 
 
+def vllm_load_hidden_states(path):
+    """vLLM's reader protocol, as its ``load_hidden_states``: open ``<path>.lock`` (it must exist), take a
+    shared flock, then safetensors' ``load_file``."""
+    with open(f"{path}.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        return load_file(str(path), device="cpu")
+
+
 def test_speculators_export(finished_run, tmp_path, client):
     run, expected, env = finished_run
     out_dir = tmp_path / "speculators"
     done = run_cli(env, "export", "--run", run, "--format", "speculators", "--out", str(out_dir))
     assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("layers [1, 2, 4] (vLLM ids, L = 4): target layer ids [1, 2] in ")
+    assert "--target-layer-ids 1 2" in done.stdout
+    record = json.loads((out_dir / "layertap-export.json").read_text())
+    assert record == {"layers": LAYERS, "num_hidden_layers": 4, "target_layer_ids": [1, 2], "model": "tiny-qwen3",
+                      "hidden_size": 64, "rows": len(expected), "tokens": record["tokens"]}
+    assert yaml.safe_load((out_dir / "speculators.yaml").read_text()) == {  # speculators train --config's layout
+        "train": {"data": {"data_path": str(out_dir.resolve())}, "draft": {"target_layer_ids": [1, 2]}}}
     exported = datasets.load_from_disk(str(out_dir))
     assert len(exported) == len(expected)
     assert {"input_ids", "loss_mask", "seq_len"} <= set(exported.column_names)
@@ -130,8 +150,9 @@ def test_speculators_export(finished_run, tmp_path, client):
     token_freq: dict[int, int] = {}
     for index, row in enumerate(exported):
         hs_path = out_dir / "hidden_states" / f"hs_{index}.safetensors"
-        files = load_hidden_states(hs_path)  # vLLM's reader protocol
+        files = load_hidden_states(hs_path)
         original = load_file(paths[row["job_id"]])
+        assert torch.equal(vllm_load_hidden_states(hs_path)["hidden_states"], original["hidden_states"])
         assert os.stat(hs_path).st_ino == os.stat(paths[row["job_id"]]).st_ino  # a hard link, no copy
         assert torch.equal(files["hidden_states"], original["hidden_states"])
         assert torch.equal(row["input_ids"], files["token_ids"])
@@ -142,6 +163,23 @@ def test_speculators_export(finished_run, tmp_path, client):
         for token, count in zip(ids.tolist(), counts.tolist()):
             token_freq[token] = token_freq.get(token, 0) + count
     assert torch.load(out_dir / "token_freq.pt") == token_freq
+
+    assert record["tokens"] == sum(int(length) for length in exported["seq_len"])
+
+    # a draft config naming other layers than the data's fails before any training, with both lists
+    checked = run_cli(env, "check-draft", "--config", str(out_dir / "speculators.yaml"), "--export", str(out_dir))
+    assert checked.returncode == 0 and checked.stdout.startswith("ok: target layer ids [1, 2]"), checked.stderr
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 3]}))
+    wrong = run_cli(env, "check-draft", "--config", str(draft), "--run", run)
+    assert wrong.returncode == 1
+    assert f"{draft / 'config.json'} names [2, 3] but the data's auxiliary layers are [1, 2]" in wrong.stderr
+    (draft / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"]}))  # names none
+    default = run_cli(env, "check-draft", "--config", str(draft), "--export", str(out_dir))
+    assert default.returncode == 1 and "names none, so the default [2, 2, 1]" in default.stderr
+    reordered = run_cli(env, "check-draft", "--target-layer-ids", "2 1", "--export", str(out_dir))
+    assert reordered.returncode == 0, reordered.stderr  # vLLM serves them ascending: the same states
 
     again = run_cli(env, "export", "--run", run, "--format", "speculators", "--out", str(out_dir))
     assert again.returncode == 1 and again.stderr.startswith(f"error: {out_dir} is not empty")
@@ -173,13 +211,35 @@ def test_speculators_export_refuses_files_without_the_last_layer(workers, redis_
     allowed = run_cli(env, "export", "--run", run_name, "--out", str(tmp_path / "b"), "--any-layers")
     assert allowed.returncode == 0, allowed.stderr
     assert len(datasets.load_from_disk(str(tmp_path / "b"))) == 1
+    assert "they do not end with 4: no speculators.yaml written" in allowed.stdout
+    assert not (tmp_path / "b" / "speculators.yaml").exists()
 
 
-def test_speculators_export_refuses_float8_files(workers, redis_server, client, run_name, tmp_path):
+def test_speculators_export_writes_float8_files_as_bfloat16_states(workers, tiny_models, redis_server, client,
+                                                                   run_name, tmp_path):
     env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
-    out = run_cli(env, "enqueue", "--model", "tiny-qwen3", "--run", run_name, "--dtype", "float8", "--prompt", "hi")
+    out = run_cli(env, "enqueue", "--model", "tiny-qwen3", "--run", run_name, "--dtype", "float8", "--prompt", PROMPT)
     assert out.returncode == 0, out.stderr
-    assert client.wait(run_name, out.stdout.split(), timeout=60)[out.stdout.split()[0]].ok
-    refused = run_cli(env, "export", "--run", run_name, "--out", str(tmp_path / "fp8"), "--any-layers")
-    assert refused.returncode == 1
-    assert "speculators would read raw float8 codes" in refused.stderr and "Traceback" not in refused.stderr
+    result = client.wait(run_name, out.stdout.split(), timeout=60)[out.stdout.split()[0]]
+    assert result.ok and result.dtype == "float8_e4m3"
+    done = run_cli(env, "export", "--run", run_name, "--out", str(tmp_path / "fp8"))
+    assert done.returncode == 0, done.stderr
+    assert "1 float8 written as bfloat16" in done.stderr
+
+    hs_path = tmp_path / "fp8" / "hidden_states" / "hs_0.safetensors"
+    plain = vllm_load_hidden_states(hs_path)  # what speculators' file backend and vLLM's reader get: states
+    assert plain["hidden_states"].dtype == torch.bfloat16 and "hidden_states_scale" not in plain
+    decoded = load_hidden_states(result.path)  # the float8 file, decoded with its scales
+    assert torch.equal(plain["hidden_states"], decoded["hidden_states"].to(torch.bfloat16))
+    assert torch.equal(load_hidden_states(hs_path)["hidden_states"], plain["hidden_states"])  # a verified layertap file
+    meta = metadata_of(hs_path)
+    assert (meta[MetaKey.DTYPE], meta[MetaKey.DEQUANTIZED_FROM]) == ("bfloat16", "float8_e4m3")
+
+    # the documented error against the captured states: float8's bound plus bfloat16's rounding of the value
+    token_ids = plain["token_ids"].tolist()
+    exact = reference_states(str(tiny_models["qwen3"]), token_ids, LAYERS)
+    scale = load_hidden_states(result.path, dequantize=False)["hidden_states_scale"]
+    copy = plain["hidden_states"].float()
+    bound = (FP8_RELATIVE * exact.abs() + FP8_SUBNORMAL * scale[..., None] + 2.0**-8 * decoded["hidden_states"].abs()
+             + 2 * FLOAT32_ATOL)
+    assert torch.all((copy - exact).abs() <= bound), f"worst excess {((copy - exact).abs() - bound).max().item():.3g}"

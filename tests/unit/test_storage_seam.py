@@ -50,6 +50,9 @@ ALLOWED = {
     ("worker/job/writer.py", "safetensors.torch.save_file"): "the local path of Storage.write (committed by it)",
     ("producer/files/export.py", "safetensors.safe_open"): "the export's own hs_{i} copy (made by Storage.copy_to)",
     ("producer/files/export.py", ".unlink"): "the export's own output folder, emptied after a failure",
+    ("producer/files/dequantized.py", "layertap.producer.protocol.fileformat.read_file_header"):
+        "the local path of Storage.local",
+    ("producer/files/dequantized.py", "safetensors.torch.save_file"): "the export's own new hs_{i} file",
     ("producer/files/manifest.py", "open"): "the manifest file (written, read), not a job file",
     ("producer/files/manifest.py", "os.replace"): "the manifest file's temp, renamed into place",
     ("worker/ops/phase.py", "os.replace"): "the worker's phase file",

@@ -16,7 +16,6 @@ A file at its address is therefore always complete, on every backend.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from enum import Enum
@@ -25,23 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from layertap.producer.protocol.fileformat import (
-    FileFormatError,
-    FileHeader,
-    MetaKey,
-    crc32_hex,
-    header_checksum,
-)
+from layertap.producer.protocol.fileformat import FileFormatError, FileHeader, MetaKey, sealed_metadata
 from layertap.producer.storage.base import Storage
 from layertap.producer.storage.registry import storage_for
 
 log = logging.getLogger(__name__)
-
-
-def tensor_checksums(tensors: dict[str, torch.Tensor]) -> str:
-    """JSON {name: crc32 of the tensor's raw bytes}, as stored in the header."""
-    sums = {name: crc32_hex(tensor.contiguous().view(torch.uint8).numpy()) for name, tensor in tensors.items()}
-    return json.dumps(sums, sort_keys=True)
 
 
 class OnDisk(str, Enum):
@@ -92,9 +79,9 @@ def write_job_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata:
     protocol above (``metadata`` has the job's ``spec_hash`` and ``content_id``). Returns False if
     an equal file was kept; raises :class:`FileTaken`."""
     storage, path = (storage_for(path) if storage is None else storage), str(path)
-    metadata = {**metadata, MetaKey.CHECKSUMS: tensor_checksums(tensors)}
-    metadata[MetaKey.HEADER_CHECKSUM] = header_checksum(metadata, {name: list(t.shape) for name, t in tensors.items()})
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    metadata = sealed_metadata(metadata, {name: tensor.view(torch.uint8).numpy() for name, tensor in tensors.items()},
+                               {name: list(tensor.shape) for name, tensor in tensors.items()})
     with storage.lock(path):
         existing = examine(path, metadata[MetaKey.SPEC_HASH], metadata[MetaKey.CONTENT_ID], storage)
         if existing.state is OnDisk.matches:
