@@ -70,6 +70,7 @@ class WorkerSettings(BaseModel):
     prepare_ahead_batches: int = Field(default=2, ge=0)  # task threads prepare jobs while fewer batches are queued
     host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
+    prefix_sharing: bool = True  # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
     tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.tower_graphs.SIZES)
     # torch CPU threads per operation; 0 = 1 on a GPU (its preparers and writers share the host with the

@@ -23,7 +23,7 @@ from layertap.producer.storage.base import Storage
 from layertap.producer.storage.registry import storage_for
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.scheduler import MAX_PADDING
-from layertap.worker.engine.self_check import check_with_fallback
+from layertap.worker.engine.self_check import check_prefix_sharing, check_with_fallback
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.tokenize import Preparer
@@ -40,14 +40,16 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     host_buffers: int = 3, writer_threads: int = 8, prepare_ahead: int = 2,
                     compile_layers: bool = False, images_root: Path | None = None,
                     on_fatal: Callable[[BaseException], None] | None = None,
-                    tower_graphs: int = tower_graph_sizes) -> JobProcessor:
+                    tower_graphs: int = tower_graph_sizes, prefix_sharing: bool = True) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
     The engine passes the batching self-check first (``layertap.worker.engine.self_check``), falling back
     to slower exact layouts where batching changes the states, or this raises
     :class:`~layertap.worker.model.batching.ModelRefused` and nothing is served; then image chats get
     theirs (``layertap.worker.job.image_check``: one per forward where batched ones differ), and
-    a batched grid tower on a GPU its CUDA graphs, for up to ``tower_graphs`` image sizes."""
+    a batched grid tower on a GPU its CUDA graphs, for up to ``tower_graphs`` image sizes. With
+    ``prefix_sharing`` (and the load-time prefix check passed), a row that begins with a longer row
+    of its batch is sliced from it (``layertap.worker.engine.prefix_share``)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 
@@ -58,6 +60,12 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                       on_fatal=on_fatal)
 
     engine, report = check_with_fallback(loaded, start_engine)
+    if prefix_sharing:
+        unshared = check_prefix_sharing(engine)
+        if unshared:
+            log.warning("%s: rows that begin with another row are computed on their own: %s", loaded.architecture,
+                        unshared)
+        engine.prefix_sharing = unshared is None
     check_image_batching(engine, preparer)
     use_tower_graphs(loaded, tower_graphs)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)

@@ -116,7 +116,7 @@ def run_worker(settings: Settings) -> int:
                                 host_buffers=ws.host_buffers, writer_threads=ws.writer_threads,
                                 prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, images_root=settings.images_root, on_fatal=on_fatal,
-                                tower_graphs=ws.tower_graphs)
+                                tower_graphs=ws.tower_graphs, prefix_sharing=ws.prefix_sharing)
     log.info("image chats: %s", f"{type(loaded.processor).__name__}, {loaded.image_batching.describe()}, paths under "
              f"{settings.images_root or '(no images_root: data URLs only)'}" if loaded.processor is not None
              else f"not served ({loaded.processor_problem})")

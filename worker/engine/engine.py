@@ -50,6 +50,7 @@ from layertap.worker.engine.errors import BatchFailed, DeviceFault, EngineStoppe
 from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
 from layertap.worker.engine.inputs import batch_policy
 from layertap.worker.engine.layout import place_jobs
+from layertap.worker.engine.prefix_share import family_batch, plan_sharing, with_served
 from layertap.worker.engine.records import EngineRequest, EngineStats, JobSlice
 from layertap.worker.engine.runner import BatchRunner, image_layout, is_device_fatal
 from layertap.worker.engine.scheduler import MAX_PADDING, BatchPolicy
@@ -83,7 +84,10 @@ class Engine:
         self.stats = EngineStats()
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
-        self.on_batch: Callable[[int, int], None] | None = None  # called (jobs, tokens) after each batch
+        self.on_batch: Callable[[int, int], None] | None = None  # called (jobs, tokens computed) after each batch
+        #: Serve a row that begins with a longer row of its batch from that row (``prefix_share``);
+        #: set once the model passed ``self_check.check_prefix_sharing``.
+        self.prefix_sharing = False
         self._cuda = loaded.device.type == "cuda"
         self._pending: deque[EngineRequest] = deque()
         self._pending_tokens = 0
@@ -189,6 +193,7 @@ class Engine:
     def snapshot(self) -> dict[str, float]:
         """Counters for monitoring (JSON-ready); does not wait for the device."""
         return {"batches": self.stats.batches, "jobs": self.stats.jobs, "tokens": self.stats.tokens,
+                "shared_tokens": self.stats.shared_tokens,
                 "busy_s": round(self.busy_seconds(wait=False), 6), "oom_splits": self.stats.oom_splits,
                 "run_s": round(self.stats.run_s, 6), "run_cpu_s": round(self.stats.run_cpu_s, 6),
                 "buffer_wait_s": round(self.stats.buffer_wait_s, 6),
@@ -252,7 +257,11 @@ class Engine:
             # a batch has one output dtype: requests of another wait for a later batch; chats with
             # images (extra model inputs, the model's own forward) batch only with each other
             compatible = [r.output_dtype == head_dtype and (r.model_inputs is not None) == images for r in pending]
-            chosen = self._policy(images).select([r.num_tokens for r in pending], compatible)
+            policy = self._policy(images)
+            if self.prefix_sharing and not images:
+                chosen = family_batch(pending, compatible, policy.select, policy.max_jobs)
+            else:
+                chosen = policy.select([r.num_tokens for r in pending], compatible)
             taken = set(chosen)
             self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
             batch = [pending[i] for i in chosen]
@@ -279,20 +288,24 @@ class Engine:
         return [r for i, r in enumerate(requests) if i in chosen]
 
     def _run_or_split(self, batch: list[EngineRequest]) -> None:
+        sources = plan_sharing(batch) if self.prefix_sharing else {}
+        computed = [index for index in range(len(batch)) if index not in sources]
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
-            ran = self._runner.run(batch)
+            ran = self._runner.run([batch[index] for index in computed])
         except torch.OutOfMemoryError:
             ran = None  # handled below, once the traceback (and the activations it holds) is gone
         self.stats.run_s += time.perf_counter() - wall
         self.stats.run_cpu_s += time.thread_time() - cpu
         if ran is None:
             self._release_cached_memory()
-            if len(batch) == 1:
-                request = batch[0]
+            if len(computed) == 1:
+                request = batch[computed[0]]
                 request.future.set_exception(OutOfMemory(
                     f"{request.num_tokens} tokens do not fit in device memory even alone; "
                     "lower max_length or use a larger GPU"))
+                if sources:  # the rows it would have served are shorter: they may fit on their own
+                    self._run_or_split([batch[index] for index in sources])
                 return
             self.stats.oom_splits += 1
             half = len(batch) // 2
@@ -301,15 +314,20 @@ class Engine:
             self._run_or_split(batch[half:])
             return
         output, holders = ran
-        places = place_jobs([r.num_tokens for r in batch], [r.layer_ids for r in batch],
-                            [r.topk_row_count for r in batch])
+        ran_requests = [batch[index] for index in computed]
+        places = place_jobs([r.num_tokens for r in ran_requests], [r.layer_ids for r in ran_requests],
+                            [r.topk_row_count for r in ran_requests])
         tokens = places[-1].end
         self.stats.batches += 1
         self.stats.jobs += len(batch)
         self.stats.tokens += tokens
-        for request, place in zip(batch, places):
-            request.future.set_result(JobSlice(output, place.start, place.end, place.slots, place.topk_rows,
-                                               request.topk, request.want_final, holders.release_handle()))
+        self.stats.shared_tokens += sum(batch[index].num_tokens for index in sources)
+        slices = with_served(batch, sources, {
+            index: JobSlice(output, place.start, place.end, place.slots, place.topk_rows, batch[index].topk,
+                            batch[index].want_final, holders.release_handle())
+            for index, place in zip(computed, places)})
+        for index, request in enumerate(batch):
+            request.future.set_result(slices[index])
         if self.on_batch is not None:
             self.on_batch(len(batch), tokens)
 

@@ -163,7 +163,8 @@ class EngineStats:
     """Counters of finished batches (written by the engine thread only)."""
 
     batches: int = 0
-    tokens: int = 0
+    tokens: int = 0  # computed (a row served from a longer row of its batch is not)
+    shared_tokens: int = 0  # served from a longer row of the same batch instead of computed (``prefix_share``)
     jobs: int = 0
     oom_splits: int = 0
     #: The engine thread's wall and CPU seconds in its batches' runs (forward launched, copy-out

@@ -147,6 +147,30 @@ def check_batching(engine: Engine, seed: int = 0, plan: ProbePlan | None = None)
     return report
 
 
+def check_prefix_sharing(engine: Engine, seed: int = 1) -> str | None:
+    """Whether a row's states equal those of a longer row that begins with it, at the same
+    positions (``layertap.worker.job.prefix_share``): the self-check's longest probe and two of its
+    prefixes, each run alone, every layer compared with the batching tolerance of the dtype.
+    None where they agree; else why not (then no row is served from another)."""
+    loaded = engine.loaded
+    longest = max(probe_plan(loaded).lengths)
+    ids = torch.randint(0, loaded.vocab_size, (longest,), generator=torch.Generator().manual_seed(seed))
+    layer_ids = list(range(loaded.num_layers + 1))
+    errors = []
+    try:
+        with each_sequence_alone(loaded):
+            whole = captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0]
+            for length in (longest // 3, 2 * longest // 3):
+                part = captured_states([engine.submit(EngineRequest(ids[:length], layer_ids))])[0]
+                errors.append(relative_error_per_layer(whole[:length], part))
+    except EngineError as exc:
+        return f"its forward fails on the prefix check ({exc})"
+    report = worst_of(errors, loaded.dtype)
+    if report.worst_relative_error <= report.tolerance:
+        return None
+    return f"a row's states differ from those of a longer row that begins with it ({report.describe()})"
+
+
 def check_with_fallback(loaded: LoadedModel, start_engine: Callable[[], Engine]) -> tuple[Engine, CheckReport]:
     """Start an engine for ``loaded`` and self-check its layout; while the check fails, stop it
     and fall back to the layout's next alternative that admits the model (``use_layout``),

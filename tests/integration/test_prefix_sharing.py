@@ -1,0 +1,70 @@
+"""Per-turn rows share their prefixes (issue 47, item 1): a bundle of rows in which each row is a
+conversation through one more turn computes only its conversations' longest rows, and every file
+equals plain transformers run on that row alone; a model whose states at a prefix depend on the row's
+length (DeepSeek-V4's indexer) shares nothing. Tiny random float32 models, the worker's own processor."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.protocol.schema import Job
+from layertap.producer.storage.registry import storage_for
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.loading import load_model
+from tests.support.reference import block_input_states
+from tests.support.tiny_configs import build_tiny_type
+
+TOLERANCE = 1e-5
+TURNS = (13, 29, 44, 60)  # a row per assistant turn: the conversation through it
+
+
+def conversations(count: int, seed: int = 0) -> list[list[list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    chats = [torch.randint(3, 120, (max(TURNS),), generator=generator).tolist() for _ in range(count)]
+    return [[chat[:length] for length in TURNS] for chat in chats]
+
+
+def worst_error(model_dir: str, rows: list[list[int]], paths: list[str], layers: list[int]) -> float:
+    worst = 0.0
+    for ids, path in zip(rows, paths):
+        got = load_hidden_states(path)["hidden_states"].double().flatten(2)
+        reference = block_input_states(model_dir, ids, layers).double().flatten(2)
+        worst = max(worst, float(((got - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)).max()))
+    return worst
+
+
+@pytest.mark.parametrize(("model_type", "order"), [("qwen3", "turns"), ("qwen3", "shuffled"), ("qwen3_next", "turns")])
+def test_a_bundle_of_per_turn_rows_computes_each_conversation_once(model_type, order, tmp_path):
+    model_dir = str(build_tiny_type(model_type, tmp_path / "model"))
+    loaded = load_model(model_dir, name=model_type, device="cpu", dtype="float32")
+    layers = list(range(loaded.num_layers + 1))
+    rows = [row for family in conversations(4) for row in family]
+    if order == "shuffled":
+        random.Random(0).shuffle(rows)
+    with Extractor(loaded, layers=layers, batch_wait_ms=300) as extractor:
+        engine = extractor.processor.engine
+        assert engine.prefix_sharing, "the load-time prefix check passed"
+        computed, shared = engine.stats.tokens, engine.stats.shared_tokens
+        bundle = [Job(model=model_type, run="turns", token_ids=ids, layers=layers) for ids in rows]
+        results = extractor.processor.writing_to(storage_for(str(tmp_path / "files"))).process_many(bundle)
+        computed, shared = engine.stats.tokens - computed, engine.stats.shared_tokens - shared
+    assert all(result.ok for result in results), [result.error for result in results if not result.ok]
+    assert computed == 4 * max(TURNS) and shared == sum(map(len, rows)) - computed
+    assert worst_error(model_dir, rows, [result.path for result in results], layers) <= TOLERANCE
+
+
+def test_a_model_whose_prefix_states_depend_on_the_row_shares_nothing(tmp_path, caplog):
+    model_dir = str(build_tiny_type("deepseek_v4", tmp_path / "model"))
+    loaded = load_model(model_dir, name="v4", device="cpu", dtype="float32")
+    layers = [0, loaded.num_layers]
+    rows = conversations(1)[0]
+    with Extractor(loaded, layers=layers) as extractor:
+        assert not extractor.processor.engine.prefix_sharing
+        results = extractor.extract(rows, tmp_path / "files", run="turns")
+        assert extractor.processor.engine.stats.shared_tokens == 0
+    assert "rows that begin with another row are computed on their own: a row's states differ" in caplog.text
+    assert worst_error(model_dir, rows, [result.path for result in results], layers) <= TOLERANCE
