@@ -18,7 +18,7 @@ from pathlib import Path
 from layertap.producer.protocol.layers import resolve_layer_ids
 from layertap.producer.protocol.naming import SHAPE_PREFIX, is_hub_id
 from layertap.producer.settings import Settings
-from layertap.producer.transport.redis_conn import redacted_url
+from layertap.producer.transport.redis_url import redacted_url
 
 
 def check_model_source(source: str) -> None:

@@ -155,7 +155,7 @@ def main() -> None:
     import redis
     from pydantic import ValidationError
 
-    from layertap.producer.transport.redis_conn import redacted_url
+    from layertap.producer.transport.redis_url import redacted_url
 
     try:
         app()

@@ -28,7 +28,7 @@ from layertap.producer.ops.monitor import (
     throughput_history,
 )
 from layertap.producer.ops.throughput import overall_tokens_per_s
-from layertap.producer.transport.redis_conn import redacted_url
+from layertap.producer.transport.redis_url import redacted_url
 
 
 def format_eta(seconds: float | None) -> str:

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 class RedisServerError(RuntimeError):
@@ -86,7 +88,8 @@ class RedisServer:
         ]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        # no retries of its own (redis-py's back off for seconds on NOAUTH, which means "up")
+        client = redis.Redis(port=self.port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -10,8 +10,12 @@ channel keeps one, bound to the channel's current pool, and rebuilds it when kom
 replaces the pool (after a fork or a reconnect). Nothing else of the transport changes:
 same keys, same commands, same acknowledgement semantics.
 
-Used for ``redis://`` and ``rediss://`` brokers (:func:`transport_for`); other URLs keep
-kombu's own transport.
+Used for ``redis://``, ``rediss://`` and ``sentinel://`` brokers (:func:`transport_for`); other
+URLs keep kombu's own transport. Through Sentinel (:class:`SentinelChannel`) the channel is
+kombu's Sentinel channel with the same changes, and the sentinels come from the transport
+option ``sentinels``, not from ``;``-joined alternates: kombu switches a connection that fails to
+its next alternate with the alternate's own scheme, that is to kombu's stock transport, which
+would drop everything below.
 
 A lost connection (or an error reply such as ``OOM``, which Celery handles the same way):
 Celery closes the connection, which closes the channel, and kombu's channel close restores
@@ -54,6 +58,17 @@ in the in-flight list, or in ``unacked``; the reconciler puts a message left in 
 list by a dead fetcher back at the head of its queue. A message kombu cannot decode is taken
 out of the in-flight list (dropped, as kombu drops it). Several queues on one channel, or a
 ``global_keyprefix``, keep kombu's ``BRPOP``; so does ``basic_get`` (no worker uses it).
+
+**A send that outlives its primary.** Redis replicates asynchronously: a primary lost right
+after it answered a send can take the message with it, and the replica promoted in its place
+never had it (``docs/operations.md``, "Redis Sentinel", has the measured cases). With the transport
+option ``replicas_to_wait`` (``settings.redis_wait_replicas``) a send returns only once that
+many replicas hold the message: ``WAIT`` on the connection that pushed it, so also everything
+the sender wrote before it, as the ledger's record of the message. A send whose primary is lost
+or demoted meanwhile raises (the connection fails), and the sender sends it again. A send that
+no replica confirms within ``CONFIRM_GIVE_UP_S`` (none in reach: lost, or a failover left none)
+is logged and goes on unconfirmed, and the channel sends without waiting for
+``UNCONFIRMED_PAUSE_S``, so a missing replica slows sending, not stops it.
 """
 
 from __future__ import annotations
@@ -74,11 +89,16 @@ from kombu.utils.json import dumps, loads
 from layertap.producer.protocol import keys
 from layertap.producer.transport import ledger
 from layertap.producer.transport.redis_conn import refuses_writes
+from layertap.producer.transport.redis_url import is_sentinel_url
 
 REUSED_CLIENT_SCHEMES = ("redis", "rediss")
 TRANSPORT_PATH = f"{__name__}:Transport"
+SENTINEL_TRANSPORT_PATH = f"{__name__}:SentinelTransport"
 log = logging.getLogger(__name__)
 REFUSED_FETCH_PAUSE_S = 1.0  # a fetch refused by a Redis that refuses writes waits this long, then tries again
+WAIT_TIMEOUT_MS = 1000  # one WAIT for a send's replicas, repeated up to CONFIRM_GIVE_UP_S
+CONFIRM_GIVE_UP_S = 10.0  # a send no replica confirmed this long goes on unconfirmed
+UNCONFIRMED_PAUSE_S = 60.0  # after an unconfirmed send, sends do not wait for this long
 
 
 _held_messages: Callable[[], set[str]] = set
@@ -136,9 +156,13 @@ class Channel(kombu_redis.Channel):
     """A kombu Redis channel whose commands share one client per connection pool."""
 
     QoS = QoS
+    from_transport_options = kombu_redis.Channel.from_transport_options + ("replicas_to_wait",)
+    replicas_to_wait = 0  # a send returns once this many replicas hold the message (module doc)
+    _unconfirmed_at = -UNCONFIRMED_PAUSE_S  # monotonic time of the last send no replica confirmed
     _shared_client: redis.Redis | None = None
     _fetching: str | None = None  # the queue a BLMOVE was sent for
     _fetched: tuple[str, bytes] | None = None  # (in-flight list, raw message) delivered, not yet recorded
+    _pinned: redis.Redis | None = None  # the one-connection client of a send being confirmed
 
     def take_fetched(self) -> tuple[str, bytes] | None:
         """The in-flight entry of the message being delivered, once (for its ``unacked`` record)."""
@@ -199,8 +223,30 @@ class Channel(kombu_redis.Channel):
             self._flush_brpop_reauth()
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        """kombu's push; a message that carries its pending record (``keys.PENDING_HEADER``) is
-        queued with the record in one step (see the module doc, "Sending loses nothing")."""
+        """kombu's send; with ``replicas_to_wait``, confirmed by that many replicas (module doc)."""
+        if (not self.replicas_to_wait or "_publish_batch" in kwargs
+                or time.monotonic() - self._unconfirmed_at < UNCONFIRMED_PAUSE_S):
+            self._push(queue, message, **kwargs)
+            return
+        with self.conn_or_acquire() as shared:
+            pinned = redis.Redis(connection_pool=shared.connection_pool, single_connection_client=True)
+            try:
+                self._pinned = pinned  # the push and the WAITs go over one connection
+                self._push(queue, message, **kwargs)
+                confirmed = self._confirm(pinned)
+            finally:
+                self._pinned = None
+                pinned.close()
+        if confirmed < self.replicas_to_wait:
+            self._unconfirmed_at = time.monotonic()
+            log.warning("a message to %s is confirmed by %d of %d replica(s) after %.0fs: sent unconfirmed; "
+                        "sends do not wait for replicas for %.0fs", queue, confirmed, self.replicas_to_wait,
+                        CONFIRM_GIVE_UP_S, UNCONFIRMED_PAUSE_S)
+
+    def _push(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """kombu's push, through :meth:`conn_or_acquire`; a message that carries its pending record
+        (``keys.PENDING_HEADER``) is queued with the record in one step (see the module doc,
+        "Sending loses nothing")."""
         headers = message.get("headers") or {}
         record, task_id = headers.get(keys.PENDING_HEADER), headers.get("id")
         if not isinstance(record, str) or not isinstance(task_id, str):
@@ -211,6 +257,15 @@ class Channel(kombu_redis.Channel):
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         with self.conn_or_acquire() as client:
             ledger.push_recorded(client, key, dumps(message), task_id, record)
+
+    def _confirm(self, client: redis.Redis) -> int:
+        """How many replicas hold what ``client`` wrote: ``WAIT`` until ``replicas_to_wait`` do or
+        ``CONFIRM_GIVE_UP_S`` passed. Raises as the connection fails (a primary lost or demoted)."""
+        give_up_at = time.monotonic() + CONFIRM_GIVE_UP_S
+        while (confirmed := client.wait(self.replicas_to_wait, WAIT_TIMEOUT_MS)) < self.replicas_to_wait:
+            if time.monotonic() >= give_up_at:
+                break
+        return confirmed
 
     def _drop_fetched(self, inflight: str, raw: bytes) -> None:
         with self.conn_or_acquire() as client:
@@ -230,6 +285,7 @@ class Channel(kombu_redis.Channel):
 
     @contextmanager
     def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
+        client = client or self._pinned
         if client is not None:
             yield client
             return
@@ -244,13 +300,46 @@ class Channel(kombu_redis.Channel):
         yield shared
 
 
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """:class:`Channel` on kombu's Sentinel channel; the sentinels are the transport option
+    ``sentinels`` (``[(host, port), ...]``, asked in order), the primary's name ``master_name``."""
+
+    from_transport_options = kombu_redis.SentinelChannel.from_transport_options + ("replicas_to_wait", "sentinels")
+    sentinels: list[tuple[str, int]] = []
+
+    def _sentinel_managed_pool(self, asynchronous: bool = False) -> redis.ConnectionPool:
+        """kombu's pool of connections to the primary, from :attr:`sentinels` (kombu reads its
+        alternates, which layertap does not give it: module doc)."""
+        if not self.sentinels or not getattr(self, "master_name", None):
+            raise ValueError("a Sentinel broker needs the transport options 'sentinels' and 'master_name'")
+        params = self._connparams(asynchronous)
+        params.pop("host", None)
+        params.pop("port", None)
+        manager = redis.Sentinel([tuple(address) for address in self.sentinels],
+                                 sentinel_kwargs=getattr(self, "sentinel_kwargs", None), **params)
+        if asynchronous:  # kept so that kombu closes its connections to the sentinels with the channel's
+            self._async_sentinel_manager = manager
+        else:
+            self._sentinel_manager = manager
+        return manager.master_for(self.master_name, redis.Redis).connection_pool
+
+
 class Transport(kombu_redis.Transport):
     """kombu's Redis transport with :class:`Channel`."""
 
     Channel = Channel
 
 
+class SentinelTransport(Transport, kombu_redis.SentinelTransport):
+    """kombu's Sentinel transport with :class:`SentinelChannel`."""
+
+    default_port = kombu_redis.SentinelTransport.default_port
+    Channel = SentinelChannel
+
+
 def transport_for(broker_url: str) -> str | None:
-    """The kombu transport to use for ``broker_url``: ours for plain and TLS Redis, else None."""
+    """The kombu transport to use for ``broker_url``: ours for plain, TLS and Sentinel Redis, else None."""
+    if is_sentinel_url(broker_url):
+        return SENTINEL_TRANSPORT_PATH
     scheme = broker_url.split("://", 1)[0].lower()
     return TRANSPORT_PATH if scheme in REUSED_CLIENT_SCHEMES else None

@@ -10,7 +10,11 @@ Invariants:
   ``result_backend`` setting asks: a result's home is the run's stream and status hash;
 * the broker's ``visibility_timeout`` is ``orphan_timeout``: a live worker renews the
   lease of every message it holds (``layertap.worker.queue.lease``), so only a dead worker's messages
-  ever reach it and are restored to the queue; kombu checks every few seconds.
+  ever reach it and are restored to the queue; kombu checks every few seconds;
+* a ``sentinel://`` URL reaches Celery as Celery spells Sentinel: the broker as its first
+  sentinel with the others, ``master_name`` and ``sentinel_kwargs`` in the transport options
+  (``layertap.producer.transport.broker_transport``), the result backend as every sentinel
+  ``;``-joined with the same options; TLS as ``broker_use_ssl``/``redis_backend_use_ssl``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from celery.result import AsyncResult
 from layertap.producer.protocol import keys
 from layertap.producer.settings import Settings
 from layertap.producer.transport.broker_transport import transport_for
-from layertap.producer.transport.redis_conn import ssl_options
+from layertap.producer.transport.redis_conn import sentinel_kwargs, ssl_options
+from layertap.producer.transport.redis_url import check_redis_url, is_sentinel_url, parse_sentinel_url
 
 RESTORE_INTERVAL_MAX = 5.0
 
@@ -42,15 +47,46 @@ def transport_options(settings: Settings) -> dict[str, object]:
         "health_check_interval": 10,
         "priority_steps": [0],  # one list per queue (layertap sets no priorities): fetched by one BLMOVE
         "socket_keepalive": True,
+        "replicas_to_wait": replicas_to_wait(settings),
+        **sentinel_options(settings),
     }
+
+
+def replicas_to_wait(settings: Settings) -> int:
+    """How many replicas must hold a message before its send returns: ``redis_wait_replicas``,
+    else 1 for a ``sentinel://`` URL and 0 for another."""
+    if settings.redis_wait_replicas is not None:
+        return settings.redis_wait_replicas
+    return int(is_sentinel_url(settings.broker_url))
+
+
+def sentinel_options(settings: Settings) -> dict[str, object]:
+    """Celery's transport options for a ``sentinel://`` URL (its broker and result backend read the
+    same ones; ``sentinels`` only layertap's broker transport), none for another URL."""
+    if not is_sentinel_url(settings.broker_url):
+        return {}
+    target = parse_sentinel_url(settings.broker_url)
+    return {"master_name": target.master_name, "sentinel_kwargs": sentinel_kwargs(target, settings),
+            "sentinels": [list(address) for address in target.sentinels]}
+
+
+def celery_urls(settings: Settings) -> tuple[str, str]:
+    """The broker URL and the result backend URL Celery is given for ``settings.broker_url``.
+    Raises ``ValueError`` for a URL layertap cannot use (``redis_url.check_redis_url``)."""
+    check_redis_url(settings.broker_url)
+    if not is_sentinel_url(settings.broker_url):
+        return settings.broker_url, settings.broker_url
+    target = parse_sentinel_url(settings.broker_url)
+    return target.address_url(0), target.celery_url()
 
 
 def make_celery(settings: Settings) -> Celery:
     """A Celery app on ``settings.broker_url``. Task return values are not stored (results travel
     on the run's stream) unless ``settings.result_backend``: then Celery's Redis backend keeps
     each for ``settings.result_ttl`` seconds, for ``AsyncResult(task_id).get()``."""
-    backend = settings.broker_url if settings.result_backend else None
-    app = Celery("layertap", broker=settings.broker_url, backend=backend, set_as_current=False)
+    broker, backend = celery_urls(settings)
+    app = Celery("layertap", broker=broker, backend=backend if settings.result_backend else None,
+                 set_as_current=False)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -63,7 +99,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         broker_transport=transport_for(settings.broker_url),
         broker_transport_options=transport_options(settings),
-        result_backend_transport_options={"retry_policy": {"timeout": 5.0}},
+        result_backend_transport_options={"retry_policy": {"timeout": 5.0}, **sentinel_options(settings)},
         result_expires=settings.result_ttl,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,

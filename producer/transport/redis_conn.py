@@ -1,6 +1,12 @@
 """Connecting to Redis the same way everywhere: URL (``redis://`` or ``rediss://``, with
-``user:password@`` for AUTH/ACL), TLS options from ``settings.tls``, keepalive and health
-checks so a restarted server is reconnected to transparently.
+``user:password@`` for AUTH/ACL, or ``sentinel://``: the forms are ``redis_url``'s), TLS options
+from ``settings.tls``, keepalive and health checks so a restarted server is reconnected to
+transparently.
+
+Through Sentinel, a client is redis-py's ``Sentinel(...).master_for(name)``: every new
+connection asks the sentinels (in the URL's order) where the primary is, and a connection that
+meets ``READONLY`` (a demoted primary) is dropped and asks again, so a failover reads as a short
+outage, which callers already wait out (:func:`retrying`, the worker's publisher).
 """
 
 from __future__ import annotations
@@ -10,23 +16,32 @@ import ssl
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from kombu.exceptions import OperationalError
 
 from layertap.producer.settings import Settings
 from layertap.producer.transport.backoff import Backoff, retry_while
+from layertap.producer.transport.redis_url import (
+    SentinelUrl,
+    check_redis_url,
+    is_sentinel_url,
+    parse_sentinel_url,
+    uses_tls,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("layertap.client")
 
 _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+#: Seconds a question to one sentinel may take before the next is asked (a host that went away
+#: answers nothing; without a bound the question would wait forever).
+SENTINEL_TIMEOUT_S = 5.0
 
 
 def ssl_options(settings: Settings) -> dict[str, Any] | None:
-    """redis-py/kombu SSL keywords for a ``rediss://`` URL, else None."""
-    if not settings.broker_url.startswith("rediss://"):
+    """redis-py/kombu SSL keywords for a TLS URL (``rediss://``, ``sentinel://...?ssl=true``), else None."""
+    if not uses_tls(settings.broker_url):
         return None
     tls = settings.tls
     options: dict[str, Any] = {"ssl_cert_reqs": _CERT_REQS[tls.cert_reqs]}
@@ -37,42 +52,54 @@ def ssl_options(settings: Settings) -> dict[str, Any] | None:
 
 
 #: Error replies that end when an operator or a failover fixes the server: writes refused at
-#: ``maxmemory`` (OOM), by a replica (READONLY), after a failed snapshot (MISCONF), by an ACL (NOPERM).
+#: ``maxmemory`` (OOM), by a replica (READONLY), by an ACL (NOPERM); see also :data:`REFUSAL_CODES`.
 WRITE_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
                   redis.exceptions.NoPermissionError)
+#: Error codes of refusals redis-py gives no class: a failed snapshot (``MISCONF``), and a primary
+#: with fewer replicas in reach than its ``min-replicas-to-write`` (``NOREPLICAS``).
+REFUSAL_CODES = ("MISCONF", "NOREPLICAS")
+PIPELINE_ERROR = " of pipeline caused error: "
 #: Errors of a server that is away for a while (restarting, loading its data), as redis-py and
 #: kombu raise them: waited out, like the refusals. BusyLoadingError is a ConnectionError.
 UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError)
 
 
 def refuses_writes(exc: BaseException) -> bool:
-    """True for an error reply in :data:`WRITE_REFUSALS` (MISCONF has no class of its own), also
-    as the cause of kombu's ``OperationalError`` (a refused send)."""
+    """True for an error reply in :data:`WRITE_REFUSALS` or :data:`REFUSAL_CODES` (no class of their
+    own), also as the cause of kombu's ``OperationalError`` (a refused send)."""
     if isinstance(exc, OperationalError) and exc.__cause__ is not None:
         exc = exc.__cause__
-    return isinstance(exc, WRITE_REFUSALS) or (isinstance(exc, redis.exceptions.ResponseError)
-                                               and str(exc).startswith("MISCONF"))
+    if isinstance(exc, WRITE_REFUSALS):
+        return True
+    # redis-py puts "Command # N (...) of pipeline caused error: " before a pipeline command's reply
+    reply = str(exc).partition(PIPELINE_ERROR)[2] or str(exc)
+    return isinstance(exc, redis.exceptions.ResponseError) and reply.startswith(REFUSAL_CODES)
+
+
+def sentinel_kwargs(target: SentinelUrl, settings: Settings) -> dict[str, Any]:
+    """redis-py keywords for the connections to the sentinels themselves (not to the primary):
+    their password (``sentinel_password``), TLS as to the primary, and a bound on each question."""
+    options: dict[str, Any] = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    if target.sentinel_password is not None:
+        options["password"] = target.sentinel_password
+    if target.ssl:
+        options.update(ssl=True, **(ssl_options(settings) or {}))
+    return options
 
 
 def connect(settings: Settings, *, decode_responses: bool = False) -> redis.Redis:
-    """A client for ``settings.broker_url``."""
-    return redis.Redis.from_url(settings.broker_url, decode_responses=decode_responses, health_check_interval=10,
-                                socket_keepalive=True, **(ssl_options(settings) or {}))
-
-
-def redacted_url(url: str) -> str:
-    """``url`` with every password in it replaced by ``***``: the ``user:password@`` part and a
-    ``password=`` query parameter (redis-py takes both). Use it wherever a URL is printed or logged."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        user = parts.username or ""
-        host = parts.hostname or ""
-        parts = parts._replace(netloc=f"{user}:***@{host}" + (f":{parts.port}" if parts.port else ""))
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if any(name == "password" for name, _ in query):
-        parts = parts._replace(query=urlencode([(name, "***" if name == "password" else value)
-                                                for name, value in query], safe="*"))
-    return urlunsplit(parts)
+    """A client for ``settings.broker_url``; for a ``sentinel://`` URL, one that follows the primary.
+    Raises ``ValueError`` for a URL layertap cannot use (``redis_url.check_redis_url``)."""
+    check_redis_url(settings.broker_url)
+    options: dict[str, Any] = {"decode_responses": decode_responses, "health_check_interval": 10,
+                               "socket_keepalive": True, **(ssl_options(settings) or {})}
+    if not is_sentinel_url(settings.broker_url):
+        return redis.Redis.from_url(settings.broker_url, **options)
+    target = parse_sentinel_url(settings.broker_url)
+    sentinel = redis.Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs(target, settings),
+                              username=target.username, password=target.password, db=target.db,
+                              **({"ssl": True} if target.ssl else {}), **options)
+    return sentinel.master_for(target.master_name)
 
 
 CLIENT_BACKOFF = Backoff(first_s=0.1, max_s=5.0)

@@ -7,10 +7,12 @@ from layertap.producer.transport.broker_transport import Channel, transport_for
 from layertap.producer.transport.celery_app import make_celery
 
 
-def test_redis_urls_get_the_reused_client_transport():
+def test_redis_and_sentinel_urls_get_the_reused_client_transport():
     assert transport_for("redis://localhost:6379/0") == "layertap.producer.transport.broker_transport:Transport"
     assert transport_for("rediss://user:pw@host:6380/1") == "layertap.producer.transport.broker_transport:Transport"
-    assert transport_for("sentinel://localhost:26379") is None
+    assert transport_for("sentinel://localhost:26379/0?master_name=m") == (
+        "layertap.producer.transport.broker_transport:SentinelTransport")
+    assert transport_for("memory://") is None
 
 
 def test_channel_reuses_one_client_until_its_pool_is_replaced(redis_server):

@@ -12,6 +12,7 @@ from layertap.producer.client.client import Client
 from layertap.producer.command import layertap_argv
 from layertap.producer.dev.redis_server import RedisServer, find_redis_server, free_port
 from layertap.producer.settings import Settings, TlsSettings
+from tests.support.certs import make_certificates
 from tests.support.processes import WorkerProcess
 
 ACL = ["--user", "default", "off", "--user", "layertap", "on", ">s3cret-pass", "~*", "&*", "+@all"]
@@ -39,20 +40,6 @@ def test_acl_user_and_password(tiny_models, tmp_path):
         out = subprocess.run(layertap_argv("results", "--run", "secure"), env=wrong,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and out.stderr.startswith("error:") and "Traceback" not in out.stderr
-
-
-def make_certificates(folder) -> dict[str, str]:
-    folder.mkdir()
-    ca_key, ca, key, csr, cert = (str(folder / name) for name in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
-    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
-        "-subj", "/CN=layertap-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
-    ext = folder / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2",
-        "-extfile", str(ext))
-    return {"ca": ca, "key": key, "cert": cert}
 
 
 def test_tls_with_a_private_ca(tiny_models, tmp_path):
