@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -121,14 +121,21 @@ class Extractor:
                                   self.processor.preparer.images_root, self.processor.preparer.limits.max_image_bytes)
 
     def extract(self, inputs: Iterable[str | list[int] | Mapping[str, Any] | Job], out_dir: str | Path | None = None,
-                *, run: str = "offline", **fields: Any) -> list[Result]:
+                *, run: str = "offline", job_ids: Sequence[str] | None = None, **fields: Any) -> list[Result]:
         """Extract every input; results come back in input order. ``fields`` apply to every job.
-        Result paths are absolute (``out_dir`` is resolved against the working folder now)."""
+        Files are ``<out_dir>/<run>/<fan-out>/<job id>.safetensors``, as a worker writes them: ``run``
+        names the folder, ``job_ids`` (one per input, names as for ``Job.job_id``) the files; without
+        them a job's id is its own ``job_id`` field, else the hash of its content. Result paths are
+        absolute (``out_dir`` is resolved against the working folder now)."""
         processor = self.processor
         out_root = None if out_dir is None else storage_for(out_dir)
         if out_root is not None and out_root.root != processor.storage_root:
             processor = processor.writing_to(out_root)
         jobs = [self.job(item, run, **fields) for item in inputs]
+        if job_ids is not None:
+            if len(job_ids) != len(jobs):
+                raise ValueError(f"{len(job_ids)} job_ids for {len(jobs)} inputs: give one per input")
+            jobs = [{**job, "job_id": job_id} for job, job_id in zip(jobs, job_ids)]
         return list(self._pool.map(processor.process, jobs))
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from layertap.producer.protocol.naming import served_model_name
 from layertap.producer.settings import LogFormat, Settings
 from layertap.producer.transport.broker_transport import set_held_messages
 from layertap.producer.transport.celery_app import make_celery
-from layertap.producer.transport.redis_conn import connect
 from layertap.worker.extractor import build_processor
 from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.model.loading import load_model
@@ -42,7 +42,7 @@ from layertap.worker.queue.retention import RetentionSweep
 from layertap.worker.queue.sinks import SinkContext, build_sinks
 from layertap.worker.queue.task_events import batch_task_events
 from layertap.worker.queue.tasks import register_bundle_task, register_extract_task
-from layertap.worker.startup import check_layers, check_model_source, settings_line
+from layertap.worker.startup import check_layers, check_model_source, reach_redis, settings_line
 
 log = logging.getLogger("layertap.worker")
 #: Exit code after a device fault: the supervisor (or systemd, Kubernetes) restarts the process.
@@ -75,12 +75,14 @@ def read_chat_template(path: str | None) -> str | None:
 
 
 def run_worker(settings: Settings) -> int:
-    """Serve until shut down (SIGTERM/SIGINT: finish running jobs, return the rest). Returns the exit code."""
+    """Serve until shut down (SIGTERM/SIGINT: finish the jobs queued for the engine, hand every
+    other message back to its queue unstarted). Returns the exit code."""
     ws = settings.worker
     if not ws.model:
         raise ValueError("no model given: pass --model (a local folder or hub id) or set LAYERTAP_WORKER__MODEL")
     check_model_source(ws.model)
     configure_logging(ws.loglevel, ws.log_format)
+    client = reach_redis(settings)
     node = ws.node_name or default_node_name()
     storage = settings.storage()  # a local root is made absolute: published paths are absolute
     removed = storage.sweep_stale()
@@ -123,7 +125,6 @@ def run_worker(settings: Settings) -> int:
     gpus, dtype = os.environ.get("CUDA_VISIBLE_DEVICES", ""), str(loaded.dtype).removeprefix("torch.")
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
                                                "gpus": gpus, "dtype": dtype}, storage)
-    client = connect(settings)
     publisher = ResultPublisher(client, sinks=build_sinks(ws.result_sinks, SinkContext(node, metrics)))
     service = WorkerService(processor, client, publisher, settings.max_attempts,
                             storage_retry_s=settings.worker.storage_retry_s)
@@ -182,6 +183,10 @@ def run_worker(settings: Settings) -> int:
         report_phase(SERVING)
 
     def on_shutting_down(**_: object) -> None:
+        # Messages still waiting for a place ahead of the engine go back to the queue unstarted
+        # (layertap.worker.queue.tasks); off the signal handler's thread, which must not wait on a lock.
+        threading.Thread(target=processor.engine.close_admission, name="layertap-close-admission",
+                         daemon=True).start()
         seconds = ws.shutdown_deadline_s(settings.limits.max_tokens)
         start_deadline(seconds, f"the warm shutdown did not end within {seconds:.0f}s "
                                 "(LAYERTAP_WORKER__SHUTDOWN_TIMEOUT)", on_stall)

@@ -6,6 +6,9 @@ start with one line, instead of failing every job later.
 * the served name: ``--name`` if given, else the one rule both sides apply
   (``layertap.producer.protocol.naming.served_model_name``).
 * ``--layers``: every id must exist in the loaded model.
+* Redis: it must answer before the model loads (a wrong URL fails in seconds, not after minutes of
+  loading and then retries forever); it is waited for up to ``redis_wait_s`` (each wait logged),
+  then the worker stops with the error, naming the wait.
 
 And the one line a worker logs of the settings in force (:func:`settings_line`).
 """
@@ -15,9 +18,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import redis
+
 from layertap.producer.protocol.layers import resolve_layer_ids
 from layertap.producer.protocol.naming import SHAPE_PREFIX, is_hub_id
 from layertap.producer.settings import Settings
+from layertap.producer.transport.redis_conn import connect, retrying
 from layertap.producer.transport.redis_url import redacted_url
 
 
@@ -29,6 +35,18 @@ def check_model_source(source: str) -> None:
         raise ValueError(f"--model {source}: is a file; give the model's folder (with config.json) or a hub id")
     if not is_hub_id(source):
         raise ValueError(f"--model {source}: no such folder, and not a hub id (org/name)")
+
+
+def reach_redis(settings: Settings) -> redis.Redis:
+    """A client of ``settings.broker_url`` once Redis answers (section above); raises
+    ``redis.exceptions.ConnectionError`` saying how long it waited."""
+    client = connect(settings)
+    try:
+        retrying(client.ping, settings.redis_wait_s)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise redis.exceptions.ConnectionError(f"{exc} (gave up after {settings.redis_wait_s:g}s: "
+                                               "LAYERTAP_REDIS_WAIT_S)") from exc
+    return client
 
 
 def check_layers(layers: list[int] | None, num_layers: int) -> None:

@@ -28,10 +28,12 @@ from layertap.producer.cli.common import (
     err_console,
     load_settings,
     print_file_description,
+    redis_url_in_use,
+    require_run,
 )
 from layertap.producer.cli.ops import register as register_ops
 from layertap.producer.extras import require
-from layertap.producer.settings import Settings, unknown_settings
+from layertap.producer.settings import unknown_settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
                   "write safetensors files, publish their paths.", no_args_is_help=True,
@@ -68,8 +70,8 @@ def results(
     from layertap.producer.client.client import Client
 
     with Client(load_settings(redis_url=redis_url)) as client:
-        if not follow and not runs.exists(client.redis, run):
-            raise CliError(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
+        if not follow:
+            require_run(client.redis, run)
         printed: dict[str, str] = {}  # job id -> status last printed
         for result in client.results(run, follow=follow, timeout=timeout, until_complete=True):
             if not every_entry and printed.get(result.job_id) == result.status.value:
@@ -163,7 +165,7 @@ def main() -> None:
         err_console.print(f"error: {exc}", markup=False, highlight=False)
         sys.exit(exc.code)
     except redis.exceptions.ConnectionError as exc:
-        url = redacted_url(Settings().broker_url)
+        url = redacted_url(redis_url_in_use(sys.argv[1:]))
         err_console.print(f"error: cannot reach Redis ({exc}); is it running at {url}? "
                           "Set LAYERTAP_REDIS_URL or pass --redis-url", markup=False, highlight=False)
         sys.exit(1)

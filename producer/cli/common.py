@@ -4,13 +4,16 @@ flags on top of the environment, and table helpers."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from layertap.producer.settings import Settings, WorkerSettings
+
+if TYPE_CHECKING:
+    import redis
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
@@ -22,6 +25,25 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+def require_run(client: redis.Redis, run: str) -> None:
+    """Raise :class:`CliError` (exit 1) unless ``run`` has jobs or results."""
+    from layertap.producer.client import runs
+
+    if not runs.exists(client, run):
+        raise CliError(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
+
+
+def redis_url_in_use(argv: list[str]) -> str:
+    """The Redis URL a command line runs with: its ``--redis-url``, else the settings' (environment,
+    ``layertap.toml``; localhost by default), so an error names the server that was asked."""
+    for index, arg in enumerate(argv):
+        if arg == "--redis-url" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--redis-url="):
+            return arg.partition("=")[2]
+    return Settings().broker_url
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from layertap.producer.cli.common import console, folding_table
+from layertap.producer.cli.common import console, folding_table, require_run
 from layertap.producer.client import runs
 from layertap.producer.client.client import Client
 from layertap.producer.client.fleet import running_jobs
@@ -24,6 +25,7 @@ from layertap.producer.ops.monitor import (
     FleetStatus,
     RunProgress,
     RunTracker,
+    WorkerState,
     fleet_status,
     throughput_history,
 )
@@ -47,14 +49,7 @@ def render_status(status: FleetStatus, running: dict[str, int], redis_url: str) 
     if not any(state.alive for state in status.workers):
         console.print("no live workers: queued jobs wait until one starts (`layertap worker --model ...`)",
                       style="bold", highlight=False)
-    workers = folding_table("node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending",
-                            "weights", "last beat", title="workers")
-    for state in status.workers:
-        beat = "-" if state.beat_age_s is None else f"{state.beat_age_s:.0f}s ago"
-        workers.add_row(state.node, "yes" if state.alive else "no", state.device, state.gpus or "-", state.model,
-                        state.batching or "-", f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending),
-                        state.weights or "-", beat)
-    console.print(workers)
+    render_workers(status.workers)
     for state in status.workers:
         if state.last_exit:
             age = "" if state.last_exit_age_s is None else f" ({state.last_exit_age_s:.0f}s ago)"
@@ -66,6 +61,40 @@ def render_status(status: FleetStatus, running: dict[str, int], redis_url: str) 
     if memory.refusing_writes:
         console.print("REDIS IS FULL: it refuses writes (OOM); workers wait, holding their jobs, until memory "
                       "is freed or maxmemory raised", style="bold red", highlight=False)
+
+
+WORKER_FIELDS = ("node", "alive", "device", "gpus", "model", "batching", "tokens/s", "jobs", "pending", "weights",
+                 "last beat")
+
+
+def worker_cells(state: WorkerState) -> list[str]:
+    """One worker's values, in :data:`WORKER_FIELDS` order."""
+    beat = "-" if state.beat_age_s is None else f"{state.beat_age_s:.0f}s ago"
+    return [state.node, "yes" if state.alive else "no", state.device, state.gpus or "-", state.model,
+            state.batching or "-", f"{state.tokens_per_s:,.0f}", str(state.jobs), str(state.pending),
+            state.weights or "-", beat]
+
+
+def render_workers(workers: list[WorkerState]) -> None:
+    """The workers as a table when it fits the terminal; else one block per worker (its node, then
+    ``field value`` pairs filling lines as wide as the terminal), so no name or value is cut."""
+    rows = [worker_cells(state) for state in workers]
+    table = folding_table(*WORKER_FIELDS, title="workers")
+    for row in rows:
+        table.add_row(*row)
+    if Measurement.get(console, console.options.update_width(10_000), table).maximum <= console.width:
+        console.print(table)
+        return
+    console.print("workers:", highlight=False)
+    for node, *values in rows:
+        lines = [f"  {node}"]
+        for pair in (f"{name} {value}" for name, value in zip(WORKER_FIELDS[1:], values)):
+            if len(lines) > 1 and len(lines[-1]) + len(pair) + 3 <= console.width:
+                lines[-1] += f" · {pair}"
+            else:
+                lines.append(f"    {pair}")
+        for line in lines:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def describe_progress(progress: RunProgress) -> dict[str, Any]:
@@ -103,10 +132,12 @@ def register(app: typer.Typer) -> None:
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Show a run's progress (done / failed / total, tokens/s, ETA) until every job has a result; then
-        the run's overall rate (tokens of its ok results over the time from the first start to the last finish)."""
+        the run's overall rate (tokens of its ok results over the time from the first start to the last finish).
+        A run with no jobs and no results is an error (exit 1), as for `results`."""
         if plot is not None:
             require("watch --plot", ("matplotlib",))
         with Client(redis_url=redis_url) as client:
+            require_run(client.redis, run)
             tracker = RunTracker(client.redis, run)
             current = tracker.poll()
             unserved = sorted(runs.waiting_models(client.redis, run) - client.served_models())

@@ -27,8 +27,9 @@ def regenerate(
                               "parquet, a saved dataset)."),
     out: Path = typer.Option(..., "--out", help="Output JSONL (appended; rows already there are skipped). "
                              "`layertap enqueue --file OUT` takes it as is."),
-    errors: Optional[Path] = typer.Option(None, help="Errors JSONL, one row per failed conversation "
-                                          "(default: OUT with .errors before the suffix)."),
+    errors: Optional[Path] = typer.Option(None, help="Errors JSONL, one row (id, where, reason) per failed "
+                                          "conversation (not written to OUT) and, with --enqueue, per row of OUT "
+                                          "the run refused (default: OUT with .errors before the suffix)."),
     input_format: InputFormat = typer.Option(InputFormat.auto, "--format", case_sensitive=False,
                                              help="Row format; auto: detected from the first row."),
     column: Optional[str] = typer.Option(None, help="Column holding the input (default: found by format)."),
@@ -68,6 +69,7 @@ def regenerate(
     from layertap.producer.ingest.enqueue import plan_jobs
     from layertap.producer.ingest.formats import RowConverter
     from layertap.producer.ingest.sources import open_source
+    from layertap.producer.regen.sink import id_of
     from layertap.producer.regen.store import OutputStore
     from layertap.producer.transport.backoff import Backoff
 
@@ -119,17 +121,29 @@ def regenerate(
         finally:
             if sink is not None:
                 sink.close(interrupted=interrupted)
+        for bad in sink.bad if sink is not None else []:
+            store.write_error(id_of(bad.where), bad.where, f"not enqueued into run {enqueue_run}: {bad.reason}")
     counts = regenerator.counts
     err_console.print(f"{out}: {counts.written} conversation(s) regenerated ({counts.cut} cut where tool calls "
                       f"diverged), {counts.skipped} already done, {counts.failed} failed; "
                       f"{endpoint_client.retried} request(s) retried", markup=False, highlight=False)
+    if token_ids and counts.without_ids:
+        why = "it refused return_token_ids" if endpoint_client.token_ids_refused else "it returned none for some replies"
+        err_console.print(f"warning: {counts.without_ids} row(s) of {out} carry no token ids ({why}): enqueue "
+                          "tokenizes their chats, which may not give the ids the model sampled", markup=False,
+                          highlight=False)
+    problems = [f"{counts.failed} conversation(s) failed: not written to {out}, each in {store.errors} with "
+                "its reason (a re-run tries them again)"] if counts.failed else []
     if sink is not None:
         sent = {outcome.value: count for outcome, count in sink.outcomes.items()}
         err_console.print(f"run {enqueue_run}: {json.dumps(sent)}", markup=False, highlight=False)
         for bad in sink.bad[:100]:
             err_console.print(f"error: {bad.where}: {bad.reason}", markup=False, highlight=False)
-    if counts.failed or (sink is not None and sink.bad):
-        raise fail(f"{counts.failed} conversation(s) failed (see {store.errors})", 2)
+        if sink.bad:
+            problems.append(f"{len(sink.bad)} row(s) written to {out} were not enqueued into run {enqueue_run}: "
+                            f"they stay in {out}, listed above and in {store.errors} with the reason")
+    if problems:
+        raise fail("; ".join(problems), 2)
 
 
 def open_sink(run: str | None, model: str, layers: str | None, max_inflight: int | None,

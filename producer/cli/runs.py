@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from layertap.producer.cli.common import require_run
 
 CANCEL_POLL_S = 0.5
 
@@ -65,8 +66,7 @@ def register(app: typer.Typer) -> None:
         from layertap.producer.client.client import Client
 
         with Client(redis_url=redis_url) as client:
-            if not runs.exists(client.redis, run):
-                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
+            require_run(client.redis, run)
             runs.cancel(client.redis, run)
             while wait and not runs.is_complete(client.redis, run):
                 time.sleep(CANCEL_POLL_S)
@@ -98,8 +98,7 @@ def register(app: typer.Typer) -> None:
         from layertap.producer.client.client import Client
 
         with Client(load_settings(redis_url=redis_url, storage=storage)) as client:
-            if not runs.exists(client.redis, run):
-                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
+            require_run(client.redis, run)
             what = f"run {run}'s results and records" + (" and its files" if files else "")
             if not yes and not typer.confirm(f"Delete {what}?"):
                 raise typer.Exit(1)
@@ -126,8 +125,7 @@ def register(app: typer.Typer) -> None:
         from layertap.producer.client.client import Client
 
         with Client(redis_url=redis_url) as client:
-            if not runs.exists(client.redis, run):
-                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
+            require_run(client.redis, run)
             dropped = runs.trim(client.redis, run)
             left = runs.redis_bytes(client.redis, run)
         print(f"run {run}: dropped {dropped} result stream entries; {left:,} B left in Redis")
@@ -138,25 +136,26 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
-        """Show one run: jobs submitted, ok, failed and waiting, state, bytes in Redis, models no live worker serves."""
+        """Show one run: jobs submitted, ok, failed, cancelled and waiting, state, bytes in Redis, models no live
+        worker serves."""
         from layertap.producer.client import runs
         from layertap.producer.client.client import Client
         from layertap.producer.ops.monitor import RunTracker
 
         with Client(redis_url=redis_url) as client:
-            if not runs.exists(client.redis, run):
-                raise RuntimeError(f"no run named {run!r} (see `layertap runs list`)")
-            found = runs.summary(client.redis, run)
+            require_run(client.redis, run)
+            found = runs.summary(client.redis, run, count_cancelled=True)
             progress = RunTracker(client.redis, run).poll()
             unserved = sorted(runs.waiting_models(client.redis, run) - client.served_models())
             shown = {"run": run, "state": found.state, "submitted": found.submitted, "ok": progress.done,
-                     "failed": progress.failed, "waiting": found.submitted - found.finished,
+                     "failed": progress.failed, "cancelled": progress.cancelled,
+                     "waiting": found.submitted - found.finished,
                      "redis_bytes": runs.redis_bytes(client.redis, run), "unserved_models": unserved}
         if as_json:
             print(json.dumps(shown))
             return
         print(f"run {run}: {shown['state']}; {found.submitted} submitted, {progress.done} ok, {progress.failed} "
-              f"failed, {shown['waiting']} waiting; {shown['redis_bytes']:,} B in Redis")
+              f"failed, {progress.cancelled} cancelled, {shown['waiting']} waiting; {shown['redis_bytes']:,} B in Redis")
         if unserved:
             print(f"no live worker serves {', '.join(unserved)}: those jobs wait in the queue until one does")
 

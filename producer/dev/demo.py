@@ -14,7 +14,7 @@ import signal
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,16 @@ def _stop(process: subprocess.Popen | None) -> None:
         process.wait()
 
 
+@contextlib.contextmanager
+def step(console: Console, what: str) -> Iterator[None]:
+    """Say ``what`` starts, as a line (a spinner shows nothing where the output is not a terminal:
+    ``make demo`` piped or logged), and how long it took."""
+    console.print(f"{what}...", highlight=False, soft_wrap=True)
+    started = time.monotonic()
+    yield
+    console.print(f"  done in {time.monotonic() - started:.1f}s", highlight=False)
+
+
 #: A file the demo leaves in its folder: the folder is the demo's to empty on the next run.
 DEMO_MARKER = ".layertap-demo"
 
@@ -97,7 +107,7 @@ def run_demo(settings: Settings, *, workdir: Path, timeout: float, console: Cons
         model_dir = workdir / "model"
         env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ, "LAYERTAP_REDIS_URL": settings.broker_url,
                "LAYERTAP_STORAGE_ROOT": str(storage)}
-        with console.status("building a tiny qwen3-style model and tokenizer..."):
+        with step(console, "building a tiny qwen3-style model and tokenizer"):
             subprocess.run(_cli("make-tiny-model", str(model_dir), "--arch", "qwen3"), check=True, env=env,
                            stdout=subprocess.DEVNULL)
         log_path = workdir / "worker.log"
@@ -108,7 +118,7 @@ def run_demo(settings: Settings, *, workdir: Path, timeout: float, console: Cons
             env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         stack.callback(_stop, worker)
         client = stack.enter_context(Client(settings))
-        with console.status("starting a worker (loading the model)..."):
+        with step(console, f"starting a worker (loading the model; its log: {log_path})"):
             _wait_for_worker(client, worker, deadline)
         jobs = [client.submit(data, model=DEMO_MODEL, run=DEMO_RUN) for data in demo_jobs()]
         wanted = {job.job_id for job in jobs}

@@ -60,6 +60,12 @@ With ``delete_after`` the files are gone once trained on (only a job's own file 
 ``settings.storage_root`` is removed: a result naming any other path leaves it, with a warning);
 a trainer killed after removing a
 file and before acknowledging it leaves an entry whose file is missing (counted, skipped).
+
+Counts (``dataset.counts``, :class:`StreamCounts`): each consumer counts what it did. Under
+``loader()`` with DataLoader workers, every item carries its consumer's counts to the main process,
+which sums the latest of each consumer into ``dataset.counts`` as batches arrive (a consumer
+that yields nothing is not counted there; its log line says what it did). A plain DataLoader's
+workers keep their counts to themselves.
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ log = logging.getLogger(__name__)
 
 #: The item key that carries a yielded item's entry to the main process under ``loader()``.
 TAKEN_KEY = "_layertap_taken"
+#: The item key that carries its consumer's name and counts to the main process under ``loader()``.
+COUNTS_KEY = "_layertap_counts"
 
 
 def current_rank() -> int:
@@ -163,14 +171,16 @@ class StreamingHiddenStatesDataset(torch.utils.data.IterableDataset):
 
 
 class _KeepTaken:
-    """A collate_fn that takes the entries out of a batch's items: ``(taken, collate_fn(items))``."""
+    """A collate_fn that takes the entries and the consumers' counts out of a batch's items:
+    ``(taken, {consumer: counts}, collate_fn(items))``."""
 
     def __init__(self, collate_fn: Callable[[list[dict[str, Any]]], Any]):
         self.collate_fn = collate_fn
 
-    def __call__(self, items: list[dict[str, Any]]) -> tuple[list[Taken], Any]:
+    def __call__(self, items: list[dict[str, Any]]) -> tuple[list[Taken], dict[str, dict[str, int]], Any]:
         taken = [Taken(*item.pop(TAKEN_KEY)) for item in items]
-        return taken, self.collate_fn(items)
+        counts = dict(item.pop(COUNTS_KEY) for item in items)  # each consumer's latest
+        return taken, counts, self.collate_fn(items)
 
 
 class StreamingLoader:
@@ -186,6 +196,7 @@ class StreamingLoader:
         self.dataloader = torch.utils.data.DataLoader(self.dataset, collate_fn=_KeepTaken(collate_fn),
                                                       **dataloader_options)
         self.finished = 0  # items finished by this process
+        self._counts: dict[str, dict[str, int]] = {}  # consumer -> its latest counts
 
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
@@ -193,7 +204,10 @@ class StreamingLoader:
         finisher = GroupFinisher(client, ds.run, ds.group, delete_after=ds.delete_after,
                                  storage=ds.settings.storage())
         try:
-            for taken, batch in self.dataloader:
+            for taken, counts, batch in self.dataloader:
+                self._counts.update(counts)
+                for name in vars(ds.counts):  # the dataset's counts (shared with the one it was made from)
+                    setattr(ds.counts, name, sum(consumer[name] for consumer in self._counts.values()))
                 yield batch
                 finisher.finish_trained(taken)
                 self.finished += len(taken)
@@ -305,8 +319,8 @@ class _Consumer:
         taken, item = self.buffer.pop() if self.ds.shuffle_buffer > 1 else self.buffer.pop(0)
         self.buffered_jobs.discard(taken.job_id)
         if self.ds.finished_by_loader:
-            item[TAKEN_KEY] = tuple(taken)
             self.counts.yielded += 1
+            item[TAKEN_KEY], item[COUNTS_KEY] = tuple(taken), (self.name, vars(self.counts).copy())
             yield item
             return
         yield item

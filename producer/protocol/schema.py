@@ -12,6 +12,9 @@ Invariants:
   the content hash covers every image's bytes);
 * strings carry no NUL or other control characters (tab, newline, CR excepted) and are
   valid Unicode; unknown fields are refused;
+* the input is not empty: a prompt has a character other than whitespace, a chat a message,
+  token ids an id (the client refuses such a job before sending it; the worker answers a message
+  holding one with ``empty_input``, the type of its validation error);
 * a job's size is one byte limit over every part of it, ``tools`` included
   (:func:`refuse_oversize`), checked on the raw data before it is validated or rendered;
 * ``tools`` only comes with ``messages`` (a template renders them); ``loss_on`` and
@@ -37,6 +40,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from layertap.producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
 from layertap.producer.protocol.images import ContentPart, TextPart, image_parts, part_text
@@ -202,6 +206,14 @@ class Job(BaseModel):
     @classmethod
     def _text(cls, value: str | None) -> str | None:
         return None if value is None else check_text(value, "text")
+
+    @field_validator("prompt", "messages", "token_ids")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if value is not None and not (value.strip() if isinstance(value, str) else value):
+            what = "empty (or only whitespace)" if isinstance(value, str) else "empty"
+            raise PydanticCustomError(ErrorType.empty_input.value, f"{what}: nothing to extract")
+        return value
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -5,7 +5,8 @@ Invariants: rows are read exactly as ``enqueue`` reads them (``plan_jobs``); a c
 id is the source row's id (its ``id`` column) or else the job's content hash, as ``enqueue`` would
 give it; sample ``k > 0`` of ``--n`` gets ``<id>-s<k>``, so adding samples later
 adds rows and repeats none. An id already in the store, or already started in this run (a
-repeated row), is skipped. A conversation that fails writes no row and one error row. A
+repeated row), is skipped. A conversation that fails writes no row and one error row. A reply is
+kept as the endpoint gave it, control characters included (``docs/training-data.md``). A
 cancelled run (Ctrl-C) leaves every finished row written and no partial one.
 """
 
@@ -66,6 +67,7 @@ class Counts:
     skipped: int = 0  # already in the output (or repeated in this run)
     failed: int = 0
     cut: int = 0  # written, but cut where the tool calls diverged
+    without_ids: int = 0  # written without token ids (the endpoint returned none for some reply)
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Regenerator:
         self.store.write(row)
         self.counts.written += 1
         self.counts.cut += result.cut is not None
+        self.counts.without_ids += "token_ids" not in row
         self.on_progress(self.counts)
         if self.sink is not None:
             await self.sink(row)

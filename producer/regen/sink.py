@@ -1,10 +1,13 @@
 """``--enqueue RUN``: finished rows go into a run as they come, through ``enqueue``'s own path.
 
 Each row is planned exactly as ``layertap enqueue`` plans a line of the output file
-(:func:`layertap.producer.ingest.enqueue.plan_jobs` with a :class:`RowConverter`), and sent by an
-:class:`~layertap.producer.ingest.enqueue.Enqueuer` (resume, repeat skipping, back-pressure, sealing) running
-in its own thread. The hand-over queue is bounded: while the run is full the regeneration waits
-too, so the endpoint is not asked for conversations the workers cannot take yet.
+(:func:`layertap.producer.ingest.enqueue.plan_jobs` with a :class:`RowConverter` of the
+``messages`` format, the one regenerate writes: no detection, so no ``--format`` hint), and sent
+by an :class:`~layertap.producer.ingest.enqueue.Enqueuer` (resume, repeat skipping, back-pressure,
+sealing) running in its own thread. The hand-over queue is bounded: while the run is full the
+regeneration waits too, so the endpoint is not asked for conversations the workers cannot take yet.
+A row enqueue refuses (a bad row: a reply holding a control character in a row without token ids,
+say) stays in the output; ``bad`` names it and says why.
 """
 
 from __future__ import annotations
@@ -18,11 +21,20 @@ from typing import Any
 
 from layertap.producer.client.client import Client
 from layertap.producer.ingest.enqueue import BadRow, Enqueuer, Outcome, Planned, plan_jobs
-from layertap.producer.ingest.formats import RowConverter
+from layertap.producer.ingest.formats import InputFormat, RowConverter
 from layertap.producer.ingest.sources import SourceRow
 
 _END = object()
 _ABORT = object()
+
+
+#: A row's place in a bad row's report: this and the row's id (:func:`id_of`).
+PLACE_PREFIX = "row "
+
+
+def id_of(where: str) -> str:
+    """The row id of a bad row's place."""
+    return where.removeprefix(PLACE_PREFIX)
 
 
 class Interrupted(Exception):
@@ -31,11 +43,12 @@ class Interrupted(Exception):
 
 class EnqueueSink:
     """Feeds rows to an :class:`Enqueuer` in a thread. ``close()`` sends what was handed over and
-    seals the run; ``outcomes`` counts what happened to each row, ``bad`` lists rows refused."""
+    seals the run; ``outcomes`` counts what happened to each row, ``bad`` lists rows refused (each
+    row's place names its id: :func:`id_of`)."""
 
     def __init__(self, client: Client, enqueuer: Enqueuer, defaults: dict[str, Any], hand_over: int = 8):
         self.client, self.enqueuer, self.defaults = client, enqueuer, defaults
-        self.converter = RowConverter()
+        self.converter = RowConverter(InputFormat.messages)  # what regenerate writes (with token_ids: their job)
         self.rows: queue.Queue[Any] = queue.Queue(maxsize=hand_over)
         self.outcomes: Counter[Outcome] = Counter()
         self.bad: list[BadRow] = []
@@ -65,7 +78,7 @@ class EnqueueSink:
         while (row := self.rows.get()) is not _END:
             if row is _ABORT:
                 raise Interrupted
-            yield SourceRow(f"row {row.get('id')}", row)
+            yield SourceRow(f"{PLACE_PREFIX}{row.get('id')}", row)
 
     def _drain(self) -> None:
         try:

@@ -44,8 +44,9 @@ def test_enqueue_file_with_malformed_line(workers, redis_server, tmp_path, run_n
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "line 2: not valid JSON" in out.stderr
+    assert "line 3: prompt: empty (or only whitespace): nothing to extract" in out.stderr  # refused, not sent
     assert "Traceback" not in out.stderr
-    assert len(out.stdout.split()) == 2  # lines 1 and 3 enqueued (line 3 fails at the worker: empty prompt)
+    assert len(out.stdout.split()) == 1  # line 1 enqueued
 
 
 def test_enqueue_refuses_model_nobody_serves(workers, redis_server, run_name):

@@ -14,6 +14,9 @@ def test_demo_runs_end_to_end(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "16/16 jobs ok" in out.stdout
+    steps = [out.stdout.index(text) for text in ("embedded Redis at", "building a tiny", "starting a worker",
+                                                 "16/16 jobs ok")]
+    assert steps == sorted(steps)  # each step says so as it starts, before the progress bar (not a silent wait)
     assert "it/s" not in out.stdout + out.stderr  # no progress bars of the libraries underneath
     assert "loss_mask" in out.stdout
     assert len(list((tmp_path / "files" / "demo").glob("*/*.safetensors"))) == 16

@@ -126,7 +126,7 @@ def test_metrics_move_with_a_run(ops_worker, client, run_name):
 def test_json_log_lines_name_their_job(ops_worker, client, run_name):
     worker, _ = ops_worker
     jobs = [client.submit({"prompt": "a logged job"}, model=MODEL, run=run_name),
-            client.submit({"prompt": "   "}, model=MODEL, run=run_name)]  # empty_input
+            client.submit({"token_ids": [10**6]}, model=MODEL, run=run_name)]  # bad_token_ids
     client.wait(run_name, [job.job_id for job in jobs], timeout=60)
     deadline = time.monotonic() + 30  # Celery logs "succeeded" just after the result is published
     while not all(f"[{run_name}:{job.job_id}] succeeded" in worker.log_text() for job in jobs):
@@ -246,6 +246,12 @@ def test_status_and_progress_of_a_run_waiting_in_the_queue(ops_worker, client, c
         listed = next(w for w in status["workers"] if w["node"] == NODE)
         assert {"node": NODE, "alive": True, "model": MODEL, "device": "cpu", "batching": "packed"}.items() <= listed.items()
         assert len(listed["weights"]) == 16 and worker_row[-2] == listed["weights"]  # the checkpoint's fingerprint
+
+        narrow = subprocess.run(cli("status"), env={**cli_env, "COLUMNS": "80"}, capture_output=True, text=True,
+                                timeout=60)
+        lines = narrow.stdout.splitlines()  # too narrow for the table: a block per worker, no value cut
+        assert max(map(len, lines)) <= 80 and f"  {NODE}" in lines, narrow.stdout
+        assert f"weights {listed['weights']}" in narrow.stdout and f"model {MODEL}" in narrow.stdout
 
         progress = RunTracker(client.redis, run_name).poll()
         assert (progress.total, progress.done, progress.failed) == (len(waiting), 0, 0)

@@ -108,6 +108,7 @@ def test_turns_are_the_servers_regenerated_turn_by_turn(serve, tiny_models, refe
     regeneration = two["provenance"]["regeneration"]
     assert regeneration["source_id"] == "two-turns" and regeneration["sampling"] == {"max_tokens": MAX_TOKENS}
     assert "token_ids" not in two  # transformers serve returns none: enqueue renders the chat
+    assert "warning: 2 row(s) of" in done.stderr and "carry no token ids" in done.stderr  # said, not silent
 
 
 def run_until_rows(argv: list[str], out: Path, rows: int) -> subprocess.Popen:
@@ -218,3 +219,44 @@ def test_a_conversation_the_server_refuses_writes_one_error_row_and_no_output(se
     assert out.read_text() == ""
     errors = read_jsonl(tmp_path / "regen.errors.jsonl")
     assert sorted(e["id"] for e in errors) == ["p0", "p1"] and all("HTTP 4" in e["reason"] for e in errors)
+
+
+def test_a_reply_with_a_control_character_is_kept_and_a_row_enqueue_refuses_is_named(small, tiny_models,
+                                                                                     redis_server, run_name, tmp_path):
+    """Issue 40, item 4. The model says ESC (logit_bias); its replies are kept as given. Without the
+    sampled token ids enqueue would tokenize the text, which may hold no control character: each
+    row is refused by the run, named with its reason (stderr and the errors file), and the last line
+    says where the rows are. With the token ids the job is those ids: both rows go into the run."""
+    from transformers import AutoTokenizer
+
+    from layertap.producer.client.client import Client
+    from layertap.producer.protocol import keys
+    from layertap.producer.settings import Settings
+
+    (escape,) = AutoTokenizer.from_pretrained(tiny_models["qwen3"]).encode("\x1b", add_special_tokens=False)
+    chats = write_jsonl(tmp_path / "c.jsonl", prompts(2))
+    bias = ["--extra-body", json.dumps({"logit_bias": {str(escape): 100}}), "--enqueue", run_name,
+            "--worker-model", "tiny-qwen3", "--redis-url", redis_server.url]
+    text_out, ids_out = tmp_path / "text.jsonl", tmp_path / "ids.jsonl"
+    text = subprocess.run(regenerate_argv(small, tiny_models["qwen3"], chats, text_out, "--no-token-ids", *bias),
+                          capture_output=True, text=True, timeout=300)
+    assert text.returncode == 2, text.stderr
+    assert [row["messages"][-1]["content"] for row in read_jsonl(text_out)] == ["\x1b" * MAX_TOKENS] * 2  # kept
+    errors = read_jsonl(tmp_path / "text.errors.jsonl")
+    assert sorted(e["id"] for e in errors) == ["p0", "p1"]
+    assert all(e["reason"] == f"not enqueued into run {run_name}: messages turn 1: message text contains the "
+               "control character '\\x1b'" for e in errors), errors
+    assert "error: row p0: messages turn 1: message text contains the control character" in text.stderr
+    last = text.stderr.strip().splitlines()[-1]
+    assert last == (f"error: 2 row(s) written to {text_out} were not enqueued into run {run_name}: they stay in "
+                    f"{text_out}, listed above and in {tmp_path / 'text.errors.jsonl'} with the reason")
+    assert "--format" not in text.stderr and "0 conversation(s) failed" not in text.stderr
+    with Client(Settings(redis_url=redis_server.url)) as client:
+        assert client.redis.hlen(keys.run_submitted_hash(run_name)) == 0
+
+    ids = subprocess.run(regenerate_argv(small, tiny_models["qwen3"], chats, ids_out, *bias),
+                         capture_output=True, text=True, timeout=300)
+    assert ids.returncode == 0, ids.stderr
+    assert all("token_ids" in row for row in read_jsonl(ids_out))
+    with Client(Settings(redis_url=redis_server.url)) as client:
+        assert client.redis.hlen(keys.run_submitted_hash(run_name)) == 2

@@ -126,9 +126,9 @@ def test_cancel_reports_true_counts_and_stops_held_jobs_before_compute(make_work
                                                                        blocking_model, tmp_path):
     """Every message of a run is held by a worker whose engine is stuck on its first batch; the run
     is cancelled. Jobs not yet handed to the engine end ``cancelled`` (checked just before), the
-    others ok; ``run cancel`` promises nothing, ``--wait`` prints the true counts, and ``runs`` and
-    ``watch`` show ``cancelled`` apart from ``failed``. A run cancelled after all its jobs ended ok
-    is listed ``complete``."""
+    others ok; ``run cancel`` promises nothing, ``--wait`` prints the true counts, and ``runs``,
+    ``runs show`` and ``watch`` show ``cancelled`` apart from ``failed``. A run cancelled after all
+    its jobs ended ok is listed ``complete``."""
     run_name, gate = f"truth-{os.getpid()}", tmp_path / "gate"  # (a short name: watch's line fits)
     make_worker("cancel-truth@localhost", model_dir=blocking_model,
                 env={**hang_env(gate, 300), "LAYERTAP_WORKER__TOKEN_BUDGET": "64",
@@ -138,8 +138,8 @@ def test_cancel_reports_true_counts_and_stops_held_jobs_before_compute(make_work
         jobs = [bundler.add({"prompt": f"held job {i} " + "word " * 25}, model="tiny-qwen3", run=run_name)
                 for i in range(48)]
     ids = [job.job_id for job in jobs]
-    wait_for(lambda: all(private_client.redis.exists(keys.attempts_key(run_name, job_id)) for job_id in ids), 60,
-             "every message to be held and counted")
+    wait_for(lambda: private_client.redis.llen(keys.model_queue("tiny-qwen3")) == 0
+             and private_client.redis.hlen(keys.UNACKED_HASH) == len(ids) // 4, 60, "every message to be held")
     first = layertap(private_redis.url, "run", "cancel", run_name)
     assert first.returncode == 0, first.stderr
     assert "0 ok, 0 failed, 0 cancelled so far; 48 job(s) without a result yet" in first.stdout, first.stdout
@@ -153,6 +153,8 @@ def test_cancel_reports_true_counts_and_stops_held_jobs_before_compute(make_work
     assert f"{run_name}  48/48 finished  cancelled ({cancelled} cancelled)" in layertap(private_redis.url, "runs").stdout
     watched = layertap(private_redis.url, "watch", "--run", run_name)
     assert f"run {run_name} complete: {ok} ok, 0 failed, {cancelled} cancelled, 48 jobs" in watched.stdout
+    shown = layertap(private_redis.url, "runs", "show", run_name).stdout
+    assert shown.startswith(f"run {run_name}: cancelled; 48 submitted, {ok} ok, 0 failed, {cancelled} cancelled"), shown
 
     all_ok = f"{run_name}-ok"
     done = [private_client.submit({"prompt": f"finished before the cancel {i}"}, model="tiny-qwen3", run=all_ok)

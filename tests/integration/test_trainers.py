@@ -38,6 +38,7 @@ def test_a_late_trainer_gets_every_trimmed_sample_from_the_ledger(workers, redis
                                         time_limit_s=90, settings=Settings(storage_root=storage_root))
     seen = [job_id for batch in late.loader(batch_size=2, num_workers=2) for job_id in batch["job_ids"]]
     assert Counter(seen) == Counter(job["job_id"] for job in jobs)  # every ok sample, once, across two workers
+    assert late.counts.yielded == len(seen)  # the DataLoader workers' counts, summed in this process
     assert client.redis.hlen(keys.run_consumed_hash(run_name, "train")) == 11  # the error too
     assert files_under(storage_root / run_name) == []
 

@@ -6,7 +6,8 @@
   ``transformers serve`` does not offer: vLLM's ``return_token_ids`` (``prompt_token_ids`` and the
   choice's ``token_ids``) and a tool call when asked for one (``tool_choice: "required"``: the
   model's generated text becomes the arguments of a call to the first tool, as constrained
-  decoding would force the shape). Every answer is appended to LOG, so a test compares against
+  decoding would force the shape), and OpenAI's ``logit_bias`` (``{token id: bias}``, so a test can
+  have the model say a token it needs). Every answer is appended to LOG, so a test compares against
   what the server sent, not what the client kept.
 """
 
@@ -109,12 +110,13 @@ def build_app(model_dir: str, log_path: str) -> Any:
                                              tokenize=False)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         sample = (body.get("temperature") or 0) > 0
+        bias = {(int(token),): float(value) for token, value in (body.get("logit_bias") or {}).items()}
         with lock, torch.no_grad():
             if body.get("seed") is not None:
                 torch.manual_seed(body["seed"])
             output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=body.get("max_tokens", 16),
                                     do_sample=sample, temperature=body.get("temperature") if sample else None,
-                                    pad_token_id=tokenizer.pad_token_id)
+                                    pad_token_id=tokenizer.pad_token_id, sequence_bias=bias or None)
         ids = output[0, len(prompt_ids):].tolist()
         content = tokenizer.decode(ids, skip_special_tokens=True)
         message: dict[str, Any] = {"role": "assistant", "content": content}

@@ -19,12 +19,18 @@ in a host buffer allocated at start (``host_buffers``); when writers fall behind
 waits for a free buffer (counted as GPU idle time) *before* it forms the next batch, so
 the batch takes in every job that arrived meanwhile.
 
-Callers prepare work just ahead of the engine, inside :meth:`Engine.preparing`: at most
-:data:`MAX_PREPARING` at once, and only while fewer than ``prepare_ahead`` token budgets
-are queued (0: no such limit). Preparing more at once gains nothing and costs the engine thread the GIL, which
+Callers prepare work just ahead of the engine, in a *place* (:meth:`Engine.preparing`): at most
+:data:`MAX_PREPARING` places at once, and a place is given only while fewer than ``prepare_ahead``
+batches are queued, counted both ways: by token budgets and by ``max_batch_jobs`` (0: no such
+limit). Preparing more at once gains nothing and costs the engine thread the GIL, which
 every torch call releases and takes back: with a burst of 3,000 jobs prepared on 47 task
 threads at once, the first batch took 0.7-1.2 s to launch on an H200, its forward using 0.1 s
-of the engine thread's CPU.
+of the engine thread's CPU. A caller may take its place earlier, before work it must not do
+unless its jobs are about to run (an outer ``preparing`` block: the worker's task counts a
+message's attempts only then); the place is left when the first block ends.
+:meth:`Engine.close_admission` (a warm shutdown) refuses places to every caller waiting for one
+(:class:`AdmissionClosed`) and to later ones; what is queued still runs. So a worker holds at
+most ``MAX_PREPARING`` messages beyond those whose jobs are queued here or later.
 
 Out of memory on a batch splits it in halves and retries; a single request that still
 does not fit fails with :class:`~layertap.worker.engine.errors.OutOfMemory`. The engine raises only
@@ -46,7 +52,7 @@ from dataclasses import replace
 
 import torch
 
-from layertap.worker.engine.errors import BatchFailed, DeviceFault, EngineStopped, OutOfMemory
+from layertap.worker.engine.errors import AdmissionClosed, BatchFailed, DeviceFault, EngineStopped, OutOfMemory
 from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
 from layertap.worker.engine.inputs import batch_policy
 from layertap.worker.engine.layout import place_jobs
@@ -91,7 +97,8 @@ class Engine:
         self._cuda = loaded.device.type == "cuda"
         self._pending: deque[EngineRequest] = deque()
         self._pending_tokens = 0
-        self._preparing = 0  # callers inside preparing()
+        self._places: set[int] = set()  # threads holding a place (preparing()); at most MAX_PREPARING
+        self._admitting = True  # False once close_admission() was called
         self._together: deque[list[EngineRequest]] = deque()  # batches asked for as they are
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # the engine thread waits here for work
@@ -150,24 +157,49 @@ class Engine:
 
     @contextlib.contextmanager
     def preparing(self) -> Iterator[None]:
-        """Prepare work (tokenize, build its tensors) and submit it inside this block; it is entered once
-        fewer than ``prepare_ahead`` token budgets are queued and fewer than
-        :data:`MAX_PREPARING` callers are inside (at once if the engine is stopping, or
-        ``prepare_ahead`` is 0). Nothing inside may wait on the engine (its place would stay taken
-        meanwhile), and blocks are never nested (the inner one could wait forever)."""
-        if not self.prepare_ahead:
-            yield
-            return
-        limit = self.prepare_ahead * self.token_budget
-        with self._room:
-            self._room.wait_for(lambda: self._stopping or (self._pending_tokens < limit
-                                                           and self._preparing < MAX_PREPARING))
-            self._preparing += 1
+        """Prepare work (tokenize, build its tensors) and submit it inside this block, in a place,
+        taken once fewer than ``prepare_ahead`` batches are queued (by token budget and by job
+        count) and fewer than :data:`MAX_PREPARING` places are held (at once if the engine is
+        stopping, or ``prepare_ahead`` is 0); raises :class:`AdmissionClosed` once admission is
+        closed. Nothing inside may wait on the engine while the place is held. A thread holds one
+        place: a block inside another of the same thread uses the outer one's, and the place is
+        left when the first of them ends, so a caller can take its place before work that must
+        wait for one (the worker's task, before it counts a message's attempts) and wait on the
+        engine after the inner block that submits."""
+        me = threading.get_ident()
+        self._take_place(me)
         try:
             yield
         finally:
-            with self._room:
-                self._preparing -= 1
+            self._leave_place(me)
+
+    def close_admission(self) -> None:
+        """Give no more places (a warm shutdown): callers waiting for one, and later ones, get
+        :class:`AdmissionClosed`; those holding one go on, and queued work runs as before."""
+        with self._room:
+            self._admitting = False
+            self._room.notify_all()
+
+    def _take_place(self, me: int) -> None:
+        if not self.prepare_ahead:
+            return
+        limit, most_jobs = self.prepare_ahead * self.token_budget, self.prepare_ahead * self.policy.max_jobs
+        with self._room:
+            if me in self._places:  # an outer block of this thread holds it
+                return
+            self._room.wait_for(lambda: self._stopping or not self._admitting or (
+                self._pending_tokens < limit and len(self._pending) < most_jobs
+                and len(self._places) < MAX_PREPARING))
+            if not self._admitting and not self._stopping:
+                raise AdmissionClosed("this worker is shutting down and starts no more work")
+            self._places.add(me)
+
+    def _leave_place(self, me: int) -> None:
+        if not self.prepare_ahead:
+            return
+        with self._room:
+            if me in self._places:
+                self._places.discard(me)
                 self._room.notify_all()
 
     def pending(self) -> int:

@@ -26,3 +26,8 @@ class DeviceFault(EngineError):
 
 class OutOfMemory(EngineError):
     """One request does not fit in device memory even alone."""
+
+
+class AdmissionClosed(Exception):
+    """No more places ahead of the engine (``Engine.close_admission``: a warm shutdown); the caller
+    hands its work back unstarted."""

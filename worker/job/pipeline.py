@@ -190,6 +190,8 @@ class JobProcessor:
         try:
             return Job.model_validate(raw).with_id()
         except ValidationError as exc:
+            if all(error["type"] == ErrorType.empty_input.value for error in exc.errors()):
+                raise JobError(ErrorType.empty_input, describe_validation_error(exc)) from None
             raise JobError(ErrorType.invalid_job, "invalid job: " + describe_validation_error(exc)) from None
 
     def process(self, raw: Any, *, submitted_at: float | None = None, attempt: int | None = None,

@@ -166,8 +166,6 @@ class Preparer:
             raise JobError(ErrorType.invalid_layers, str(exc)) from None
 
     def _check_token_ids(self, token_ids: list[int]) -> list[int]:
-        if not token_ids:
-            raise JobError(ErrorType.empty_input, "token_ids is empty")
         vocab = self.loaded.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -221,8 +219,6 @@ class Preparer:
         return lambda text: self._refuse_unfittable(job, len(text), "the rendered chat")
 
     def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
-        if not prompt.strip():
-            raise JobError(ErrorType.empty_input, "prompt is empty")
         self._refuse_unfittable(job, len(prompt), "the prompt")
         with self._tokenizer() as tokenizer:
             token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -235,8 +231,6 @@ class Preparer:
         assistant turn unless ``loss_on="none"``; raises :class:`JobError`."""
         messages = [{**m.model_dump(exclude_none=True), **({"content": m.text} if isinstance(m.content, list) else {})}
                     for m in job.messages or []]
-        if not messages:
-            raise JobError(ErrorType.empty_input, "messages is empty")
         if len(messages) > self.limits.max_turns:
             raise JobError(ErrorType.invalid_job, f"the chat has {len(messages)} turns; the limit is "
                                                   f"{self.limits.max_turns}")

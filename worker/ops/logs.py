@@ -5,7 +5,9 @@ Every line logged while a job is being handled carries that job's ``job_id`` and
 Celery's current task id (``keys.task_id(run, job_id)``; a bundle's lines carry its run, a
 null ``job_id`` and, in text, the bundle's task id); Celery's own per-task lines
 (received, succeeded, retry) carry the task id in their ``data`` record field. Lines
-about no single job (startup, the engine's batches) have ``job_id`` and ``run`` null.
+about no single job (startup, the engine's batches) have ``job_id`` and ``run`` null. A message
+handed back to its queue at a warm shutdown (Celery's ``Reject(requeue=True)``) is one line, without
+the traceback Celery adds to it: handing back is not an error.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 from typing import Any
 
 from celery import current_task, signals
+from celery.exceptions import Reject
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
@@ -48,6 +51,16 @@ class JobContextFilter(logging.Filter):
         return True
 
 
+class HandBackFilter(logging.Filter):
+    """Drops the traceback of a record about a message handed back (``Reject(requeue=True)``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, Reject) and exc.requeue:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def make_formatter(log_format: LogFormat) -> logging.Formatter:
     if log_format is LogFormat.json:
         # Celery's ``data`` (the task's args and return value) is left out: the message says it.
@@ -65,6 +78,7 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(make_formatter(log_format))
     handler.addFilter(JobContextFilter())
+    handler.addFilter(HandBackFilter())
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper())

@@ -5,17 +5,28 @@ in silence: an ``eta``/``countdown`` up to :data:`MAX_ETA_S` ahead is honoured (
 service's own retries use one); a farther one is refused at once with ``invalid_job``; a
 message past its ``expires`` is refused with ``invalid_job`` instead of being revoked by
 Celery without a result; one not yet expired runs.
+
+A message is handled (its attempts counted, its jobs prepared) only once it holds a place just
+ahead of the engine (``Engine.preparing``, around the whole task): the worker's prefetch is bounded
+by what the engine is about to run, not by ``concurrency``. At a warm shutdown
+(``Engine.close_admission``) a message still waiting for its place is rejected with
+``requeue=True`` (Celery's rule for a late-acked task): back in its queue, unstarted and uncounted,
+while the messages holding places finish.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
 from celery import Celery, Task
+from celery.exceptions import Reject
 from celery.worker.request import Request
 
 from layertap.producer.protocol import keys
+from layertap.worker.engine.errors import AdmissionClosed
 from layertap.worker.queue.handler import RETRY_MAX_S, RetryLater, WorkerService
 
 #: Farthest ``eta`` honoured, in seconds from receipt: the longest retry backoff, with room.
@@ -48,6 +59,18 @@ class JobRequest(Request):
         self._expires = None
 
 
+@contextmanager
+def admitted(service: WorkerService) -> Iterator[None]:
+    """Hold a place ahead of the engine for the task's body; raises Celery's ``Reject(requeue=True)``
+    when admission closed first (a warm shutdown): the message goes back to its queue unstarted."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(service.processor.engine.preparing())
+        except AdmissionClosed as exc:
+            raise Reject(f"{exc}: the message goes back to its queue unstarted", requeue=True) from None
+        yield
+
+
 def register_extract_task(app: Celery, service: WorkerService) -> Task:
     """Register ``layertap.extract`` on ``app``. Arguments are whatever the message holds:
     the service validates them, so a malformed message gets an error result, not a crash."""
@@ -55,10 +78,11 @@ def register_extract_task(app: Celery, service: WorkerService) -> Task:
     @app.task(name=keys.EXTRACT_TASK, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None,
               Request=JobRequest)
     def extract(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        try:
-            return service.handle(args, kwargs, self.request.id, refusal=self.request.get(REFUSAL_KEY))
-        except RetryLater as later:
-            raise self.retry(args=later.args_, kwargs=later.kwargs_, countdown=later.countdown) from None
+        with admitted(service):
+            try:
+                return service.handle(args, kwargs, self.request.id, refusal=self.request.get(REFUSAL_KEY))
+            except RetryLater as later:
+                raise self.retry(args=later.args_, kwargs=later.kwargs_, countdown=later.countdown) from None
 
     return extract
 
@@ -72,9 +96,11 @@ def register_bundle_task(app: Celery, service: WorkerService) -> Task:
               Request=JobRequest)
     def extract_bundle(self: Task, *args: Any, **kwargs: Any) -> dict[str, int]:
         queue = (self.request.delivery_info or {}).get("routing_key")
-        try:
-            return service.handle_bundle(args, kwargs, self.request.id, queue, refusal=self.request.get(REFUSAL_KEY))
-        except RetryLater as later:
-            raise self.retry(args=later.args_, kwargs=later.kwargs_, countdown=later.countdown) from None
+        with admitted(service):
+            try:
+                return service.handle_bundle(args, kwargs, self.request.id, queue,
+                                             refusal=self.request.get(REFUSAL_KEY))
+            except RetryLater as later:
+                raise self.retry(args=later.args_, kwargs=later.kwargs_, countdown=later.countdown) from None
 
     return extract_bundle
