@@ -142,7 +142,9 @@ def run_worker(settings: Settings) -> int:
     if ws.metrics_port:
         metrics.serve(ws.metrics_port)
     static_info = {"model": loaded.name, "source": loaded.source, "device": str(loaded.device), "dtype": dtype,
-                   "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers, "pid": os.getpid(),
+                   "layers": processor.preparer.default_layers, "num_layers": loaded.num_layers,
+                   "hidden_size": loaded.hidden_size, "residual_copies": loaded.capture.stream.copies,
+                   "pid": os.getpid(),
                    "host": socket.gethostname(), "started": time.time(), "storage_root": storage.root,
                    "gpus": gpus, "metrics_port": ws.metrics_port, "architecture": loaded.architecture,
                    "batching": loaded.batching.name, "batching_reason": loaded.batching.reason,

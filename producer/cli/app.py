@@ -65,7 +65,8 @@ def results(
     timeout: Optional[float] = typer.Option(None, help="With --follow: stop after this many idle seconds."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
-    """Print a run's results so far (or keep following with --follow)."""
+    """Print a run's results so far (or keep following with --follow): first, by job id, those
+    trimmed from its stream at the retention (from the run's ledger), then the stream's."""
     from layertap.producer.client import runs
     from layertap.producer.client.client import Client
 
@@ -73,17 +74,33 @@ def results(
         if not follow:
             require_run(client.redis, run)
         printed: dict[str, str] = {}  # job id -> status last printed
+        from_ledger = 0
+        for trimmed in runs.trimmed_results(client.redis, run):
+            from_ledger += 1
+            print_result(trimmed, as_json, printed)
         for result in client.results(run, follow=follow, timeout=timeout, until_complete=True):
-            if not every_entry and printed.get(result.job_id) == result.status.value:
-                continue
-            printed[result.job_id] = result.status.value
-            if as_json:
-                print(result.model_dump_json(), flush=True)
-            elif result.ok:
-                print(f"ok     {result.job_id}  {result.num_tokens} tokens  {result.path}", flush=True)
-            else:
-                print(f"error  {result.job_id}  {result.error_type.value if result.error_type else ''}: "
-                      f"{result.error}", flush=True)
+            if every_entry or printed.get(result.job_id) != result.status.value:
+                print_result(result, as_json, printed)
+        for trimmed in runs.trimmed_results(client.redis, run, shown=printed):  # trimmed while the stream was read
+            from_ledger += 1
+            print_result(trimmed, as_json, printed)
+    if from_ledger:
+        err_console.print(f"run {run}: {from_ledger} of these results come from the run's ledger: their stream "
+                          "entries were trimmed at the retention (retention.results_s); an error's type and message "
+                          "are not kept there", markup=False, highlight=False)
+
+
+def print_result(result: Any, as_json: bool, printed: dict[str, str]) -> None:
+    """One line of ``layertap results``; ``printed`` records the job's status."""
+    printed[result.job_id] = result.status.value
+    if as_json:
+        print(result.model_dump_json(), flush=True)
+    elif result.ok:
+        tokens = "?" if result.num_tokens is None else result.num_tokens
+        print(f"ok     {result.job_id}  {tokens} tokens  {result.path}", flush=True)
+    else:
+        print(f"error  {result.job_id}  {result.error_type.value if result.error_type else ''}: "
+              f"{result.error}", flush=True)
 
 
 @app.command()

@@ -73,6 +73,13 @@ def enqueue(
                                          "unless --no-check, jobs asking for layers the served model lacks are bad rows."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Read at most this many rows (prompts "
                                         "first, then the file's)."),
+    keep_existing: bool = typer.Option(False, "--keep-existing", help="Rows whose jobs (by their own ids) are ok "
+                                       "in the run with other content than asked (other options or input): keep "
+                                       "those files, send nothing for them."),
+    replace: bool = typer.Option(False, "--replace", help="Rows whose jobs (by their own ids) are ok in the run "
+                                 "with other content than asked: extract what is asked in place of those files."),
+    yes: bool = typer.Option(False, "--yes", help="Send even when the files' estimated size is more than the "
+                             "free space of the workers' storage."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Read and check the rows, print the job ids, send "
                                  "nothing (Redis is not contacted)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print the ids of the jobs sent."),
@@ -80,12 +87,19 @@ def enqueue(
 ) -> None:
     """Stream jobs into the queue (one per row); skips jobs already ok in the run. Prints one job id per line.
 
+    Before sending, a file or --prompt input is read once to print the files' expected size and
+    to refuse (nothing sent) rows whose jobs are ok with other content, and files larger than
+    the storage's free space (--yes sends anyway).
+
     Exit codes: 0 sent (or already ok); 1 refused, or no rows at all (empty input); 2 bad rows or
     arguments; 130 interrupted (Ctrl-C: run the same command again to send the rest)."""
+    from layertap.producer.cli.preflight import changed_refusal, check_before_sending
     from layertap.producer.client.client import Client, NoWorker, NoWorkerWarning
+    from layertap.producer.client.fleet import served_shape
     from layertap.producer.ingest.enqueue import (
         BadRow,
         Enqueuer,
+        OnChange,
         Outcome,
         Planned,
         job_from_data,
@@ -93,12 +107,16 @@ def enqueue(
     )
     from layertap.producer.ingest.formats import RowConverter
     from layertap.producer.ingest.sources import open_source
+    from layertap.producer.ingest.survey import survey
     from layertap.producer.protocol.layers import parse_layer_list
     from layertap.producer.protocol.naming import check_name, served_model_name
     from layertap.producer.settings import Settings
 
     if not prompt and file is None:
         raise fail("nothing to enqueue: give --prompt TEXT or --file F", 2)
+    if keep_existing and replace:
+        raise fail("give one of --keep-existing (keep the files there) or --replace (extract what is asked)", 2)
+    on_change = OnChange.replace if replace else OnChange.keep if keep_existing else OnChange.refuse
     model = served_model_name(model)
     defaults: dict[str, Any] = {"model": model, "run": run, "max_length": max_length, "truncate": truncate,
                                 "layers": parse_layer_list(layers) if layers is not None else None,
@@ -118,19 +136,25 @@ def enqueue(
         raise fail(str(exc) if str(exc).startswith("--run") else f"invalid flags: {exc}", 2) from None
     prompts = [Planned(f"--prompt {i + 1}", job_from_data({"prompt": text}, defaults, max_job_bytes))
                for i, text in enumerate(prompt or [])]
-    items: Iterable[Planned | BadRow] = prompts
-    total: int | None = len(prompts)
-    if file is not None:
-        with one_line_errors():
-            source = open_source(file, split=split)
-        total = None if source.total is None else len(prompts) + source.total
-        converter = RowConverter(input_format, column=column, id_column=id_column)
-        items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file),
-                                                   max_job_bytes=max_job_bytes, images_root=settings.images_root,
-                                                   limits=settings.limits))
-    if limit is not None:
-        items = itertools.islice(items, limit)
-        total = None if total is None else min(total, limit)
+
+    def read_items() -> tuple[Iterable[Planned | BadRow], int | None]:
+        """The input's items, prompts first, up to --limit, and how many if known (the file opened afresh)."""
+        items: Iterable[Planned | BadRow] = prompts
+        total: int | None = len(prompts)
+        if file is not None:
+            with one_line_errors():
+                source = open_source(file, split=split)
+            total = None if source.total is None else len(prompts) + source.total
+            converter = RowConverter(input_format, column=column, id_column=id_column)
+            items = itertools.chain(prompts, plan_jobs(source.rows, converter, defaults, origin=str(file),
+                                                       max_job_bytes=max_job_bytes, images_root=settings.images_root,
+                                                       limits=settings.limits))
+        if limit is not None:
+            items = itertools.islice(items, limit)
+            total = None if total is None else min(total, limit)
+        return items, total
+
+    items, total = read_items()
     if dry_run:
         raise typer.Exit(dry_run_report(items, run, quiet))
     counts: Counter[Outcome] = Counter()
@@ -140,27 +164,46 @@ def enqueue(
             client.check_served(model, check)
         except NoWorker as exc:
             raise fail(f"{exc}; use --no-check to enqueue anyway") from None
-        if model not in client.served_models():
+        shape = served_shape(client.workers(), model)
+        if shape is None:
             err_console.print(f"warning: no live worker serves model {model!r}; its jobs wait in the queue "
                               "until one does", markup=False, highlight=False)
+        if file is None or (str(file) != "-" and file.exists()):  # an input read twice: this look, then the send
+            again, again_total = read_items()
+            with progress(again_total, "look ahead") as step, one_line_errors():
+                found = survey(client.redis, again, shape, on_change, step)
+            check_before_sending(run, model, found, shape, yes=yes)
+        else:
+            err_console.print(f"note: {file} is read once: neither the files' size nor rows ok with other content "
+                              "are checked before sending", markup=False, highlight=False)
         enqueuer = Enqueuer(client, max_inflight or settings.enqueue.max_inflight,
                             until=until, group=consumer_group or settings.enqueue.consumer_group,  # type: ignore[arg-type]
-                            check=check)
+                            check=check, on_change=on_change, shape=shape)
         with (resume_hint(run, counts), progress(total, "enqueue") as step, one_line_errors(),
               contextlib.closing(enqueuer.run(items)) as outcomes):  # closed at once: what it holds is sent
             for outcome, item in outcomes:
                 counts[outcome] += 1
-                if outcome is Outcome.bad and counts[outcome] <= MAX_REPORTED_ROWS:
+                if outcome in (Outcome.bad, Outcome.changed) and counts[outcome] <= MAX_REPORTED_ROWS:
                     assert isinstance(item, BadRow)
                     err_console.print(f"error: {item.where}: {item.reason}", markup=False, highlight=False)
-                elif outcome is Outcome.submitted and not quiet:
+                elif outcome in (Outcome.submitted, Outcome.replaced) and not quiet:
                     assert isinstance(item, Planned)
                     print(item.job.job_id, flush=True)
-                step(f"sent {counts[Outcome.submitted]} · already ok {counts[Outcome.already_ok]} · "
-                     f"bad {counts[Outcome.bad]} · in flight ≤ {enqueuer.limiter.in_flight}")
-    err_console.print(f"run {run}: {counts[Outcome.submitted]} job(s) sent, {counts[Outcome.already_ok]} already ok, "
-                      f"{counts[Outcome.repeated]} repeated row(s) skipped, {counts[Outcome.bad]} bad row(s)",
-                      markup=False, highlight=False)
+                step(f"sent {counts[Outcome.submitted] + counts[Outcome.replaced]} · already ok "
+                     f"{counts[Outcome.already_ok]} · bad {counts[Outcome.bad]} · "
+                     f"in flight ≤ {enqueuer.limiter.in_flight}")
+    sent, replaced = counts[Outcome.submitted] + counts[Outcome.replaced], counts[Outcome.replaced]
+    parts = [f"{sent} job(s) sent" + (f" ({replaced} replacing files of other content)" if replaced else ""),
+             f"{counts[Outcome.already_ok]} already ok"]
+    parts += [f"{counts[Outcome.kept]} kept with other content"] if counts[Outcome.kept] else []
+    parts += [f"{counts[Outcome.changed]} ok with other content (not sent)"] if counts[Outcome.changed] else []
+    parts += [f"{counts[Outcome.repeated]} repeated row(s) skipped", f"{counts[Outcome.bad]} bad row(s)"]
+    err_console.print(f"run {run}: {', '.join(parts)}", markup=False, highlight=False)
+    if counts[Outcome.changed]:
+        refusal = changed_refusal(counts[Outcome.changed], run, "see above")
+        if not counts[Outcome.bad]:
+            raise fail(refusal)
+        err_console.print(f"error: {refusal}", markup=False, highlight=False)
     if counts[Outcome.bad]:
         shown = "" if counts[Outcome.bad] <= MAX_REPORTED_ROWS else f"; the first {MAX_REPORTED_ROWS} are shown"
         raise fail(f"{counts[Outcome.bad]} row(s) were not enqueued (see above{shown})", 2)

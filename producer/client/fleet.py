@@ -12,9 +12,13 @@ from __future__ import annotations
 import difflib
 import json
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from layertap.producer.protocol import keys
+from layertap.producer.protocol.dtypes import AUTO, RECORDED_NAMES, STORED_AS
+from layertap.producer.protocol.fileformat import state_item_size
+from layertap.producer.protocol.layers import LayerIdError, resolve_layer_ids
 
 if TYPE_CHECKING:
     import redis
@@ -73,6 +77,55 @@ def served_depths(workers: dict[str, dict[str, Any]]) -> dict[str, int]:
         if isinstance(info.get("num_layers"), int):
             depths[info["model"]] = min(info["num_layers"], depths.get(info["model"], info["num_layers"]))
     return depths
+
+
+@dataclass(frozen=True)
+class ServedShape:
+    """What the live workers serving one model report of the files they write: the largest hidden
+    size and residual copies, the fewest decoder layers, the longest default layer list, the
+    compute dtype of the widest items (what ``auto`` stores), and their storage roots (sorted).
+    ``hidden_size`` is None when a worker does not report it (an older worker)."""
+
+    hidden_size: int | None
+    num_layers: int
+    default_layers: list[int]
+    dtype: str
+    copies: int
+    storage_roots: list[str]
+
+    def layers_of(self, layers: list[int] | None) -> list[int] | None:
+        """A job's ``layers`` as these workers resolve them (their default for None); None for ids
+        they lack."""
+        try:
+            return resolve_layer_ids(self.default_layers if layers is None else layers, self.num_layers)
+        except LayerIdError:
+            return None
+
+    def stored_dtype(self, dtype: str) -> str | None:
+        """The recorded name of the dtype a job's ``dtype`` is stored as here (``auto``: the
+        workers' compute dtype); None for one this release does not know."""
+        return RECORDED_NAMES.get(self.dtype if dtype == AUTO else dtype)
+
+
+def served_shape(workers: dict[str, dict[str, Any]], model: str) -> ServedShape | None:
+    """The :class:`ServedShape` of ``model`` among the live ``workers``; None when none serves it."""
+    infos = [info for info in workers.values()
+             if info.get("model") == model and isinstance(info.get("num_layers"), int)]
+    if not infos:
+        return None
+    sizes = [info.get("hidden_size") for info in infos]
+    return ServedShape(
+        hidden_size=max(sizes) if all(isinstance(size, int) for size in sizes) else None,  # type: ignore[type-var]
+        num_layers=min(info["num_layers"] for info in infos),
+        default_layers=max((list(info.get("layers") or []) for info in infos), key=len),
+        dtype=max((str(info.get("dtype")) for info in infos), key=_item_bytes),
+        copies=max(int(info.get("residual_copies") or 1) for info in infos),
+        storage_roots=sorted({str(info["storage_root"]) for info in infos if info.get("storage_root")}))
+
+
+def _item_bytes(dtype: str) -> int:
+    """Bytes per stored value of a compute dtype name (0 for a name this release does not know)."""
+    return state_item_size(dtype) if dtype in STORED_AS else 0
 
 
 def did_you_mean(model: str, served: set[str]) -> str | None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -264,6 +264,22 @@ def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]
             if path is not None:
                 trimmed[job_id] = (path, None)
     return {**trimmed, **streamed}
+
+
+def trimmed_results(client: redis.Redis, run: str, shown: Container[str] = ()) -> Iterator[Result]:
+    """From the ledger (:func:`ledger_result`), by job id: the final result of each job of ``run``
+    whose stream entry was trimmed (a status, and no entry in ``keys.run_result_ids_hash``), but
+    those in ``shown``. Nothing for a run never trimmed."""
+    if not was_trimmed(client, run):
+        return
+    trimmed: dict[str, str] = {}
+    statuses = client.hscan_iter(keys.run_status_hash(run), count=1000)
+    while page := list(itertools.islice(statuses, 1000)):
+        entry_ids = client.hmget(keys.run_result_ids_hash(run), [keys.as_text(job_id) for job_id, _ in page])
+        trimmed |= {keys.as_text(job_id): keys.as_text(status) for (job_id, status), entry_id in zip(page, entry_ids)
+                    if entry_id is None and keys.as_text(job_id) not in shown}
+    for job_id in sorted(trimmed):
+        yield ledger_result(client, run, job_id, trimmed[job_id])
 
 
 def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Result:

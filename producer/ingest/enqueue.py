@@ -6,6 +6,10 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
 * **resume**: a job whose result in the run's status hash is ``ok`` is skipped, so
   re-running the same command after an interruption sends only what is not done yet;
   a job with an ``error`` result is sent again (its status entry is cleared first);
+* **other content**: a job sent under its own id whose ok result holds other content than the
+  row asks (other options or input, ``layertap.producer.ingest.existing``) is never "already ok":
+  by :class:`OnChange`, it is refused (``changed``, not sent), kept (``kept``) or sent with
+  ``replace`` (``replaced``: the worker writes what is asked in place of that file);
 * **repeats**: a job this enqueue already sent (same run and id: a repeated row) is
   skipped; "already sent" is read from the run's submitted hash (its time is at or after
   this enqueue's start). A repeat of a row's own ``job_id`` with other content is a bad row
@@ -39,6 +43,8 @@ import redis
 from pydantic import ValidationError
 
 from layertap.producer.client.client import Client
+from layertap.producer.client.fleet import ServedShape
+from layertap.producer.ingest import existing
 from layertap.producer.ingest.formats import RowConverter, UndetectableFormat
 from layertap.producer.ingest.sent import SentJobs
 from layertap.producer.ingest.sources import SourceRow
@@ -69,9 +75,54 @@ class Planned:
 
 class Outcome(str, Enum):
     submitted = "submitted"
-    already_ok = "already_ok"  # the run has an ok result for this job
+    already_ok = "already_ok"  # the run has an ok result for this job, of the content asked
     repeated = "repeated"  # this enqueue already sent this job, same content (a repeated row)
     bad = "bad"  # not sent: invalid, or its own job_id already sent by this enqueue with other content
+    changed = "changed"  # not sent: ok in the run with other content than asked (OnChange.refuse)
+    kept = "kept"  # not sent: ok in the run with other content, kept (OnChange.keep)
+    replaced = "replaced"  # sent: ok in the run with other content, to be replaced (OnChange.replace)
+
+
+class OnChange(str, Enum):
+    """What becomes of a row whose job is ok in its run with other content than it asks."""
+
+    refuse = "refuse"
+    keep = "keep"
+    replace = "replace"
+
+
+@dataclass
+class Ledgered:
+    """What the run's ledger holds of a job: its status and send time (None: none), and for an ok
+    job whose result holds other content than asked, why (``existing.change``)."""
+
+    status: str | None
+    submitted_at: str | None
+    change: str | None = None
+
+
+def look_up(client: redis.Redis, jobs: list[Job], shape: ServedShape | None) -> list[Ledgered]:
+    """What the ledger holds of each of ``jobs`` (in order): one round trip, and for the ok ones
+    sent under their own ids, what made their results (``existing.made``)."""
+    by_run: dict[str, list[str]] = {}
+    for job in jobs:
+        by_run.setdefault(job.run, []).append(job.job_id or "")
+    pipe = client.pipeline(transaction=False)
+    for run, job_ids in by_run.items():
+        pipe.hmget(keys.run_status_hash(run), job_ids)
+        pipe.hmget(keys.run_submitted_hash(run), job_ids)
+    replies = iter(pipe.execute())
+    found = {run: (iter(next(replies)), iter(next(replies))) for run in by_run}  # in the jobs' order
+    looked = [Ledgered(next(found[job.run][0]), next(found[job.run][1])) for job in jobs]
+    own: dict[str, list[str]] = {}
+    for job, ledgered in zip(jobs, looked):
+        if ledgered.status == Status.ok.value and not job.has_content_id():
+            own.setdefault(job.run, []).append(job.job_id or "")
+    made = {run: existing.made(client, run, job_ids) for run, job_ids in own.items()}
+    for job, ledgered in zip(jobs, looked):
+        if job.job_id in made.get(job.run, {}):
+            ledgered.change = existing.change(job, made[job.run][job.job_id], shape)  # type: ignore[index]
+    return looked
 
 
 def job_from_data(data: Any, defaults: dict[str, Any], max_job_bytes: int | None = None, *,
@@ -164,8 +215,11 @@ class Enqueuer:
 
     def __init__(self, client: Client, max_inflight: int, batch_size: int = 256,
                  until: InflightUntil = "finished", group: str = keys.DEFAULT_CONSUMER_GROUP,
-                 check: bool | None = None):
+                 check: bool | None = None, on_change: OnChange = OnChange.refuse,
+                 shape: ServedShape | None = None):
         self.client = client
+        self.on_change = on_change
+        self.shape = shape  # the live workers' shape of the model, to name settings as they resolve them
         self.group = group
         self.bundler = client.bundler(check=check)  # refuse, as bad rows, jobs the live workers cannot run (Client's check)
         self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
@@ -201,29 +255,23 @@ class Enqueuer:
         for run in sorted({item.job.run for item in batch} - self.fed):
             self.client.seal(run, sealed=False)
             self.fed.add(run)
-        by_run: dict[str, list[str]] = {}
-        for item in batch:
-            by_run.setdefault(item.job.run, []).append(item.job.job_id)  # type: ignore[arg-type]
-        pipe = self.client.redis.pipeline(transaction=False)
-        for run, job_ids in by_run.items():
-            pipe.hmget(keys.run_status_hash(run), job_ids)
-            pipe.hmget(keys.run_submitted_hash(run), job_ids)
-        replies = iter(pipe.execute())
-        found = {run: (iter(next(replies)), iter(next(replies))) for run in by_run}  # in the batch's order
         sent: set[tuple[str, str]] = set()
-        for item in batch:
-            statuses, submitted = found[item.job.run]
-            job, status, submitted_at = item.job, next(statuses), next(submitted)
+        for item, found in zip(batch, look_up(self.client.redis, [item.job for item in batch], self.shape)):
+            job, status, submitted_at = item.job, found.status, found.submitted_at
             key = (job.run, job.job_id or "")
-            if status == Status.ok.value:
+            replace = found.change is not None and self.on_change is OnChange.replace
+            if status == Status.ok.value and found.change is None:
                 yield Outcome.already_ok, item
+            elif status == Status.ok.value and not replace:
+                yield ((Outcome.kept, item) if self.on_change is OnChange.keep
+                       else (Outcome.changed, BadRow(item.where, found.change or "")))
             elif (key in sent or self.bundler.holds(*key)
                   or (submitted_at is not None and float(submitted_at) >= self.started_at)):
                 yield self._repeated(item)
             else:
                 sent.add(key)
                 self.sent_jobs.add(job)
-                yield self._submit(item, reopen=status is not None or submitted_at is not None)
+                yield self._submit(item, reopen=status is not None or submitted_at is not None, replace=replace)
 
     def _repeated(self, item: Planned) -> tuple[Outcome, Planned | BadRow]:
         """A repeat of a job already sent: skipped, or a bad row when this enqueue sent its id with other content."""
@@ -234,13 +282,13 @@ class Enqueuer:
                                                    "(give each row its own id)")
         return Outcome.repeated, item
 
-    def _submit(self, item: Planned, *, reopen: bool) -> tuple[Outcome, Planned | BadRow]:
+    def _submit(self, item: Planned, *, reopen: bool, replace: bool = False) -> tuple[Outcome, Planned | BadRow]:
         job = item.job
         self.limiter.acquire(job.run)
-        if reopen:  # sent before: clear its old (error) status; sending marks it sent by this enqueue
+        if reopen:  # sent before: clear its old (error, or replaced ok) status; sending marks it sent by this enqueue
             ledger.reopen(self.client.redis, job.run, job.job_id or "", self.group)
         try:
-            self.bundler.add(job)
+            self.bundler.add(job.model_copy(update={"replace": True}) if replace else job)
         except (JobTooLarge, LayerIdError, ImageError) as exc:  # an image changed since its row was read
             return Outcome.bad, BadRow(item.where, str(exc))
-        return Outcome.submitted, item
+        return (Outcome.replaced if replace else Outcome.submitted), item

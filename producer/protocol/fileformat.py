@@ -101,6 +101,38 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _MAX_DIGITS = 18
 
 
+#: What a file takes beyond its tensors, for :func:`file_bytes`: its header (metadata, checksums and
+#: tensor entries: about 2 KB) and the rest of its last 4 KiB block, rounded up.
+HEADER_ALLOWANCE = 4096
+
+
+def file_bytes(tokens: int, layers: int, hidden_size: int, dtype: str, *, copies: int = 1, loss_mask: bool = False,
+               final_hidden_states: bool = False, topk: int = 0) -> int:
+    """The bytes of a file of ``tokens`` tokens and ``layers`` layers (``copies`` residual copies
+    each) of ``hidden_size``, states stored as ``dtype`` (a recorded name,
+    ``dtypes.RECORDED_NAMES``), with the tensors asked (the table above, float8 scales included),
+    plus :data:`HEADER_ALLOWANCE`: a job's file on disk, known before it runs."""
+    state = state_item_size(dtype)
+    scale = _item_size(HIDDEN_STATES + SCALE_SUFFIX) if STORED_AS[dtype] == FLOAT8 else 0
+    row = hidden_size * state + scale  # one state row: hidden_size values and a float8 row's scale
+    per_token = layers * copies * row + _item_size(TOKEN_IDS)
+    per_token += _item_size(LOSS_MASK) if loss_mask else 0
+    per_token += row if final_hidden_states else 0
+    per_token += topk * (_item_size(TOPK_LOGPROBS) + _item_size(TOPK_IDS))
+    return tokens * per_token + HEADER_ALLOWANCE
+
+
+def state_item_size(dtype: str) -> int:
+    """Bytes per value of the state tensors stored as ``dtype`` (a recorded name)."""
+    return _ITEM_SIZES[STORED_AS[dtype]]
+
+
+def _item_size(name: str) -> int:
+    """Bytes per element of a tensor that has one allowed dtype."""
+    (dtype,) = ALLOWED_DTYPES[name]
+    return _ITEM_SIZES[dtype]
+
+
 class MetaKey:
     """Header metadata keys."""
 

@@ -50,8 +50,12 @@ from layertap.producer.protocol.naming import check_name, check_printable_name, 
 _CONTROL_CHARACTER = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")
 #: Deepest nesting of free-form JSON (``tools``, ``tool_calls``); real tool schemas use a handful.
 MAX_JSON_DEPTH = 32
-#: Characters of text per token, for sizing a job before it is tokenized (bundles).
+#: Characters of text per token, for sizing a job before it is tokenized (bundles, ``enqueue``'s estimate).
 CHARS_PER_TOKEN = 4
+#: Hex digits of a content-hash job id (the start of ``Job.spec_hash``).
+CONTENT_ID_CHARS = 32
+#: Job fields that are not content: they change neither the file's bytes nor ``Job.spec_hash``.
+NOT_CONTENT = frozenset({"run", "job_id", "metadata", "provenance", "replace"})
 
 
 def json_size(data: Any) -> int:
@@ -173,7 +177,8 @@ class ChatMessage(BaseModel):
 
 
 class Job(BaseModel):
-    """One extraction request. Everything except ``run``, ``job_id``, ``metadata`` and ``provenance`` is content."""
+    """One extraction request. Everything except ``run``, ``job_id``, ``metadata``, ``provenance`` and
+    ``replace`` is content."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -196,6 +201,8 @@ class Job(BaseModel):
     dtype: JobDtype = AUTO
     metadata: str | None = Field(default=None, max_length=65536)
     provenance: dict[str, Any] | None = None  # where the input came from (``layertap regenerate``); not content
+    # a valid file of other content under this job's id is replaced (else the job ends ``job_id_conflict``); not content
+    replace: bool | None = None
 
     @field_validator("model")
     @classmethod
@@ -264,21 +271,36 @@ class Job(BaseModel):
 
     def spec(self) -> dict[str, Any]:
         """The content-defining fields, as JSON-ready data."""
-        return self.model_dump(mode="json", exclude={"run", "job_id", "metadata", "provenance"}, exclude_none=True)
+        return self.model_dump(mode="json", exclude=NOT_CONTENT, exclude_none=True)
 
     def spec_hash(self) -> str:
         """Hex sha256 of :meth:`spec`; recorded in the file header, it identifies the content."""
         return content_hash(self.spec())
 
+    def has_content_id(self) -> bool:
+        """Whether ``job_id`` is the content hash (:meth:`with_id`): then the id names the content."""
+        return self.job_id == self.spec_hash()[:CONTENT_ID_CHARS]
+
     def estimated_tokens(self) -> int:
         """The job's size in tokens, known before tokenizing: the token ids given, or the
         text's characters over :data:`CHARS_PER_TOKEN` (at least 1); capped by ``max_length``."""
         if self.token_ids is not None:
-            tokens = len(self.token_ids)
-        else:
-            chars = len(self.prompt or "") + sum(len(m.text) + len(m.reasoning_content or "")
-                                                 for m in self.messages or [])
-            tokens = chars // CHARS_PER_TOKEN
+            return self._capped(len(self.token_ids))
+        return self._capped(sum(map(len, self._texts())) // CHARS_PER_TOKEN)
+
+    def token_bound(self) -> int:
+        """At most this many tokens, chat template and ``tools`` aside: the token ids given, or one
+        per UTF-8 byte of the text (every token of a byte-level or byte-fallback vocabulary covers
+        at least one byte); capped by ``max_length``."""
+        if self.token_ids is not None:
+            return self._capped(len(self.token_ids))
+        return self._capped(sum(len(text.encode("utf-8")) for text in self._texts()))
+
+    def _texts(self) -> list[str]:
+        """The text a tokenizer reads: the prompt, or each message's text and reasoning."""
+        return [self.prompt or "", *(text for m in self.messages or [] for text in (m.text, m.reasoning_content or ""))]
+
+    def _capped(self, tokens: int) -> int:
         tokens = max(1, tokens)
         return min(tokens, self.max_length) if self.max_length and self.truncate else tokens
 
@@ -290,7 +312,7 @@ class Job(BaseModel):
         """This job with ``job_id`` set (the content hash, shortened, if none was given)."""
         if self.job_id is not None:
             return self
-        return self.model_copy(update={"job_id": self.spec_hash()[:32]})
+        return self.model_copy(update={"job_id": self.spec_hash()[:CONTENT_ID_CHARS]})
 
 
 class Status(str, Enum):
@@ -348,6 +370,7 @@ class Result(BaseModel):
     error: str | None = None
     metadata: str | None = None
     warning: str | None = None  # an ok job changed to run, e.g. truncated to the model's context length
+    spec_hash: str | None = None  # ok results: the job's ``Job.spec_hash`` (the content its file holds)
     attempt: int | None = None
     cached: bool = False
     finished_at: float = Field(default_factory=time.time)

@@ -4,7 +4,8 @@ in-process :class:`~layertap.worker.extractor.Extractor` run.
 Steps per job: validate -> check the model -> answer from disk if the file at the job's name
 verifies and has the ``content_id`` this worker would write (``fileformat.IDENTITY_KEYS``: the
 job's fields, resolved layers and dtypes, model weights, tokenizer, format version); refuse the
-job if that name holds a valid file of other job content (``job_id_conflict``) -> tokenize
+job if that name holds a valid file of other job content (``job_id_conflict``), unless the job
+says ``replace`` -> tokenize
 (caller's thread; a call's chats with images on preparer threads side by side) -> engine ->
 non-finite check -> write -> result. The jobs of one call
 (:meth:`JobProcessor.process_many`: a bundle) that are not answered from disk are prepared and
@@ -325,7 +326,7 @@ class JobProcessor:
         path = self.storage.locate(job.run, job.job_id)  # type: ignore[arg-type]
         identity = self._identity(job)
         existing = examine(path, identity[MetaKey.SPEC_HASH], identity[MetaKey.CONTENT_ID], self.storage)
-        if existing.state is OnDisk.taken:
+        if existing.state is OnDisk.taken and not job.replace:
             raise _conflict(job, path)
         if existing.state is OnDisk.matches:
             return self._from_disk(job, path, existing.header, queued, attempt)  # type: ignore[arg-type]
@@ -378,7 +379,8 @@ class JobProcessor:
             tensors = self._tensors(job, prepared, request, captured)
             write_start = time.perf_counter()
             try:
-                write_job_file(path, tensors, self._metadata(job, prepared, started.identity), self.storage)
+                write_job_file(path, tensors, self._metadata(job, prepared, started.identity), self.storage,
+                               replace=bool(job.replace))
             except FileTaken:
                 raise _conflict(job, path) from None
             except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
@@ -391,7 +393,7 @@ class JobProcessor:
             log.warning("job %s: %s", job.job_id, prepared.warning)
         return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(started.output_dtype),
                         Timings(queued=queued, compute=captured.compute_s, write=write_s), attempt,
-                        warning=prepared.warning)
+                        started.identity[MetaKey.SPEC_HASH], warning=prepared.warning)
 
     @staticmethod
     def _tensors(job: Job, prepared: PreparedInput, request: EngineRequest,
@@ -417,7 +419,8 @@ class JobProcessor:
                    attempt: int | None) -> Result:
         """The ok result of a verified file whose content identity is this job's on this worker."""
         result = self._ok(job, path, header.tensors[ff.TOKEN_IDS]["shape"][0], ff.layers_of(header),
-                          header.metadata[MetaKey.DTYPE], Timings(queued=queued), attempt)
+                          header.metadata[MetaKey.DTYPE], Timings(queued=queued), attempt,
+                          header.metadata[MetaKey.SPEC_HASH])
         return result.model_copy(update={"cached": True})
 
     def _metadata(self, job: Job, prepared: PreparedInput, identity: dict[str, str]) -> dict[str, str]:
@@ -448,10 +451,10 @@ class JobProcessor:
         }
 
     def _ok(self, job: Job, path: str, num_tokens: int, layers: list[int], dtype: str, timings: Timings,
-            attempt: int | None, *, warning: str | None = None) -> Result:
+            attempt: int | None, spec_hash: str, *, warning: str | None = None) -> Result:
         return Result(job_id=job.job_id, run=job.run, status=Status.ok, path=str(path), num_tokens=num_tokens,
                       layers=layers, dtype=dtype, model=self.loaded.name, worker=self.worker_name, timings=timings,
-                      metadata=job.metadata, warning=warning, attempt=attempt)
+                      metadata=job.metadata, warning=warning, attempt=attempt, spec_hash=spec_hash)
 
     def _error(self, job_id: str, run: str, exc: JobError, timings: Timings, *, job: Job | None = None,
                attempt: int | None = None) -> Result:

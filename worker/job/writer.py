@@ -5,9 +5,9 @@
 2. :func:`examine` the file at its address, if any: one that verifies (structure, header
    and tensor checksums) and has the same ``content_id`` (another worker won a race, or a
    redelivered job) is kept and nothing is written; one that verifies but holds another job's
-   content under this job id (another ``spec_hash``) is never overwritten (:class:`FileTaken`);
-   a damaged one, or one computed with something else (layers, dtype, model weights,
-   tokenizer, format version), is replaced;
+   content under this job id (another ``spec_hash``) is overwritten only for a job that says
+   ``replace`` (else :class:`FileTaken`); a damaged one, or one computed with something else
+   (layers, dtype, model weights, tokenizer, format version), is replaced;
 3. else write the file to the local path :meth:`Storage.write` gives, which commits it whole
    (local: fsync, rename, fsync folder; object stores: upload to the final key).
 
@@ -37,7 +37,7 @@ class OnDisk(str, Enum):
     missing = "missing"  # no file: write it
     damaged = "damaged"  # a file that fails verification (header, truncation, checksums): replace it
     stale = "stale"  # a valid file of this job computed with something else (another content_id): replace it
-    taken = "taken"  # a valid file of other job content (another spec_hash) under this job id: never touch it
+    taken = "taken"  # a valid file of other job content (another spec_hash) under this job id: kept (unless replace)
     matches = "matches"  # the file this job would write: keep it, answer from it
 
 
@@ -74,10 +74,11 @@ def examine(path: str | Path, spec_hash: str, content_id: str, storage: Storage 
 
 
 def write_job_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                   storage: Storage | None = None) -> bool:
+                   storage: Storage | None = None, *, replace: bool = False) -> bool:
     """Write ``tensors`` to ``path`` in ``storage`` (by default the one its address names) by the
     protocol above (``metadata`` has the job's ``spec_hash`` and ``content_id``). Returns False if
-    an equal file was kept; raises :class:`FileTaken`."""
+    an equal file was kept; raises :class:`FileTaken` for a file of other job content there,
+    which only ``replace`` (the job's own ``replace``) writes over."""
     storage, path = (storage_for(path) if storage is None else storage), str(path)
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     metadata = sealed_metadata(metadata, {name: tensor.view(torch.uint8).numpy() for name, tensor in tensors.items()},
@@ -86,12 +87,14 @@ def write_job_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata:
         existing = examine(path, metadata[MetaKey.SPEC_HASH], metadata[MetaKey.CONTENT_ID], storage)
         if existing.state is OnDisk.matches:
             return False
-        if existing.state is OnDisk.taken:
+        if existing.state is OnDisk.taken and not replace:
             theirs = existing.header.metadata[MetaKey.SPEC_HASH]  # type: ignore[union-attr]
             raise FileTaken(f"{path} already holds job {metadata[MetaKey.JOB_ID]!r} of other content "
                             f"(spec_hash {theirs[:12]}..., this job's {metadata[MetaKey.SPEC_HASH][:12]}...)")
         if existing.state is OnDisk.damaged:
             log.warning("replacing a damaged file: %s", existing.reason)
+        if existing.state is OnDisk.taken:
+            log.info("replacing %s: its job asked for other content (replace)", path)
         with storage.write(path) as local:
             save_file(tensors, str(local), metadata=metadata)
     return True
