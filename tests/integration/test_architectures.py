@@ -145,28 +145,29 @@ def test_forced_packing_without_the_attention_feature_is_refused(name, tmp_path)
         Extractor(loaded)
 
 
-def worker_start(model_dir: str, *extra: str) -> subprocess.CompletedProcess:
-    """``layertap worker`` on a model that cannot be served: it must exit before reaching Redis."""
-    env = {**os.environ, "LAYERTAP_REDIS_URL": "redis://127.0.0.1:1/0"}  # nothing listens: never reached
+def worker_start(model_dir: str, redis_url: str, *extra: str) -> subprocess.CompletedProcess:
+    """``layertap worker`` on a model that cannot be served (a reachable Redis: a worker checks it
+    before it loads its model): it must exit at start, with one line."""
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_url}
     return subprocess.run(cli("worker", "--model", model_dir, "--device", "cpu", *extra), env=env,
                           capture_output=True, text=True, timeout=450)
 
 
-def test_worker_refuses_at_start_with_one_line(tmp_path):
+def test_worker_refuses_at_start_with_one_line(tmp_path, redis_server):
     model_dir = str(build_tiny("qwen3-next", tmp_path / "model"))
-    done = worker_start(model_dir, "--batching", "packed")
+    done = worker_start(model_dir, redis_server.url, "--batching", "packed")
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors and errors[0].startswith("error: cannot serve Qwen3NextForCausalLM: packed batching changes"), done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_a_model_without_a_causal_decoder_is_refused_in_one_line(tmp_path):
+def test_a_model_without_a_causal_decoder_is_refused_in_one_line(tmp_path, redis_server):
     from transformers import T5Config, T5ForConditionalGeneration
 
     T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
                                ).save_pretrained(tmp_path / "t5")
-    done = worker_start(str(tmp_path / "t5"))
+    done = worker_start(str(tmp_path / "t5"), redis_server.url)
     assert done.returncode != 0
     assert "error: cannot serve T5Config (t5): an encoder-decoder: its decoder cross-attends" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr

@@ -26,9 +26,10 @@ def layertap(*args: str, env: dict[str, str] | None = None, cwd: Path | None = N
                           text=True, timeout=120)
 
 
-def test_worker_refuses_layers_the_model_lacks(tiny_models):
+def test_worker_refuses_layers_the_model_lacks(tiny_models, redis_server):
+    """A reachable Redis: a worker checks it before it loads its model."""
     out = layertap("worker", "--model", str(tiny_models["qwen3"]), "--layers", "2,18", "--device", "cpu",
-                   env={"LAYERTAP_REDIS_URL": UNREACHABLE})
+                   env={"LAYERTAP_REDIS_URL": redis_server.url})
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
         "error: --layers 2,18: layer id 18 is out of range for a model with 4 decoder layers: valid ids are -5..4")
