@@ -112,7 +112,7 @@ def test_runs_group_watch_rate_and_delete_removes_emptied_folders(day):
     for group in ("runs", "run"):  # `run` is the older form, kept as an alias
         shown = day.layertap(group, "show", run)
         assert shown.returncode == 0, shown.stderr
-        assert shown.stdout.startswith(f"run {run}: complete; 2 submitted, 2 ok, 0 failed, 0 waiting; ")
+        assert shown.stdout.startswith(f"run {run}: complete; 2 submitted, 2 ok, 0 failed, 0 cancelled, 0 waiting; ")
     assert "show" in day.layertap("runs", "--help").stdout
     assert not re.search(r"^\s+run\s", day.layertap("--help").stdout, re.M)  # the alias is hidden
 
