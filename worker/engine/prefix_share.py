@@ -41,7 +41,7 @@ def plan_sharing(requests: Sequence[EngineRequest]) -> dict[int, int]:
     eligible = [index for index, request in enumerate(requests) if _may_share(request)]
     if len(eligible) < 2:
         return {}
-    tokens = {index: requests[index].token_ids.numpy().tobytes() for index in eligible}
+    tokens = {index: requests[index].token_bytes for index in eligible}
     ordered = sorted(eligible, key=lambda index: (tokens[index], index))
     sources: dict[int, int] = {}
     for position, index in enumerate(ordered):

@@ -9,6 +9,7 @@ The host buffer returns to the engine when the last job of the batch has release
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,11 @@ class EngineRequest:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @functools.cached_property
+    def token_bytes(self) -> bytes:
+        """The token ids' bytes, once (prefix sharing compares them each time a batch is formed)."""
+        return self.token_ids.numpy().tobytes()
 
     @property
     def topk_row_count(self) -> int | None:
