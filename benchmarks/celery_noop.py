@@ -8,7 +8,7 @@ Prints tasks/s from the first message taken to the last one acknowledged (result
 stored before the ack). Compare with
 ``layertap bench ... --parts d --backlog``: the difference is layertap's own per-job work
 (validate, engine, file, results). ``--kombu-transport`` uses kombu's stock Redis
-transport instead of ``layertap.producer.transport.broker_transport``; ``--no-batched-events`` leaves
+transport instead of ``layertap.transport.broker_transport``; ``--no-batched-events`` leaves
 Celery's per-turn event publishing as it is.
 """
 
@@ -22,8 +22,8 @@ import time
 
 import redis
 
-from layertap.producer.settings import Settings
-from layertap.producer.transport.celery_app import make_celery
+from layertap.settings import Settings
+from layertap.transport.celery_app import make_celery
 
 NOOP_TASK = "layertap.bench.noop"
 QUEUE = "layertap-bench-noop"

@@ -15,8 +15,8 @@ import threading
 import time
 from pathlib import Path
 
-from layertap.producer.protocol.schema import Job
-from layertap.producer.settings import Limits
+from layertap.protocol.schema import Job
+from layertap.settings import Limits
 from layertap.worker.job.chat import ChatRenderer
 from layertap.worker.job.tokenize import Preparer
 from layertap.worker.model.loading import load_model

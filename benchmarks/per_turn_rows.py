@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from layertap.producer.settings import Limits
+from layertap.settings import Limits
 from layertap.worker.bench.measure import matmul_rate, sync, useful_flops
 from layertap.worker.bench.parts import run_plain_batched
 from layertap.worker.engine.self_check import relative_error_per_layer

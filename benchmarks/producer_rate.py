@@ -27,8 +27,8 @@ from pathlib import Path
 import redis
 
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import CHARS_PER_TOKEN
+from layertap.protocol import keys
+from layertap.protocol.schema import CHARS_PER_TOKEN
 
 MODEL = "bench-producer"
 RUN = "producer-rate"

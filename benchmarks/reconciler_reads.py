@@ -20,8 +20,8 @@ import redis
 
 from layertap.producer.client.client import Client, NoWorkerWarning
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 from layertap.worker.queue.reconciler import Reconciler
 
 MODEL = "bench-reconciler"

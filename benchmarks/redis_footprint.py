@@ -37,8 +37,8 @@ import redis
 from layertap.producer.client import runs
 from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 
 RUN = "footprint"
 MODEL = "tiny-qwen3"

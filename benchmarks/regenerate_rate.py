@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx2
 
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.producer.ingest.enqueue import plan_jobs
 from layertap.producer.ingest.formats import RowConverter
 from layertap.producer.ingest.sources import open_source

@@ -39,11 +39,11 @@ import redis
 
 from layertap.producer.client.client import Client
 from layertap.producer.client.results import stream_results
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.fileformat import MetaKey, read_file_header
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.protocol.fileformat import MetaKey, read_file_header
+from layertap.settings import Settings
 from layertap.worker.model.tiny_model import make_tiny_model
 from layertap.worker.queue.reconciler import Reconciler
 

@@ -41,7 +41,7 @@ def tensors_of(tokens: int, layers: int, hidden: int, seed: int) -> dict[str, An
 
 
 def metadata_of(job_id: str, run: str, layers: int) -> dict[str, str]:
-    from layertap.producer.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
+    from layertap.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
 
     meta = {MetaKey.FORMAT: FORMAT_NAME, MetaKey.FORMAT_VERSION: FORMAT_VERSION, MetaKey.MODEL: "bench",
             MetaKey.LAYERS: json.dumps(list(range(layers))), MetaKey.NUM_LAYERS: str(layers),
@@ -55,7 +55,7 @@ def writer_process(args: tuple[str, dict[str, Any], int, int, int, tuple[int, in
     root, options, index, files, threads, tokens_layers_hidden, start, ready = args
     from concurrent.futures import ThreadPoolExecutor
 
-    from layertap.producer.storage.registry import storage_for
+    from layertap.storage.registry import storage_for
     from layertap.worker.job.writer import write_job_file
 
     tokens, layers, hidden = tokens_layers_hidden

@@ -42,10 +42,10 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from layertap.producer.client.client import Client
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.producer.dataset import StreamingHiddenStatesDataset, collate
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.settings import Settings
+from layertap.settings import Settings
 from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.model.shapes import SHAPE_PREFIX, is_shape, shape_config
 

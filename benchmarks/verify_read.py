@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import MetaKey, verify_file
+from layertap.protocol.fileformat import MetaKey, verify_file
 from layertap.worker.job.writer import write_job_file
 
 

@@ -233,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from layertap.producer.protocol.layers import eagle3_layer_ids
+    from layertap.protocol.layers import eagle3_layer_ids
     from layertap.worker.job.multimodal import placeholder_token_ids
     from layertap.worker.model.loading import resolve_device
     from layertap.worker.model.processors import load_processor

@@ -45,7 +45,7 @@ import torch
 from PIL import Image
 
 from vlm import conversations, template_chat, text_ids, write_model
-from layertap.producer.protocol.layers import eagle3_layer_ids
+from layertap.protocol.layers import eagle3_layer_ids
 from layertap.worker.bench.measure import sync
 from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
 from layertap.worker.engine.records import EngineRequest

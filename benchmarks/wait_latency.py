@@ -19,9 +19,9 @@ import time
 
 from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import Result, Status, Timings
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.protocol.schema import Result, Status, Timings
+from layertap.settings import Settings
 from layertap.worker.queue.publisher import ResultPublisher
 
 RUN = "bench-wait"

@@ -43,10 +43,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from layertap.producer.client.client import Client
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.settings import Settings
+from layertap.settings import Settings
 
 MODEL = "tiny-qwen3"
 RUN = "eagle-toy"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from layertap.legacy_names import install as _install_old_names
 from layertap.producer import __all__ as _producer_names
 from layertap.producer import __version__
 
@@ -20,6 +21,8 @@ _EXPORTS = {**{name: "layertap.producer" for name in _producer_names if name != 
             "Extractor": "layertap.worker"}
 
 __all__ = ["__version__", *_EXPORTS]
+
+_install_old_names()  # the kernel's old import paths (layertap.producer.protocol, ...) for one release
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ connects to nothing until a command does.
 
 from __future__ import annotations
 
-from layertap.producer.settings import Settings
-from layertap.producer.transport.celery_app import make_celery
+from layertap.settings import Settings
+from layertap.transport.celery_app import make_celery
 
 app = make_celery(Settings())

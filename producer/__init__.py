@@ -20,15 +20,15 @@ __version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
 #: public name -> the module that holds it
 _EXPORTS = {
     "Client": "layertap.producer.client.client",
-    "FileFormatError": "layertap.producer.protocol.fileformat",
+    "FileFormatError": "layertap.protocol.fileformat",
     "cleanup_hidden_states": "layertap.producer.files.reader",
     "load_hidden_states": "layertap.producer.files.reader",
-    "ChatMessage": "layertap.producer.protocol.schema",
-    "ErrorType": "layertap.producer.protocol.schema",
-    "Job": "layertap.producer.protocol.schema",
-    "Result": "layertap.producer.protocol.schema",
-    "Status": "layertap.producer.protocol.schema",
-    "Settings": "layertap.producer.settings",
+    "ChatMessage": "layertap.protocol.schema",
+    "ErrorType": "layertap.protocol.schema",
+    "Job": "layertap.protocol.schema",
+    "Result": "layertap.protocol.schema",
+    "Status": "layertap.protocol.schema",
+    "Settings": "layertap.settings",
 }
 
 __all__ = ["__version__", *_EXPORTS]

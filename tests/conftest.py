@@ -21,7 +21,7 @@ import pytest
 
 from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.settings import Settings
+from layertap.settings import Settings
 from tests.support import blocking
 from tests.support.architectures import ARCHES
 from tests.support.jobs import ORPHAN_TIMEOUT, RELIABILITY_ENV

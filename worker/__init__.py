@@ -16,7 +16,7 @@ __all__ = ["Extractor"]
 
 def __getattr__(name: str) -> Any:
     if name == "Extractor":
-        from layertap.producer.extras import require
+        from layertap.extras import require
 
         require("worker.Extractor")  # on a client-only install: the one-line hint, not ModuleNotFoundError
         from layertap.worker.extractor import Extractor

@@ -1,7 +1,7 @@
 """In-process extraction, no Redis: for notebooks and one-off offline runs.
 
 ``Extractor(model, layers=[2, 18, -1]).extract(prompts, out_dir)`` runs the same engine,
-writes the same files and returns the same :class:`~layertap.producer.protocol.schema.Result` objects as
+writes the same files and returns the same :class:`~layertap.protocol.schema.Result` objects as
 a queued worker. The Celery task is a thin shell around the same ``JobProcessor``.
 """
 
@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.protocol.images import with_image_digests
-from layertap.producer.protocol.layers import eagle3_layer_ids
-from layertap.producer.protocol.schema import Job, Result
-from layertap.producer.settings import Limits
-from layertap.producer.storage.base import Storage
-from layertap.producer.storage.registry import storage_for
+from layertap.protocol.images import with_image_digests
+from layertap.protocol.layers import eagle3_layer_ids
+from layertap.protocol.schema import Job, Result
+from layertap.settings import Limits
+from layertap.storage.base import Storage
+from layertap.storage.registry import storage_for
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.scheduler import MAX_PADDING
 from layertap.worker.engine.self_check import check_prefix_sharing, check_with_fallback
@@ -106,7 +106,7 @@ class Extractor:
     def job(self, item: str | list[int] | Mapping[str, Any] | Job, run: str, **fields: Any) -> dict[str, Any]:
         """Turn an input (prompt text, token ids, chat messages, job fields or Job) into job data;
         image paths in chats get the sha256 of their file under ``images_root``, as the Client
-        does (:class:`~layertap.producer.protocol.images.ImageError` for one that cannot be read)."""
+        does (:class:`~layertap.protocol.images.ImageError` for one that cannot be read)."""
         if isinstance(item, Job):
             return item.model_dump(exclude_none=True)
         if isinstance(item, str):

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from celery.signals import worker_ready, worker_shutting_down
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import served_model_name
-from layertap.producer.settings import LogFormat, Settings
-from layertap.producer.transport.broker_transport import set_held_messages
-from layertap.producer.transport.celery_app import make_celery
+from layertap.protocol import keys
+from layertap.protocol.naming import served_model_name
+from layertap.settings import LogFormat, Settings
+from layertap.transport.broker_transport import set_held_messages
+from layertap.transport.celery_app import make_celery
 from layertap.worker.extractor import build_processor
 from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.model.loading import load_model

@@ -4,7 +4,7 @@ start with one line, instead of failing every job later.
 * ``--model``: an existing folder, a hub id (``name`` or ``org/name``) or ``shape:...``;
   anything else is "no such folder, and not a hub id", before Hugging Face is asked.
 * the served name: ``--name`` if given, else the one rule both sides apply
-  (``layertap.producer.protocol.naming.served_model_name``).
+  (``layertap.protocol.naming.served_model_name``).
 * ``--layers``: every id must exist in the loaded model.
 * Redis: it must answer before the model loads (a wrong URL fails in seconds, not after minutes of
   loading and then retries forever); it is waited for up to ``redis_wait_s`` (each wait logged),
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import redis
 
-from layertap.producer.protocol.layers import resolve_layer_ids
-from layertap.producer.protocol.naming import SHAPE_PREFIX, is_hub_id
-from layertap.producer.settings import Settings
-from layertap.producer.transport.redis_conn import connect, retrying
-from layertap.producer.transport.redis_url import redacted_url
+from layertap.protocol.layers import resolve_layer_ids
+from layertap.protocol.naming import SHAPE_PREFIX, is_hub_id
+from layertap.settings import Settings
+from layertap.transport.redis_conn import connect, retrying
+from layertap.transport.redis_url import redacted_url
 
 
 def check_model_source(source: str) -> None:

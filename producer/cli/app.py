@@ -1,7 +1,7 @@
 """The ``layertap`` command. Client subcommands import no torch; ``worker``,
 ``make-tiny-model`` and ``bench`` import the worker package when they run.
 
-Every flag maps to a setting (``layertap.producer.settings``); flags win over the environment.
+Every flag maps to a setting (``layertap.settings``); flags win over the environment.
 Errors print one line (``error: ...``) and exit non-zero; ``LAYERTAP_DEBUG=1`` shows tracebacks.
 """
 
@@ -32,8 +32,8 @@ from layertap.producer.cli.common import (
     require_run,
 )
 from layertap.producer.cli.ops import register as register_ops
-from layertap.producer.extras import require
-from layertap.producer.settings import unknown_settings
+from layertap.extras import require
+from layertap.settings import unknown_settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "
                   "write safetensors files, publish their paths.", no_args_is_help=True,
@@ -112,8 +112,8 @@ def inspect(
 ) -> None:
     """Show a file's tensors, metadata and per-layer statistics."""
     from layertap.producer.files.file_stats import describe_file
-    from layertap.producer.protocol.fileformat import FileFormatError, MetaKey
-    from layertap.producer.storage.registry import storage_for
+    from layertap.protocol.fileformat import FileFormatError, MetaKey
+    from layertap.storage.registry import storage_for
 
     try:
         info = describe_file(file, verify=verify)
@@ -174,7 +174,7 @@ def main() -> None:
     import redis
     from pydantic import ValidationError
 
-    from layertap.producer.transport.redis_url import redacted_url
+    from layertap.transport.redis_url import redacted_url
 
     try:
         app()

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from layertap.producer.settings import Settings, WorkerSettings
+from layertap.settings import Settings, WorkerSettings
 
 if TYPE_CHECKING:
     import redis
@@ -74,7 +74,7 @@ def worker_default(field: str) -> str:
 
 
 def parse_layers(text: str | None) -> list[int] | None:
-    from layertap.producer.protocol.layers import parse_layer_list
+    from layertap.protocol.layers import parse_layer_list
 
     return None if text is None else parse_layer_list(text)
 

@@ -108,9 +108,9 @@ def enqueue(
     from layertap.producer.ingest.formats import RowConverter
     from layertap.producer.ingest.sources import open_source
     from layertap.producer.ingest.survey import survey
-    from layertap.producer.protocol.layers import parse_layer_list
-    from layertap.producer.protocol.naming import check_name, served_model_name
-    from layertap.producer.settings import Settings
+    from layertap.protocol.layers import parse_layer_list
+    from layertap.protocol.naming import check_name, served_model_name
+    from layertap.settings import Settings
 
     if not prompt and file is None:
         raise fail("nothing to enqueue: give --prompt TEXT or --file F", 2)
@@ -268,7 +268,7 @@ class RunListing:
         from layertap.producer.client import runs
         from layertap.producer.client.client import Client
         from layertap.producer.client.runs import ok_files
-        from layertap.producer.settings import Settings
+        from layertap.settings import Settings
 
         with Client(Settings(), redis_url=redis_url) as client:
             if not runs.exists(client.redis, run):
@@ -330,7 +330,7 @@ def export(
     float8 files as bfloat16 copies, the layer ids in speculators.yaml); prints the layer ids."""
     from layertap.producer.files.export import check_entries, export_speculators
     from layertap.producer.files.manifest import iter_manifest
-    from layertap.producer.settings import Settings
+    from layertap.settings import Settings
 
     if export_format != "speculators":
         raise fail(f"--format {export_format!r}: only 'speculators' is supported", 2)
@@ -373,7 +373,7 @@ def print_export_layers(found: ExportLayers, out: Path) -> None:
 
 def quiet_datasets() -> None:
     """Quiet the datasets library's own progress bars (ours is drawn instead)."""
-    from layertap.producer.extras import need
+    from layertap.extras import need
 
     need("datasets").disable_progress_bars()
 

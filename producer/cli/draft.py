@@ -30,7 +30,7 @@ def check_draft(
 ) -> None:
     """Check a draft's target layer ids against the data's auxiliary layers (after vLLM's ordering)."""
     from layertap.producer.files.draft_check import check_draft_config
-    from layertap.producer.protocol.layers import LayerIdError, check_target_layer_ids, parse_layer_list
+    from layertap.protocol.layers import LayerIdError, check_target_layer_ids, parse_layer_list
 
     if (config is None) == (target_layer_ids is None):
         raise fail("give one of --config C or --target-layer-ids IDS", 2)

@@ -20,7 +20,7 @@ from layertap.producer.client import runs
 from layertap.producer.client.client import Client
 from layertap.producer.client.fleet import running_jobs
 from layertap.producer.client.results import stream_results
-from layertap.producer.extras import require
+from layertap.extras import require
 from layertap.producer.ops.monitor import (
     FleetStatus,
     RunProgress,
@@ -29,8 +29,8 @@ from layertap.producer.ops.monitor import (
     fleet_status,
     throughput_history,
 )
-from layertap.producer.ops.throughput import overall_tokens_per_s
-from layertap.producer.transport.redis_url import redacted_url
+from layertap.rates import overall_tokens_per_s
+from layertap.transport.redis_url import redacted_url
 
 
 def format_eta(seconds: float | None) -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from layertap.producer.cli.common import err_console, fail
 from layertap.producer.client.fleet import ServedShape
 from layertap.producer.ingest.survey import Survey, describe_bytes
-from layertap.producer.protocol.schema import CHARS_PER_TOKEN
-from layertap.producer.storage.free_space import FreeSpace, free_space
+from layertap.protocol.schema import CHARS_PER_TOKEN
+from layertap.storage.free_space import FreeSpace, free_space
 
 
 def check_before_sending(run: str, model: str, found: Survey, shape: ServedShape | None, *, yes: bool) -> None:

@@ -71,7 +71,7 @@ def regenerate(
     from layertap.producer.ingest.sources import open_source
     from layertap.producer.regen.sink import id_of
     from layertap.producer.regen.store import OutputStore
-    from layertap.producer.transport.backoff import Backoff
+    from layertap.transport.backoff import Backoff
 
     try:
         from layertap.producer.regen.endpoint import ChatEndpoint
@@ -153,9 +153,9 @@ def open_sink(run: str | None, model: str, layers: str | None, max_inflight: int
         return None
     from layertap.producer.client.client import Client
     from layertap.producer.ingest.enqueue import Enqueuer
-    from layertap.producer.protocol.layers import parse_layer_list
+    from layertap.protocol.layers import parse_layer_list
     from layertap.producer.regen.sink import EnqueueSink
-    from layertap.producer.settings import Settings
+    from layertap.settings import Settings
 
     settings = Settings()
     client = Client(settings, redis_url=redis_url)

@@ -12,8 +12,8 @@ from typing import Optional
 import typer
 
 from layertap.producer.cli.common import console, load_settings, parse_layers, worker_default
-from layertap.producer.extras import require
-from layertap.producer.settings import LogFormat, Settings
+from layertap.extras import require
+from layertap.settings import LogFormat, Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -113,8 +113,8 @@ def exit_recorder(settings: Settings):
 
     import redis
 
-    from layertap.producer.protocol import keys
-    from layertap.producer.transport.redis_conn import connect
+    from layertap.protocol import keys
+    from layertap.transport.redis_conn import connect
 
     client = connect(settings)
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import redis
 from kombu.exceptions import OperationalError
 
-from layertap.producer.protocol.schema import Job
-from layertap.producer.settings import BundleSettings
+from layertap.protocol.schema import Job
+from layertap.settings import BundleSettings
 
 if TYPE_CHECKING:
     from layertap.producer.client.client import Client

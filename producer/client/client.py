@@ -22,15 +22,15 @@ from layertap.producer.client import runs
 from layertap.producer.client.bundler import Bundler
 from layertap.producer.client.fleet import did_you_mean, live_workers, served_depths
 from layertap.producer.client.results import PAGE, entry_result, read_after
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.images import load_images, with_image_digests
-from layertap.producer.protocol.layers import LayerIdError, resolve_layer_ids
-from layertap.producer.protocol.naming import served_model_name
-from layertap.producer.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
-from layertap.producer.settings import Settings
-from layertap.producer.transport import ledger
-from layertap.producer.transport.celery_app import make_celery, send_extract
-from layertap.producer.transport.redis_conn import connect, retrying
+from layertap.protocol import keys
+from layertap.protocol.images import load_images, with_image_digests
+from layertap.protocol.layers import LayerIdError, resolve_layer_ids
+from layertap.protocol.naming import served_model_name
+from layertap.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
+from layertap.settings import Settings
+from layertap.transport import ledger
+from layertap.transport.celery_app import make_celery, send_extract
+from layertap.transport.redis_conn import connect, retrying
 
 
 class NoWorker(RuntimeError):
@@ -85,7 +85,7 @@ class Client:
     def prepare(self, job: Job | Mapping[str, Any], *, check: bool | None = None,
                 **fields: Any) -> tuple[Job, dict[str, Any]]:
         """The job validated, with its served model name and its id, and its JSON payload; raises
-        as :meth:`submit` does, and :class:`~layertap.producer.protocol.images.ImageError` for an image that
+        as :meth:`submit` does, and :class:`~layertap.protocol.images.ImageError` for an image that
         cannot be used (an image path gets the sha256 of its file under ``settings.images_root`` first)."""
         limits, images_root = self.settings.limits, self.settings.images_root
         limit = limits.max_job_bytes
@@ -112,7 +112,7 @@ class Client:
         """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
         (each job's latest send time: a pending record older than it no longer covers the job,
-        ``layertap.producer.transport.ledger``) is written first, in one round trip; each message's
+        ``layertap.transport.ledger``) is written first, in one round trip; each message's
         pending record goes in the transaction that queues it."""
         now = time.time()
         sends, sent = [], []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from layertap.producer.client.client import Client
-from layertap.producer.transport import ledger
+from layertap.transport import ledger
 
 
 @dataclass

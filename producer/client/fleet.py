@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.dtypes import AUTO, RECORDED_NAMES, STORED_AS
-from layertap.producer.protocol.fileformat import state_item_size
-from layertap.producer.protocol.layers import LayerIdError, resolve_layer_ids
+from layertap.protocol import keys
+from layertap.protocol.dtypes import AUTO, RECORDED_NAMES, STORED_AS
+from layertap.protocol.fileformat import state_item_size
+from layertap.protocol.layers import LayerIdError, resolve_layer_ids
 
 if TYPE_CHECKING:
     import redis

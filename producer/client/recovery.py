@@ -28,9 +28,9 @@ from pathlib import Path
 import redis
 
 from layertap.producer.client import runs
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import Result, Status
-from layertap.producer.transport import ledger
+from layertap.protocol import keys
+from layertap.protocol.schema import Result, Status
+from layertap.transport import ledger
 
 log = logging.getLogger(__name__)
 

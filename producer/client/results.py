@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import Result
-from layertap.producer.transport.ledger import entry_result as entry_result  # the one parser of an entry
+from layertap.protocol import keys
+from layertap.protocol.schema import Result
+from layertap.transport.ledger import entry_result as entry_result  # the one parser of an entry
 
 if TYPE_CHECKING:
     import redis

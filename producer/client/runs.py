@@ -1,7 +1,7 @@
 """A run's lifecycle: list runs, see whether one is complete, cancel it, delete it.
 
 This module reads the run's ledger and orders its changes; every change itself (cancel, trim,
-the keys a delete removes) is made by ``layertap.producer.transport.ledger``, the one writer of job and
+the keys a delete removes) is made by ``layertap.transport.ledger``, the one writer of job and
 run state, from which :func:`cancel`, :func:`trim` and :func:`run_names` come.
 
 A run exists once the Client has recorded a job in its submitted hash (or a worker has
@@ -44,18 +44,18 @@ from pathlib import Path
 import redis
 
 from layertap.producer.client.results import stream_results
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.fileformat import MetaKey
-from layertap.producer.protocol.naming import job_location
-from layertap.producer.protocol.schema import Result, Status
-from layertap.producer.storage.base import Storage
-from layertap.producer.storage.registry import storage_for
-from layertap.producer.transport import ledger
-from layertap.producer.transport.ledger import cancel as cancel  # re-exported: the run's ledger changes
-from layertap.producer.transport.ledger import run_keys
-from layertap.producer.transport.ledger import run_names as run_names
-from layertap.producer.transport.ledger import trim as trim
+from layertap.protocol import fileformat as ff
+from layertap.protocol import keys
+from layertap.protocol.fileformat import MetaKey
+from layertap.protocol.naming import job_location
+from layertap.protocol.schema import Result, Status
+from layertap.storage.base import Storage
+from layertap.storage.registry import storage_for
+from layertap.transport import ledger
+from layertap.transport.ledger import cancel as cancel  # re-exported: the run's ledger changes
+from layertap.transport.ledger import run_keys
+from layertap.transport.ledger import run_names as run_names
+from layertap.transport.ledger import trim as trim
 
 HELD_POLL_S = 1.0
 

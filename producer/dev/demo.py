@@ -28,10 +28,10 @@ from rich.progress import (
 )
 
 from layertap.producer.client.client import Client
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.producer.dev.demo_data import demo_jobs
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.settings import Settings
+from layertap.settings import Settings
 
 DEMO_MODEL = "tiny-qwen3"
 DEMO_RUN = "demo"

@@ -3,7 +3,7 @@ its sentinels, each a real ``redis-server`` process (sentinels run as ``redis-se
 --sentinel``), so a test can SIGKILL the primary and watch the sentinels promote a replica.
 
 Invariants: :attr:`SentinelSet.url` is the ``sentinel://`` URL layertap takes
-(``layertap.producer.transport.redis_url``), naming every sentinel; with a password, the servers
+(``layertap.transport.redis_url``), naming every sentinel; with a password, the servers
 and the sentinels ask for it (``password``, ``sentinel_password``); with ``tls`` (a CA, a
 certificate and its key) every server and sentinel also listens with TLS, replicates and
 monitors over it, and the URL names the TLS ports (plain ports stay open for the set's own

@@ -9,7 +9,7 @@ another consumer has held for ``claim_idle_s`` (``XAUTOCLAIM``: a live consumer'
 ``stream_group.Heartbeat``, resets their idle time). It queues what the group missed from the
 run's ledger once per trim (``layertap.producer.client.recovery.fill``), says when the run is complete
 or stalled, and finishes entries (``stream_group.GroupFinisher``). Its Redis state changes are
-the run ledger's (``layertap.producer.transport.ledger``: ``create_group``, ``read_group``, ``claim_idle``,
+the run ledger's (``layertap.transport.ledger``: ``create_group``, ``read_group``, ``claim_idle``,
 ``ack``, ``finish``).
 """
 
@@ -25,11 +25,11 @@ from pydantic import ValidationError
 from layertap.producer.client import recovery
 from layertap.producer.client.results import entry_result
 from layertap.producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Heartbeat
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import Result, Status
-from layertap.producer.settings import Settings
-from layertap.producer.transport import ledger
-from layertap.producer.transport.redis_conn import connect, retrying
+from layertap.protocol import keys
+from layertap.protocol.schema import Result, Status
+from layertap.settings import Settings
+from layertap.transport import ledger
+from layertap.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from layertap.producer.files.manifest import ManifestEntry, iter_manifest
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol import fileformat as ff
+from layertap.protocol import fileformat as ff
 
 
 def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:

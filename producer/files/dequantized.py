@@ -1,7 +1,7 @@
 """A bfloat16 copy of a float8 file, for trainers that take ``hidden_states`` as values (speculators).
 
 A layertap float8 file holds e4m3 codes with one float32 scale per token per layer
-(``hidden_states_scale [T, n_layers]``, ``layertap.producer.protocol.fp8``); only
+(``hidden_states_scale [T, n_layers]``, ``layertap.protocol.fp8``); only
 ``load_hidden_states`` turns them into states. safetensors' ``load_file`` (speculators' ``file``
 backend, vLLM's reader) returns the codes, and hs_connectors' ``fp8`` backend looks for one scale
 per token (``hidden_states_scales [T, 1, 1]``) and, without it, returns the codes unscaled. So the
@@ -20,17 +20,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.extras import need
+from layertap.extras import need
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.dtypes import RECORDED_NAMES
-from layertap.producer.protocol.fileformat import (
+from layertap.protocol.dtypes import RECORDED_NAMES
+from layertap.protocol.fileformat import (
     STATE_TENSORS,
     MetaKey,
     content_id,
     read_file_header,
     sealed_metadata,
 )
-from layertap.producer.storage.registry import storage_for
+from layertap.storage.registry import storage_for
 
 FLOAT8 = RECORDED_NAMES["float8"]
 BFLOAT16 = RECORDED_NAMES["bfloat16"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.protocol.layers import check_target_layer_ids
+from layertap.protocol.layers import check_target_layer_ids
 
 #: Keys of a draft's config.json holding its ids, as (outer key or None, key).
 CONFIG_KEYS = ((None, "eagle_aux_hidden_state_layer_ids"), ("eagle_config", "eagle_aux_hidden_state_layer_ids"),

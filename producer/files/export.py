@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.extras import need
+from layertap.extras import need
 from layertap.producer.files.dequantized import FLOAT8, write_dequantized
 from layertap.producer.files.export_config import ExportLayers, write_export_config
 from layertap.producer.files.manifest import ManifestEntry
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.storage.local import add_lock_file
-from layertap.producer.storage.registry import storage_for
+from layertap.protocol import fileformat as ff
+from layertap.storage.local import add_lock_file
+from layertap.storage.registry import storage_for
 
 HS_FOLDER = "hidden_states"
 

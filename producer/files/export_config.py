@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.protocol.layers import LayerIdError, target_layer_ids
+from layertap.protocol.layers import LayerIdError, target_layer_ids
 
 CONFIG_NAME = "layertap-export.json"
 SPECULATORS_CONFIG = "speculators.yaml"

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from layertap.producer.protocol.fileformat import (
+from layertap.protocol.fileformat import (
     HIDDEN_STATES,
     SCALE_SUFFIX,
     FileHeader,
@@ -20,8 +20,8 @@ from layertap.producer.protocol.fileformat import (
     read_file_header,
     verify_file,
 )
-from layertap.producer.protocol.fp8 import dequantize_array
-from layertap.producer.storage.registry import storage_for
+from layertap.protocol.fp8 import dequantize_array
+from layertap.storage.registry import storage_for
 
 
 def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:

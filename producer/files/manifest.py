@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.protocol.fileformat import FileFormatError, MetaKey
-from layertap.producer.storage.registry import foreign_path, own_file, storage_for
+from layertap.protocol import fileformat as ff
+from layertap.protocol.fileformat import FileFormatError, MetaKey
+from layertap.storage.registry import foreign_path, own_file, storage_for
 
 WRITE_BATCH = 10_000
 
@@ -118,7 +118,7 @@ def write_manifest(entries: Iterable[ManifestEntry], out: str | Path) -> int:
     temp = out.with_name(f".{out.name}.tmp")
     count = 0
     if out.suffix == ".parquet":
-        from layertap.producer.extras import need
+        from layertap.extras import need
 
         pa, pq = need("pyarrow"), need("pyarrow.parquet")
         schema = arrow_schema()
@@ -145,7 +145,7 @@ def iter_manifest(path: str | Path) -> Iterator[ManifestEntry]:
     """The entries of a manifest file (parquet read batch by batch, or JSON lines)."""
     path = Path(path)
     if path.suffix == ".parquet":
-        from layertap.producer.extras import need
+        from layertap.extras import need
 
         parquet = need("pyarrow.parquet").ParquetFile(path)
         for batch in parquet.iter_batches(batch_size=WRITE_BATCH):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from layertap.producer.extras import MissingExtra, hint
+from layertap.extras import MissingExtra, hint
 from layertap.producer.files.file_stats import (
     layer_cosine_similarity,
     read_hidden_states,

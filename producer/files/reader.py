@@ -1,4 +1,4 @@
-"""Reading files: vLLM's reader protocol, plus validation, from any storage (``layertap.producer.storage``).
+"""Reading files: vLLM's reader protocol, plus validation, from any storage (``layertap.storage``).
 
 Protocol (same as vLLM's ``load_hidden_states``): take the shared lock of the local lock
 protocol (it waits out a writer), then load; from an object store the object is whole once it
@@ -11,8 +11,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
-from layertap.producer.protocol import fp8
-from layertap.producer.protocol.fileformat import (
+from layertap.protocol import fp8
+from layertap.protocol.fileformat import (
     FileFormatError,
     check_checksums,
     check_vllm_file,
@@ -20,7 +20,7 @@ from layertap.producer.protocol.fileformat import (
     read_file_header,
     verify_file,
 )
-from layertap.producer.storage.registry import storage_for
+from layertap.storage.registry import storage_for
 
 
 def load_hidden_states(

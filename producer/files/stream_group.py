@@ -5,7 +5,7 @@ An entry is named by ``(stream, entry id)``: a consumer reads the run's results 
 group's recovery stream (``layertap.producer.client.recovery``) through the same group. Finishing a
 trained entry removes its file first (``delete_after``; only the job's own file under the storage
 root, since a result entry is data anyone who can write to Redis could forge), then acknowledges the entry and records
-the job in the group's consumed hash in one step (``layertap.producer.transport.ledger.finish``); any process may finish an entry
+the job in the group's consumed hash in one step (``layertap.transport.ledger.finish``); any process may finish an entry
 (``XACK`` does not care which consumer holds it), so a trainer's main process finishes the
 entries its DataLoader workers read.
 """
@@ -19,11 +19,11 @@ from typing import NamedTuple
 
 import redis
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import Status
-from layertap.producer.storage.base import Storage
-from layertap.producer.transport import ledger
-from layertap.producer.transport.redis_conn import retrying
+from layertap.protocol import keys
+from layertap.protocol.schema import Status
+from layertap.storage.base import Storage
+from layertap.transport import ledger
+from layertap.transport.redis_conn import retrying
 
 log = logging.getLogger(__name__)
 

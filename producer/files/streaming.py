@@ -30,7 +30,7 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    came within ``block_ms``, so a buffer larger than the in-flight limit cannot stall);
 4. a yielded item is finished once trained on: its file and lock are removed
    (``delete_after``), then in one step the entry is acknowledged and the job recorded in the
-   group's ``keys.run_consumed_hash`` (``layertap.producer.transport.ledger.finish``; what the enqueue's back-pressure
+   group's ``keys.run_consumed_hash`` (``layertap.transport.ledger.finish``; what the enqueue's back-pressure
    with ``--inflight-until consumed --consumer-group G`` counts). "Trained on" means: asked for
    the next item, in the process that trains; under :meth:`~StreamingHiddenStatesDataset.loader`
    the main process finishes a batch when the next batch is asked for (the DataLoader worker
@@ -85,13 +85,13 @@ from layertap.producer.files.consumer_group import GroupOptions, GroupReader
 from layertap.producer.files.consumer_group import StreamCounts as StreamCounts  # the public name, kept here
 from layertap.producer.files.dataset import collate, load_item
 from layertap.producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher, Taken, peer_names
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.fileformat import FileFormatError
-from layertap.producer.protocol.naming import check_name
-from layertap.producer.protocol.schema import Result, Status
-from layertap.producer.settings import Settings
-from layertap.producer.storage.registry import foreign_path, own_file, storage_for
-from layertap.producer.transport.redis_conn import connect, retrying
+from layertap.protocol import keys
+from layertap.protocol.fileformat import FileFormatError
+from layertap.protocol.naming import check_name
+from layertap.protocol.schema import Result, Status
+from layertap.settings import Settings
+from layertap.storage.registry import foreign_path, own_file, storage_for
+from layertap.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
 

@@ -48,13 +48,13 @@ from layertap.producer.ingest import existing
 from layertap.producer.ingest.formats import RowConverter, UndetectableFormat
 from layertap.producer.ingest.sent import SentJobs
 from layertap.producer.ingest.sources import SourceRow
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.images import ImageError, load_images, with_image_digests
-from layertap.producer.protocol.layers import LayerIdError
-from layertap.producer.protocol.naming import check_name
-from layertap.producer.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
-from layertap.producer.settings import InflightUntil, Limits
-from layertap.producer.transport import ledger
+from layertap.protocol import keys
+from layertap.protocol.images import ImageError, load_images, with_image_digests
+from layertap.protocol.layers import LayerIdError
+from layertap.protocol.naming import check_name
+from layertap.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
+from layertap.settings import InflightUntil, Limits
+from layertap.transport import ledger
 
 
 @dataclass
@@ -131,7 +131,7 @@ def job_from_data(data: Any, defaults: dict[str, Any], max_job_bytes: int | None
     (:class:`JobTooLarge` over ``max_job_bytes``, checked before the data is validated). Image
     parts are checked as the Client checks them: a path is read under ``images_root`` only
     (its sha256 filled in), and every image is within ``limits`` and decodes
-    (:class:`~layertap.producer.protocol.images.ImageError`)."""
+    (:class:`~layertap.protocol.images.ImageError`)."""
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     limits = limits or Limits()

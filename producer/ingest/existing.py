@@ -24,11 +24,11 @@ import redis
 from layertap.producer.client import runs
 from layertap.producer.client.fleet import ServedShape
 from layertap.producer.client.results import entry_result
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.fileformat import MetaKey
-from layertap.producer.protocol.schema import Job
-from layertap.producer.storage.registry import storage_for
+from layertap.protocol import fileformat as ff
+from layertap.protocol import keys
+from layertap.protocol.fileformat import MetaKey
+from layertap.protocol.schema import Job
+from layertap.storage.registry import storage_for
 
 #: The settings compared, in the order they are named (job field names, as ``enqueue``'s flags).
 SETTINGS = ("model", "layers", "dtype", "topk", "topk_on", "final_hidden_states", "loss_on")

@@ -1,7 +1,7 @@
 """Dataset rows to job data: ShareGPT, OpenAI-style messages, UltraChat, plain prompts, layertap jobs.
 
 A row is one JSON object (a JSONL line, a JSON-array item, a parquet or HF ``datasets``
-row). :class:`RowConverter` turns it into the data of one :class:`~layertap.producer.protocol.schema.Job`
+row). :class:`RowConverter` turns it into the data of one :class:`~layertap.protocol.schema.Job`
 (``{"prompt": ...}`` or ``{"messages": [...]}``, plus ``job_id`` from the row's id column)
 or raises :class:`RowError` saying what is wrong with it.
 
@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from layertap.producer.protocol.images import IMAGE_PART_TYPES
-from layertap.producer.protocol.naming import is_safe_name
-from layertap.producer.protocol.schema import Job
+from layertap.protocol.images import IMAGE_PART_TYPES
+from layertap.protocol.naming import is_safe_name
+from layertap.protocol.schema import Job
 
 
 class InputFormat(str, Enum):

@@ -15,7 +15,7 @@ import hashlib
 
 import numpy as np
 
-from layertap.producer.protocol.schema import Job
+from layertap.protocol.schema import Job
 
 #: Fingerprints kept in a Python set before they are merged into the sorted array.
 TAIL = 65536

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.extras import need
-from layertap.producer.protocol.naming import is_hub_id
+from layertap.extras import need
+from layertap.protocol.naming import is_hub_id
 
 BATCH_ROWS = 1024
 

@@ -19,8 +19,8 @@ import redis
 
 from layertap.producer.client.fleet import ServedShape
 from layertap.producer.ingest.enqueue import BadRow, OnChange, Planned, look_up
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.protocol.schema import Job, Status
+from layertap.protocol import fileformat as ff
+from layertap.protocol.schema import Job, Status
 
 BATCH = 256
 

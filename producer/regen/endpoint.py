@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from layertap.producer.transport.backoff import Backoff
+from layertap.transport.backoff import Backoff
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
 TOKEN_IDS_FIELD = "return_token_ids"

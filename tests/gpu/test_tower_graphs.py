@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.storage.registry import storage_for
+from layertap.storage.registry import storage_for
 from tests.integration.test_vlm import image_chat, png_bytes, reference_inputs
 from tests.support.vlm import QWEN_FAMILIES, add_processor, build_tiny_vlm
 

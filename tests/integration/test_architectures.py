@@ -28,7 +28,7 @@ import torch
 from layertap.producer.files.dataset import HiddenStatesDataset
 from layertap.producer.files.manifest import entry_from_file
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.protocol.fileformat import MetaKey, metadata_of
 from tests.support.architectures import (
     FALLBACKS,
     NOT_BUILT,

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from layertap.producer.ingest.enqueue import BadRow, Enqueuer, Outcome, Planned
-from layertap.producer.protocol.fileformat import MetaKey, metadata_of
-from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.protocol.fileformat import MetaKey, metadata_of
+from layertap.protocol.schema import ErrorType, Job
 from tests.support.jobs import send_raw
 from tests.support.processes import cli
 

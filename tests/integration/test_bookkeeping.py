@@ -15,9 +15,9 @@ import redis
 
 from layertap.producer.client.client import Client, NoWorkerWarning
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType, Result, Status
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType, Result, Status
+from layertap.settings import Settings
 from layertap.worker.queue.publisher import ResultPublisher
 from layertap.worker.queue.reconciler import Reconciler
 

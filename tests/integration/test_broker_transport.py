@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from layertap.producer.settings import Settings
-from layertap.producer.transport.broker_transport import Channel, transport_for
-from layertap.producer.transport.celery_app import make_celery
+from layertap.settings import Settings
+from layertap.transport.broker_transport import Channel, transport_for
+from layertap.transport.celery_app import make_celery
 
 
 def test_redis_and_sentinel_urls_get_the_reused_client_transport():
-    assert transport_for("redis://localhost:6379/0") == "layertap.producer.transport.broker_transport:Transport"
-    assert transport_for("rediss://user:pw@host:6380/1") == "layertap.producer.transport.broker_transport:Transport"
+    assert transport_for("redis://localhost:6379/0") == "layertap.transport.broker_transport:Transport"
+    assert transport_for("rediss://user:pw@host:6380/1") == "layertap.transport.broker_transport:Transport"
     assert transport_for("sentinel://localhost:26379/0?master_name=m") == (
-        "layertap.producer.transport.broker_transport:SentinelTransport")
+        "layertap.transport.broker_transport:SentinelTransport")
     assert transport_for("memory://") is None
 
 

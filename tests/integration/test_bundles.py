@@ -19,13 +19,13 @@ import time
 import pytest
 
 from layertap.producer.client.client import Client, JobTooLarge, NoWorkerWarning
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.fileformat import verify_file
-from layertap.producer.protocol.naming import job_path
-from layertap.producer.protocol.schema import ErrorType, Job
-from layertap.producer.settings import Limits, Settings
-from layertap.producer.transport.celery_app import send_extract
-from layertap.producer.transport.ledger import record_pending
+from layertap.protocol import keys
+from layertap.protocol.fileformat import verify_file
+from layertap.protocol.naming import job_path
+from layertap.protocol.schema import ErrorType, Job
+from layertap.settings import Limits, Settings
+from layertap.transport.celery_app import send_extract
+from layertap.transport.ledger import record_pending
 from tests.support.blocking import POISON_TOKEN, crash_env
 from tests.support.jobs import hold_lock, wait_for
 from tests.support.processes import cli

@@ -45,7 +45,7 @@ def test_analysis_chat_without_an_assistant_turn(workers, tiny_models, client, r
     the same chat is refused as untrainable."""
     import torch
 
-    from layertap.producer.protocol.schema import ErrorType
+    from layertap.protocol.schema import ErrorType
     from tests.support.reference import reference_states
 
     _, tokenizer = load(str(tiny_models["qwen3"]))

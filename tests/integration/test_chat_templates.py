@@ -15,9 +15,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import MetaKey, metadata_of
-from layertap.producer.protocol.schema import ErrorType, json_size
-from layertap.producer.settings import Settings
+from layertap.protocol.fileformat import MetaKey, metadata_of
+from layertap.protocol.schema import ErrorType, json_size
+from layertap.settings import Settings
 from tests.support.jobs import CHAT, chatml_reference, llama_reference
 from tests.support.processes import WorkerProcess
 from tests.support.reference import load

@@ -95,7 +95,7 @@ def test_worker_extractor_names_the_extra_to_install(client_venv, tmp_path):
     out = run_in(client_venv, tmp_path, "python", "-c", "from layertap import Extractor")
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
-        "layertap.producer.extras.MissingExtra: worker.Extractor needs torch, which is not installed: "
+        "layertap.extras.MissingExtra: worker.Extractor needs torch, which is not installed: "
         "pip install 'layertap[worker]'")
 
 
@@ -115,10 +115,13 @@ def test_the_old_import_names_still_work_for_one_release_with_a_warning(client_v
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    warnings.simplefilter('always')\n"
             "    import producer.protocol.keys as old, worker\n"
+            "    import layertap.producer.transport.ledger as old_ledger\n"
             "    from producer import Client\n"
-            "import layertap, layertap.producer.protocol.keys as new\n"
-            "assert old is new and Client is layertap.Client and worker is layertap.worker\n"
+            "import layertap, layertap.protocol.keys as new, layertap.transport.ledger as ledger\n"
+            "assert old is new and old_ledger is ledger and Client is layertap.Client and worker is layertap.worker\n"
+            "assert new.__spec__.name == 'layertap.protocol.keys'\n"
             "print(sorted({str(w.message).split('`')[1] for w in seen if w.category is DeprecationWarning}))")
     out = run_in(client_venv, tmp_path, "python", "-c", code)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip() == "['import producer', 'import worker']"
+    assert out.stdout.strip() == "['import producer', 'import worker', 'layertap.producer.protocol', " \
+                                 "'layertap.producer.transport']"

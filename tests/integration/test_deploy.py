@@ -29,8 +29,8 @@ import yaml
 
 from layertap.producer.cli.app import app
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import job_path
-from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.protocol import fileformat as ff
+from layertap.protocol import keys
+from layertap.protocol.naming import job_path
+from layertap.protocol.schema import ErrorType, Job
 from tests.support import reference
 from tests.support.jobs import wait_for
 from tests.support.processes import cli

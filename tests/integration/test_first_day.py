@@ -22,8 +22,8 @@ import pytest
 
 from layertap.producer.client.client import Client, NoWorker
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 from tests.support.blocking import hang_env
 from tests.support.processes import cli
 

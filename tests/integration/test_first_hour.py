@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from layertap.producer.client.client import Client
-from layertap.producer.settings import Settings
+from layertap.settings import Settings
 from tests.support.processes import cli
 
 UNREACHABLE = "redis://127.0.0.1:1/0"
@@ -164,7 +164,7 @@ def test_dlq_requeue_of_everything_asks(redis_server):
 
 @pytest.mark.parametrize("folder", ["plain", "hub-cache"])
 def test_default_served_name(tmp_path, folder):
-    from layertap.producer.protocol.naming import served_model_name as default_served_name
+    from layertap.protocol.naming import served_model_name as default_served_name
 
     path = tmp_path / "my-model" if folder == "plain" else tmp_path / "models--Qwen--Qwen3-8B" / "snapshots" / "abc"
     path.mkdir(parents=True)

@@ -15,8 +15,8 @@ import pytest
 from layertap.producer.client import runs
 from layertap.producer.files.reader import load_hidden_states
 from layertap.producer.ingest.survey import describe_bytes
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.fileformat import file_bytes
+from layertap.protocol import keys
+from layertap.protocol.fileformat import file_bytes
 from tests.support.jobs import wait_for
 from tests.support.processes import cli
 

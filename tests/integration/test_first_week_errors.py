@@ -8,8 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import job_path
+from layertap.protocol import keys
+from layertap.protocol.naming import job_path
 from tests.support.processes import cli
 
 MODEL = "tiny-qwen3"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from layertap.producer.client.fleet import worker_records
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
-from layertap.producer.transport.redis_conn import connect
+from layertap.protocol import keys
+from layertap.settings import Settings
+from layertap.transport.redis_conn import connect
 
 
 def test_a_sigkilled_worker_is_shown_dead_then_pruned(make_worker, private_redis):

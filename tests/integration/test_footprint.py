@@ -12,10 +12,10 @@ import threading
 import time
 
 from layertap.producer.client import runs
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import job_path
-from layertap.producer.protocol.schema import Result, Status
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.protocol.naming import job_path
+from layertap.protocol.schema import Result, Status
+from layertap.settings import Settings
 from tests.support.processes import cli
 from layertap.worker.queue.publisher import ResultPublisher
 from layertap.worker.queue.retention import RetentionSweep
@@ -119,7 +119,7 @@ def ok_result(run: str, index: int, root) -> Result:
 
 def test_retention_sweep_drops_old_entries_but_none_a_consumer_group_still_needs(private_redis, tmp_path):
     settings = Settings(redis_url=private_redis.url)
-    from layertap.producer.transport.redis_conn import connect
+    from layertap.transport.redis_conn import connect
 
     client = connect(settings)
     stream = keys.results_stream("old")

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from layertap.producer.client import runs
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import job_path
-from layertap.producer.protocol.schema import Result, Status
+from layertap.protocol import keys
+from layertap.protocol.naming import job_path
+from layertap.protocol.schema import Result, Status
 from tests.support.processes import cli, run_through_full_redis
 from layertap.worker.queue.publisher import ResultPublisher
 from layertap.worker.queue.retention import RetentionSweep

@@ -24,10 +24,10 @@ import pytest
 import redis
 
 from layertap.producer.client.client import Client, NoWorkerWarning
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import Job, Result
-from layertap.producer.settings import Settings
-from layertap.producer.transport import ledger
+from layertap.protocol import keys
+from layertap.protocol.schema import Job, Result
+from layertap.settings import Settings
+from layertap.transport import ledger
 from layertap.worker.queue.reconciler import Reconciler
 from tests.support.jobs import RELIABILITY_ENV
 from tests.support.processes import cli

@@ -19,8 +19,8 @@ import uuid
 import pytest
 from pydantic import ValidationError
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType, Job, JobTooLarge
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType, Job, JobTooLarge
 from tests.support.processes import cli
 
 E = ErrorType

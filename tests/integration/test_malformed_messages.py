@@ -6,8 +6,8 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta, timezone
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType
 from tests.support.jobs import results_for, wait_for
 
 QUEUE = keys.model_queue("tiny-qwen3")

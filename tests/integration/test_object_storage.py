@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from layertap.producer.dev.s3_server import S3Server
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType, Result, Status
-from layertap.producer.settings import Settings
+from layertap.protocol import fileformat as ff
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType, Result, Status
+from layertap.settings import Settings
 from tests.support import reference
 from tests.support.processes import cli
 

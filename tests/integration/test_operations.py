@@ -31,11 +31,11 @@ from layertap.producer.files.file_stats import (
     token_norms,
 )
 from layertap.producer.ops.monitor import RunTracker
-from layertap.producer.ops.throughput import RateWindow
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType
-from layertap.producer.settings import Settings
-from layertap.producer.transport.celery_app import make_celery
+from layertap.rates import RateWindow
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType
+from layertap.settings import Settings
+from layertap.transport.celery_app import make_celery
 from tests.support.processes import WorkerProcess, cli
 from tests.support.reference import reference_states
 from layertap.worker.ops.logs import JobContextFilter
@@ -199,7 +199,7 @@ def test_log_lines_inside_a_task_carry_its_job(redis_server):
 
 
 WARN_FROM_TRANSFORMERS = """
-from layertap.producer.settings import LogFormat
+from layertap.settings import LogFormat
 from transformers.utils import logging as transformers_logging
 from layertap.worker.ops.logs import configure_logging
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.protocol.fileformat import MetaKey, metadata_of
 from tests.support.reference import load, reference_states
 
 PROMPTS = [

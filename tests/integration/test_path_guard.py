@@ -12,10 +12,10 @@ import subprocess
 from pathlib import Path
 
 from layertap.producer.dataset import StreamingHiddenStatesDataset
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import file_under_root, job_path
-from layertap.producer.protocol.schema import Result, Status
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.protocol.naming import file_under_root, job_path
+from layertap.protocol.schema import Result, Status
+from layertap.settings import Settings
 from tests.support.processes import cli
 
 MODEL = "tiny-qwen3"

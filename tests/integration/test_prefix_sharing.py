@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.schema import Job
-from layertap.producer.storage.registry import storage_for
+from layertap.protocol.schema import Job
+from layertap.storage.registry import storage_for
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
 from tests.support.reference import block_input_states

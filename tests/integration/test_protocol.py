@@ -13,8 +13,8 @@ from layertap.producer.files.draft_check import draft_target_ids
 from layertap.producer.files.export import check_entries
 from layertap.producer.files.manifest import ManifestEntry
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import FileFormatError
-from layertap.producer.protocol.layers import (
+from layertap.protocol.fileformat import FileFormatError
+from layertap.protocol.layers import (
     LayerIdError,
     check_target_layer_ids,
     default_target_layer_ids,
@@ -23,8 +23,8 @@ from layertap.producer.protocol.layers import (
     resolve_layer_ids,
     target_layer_ids,
 )
-from layertap.producer.protocol.naming import check_name, job_path
-from layertap.producer.protocol.schema import Job
+from layertap.protocol.naming import check_name, job_path
+from layertap.protocol.schema import Job
 from tests.support.files import complete_metadata
 from layertap.worker.job.writer import write_job_file
 

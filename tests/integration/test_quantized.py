@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.protocol.fileformat import MetaKey, metadata_of
 from tests.support.architectures import build_tiny
 from tests.support.quantized import (
     FORMATS,

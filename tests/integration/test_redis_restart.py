@@ -12,9 +12,9 @@ import os
 import subprocess
 import time
 
-from layertap.producer.command import layertap_argv
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import job_path
+from layertap.command import layertap_argv
+from layertap.protocol import keys
+from layertap.protocol.naming import job_path
 from tests.support.jobs import (
     ORPHAN_TIMEOUT,
     attempts,

@@ -9,9 +9,9 @@ import subprocess
 import pytest
 
 from layertap.producer.client.client import Client
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.producer.dev.redis_server import RedisServer, find_redis_server, free_port
-from layertap.producer.settings import Settings, TlsSettings
+from layertap.settings import Settings, TlsSettings
 from tests.support.certs import make_certificates
 from tests.support.processes import WorkerProcess
 

@@ -1,6 +1,6 @@
 """Every Redis the project supports (``SUPPORTED_REDIS``: 7 or newer, and the embedded 6.2).
 Scripts that declare flags (``#!lua flags=allow-oom``) are taken as each server takes them
-(``layertap.producer.transport.script_flags``): Redis 6.2 refuses the flags line as a syntax
+(``layertap.transport.script_flags``): Redis 6.2 refuses the flags line as a syntax
 error, and had refused every lease renewal, cancel, ledger trim and at-maxmemory sweep turn."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from layertap.producer.dev.redis_server import RedisServer, embedded_redis_server, free_port
-from layertap.producer.transport import ledger
-from layertap.producer.transport.script_flags import for_server, takes_script_flags
+from layertap.transport import ledger
+from layertap.transport.script_flags import for_server, takes_script_flags
 from layertap.worker.queue.lease import RENEW_LEASES
 from layertap.worker.queue.periodic import TAKE_TURN_AT_MAXMEMORY, take_turn
 from tests.support.jobs import REDIS_SERVERS, SUPPORTED_REDIS

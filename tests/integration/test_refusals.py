@@ -14,9 +14,9 @@ from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
 from layertap.producer.dataset import HiddenStatesDataset, collate
 from layertap.producer.files.manifest import entry_from_file
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.layers import LayerIdError
-from layertap.producer.protocol.schema import ErrorType
+from layertap.protocol import keys
+from layertap.protocol.layers import LayerIdError
+from layertap.protocol.schema import ErrorType
 from tests.support.processes import cli
 from layertap.worker.job.tokenize import context_length
 

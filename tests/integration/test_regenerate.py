@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.producer.protocol.fileformat import MetaKey, read_file_header
+from layertap.protocol.fileformat import MetaKey, read_file_header
 from tests.support.chat_server import small_server, transformers_serve
 from tests.support.jobs import wait_for
 from tests.support.processes import cli
@@ -183,7 +183,7 @@ def test_enqueue_writes_one_file_per_conversation_with_the_servers_token_ids(sma
     assert sorted(rows) == ["multi", "multi-s1", "single", "single-s1"]
 
     from layertap.producer.client.client import Client
-    from layertap.producer.settings import Settings
+    from layertap.settings import Settings
 
     with Client(Settings(redis_url=redis_server.url)) as client:
         wait_for(lambda: len({r.job_id for r in client.results(run) if r.ok}) == len(rows), 300, "the files")
@@ -230,8 +230,8 @@ def test_a_reply_with_a_control_character_is_kept_and_a_row_enqueue_refuses_is_n
     from transformers import AutoTokenizer
 
     from layertap.producer.client.client import Client
-    from layertap.producer.protocol import keys
-    from layertap.producer.settings import Settings
+    from layertap.protocol import keys
+    from layertap.settings import Settings
 
     (escape,) = AutoTokenizer.from_pretrained(tiny_models["qwen3"]).encode("\x1b", add_special_tokens=False)
     chats = write_jsonl(tmp_path / "c.jsonl", prompts(2))

@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from layertap.producer.client.client import Client
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.producer.dev.redis_server import embedded_redis_server
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.fileformat import verify_file
-from layertap.producer.protocol.naming import job_path
-from layertap.producer.protocol.schema import ErrorType, Job
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.protocol.fileformat import verify_file
+from layertap.protocol.naming import job_path
+from layertap.protocol.schema import ErrorType, Job
+from layertap.settings import Settings
 from tests.support.blocking import hang_env
 from tests.support.jobs import (
     ORPHAN_TIMEOUT,
@@ -148,9 +148,9 @@ def test_poison_job_is_dead_lettered_and_later_jobs_are_unaffected(make_worker, 
 #: would lose a message: fetched from the queue, not yet recorded in ``unacked``.
 FETCH_THEN_DIE = """
 import os, signal, sys
-from layertap.producer.settings import Settings
-from layertap.producer.transport import broker_transport
-from layertap.producer.transport.celery_app import make_celery
+from layertap.settings import Settings
+from layertap.transport import broker_transport
+from layertap.transport.celery_app import make_celery
 
 def die(*_args, **_kwargs):
     os.kill(os.getpid(), signal.SIGKILL)

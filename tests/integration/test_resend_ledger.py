@@ -18,11 +18,11 @@ from kombu.exceptions import OperationalError
 
 from layertap.producer.client.client import Client, NoWorkerWarning
 from layertap.producer.ingest.enqueue import Enqueuer, Planned
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType, Job, Status
-from layertap.producer.settings import BundleSettings, Settings
-from layertap.producer.transport.ledger import record_pending
-from layertap.producer.transport.redis_conn import refuses_writes
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType, Job, Status
+from layertap.settings import BundleSettings, Settings
+from layertap.transport.ledger import record_pending
+from layertap.transport.redis_conn import refuses_writes
 from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
 from tests.support.processes import cli
 from layertap.worker.queue.reconciler import Reconciler

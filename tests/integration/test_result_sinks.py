@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from layertap.producer.client.client import Client
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType, Result
-from layertap.producer.settings import Settings
-from layertap.producer.transport import ledger
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType, Result
+from layertap.settings import Settings
+from layertap.transport import ledger
 from tests.support.jobs import wait_for
 from tests.support.webhook_sink import WebhookSink
 from layertap.worker.queue.publisher import ResultPublisher

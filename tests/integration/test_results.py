@@ -11,7 +11,7 @@ import threading
 import time
 
 from layertap.producer.files.reader import cleanup_hidden_states, load_hidden_states
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from tests.support.processes import cli
 
 

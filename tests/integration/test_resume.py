@@ -11,7 +11,7 @@ import subprocess
 import time
 from collections import Counter
 
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from tests.support.processes import cli
 
 ROWS = 60

@@ -14,9 +14,9 @@ import pytest
 from layertap.producer.client.client import Client, JobFailed, NoWorker, NoWorkerWarning
 from layertap.producer.client.runs import RunCancelled
 from layertap.producer.dev.redis_server import RedisServer
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType
+from layertap.settings import Settings
 from tests.support.blocking import hang_env
 from tests.support.jobs import wait_for
 from tests.support.processes import WorkerProcess, cli

@@ -20,8 +20,8 @@ import torch
 from layertap.producer.client import runs
 from layertap.producer.dataset import StreamingHiddenStatesDataset
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 from tests.integration.test_file_identity import rewrite_checkpoint
 from tests.integration.test_streaming import files_under, token_jobs
 from tests.integration.test_trainers import TRAINER, trained_ids

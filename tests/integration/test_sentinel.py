@@ -19,10 +19,10 @@ import redis
 from layertap.producer.client.client import Client, NoWorkerWarning
 from layertap.producer.dev.redis_server import find_redis_server
 from layertap.producer.dev.sentinel_set import SentinelSet
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import job_path
-from layertap.producer.settings import BundleSettings, Settings, TlsSettings
-from layertap.producer.transport.redis_conn import connect
+from layertap.protocol import keys
+from layertap.protocol.naming import job_path
+from layertap.settings import BundleSettings, Settings, TlsSettings
+from layertap.transport.redis_conn import connect
 from tests.support.certs import make_certificates
 from tests.support.jobs import attempts, hold_lock, make_job, wait_for
 from tests.support.processes import WorkerProcess, cli

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from tests.support.jobs import wait_for
 
 MODEL = "tiny-qwen3"

@@ -27,8 +27,8 @@ from layertap.producer.client.client import Client
 from layertap.producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
 from layertap.producer.dev.redis_server import RedisServer, free_port
 from layertap.producer.files.manifest import entry_from_file
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 from tests.support.processes import WorkerProcess, cli
 
 MODEL = "tiny-qwen3"

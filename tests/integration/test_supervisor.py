@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from layertap.producer.dev.redis_server import free_port
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from tests.support.processes import cli
 
 MODEL = "tiny-supervised"

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader
 
 from layertap.producer.client import runs
 from layertap.producer.dataset import StreamingHiddenStatesDataset, collate
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
+from layertap.protocol import keys
+from layertap.settings import Settings
 from tests.integration.test_streaming import MODEL, files_under, submit, token_jobs
 from tests.support.processes import cli
 
@@ -96,7 +96,7 @@ def test_dataloader_workers_end_together_every_time(workers, redis_server, clien
 TRAINER = """
 import sys, time
 from layertap.producer.dataset import StreamingHiddenStatesDataset
-from layertap.producer.settings import Settings
+from layertap.settings import Settings
 url, run, trained, root = sys.argv[1:5]
 dataset = StreamingHiddenStatesDataset(run, redis_url=url, delete_after=True, read_count=2, time_limit_s=120,
                                        settings=Settings(storage_root=root))

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from layertap.producer.dataset import HiddenStatesDataset, collate
 from layertap.producer.files.manifest import iter_manifest
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import MetaKey, metadata_of
+from layertap.protocol.fileformat import MetaKey, metadata_of
 from tests.integration.test_training_record import FLOAT32_ATOL, FP8_RELATIVE, FP8_SUBNORMAL
 from tests.support.processes import cli
 from tests.support.reference import load, reference_states

@@ -15,8 +15,8 @@ import torch
 from pydantic import ValidationError
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.fileformat import FileFormatError, MetaKey, metadata_of
-from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.protocol.fileformat import FileFormatError, MetaKey, metadata_of
+from layertap.protocol.schema import ErrorType, Job
 from tests.support.architectures import ARCHES
 from tests.support.jobs import CHAT, send_raw
 from tests.support.reference import (

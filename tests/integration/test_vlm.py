@@ -25,10 +25,10 @@ from PIL import Image
 from layertap.producer.client.client import Client, NoWorkerWarning
 from layertap.producer.files.dataset import collate, load_item
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.protocol.images import ImageError
-from layertap.producer.protocol.schema import ErrorType
-from layertap.producer.settings import Settings
-from layertap.producer.storage.registry import storage_for
+from layertap.protocol.images import ImageError
+from layertap.protocol.schema import ErrorType
+from layertap.settings import Settings
+from layertap.storage.registry import storage_for
 from tests.support.vlm import (
     DEEPSEEK_FAMILIES,
     GLM_FAMILIES,
@@ -489,7 +489,7 @@ def test_qwen3_vl_files_say_which_layers_hold_deepstack_features(tmp_path):
     the image positions. A text file has no such note."""
     import json
 
-    from layertap.producer.protocol.fileformat import MetaKey, metadata_of
+    from layertap.protocol.fileformat import MetaKey, metadata_of
     from tests.support.vlm import language_layers, load_reference
 
     model_dir = add_processor("qwen3-vl", build_tiny_vlm("qwen3-vl", tmp_path / "model"))

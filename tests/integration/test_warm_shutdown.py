@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 from collections import Counter
 
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from tests.support.blocking import hang_env
 from tests.support.jobs import wait_for
 

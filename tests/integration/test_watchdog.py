@@ -11,7 +11,7 @@ import signal
 import time
 from pathlib import Path
 
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from tests.support.blocking import hang_env
 from tests.support.jobs import ORPHAN_TIMEOUT, attempts, make_job, wait_for
 from layertap.worker.main import EXIT_STALLED

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from layertap.producer.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
+from layertap.protocol.fileformat import FORMAT_NAME, FORMAT_VERSION, MetaKey, content_id
 from layertap.worker.engine.output_dtype import recorded_name
 
 

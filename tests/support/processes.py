@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from layertap.producer.client.client import Client
-from layertap.producer.command import layertap_argv
-from layertap.producer.settings import Settings
+from layertap.command import layertap_argv
+from layertap.settings import Settings
 
 
 def cli(*args: str) -> list[str]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from layertap.producer.protocol.fp8 import dequantize_array
+from layertap.protocol.fp8 import dequantize_array
 
 LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$")
 E4M3_MAX = 448.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Sequence
 
-from layertap.producer.protocol.schema import Result
+from layertap.protocol.schema import Result
 from layertap.worker.queue.sinks import ResultSink, SinkContext
 
 

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from layertap.producer.protocol.schema import ErrorType, Job
-from layertap.producer.settings import Limits
+from layertap.protocol.schema import ErrorType, Job
+from layertap.settings import Limits
 from tests.support.architectures import ARCHES
 from layertap.worker.job.chat import (
     CHECKED_TURNS,

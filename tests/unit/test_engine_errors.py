@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layertap.producer.protocol.schema import ErrorType
-from layertap.producer.settings import Limits
+from layertap.protocol.schema import ErrorType
+from layertap.settings import Limits
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.errors import BatchFailed, EngineError, EngineStopped
 from layertap.worker.engine.records import EngineRequest

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from layertap.producer.protocol.schema import Job
-from layertap.producer.settings import Limits
+from layertap.protocol.schema import Job
+from layertap.settings import Limits
 from layertap.worker.engine.engine import MAX_PREPARING, Engine
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.extractor import build_processor

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from layertap.producer.protocol.schema import ErrorType
-from layertap.producer.settings import Limits
+from layertap.protocol.schema import ErrorType
+from layertap.settings import Limits
 from layertap.worker.engine import engine as engine_module
 from layertap.worker.extractor import build_processor
 from layertap.worker.model.loading import load_model

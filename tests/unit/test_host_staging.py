@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.settings import Limits
+from layertap.settings import Limits
 from tests.support.reference import reference_states
 from layertap.worker.engine.host_buffers import ALIGNMENT, HostStaging, slot_capacity
 from layertap.worker.extractor import build_processor

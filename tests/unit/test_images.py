@@ -1,4 +1,4 @@
-"""Image parts in chat jobs (``layertap.producer.protocol.images``): the two wire forms, where bytes may
+"""Image parts in chat jobs (``layertap.protocol.images``): the two wire forms, where bytes may
 come from, the content hash over image bytes, and the client-side checks. No torch."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from layertap.producer.protocol.images import ImageError, load_images, with_image_digests
-from layertap.producer.protocol.schema import Job
+from layertap.protocol.images import ImageError, load_images, with_image_digests
+from layertap.protocol.schema import Job
 
 MAX_BYTES = 1 << 20
 

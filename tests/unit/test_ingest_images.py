@@ -18,8 +18,8 @@ from PIL import Image
 from layertap.producer.ingest.enqueue import BadRow, Planned, plan_jobs
 from layertap.producer.ingest.formats import RowConverter
 from layertap.producer.ingest.sources import open_source
-from layertap.producer.protocol.images import ImagePart, ImageUrlPart, TextPart
-from layertap.producer.settings import Limits
+from layertap.protocol.images import ImagePart, ImageUrlPart, TextPart
+from layertap.settings import Limits
 
 
 def png(width: int, height: int) -> bytes:

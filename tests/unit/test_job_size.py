@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from layertap.producer.protocol.schema import CHARS_PER_TOKEN, Job, json_size, oversize
+from layertap.protocol.schema import CHARS_PER_TOKEN, Job, json_size, oversize
 
 
 def test_estimated_tokens_come_from_the_input():

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from layertap.producer.protocol import dtypes
-from layertap.producer.protocol.fileformat import FileFormatError, read_file_header
-from layertap.producer.storage.locking import LockTimeout, exclusive_lock, lock_path, shared_lock
-from layertap.producer.protocol.naming import check_name, is_hub_id, is_safe_name
-from layertap.producer.protocol.schema import Job, json_size
-from layertap.producer.transport.backoff import Backoff, retry_while
+from layertap.protocol import dtypes
+from layertap.protocol.fileformat import FileFormatError, read_file_header
+from layertap.storage.locking import LockTimeout, exclusive_lock, lock_path, shared_lock
+from layertap.protocol.naming import check_name, is_hub_id, is_safe_name
+from layertap.protocol.schema import Job, json_size
+from layertap.transport.backoff import Backoff, retry_while
 
 
 @pytest.mark.parametrize("name,safe", [("run-1", True), ("a.b_c", True), ("x" * 128, True), ("x" * 129, False),
@@ -137,7 +137,7 @@ def test_a_writer_gives_up_on_a_reader_stopped_while_holding_the_lock(tmp_path):
         pass
     reader = subprocess.Popen([sys.executable, "-c", (
         "import os, signal, sys\n"
-        "from layertap.producer.storage.locking import shared_lock\n"
+        "from layertap.storage.locking import shared_lock\n"
         f"with shared_lock({str(path)!r}):\n"
         "    print('held', flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGSTOP)\n")], stdout=subprocess.PIPE, text=True)

@@ -8,11 +8,11 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool, SentinelManagedSSLConnection
 
-from layertap.producer.settings import Settings, TlsSettings
-from layertap.producer.transport.broker_transport import SENTINEL_TRANSPORT_PATH, transport_for
-from layertap.producer.transport.celery_app import celery_urls, make_celery, replicas_to_wait, transport_options
-from layertap.producer.transport.redis_conn import connect, refuses_writes
-from layertap.producer.transport.redis_url import (
+from layertap.settings import Settings, TlsSettings
+from layertap.transport.broker_transport import SENTINEL_TRANSPORT_PATH, transport_for
+from layertap.transport.celery_app import celery_urls, make_celery, replicas_to_wait, transport_options
+from layertap.transport.redis_conn import connect, refuses_writes
+from layertap.transport.redis_url import (
     SentinelUrl,
     check_redis_url,
     parse_sentinel_url,

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from layertap.producer.ingest.formats import RowConverter
-from layertap.producer.protocol.schema import Job
+from layertap.protocol.schema import Job
 from layertap.producer.regen.store import OutputStore
 
 

@@ -1,9 +1,9 @@
-"""Only the storage package (``producer/storage``) opens, locks, stats or unlinks job files.
+"""Only the storage package (``layertap/storage``) opens, locks, stats or unlinks job files.
 
-The rule, checked on the syntax tree of every module of ``producer/`` and ``worker/`` outside
-``producer/storage/`` (names imported under another name are followed to their origin):
+The rule, checked on the syntax tree of every module of ``producer/``, ``worker/`` and the kernel outside
+``layertap/storage/`` (names imported under another name are followed to their origin):
 
-1. Locks: no module imports ``fcntl`` or ``layertap.producer.storage.locking``.
+1. Locks: no module imports ``fcntl`` or ``layertap.storage.locking``.
 2. Stats, unlinks, renames, links: no call of ``os.stat``, ``os.lstat``, ``os.unlink``,
    ``os.remove``, ``os.replace``, ``os.rename``, ``os.link``, ``os.path.getsize``, ``os.path.exists``
    or of a ``.stat()``, ``.lstat()``, ``.unlink()`` or ``.rmdir()`` method, anywhere.
@@ -17,7 +17,7 @@ The rule, checked on the syntax tree of every module of ``producer/`` and ``work
 Each exception below is a call on a file that is not a run's file at its address, or on the
 local path a storage context hands out (``Storage.write``, ``Storage.local``), and says which.
 The rule cannot see what a path *is*; what it guarantees is that every place that could touch
-a job file is either in ``producer/storage`` or listed here with its reason. A stale exception
+a job file is either in ``layertap/storage`` or listed here with its reason. A stale exception
 (the call is gone) fails too.
 """
 
@@ -34,23 +34,23 @@ OS_CALLS = {"os.stat", "os.lstat", "os.unlink", "os.remove", "os.replace", "os.r
             "os.path.getsize", "os.path.exists"}
 METHODS = {"stat", "lstat", "unlink", "rmdir"}
 OPENERS = {"open", "numpy.fromfile", "safetensors.torch.save_file", "safetensors.torch.load_file",
-           "safetensors.safe_open", "layertap.producer.protocol.fileformat.verify_file",
-           "layertap.producer.protocol.fileformat.read_file_header", "layertap.producer.protocol.fileformat.metadata_of"}
+           "safetensors.safe_open", "layertap.protocol.fileformat.verify_file",
+           "layertap.protocol.fileformat.read_file_header", "layertap.protocol.fileformat.metadata_of"}
 JOB_FILE_MODULES = ("producer/files/", "producer/client/", "producer/cli/", "worker/job/", "worker/queue/",
                     "worker/ops/", "worker/main.py", "worker/extractor.py")
 
 #: (module, call) -> why it is not a job file, or why the path is one a storage handed out.
 ALLOWED = {
-    ("producer/files/reader.py", "layertap.producer.protocol.fileformat.verify_file"): "the local path of Storage.local",
-    ("producer/files/reader.py", "layertap.producer.protocol.fileformat.read_file_header"): "the local path of Storage.local",
+    ("producer/files/reader.py", "layertap.protocol.fileformat.verify_file"): "the local path of Storage.local",
+    ("producer/files/reader.py", "layertap.protocol.fileformat.read_file_header"): "the local path of Storage.local",
     ("producer/files/reader.py", "safetensors.torch.load_file"): "the local path of Storage.local",
-    ("producer/files/file_stats.py", "layertap.producer.protocol.fileformat.verify_file"): "the local path of Storage.local",
-    ("producer/files/file_stats.py", "layertap.producer.protocol.fileformat.read_file_header"):
+    ("producer/files/file_stats.py", "layertap.protocol.fileformat.verify_file"): "the local path of Storage.local",
+    ("producer/files/file_stats.py", "layertap.protocol.fileformat.read_file_header"):
         "the local path of Storage.local",
     ("worker/job/writer.py", "safetensors.torch.save_file"): "the local path of Storage.write (committed by it)",
     ("producer/files/export.py", "safetensors.safe_open"): "the export's own hs_{i} copy (made by Storage.copy_to)",
     ("producer/files/export.py", ".unlink"): "the export's own output folder, emptied after a failure",
-    ("producer/files/dequantized.py", "layertap.producer.protocol.fileformat.read_file_header"):
+    ("producer/files/dequantized.py", "layertap.protocol.fileformat.read_file_header"):
         "the local path of Storage.local",
     ("producer/files/dequantized.py", "safetensors.torch.save_file"): "the export's own new hs_{i} file",
     ("producer/files/manifest.py", "open"): "the manifest file (written, read), not a job file",
@@ -58,7 +58,7 @@ ALLOWED = {
     ("worker/ops/phase.py", "os.replace"): "the worker's phase file",
     ("worker/ops/supervisor.py", ".unlink"): "the worker's phase file",
     ("worker/ops/progress.py", "open"): "/proc/self/statm (memory)",
-    ("producer/protocol/images.py", ".stat"): "an image file of a chat (under images_root)",
+    ("layertap/protocol/images.py", ".stat"): "an image file of a chat (under images_root)",
     ("worker/model/loading.py", ".stat"): "the model's weight files (the weights fingerprint)",
     ("worker/bench/measure.py", ".stat"): "the benchmark's own scratch folder (/dev/shm), never a run's root",
     ("worker/bench/parts.py", ".unlink"): "the benchmark's probe file",
@@ -75,13 +75,13 @@ def module_calls(path: Path) -> set[str]:
             for alias in node.names:
                 top = alias.name.split(".")[0]
                 aliases[alias.asname or top] = alias.name if alias.asname else top
-                if alias.name in ("fcntl", "layertap.producer.storage.locking"):
+                if alias.name in ("fcntl", "layertap.storage.locking"):
                     found.add(f"import {alias.name}")
         elif isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-            if node.module in ("fcntl", "layertap.producer.storage.locking") or (
-                    node.module == "layertap.producer.storage" and any(a.name == "locking" for a in node.names)):
+            if node.module in ("fcntl", "layertap.storage.locking") or (
+                    node.module == "layertap.storage" and any(a.name == "locking" for a in node.names)):
                 found.add(f"import {node.module}")
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -115,17 +115,18 @@ def banned(module: str, calls: set[str]) -> set[str]:
 
 def test_only_the_storage_package_touches_job_files():
     seen, wrong = set(), []
-    for package in ("producer", "worker"):
-        for path in sorted((ROOT / package).rglob("*.py")):
+    for package in ("producer", "worker", "layertap/protocol", "layertap/transport", "layertap/settings.py",
+                    "layertap/extras.py", "layertap/command.py", "layertap/rates.py"):
+        for path in sorted((ROOT / package).rglob("*.py")) if (ROOT / package).is_dir() else [ROOT / package]:
             module = path.relative_to(ROOT).as_posix()
-            if module.startswith("producer/storage/"):
+            if module.startswith("layertap/storage/"):
                 continue
             for call in sorted(banned(module, module_calls(path))):
                 if (module, call) in ALLOWED:
                     seen.add((module, call))
                 else:
                     wrong.append(f"{module}: {call}")
-    assert wrong == [], "job files are touched outside producer/storage (move it behind Storage, or add " \
+    assert wrong == [], "job files are touched outside layertap/storage (move it behind Storage, or add " \
                         "the call to ALLOWED with the reason it is not a job file):\n" + "\n".join(wrong)
     assert sorted(set(ALLOWED) - seen) == [], "exceptions no longer needed: remove them"
 
@@ -135,12 +136,12 @@ def test_the_check_sees_what_it_bans(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("import fcntl\nimport os\nimport numpy as np\nfrom pathlib import Path\n"
                       "from safetensors.torch import load_file as load\n"
-                      "from layertap.producer.protocol.fileformat import verify_file\n"
+                      "from layertap.protocol.fileformat import verify_file\n"
                       "def f(p):\n    os.stat(p); Path(p).unlink(); np.fromfile(p); load(p); verify_file(p)\n"
                       "    open(p); os.path.getsize(p)\n")
     calls = banned("producer/files/sample.py", module_calls(sample))
     assert calls == {"import fcntl", "os.stat", ".unlink", "numpy.fromfile", "safetensors.torch.load_file",
-                     "layertap.producer.protocol.fileformat.verify_file", "open", "os.path.getsize"}
+                     "layertap.protocol.fileformat.verify_file", "open", "os.path.getsize"}
     assert banned("producer/ingest/sample.py", module_calls(sample)) == {"import fcntl", "os.stat", ".unlink",
                                                                          "os.path.getsize"}
 
@@ -148,9 +149,9 @@ def test_the_check_sees_what_it_bans(tmp_path):
 def test_a_root_names_its_storage_by_scheme(tmp_path, monkeypatch):
     """A bare path is local (made absolute); a URL's scheme picks the backend; an unknown scheme,
     or a backend whose library is missing, is a one-line error naming what to do."""
-    from layertap.producer.extras import MissingExtra
-    from layertap.producer.storage import registry
-    from layertap.producer.storage.local import LocalStorage
+    from layertap.extras import MissingExtra
+    from layertap.storage import registry
+    from layertap.storage.local import LocalStorage
 
     monkeypatch.chdir(tmp_path)
     local = registry.storage_for("files")
@@ -158,15 +159,15 @@ def test_a_root_names_its_storage_by_scheme(tmp_path, monkeypatch):
     assert local.locate("r", "j").startswith(f"{tmp_path}/files/r/")
     with pytest.raises(ValueError, match="known schemes are az, file, gs, s3"):
         registry.storage_for("ftp://host/x")
-    monkeypatch.setitem(registry.BACKENDS, "nope", ("layertap.producer.storage.local:LocalStorage", "layertap_absent", "nope"))
+    monkeypatch.setitem(registry.BACKENDS, "nope", ("layertap.storage.local:LocalStorage", "layertap_absent", "nope"))
     with pytest.raises(MissingExtra, match=r"pip install 'layertap\[nope\]'"):
         registry.storage_for("nope://bucket")
 
 
 def test_an_object_address_is_owned_only_exactly(tmp_path):
     """A forged result path never leads to another object: only the job's own key under the root."""
-    from layertap.producer.protocol.naming import storage_root_of
-    from layertap.producer.storage.fsspec_store import FsspecStorage
+    from layertap.protocol.naming import storage_root_of
+    from layertap.storage.fsspec_store import FsspecStorage
 
     storage = FsspecStorage("s3://bucket/prefix/", {"spool_dir": str(tmp_path)})
     own = storage.locate("run", "job")
@@ -183,7 +184,7 @@ def test_the_local_sweep_removes_dead_writers_temp_files_only(tmp_path):
     import subprocess
     import sys
 
-    from layertap.producer.storage.local import LocalStorage, temp_name
+    from layertap.storage.local import LocalStorage, temp_name
 
     storage = LocalStorage(tmp_path)
     final = tmp_path / "run" / "abc" / "job.safetensors"
@@ -205,7 +206,7 @@ def test_the_local_sweep_removes_dead_writers_temp_files_only(tmp_path):
 
 
 def test_the_start_up_line_shows_no_storage_secret():
-    from layertap.producer.settings import Settings
+    from layertap.settings import Settings
     from layertap.worker.startup import settings_line
 
     line = json.loads(settings_line(Settings(storage_root="s3://b/p", storage_options={

@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from layertap.producer.storage.locking import exclusive_lock
-from layertap.producer.protocol.naming import job_path
-from layertap.producer.protocol.schema import Job
-from layertap.producer.settings import Limits
+from layertap.storage.locking import exclusive_lock
+from layertap.protocol.naming import job_path
+from layertap.protocol.schema import Job
+from layertap.settings import Limits
 from layertap.worker.extractor import build_processor
 from layertap.worker.model.loading import load_model
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from layertap.producer.protocol.layers import eagle3_layer_ids, resolve_layer_ids
+from layertap.protocol.layers import eagle3_layer_ids, resolve_layer_ids
 from layertap.worker.bench.config import BenchConfig, PartResult, check_shape_fits, claim_storage
 from layertap.worker.bench.exactness import compare, fp32_reference_errors
 from layertap.worker.bench.measure import matmul_rate, on_own_thread, useful_flops

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.protocol.naming import SHAPE_PREFIX
-from layertap.producer.settings import WorkerSettings
+from layertap.protocol.naming import SHAPE_PREFIX
+from layertap.settings import WorkerSettings
 
 PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
 

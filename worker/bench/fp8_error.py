@@ -4,7 +4,7 @@ Each model extracts the demo's 16 prompts and chats (``producer/data/demo_jobs.j
 with every layer and ``final_hidden_states`` twice through the in-process pipeline
 (engine -> file -> ``load_hidden_states``): in the model's dtype, and as float8 (e4m3,
 one scale per row). The decoded float8 values are compared with the first, per layer,
-over all tokens. The bound checked is the one ``layertap.producer.protocol.fp8`` states and the tests assert:
+over all tokens. The bound checked is the one ``layertap.protocol.fp8`` states and the tests assert:
 ``|x' - x| <= 2**-4 |x| + 2**-10 s`` per element (``s`` = the row's scale).
 """
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from layertap.producer.settings import Limits
+from layertap.settings import Limits
 from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.extractor import build_processor
 from layertap.worker.model.loading import load_model

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from layertap.producer.settings import Limits, WorkerSettings
+from layertap.settings import Limits, WorkerSettings
 from layertap.worker.bench.config import PartResult
 from layertap.worker.bench.measure import dir_bytes, sync, timed_loop
 from layertap.worker.bench.prompts import random_prompts

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.command import layertap_argv
+from layertap.command import layertap_argv
 from layertap.worker.bench.config import BenchConfig, PartResult
 from layertap.worker.bench.measure import dir_bytes
 
@@ -23,7 +23,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
     for client and worker); tokens are then counted from the results."""
     from layertap.producer.client.client import Client, NoWorkerWarning
     from layertap.producer.dev.redis_server import RedisServer
-    from layertap.producer.settings import Settings
+    from layertap.settings import Settings
 
     server = None if cfg.redis_url else RedisServer().start()
     url = cfg.redis_url or server.url  # type: ignore[union-attr]

@@ -1,7 +1,7 @@
 """A job's output dtype: casting captured states on the device, before the copy to the host.
 
 ``float8`` is e4m3 (``torch.float8_e4m3fn``) with one float32 scale per row (each ``[H]``
-vector of each token and layer), laid out as ``layertap.producer.protocol.fp8`` decodes it:
+vector of each token and layer), laid out as ``layertap.protocol.fp8`` decodes it:
 ``scale = max|row| / 448`` (1 for an all-zero row), ``codes = e4m3(row / scale)``.
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from layertap.producer.protocol.dtypes import AUTO, RECORDED_NAMES
-from layertap.producer.protocol.fp8 import E4M3_MAX
+from layertap.protocol.dtypes import AUTO, RECORDED_NAMES
+from layertap.protocol.fp8 import E4M3_MAX
 from layertap.worker.model.loading import TORCH_DTYPES
 
 FLOAT8 = TORCH_DTYPES["float8"]
 
 
 def recorded_name(dtype: torch.dtype) -> str:
-    """The name a header and a result give ``dtype`` (``layertap.producer.protocol.dtypes.RECORDED_NAMES``)."""
+    """The name a header and a result give ``dtype`` (``layertap.protocol.dtypes.RECORDED_NAMES``)."""
     name = next(name for name, value in TORCH_DTYPES.items() if value == dtype)
     return RECORDED_NAMES[name]
 

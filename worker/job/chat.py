@@ -36,7 +36,7 @@ from typing import Any, Literal
 from transformers.utils import chat_template_utils
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from layertap.producer.protocol.schema import ErrorType
+from layertap.protocol.schema import ErrorType
 from layertap.worker.job.errors import JobError
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")

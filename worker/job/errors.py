@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from layertap.producer.protocol.schema import ErrorType
+from layertap.protocol.schema import ErrorType
 
 
 class JobError(Exception):

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from layertap.producer.protocol.schema import Job
+from layertap.protocol.schema import Job
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.errors import EngineError
 from layertap.worker.engine.records import EngineRequest

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from layertap.producer.protocol.images import ImagePart, ImageUrlPart, LoadedImage, TextPart
-from layertap.producer.protocol.schema import ErrorType, Job
+from layertap.protocol.images import ImagePart, ImageUrlPart, LoadedImage, TextPart
+from layertap.protocol.schema import ErrorType, Job
 from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError
 

@@ -35,11 +35,11 @@ import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
-from layertap.producer.protocol import fileformat as ff
-from layertap.producer.protocol.fileformat import MetaKey
-from layertap.producer.protocol.layers import CONVENTION
-from layertap.producer.protocol.naming import content_hash, is_safe_name
-from layertap.producer.protocol.schema import (
+from layertap.protocol import fileformat as ff
+from layertap.protocol.fileformat import MetaKey
+from layertap.protocol.layers import CONVENTION
+from layertap.protocol.naming import content_hash, is_safe_name
+from layertap.protocol.schema import (
     ErrorType,
     Job,
     JobTooLarge,
@@ -49,7 +49,7 @@ from layertap.producer.protocol.schema import (
     describe_validation_error,
     refuse_oversize,
 )
-from layertap.producer.storage.base import Storage
+from layertap.storage.base import Storage
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
 from layertap.worker.engine.output_dtype import recorded_name, resolve_output_dtype
@@ -398,7 +398,7 @@ class JobProcessor:
     @staticmethod
     def _tensors(job: Job, prepared: PreparedInput, request: EngineRequest,
                  captured: Captured) -> dict[str, torch.Tensor]:
-        """The file's tensors (``layertap.producer.protocol.fileformat`` names) for what the job asked."""
+        """The file's tensors (``layertap.protocol.fileformat`` names) for what the job asked."""
         tensors = {ff.HIDDEN_STATES: captured.hidden_states, ff.TOKEN_IDS: request.token_ids}
         if captured.hidden_scale is not None:
             tensors[ff.HIDDEN_STATES + ff.SCALE_SUFFIX] = captured.hidden_scale

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from layertap.producer.protocol.images import ImageError, load_images
-from layertap.producer.protocol.layers import LayerIdError, resolve_layer_ids
-from layertap.producer.protocol.schema import ErrorType, Job
-from layertap.producer.settings import Limits
+from layertap.protocol.images import ImageError, load_images
+from layertap.protocol.layers import LayerIdError, resolve_layer_ids
+from layertap.protocol.schema import ErrorType, Job
+from layertap.settings import Limits
 from layertap.worker.engine.teacher import logit_transform
 from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError

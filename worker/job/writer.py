@@ -1,4 +1,4 @@
-"""Writing one job's file through its storage (``layertap.producer.storage``), by the file-level protocol:
+"""Writing one job's file through its storage (``layertap.storage``), by the file-level protocol:
 
 1. take the storage's writer lock of the file (local: exclusive ``flock`` on ``<file>.lock``;
    object stores: none, the object appears whole or not at all);
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from layertap.producer.protocol.fileformat import FileFormatError, FileHeader, MetaKey, sealed_metadata
-from layertap.producer.storage.base import Storage
-from layertap.producer.storage.registry import storage_for
+from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey, sealed_metadata
+from layertap.storage.base import Storage
+from layertap.storage.registry import storage_for
 
 log = logging.getLogger(__name__)
 

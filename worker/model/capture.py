@@ -2,7 +2,7 @@
 
 Layer id ``i < L`` is read in a pre-hook on decoder layer ``i`` (its input), id ``L``
 in a hook on the last layer's output (before the final norm), matching
-``layertap.producer.protocol.layers``. The hooks are registered once, where the model is loaded
+``layertap.protocol.layers``. The hooks are registered once, where the model is loaded
 (``layertap.worker.model.loading``), and do nothing unless a capture is active.
 A hook sees ``[B, T, H]``: one packed row (``B = 1``), or a padded batch whose real tokens
 ``rows`` picks out of the flattened ``[B * T]`` positions (``layertap.worker.model.layouts``).

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from layertap.producer.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
-from layertap.producer.protocol.fileformat import MetaKey
-from layertap.producer.protocol.layers import eagle3_layer_ids
+from layertap.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
+from layertap.protocol.fileformat import MetaKey
+from layertap.protocol.layers import eagle3_layer_ids
 from layertap.worker.model.attention import set_attention
 from layertap.worker.model.batching import ModelRefused, layout_class, plan_batching
 from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
@@ -60,7 +60,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 #: ``quant_compute`` of a checkpoint whose dense Linears run fp8 matmuls while its experts are dequantized.
 FP8_DENSE_DEQUANT_EXPERTS = "fp8-dense-dequant-experts"
-#: The torch dtype of each protocol dtype name (``layertap.producer.protocol.dtypes``).
+#: The torch dtype of each protocol dtype name (``layertap.protocol.dtypes``).
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float8": torch.float8_e4m3fn}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from layertap.producer.protocol.naming import SHAPE_PREFIX
+from layertap.protocol.naming import SHAPE_PREFIX
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,

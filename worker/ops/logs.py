@@ -20,8 +20,8 @@ from celery.exceptions import Reject
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from layertap.producer.protocol import keys
-from layertap.producer.settings import LogFormat
+from layertap.protocol import keys
+from layertap.settings import LogFormat
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s%(job)s: %(message)s"
 JSON_FIELDS = "{levelname}{name}{message}{job_id}{run}"

@@ -29,9 +29,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from layertap.producer.ops.throughput import RateWindow
-from layertap.producer.protocol.schema import ErrorType, Result
-from layertap.producer.storage.base import Storage
+from layertap.rates import RateWindow
+from layertap.protocol.schema import ErrorType, Result
+from layertap.storage.base import Storage
 from layertap.worker.engine.engine import Engine
 from layertap.worker.queue.sinks import ResultSink, SinkContext
 

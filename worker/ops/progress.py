@@ -14,7 +14,7 @@ from collections.abc import Callable
 import redis
 import torch
 
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from layertap.worker.engine.engine import Engine
 from layertap.worker.queue.periodic import Periodic
 

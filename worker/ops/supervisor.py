@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layertap.producer.command import layertap_argv
-from layertap.producer.transport.backoff import Backoff
+from layertap.command import layertap_argv
+from layertap.transport.backoff import Backoff
 from layertap.worker.ops.phase import PHASE_FILE_ENV, read_phase
 
 log = logging.getLogger("layertap.supervisor")

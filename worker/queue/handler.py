@@ -2,7 +2,7 @@
 
 Invariants:
 * every Redis state change here (attempts, cancelled runs, splits, dead letters) is the run
-  ledger's (``layertap.producer.transport.ledger``), and every result goes out through the one publisher;
+  ledger's (``layertap.transport.ledger``), and every result goes out through the one publisher;
 * a job of a cancelled run (``layertap.producer.client.runs``) is not run: it gets a ``cancelled`` error
   result, published like any other final result; the run is checked when the message starts
   and again just before its jobs go to the engine (``JobProcessor.process_many``'s
@@ -56,12 +56,12 @@ from typing import Any
 import redis
 from celery import Celery
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import ErrorType, Job, Result, Status
-from layertap.producer.transport.backoff import Backoff
-from layertap.producer.transport import ledger
-from layertap.producer.transport.celery_app import send_extract
-from layertap.producer.transport.redis_conn import retrying
+from layertap.protocol import keys
+from layertap.protocol.schema import ErrorType, Job, Result, Status
+from layertap.transport.backoff import Backoff
+from layertap.transport import ledger
+from layertap.transport.celery_app import send_extract
+from layertap.transport.redis_conn import retrying
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.pipeline import STORAGE_FAULT, JobProcessor
 from layertap.worker.queue.publisher import ResultPublisher, wait_out_redis

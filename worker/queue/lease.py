@@ -26,14 +26,14 @@ from typing import Any
 import redis
 from celery.worker import state as worker_state
 
-from layertap.producer.protocol import keys
-from layertap.producer.transport.script_flags import for_server
+from layertap.protocol import keys
+from layertap.transport.script_flags import for_server
 from layertap.worker.queue.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
 #: ``ZADD KEYS[1] XX`` of the (score, member) pairs in ARGV, also at ``maxmemory`` (Redis 7+,
-#: ``layertap.producer.transport.script_flags``): re-stamping an
+#: ``layertap.transport.script_flags``): re-stamping an
 #: existing entry takes no memory, and a lease that lapsed while Redis was full would have a live
 #: worker's running job restored and run twice once it is not.
 RENEW_LEASES = """#!lua flags=allow-oom

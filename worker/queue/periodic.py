@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import redis
 
-from layertap.producer.transport.script_flags import for_server
+from layertap.transport.script_flags import for_server
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Periodic:
 
 
 #: ``SET KEYS[1] ARGV[1] NX EX ARGV[2]``, also at ``maxmemory`` (a sweep that frees memory must run there;
-#: Redis 7+, ``layertap.producer.transport.script_flags``).
+#: Redis 7+, ``layertap.transport.script_flags``).
 TAKE_TURN_AT_MAXMEMORY = """#!lua flags=allow-oom
 return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
 """

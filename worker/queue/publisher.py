@@ -1,4 +1,4 @@
-"""Publishing a final result (the state change itself: ``layertap.producer.transport.ledger.publish``;
+"""Publishing a final result (the state change itself: ``layertap.transport.ledger.publish``;
 then the result sinks, ``layertap.worker.queue.sinks``): the run's Stream (durable), its pub/sub channel (instant), the
 run's status hash (one entry per job), the entry's stream id in the run's result-ids hash
 (``keys.run_result_ids_hash``), a ``cancelled`` result's job in the run's cancelled set
@@ -7,7 +7,7 @@ run's status hash (one entry per job), the entry's stream id in the run's result
 
 The stream entry holds the result as flat JSON under the field ``result``. Redis being
 away, or refusing writes for a while (``OOM`` at ``maxmemory``, ``READONLY`` after a
-failover, ``MISCONF``, ``NOPERM``: ``layertap.producer.transport.redis_conn.refuses_writes``), is waited out
+failover, ``MISCONF``, ``NOPERM``: ``layertap.transport.redis_conn.refuses_writes``), is waited out
 with backoff, so the result arrives once Redis takes writes again; only after
 ``give_up_s`` does publishing raise (the job's pending record then lets the reconciler
 send it again).
@@ -21,11 +21,11 @@ from typing import TypeVar
 
 import redis
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.schema import Result
-from layertap.producer.transport import ledger
-from layertap.producer.transport.backoff import Backoff, retry_while
-from layertap.producer.transport.redis_conn import UNREACHABLE, refuses_writes
+from layertap.protocol import keys
+from layertap.protocol.schema import Result
+from layertap.transport import ledger
+from layertap.transport.backoff import Backoff, retry_while
+from layertap.transport.redis_conn import UNREACHABLE, refuses_writes
 from layertap.worker.queue.sinks import ResultSink, tell
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,10 @@
 """Putting back jobs whose message was left between the queue and a worker.
 
 A worker fetches a message atomically into its queue's in-flight list and moves it from
-there into kombu's ``unacked`` record in one transaction (``layertap.producer.transport.broker_transport``),
+there into kombu's ``unacked`` record in one transaction (``layertap.transport.broker_transport``),
 so a message is always queued, in flight, or held. A fetcher that dies (or loses its
 connection) between the two leaves the message in the in-flight list. To find it, every message
-the Client sends (one job, or a bundle: ``layertap.producer.transport.ledger``) is recorded as
+the Client sends (one job, or a bundle: ``layertap.transport.ledger``) is recorded as
 *pending* in the step that queues it, with its push time on the server's clock (so a queue is in
 send order, and a record never exists for a message still on its way), and the worker that publishes the message's last final result removes the record
 in the same transaction. Below, a "job" is a message: a bundle's task id stands for all its jobs.
@@ -20,7 +20,7 @@ died between recording and sending) gets an error result of type ``lost`` (``lay
 enqueue`` sends it again), or ``cancelled`` if its run is cancelled (``layertap.producer.client.runs``):
 every job still ends with exactly one result. A job of that message that already has a final
 result, or was sent again after it (its submitted-hash time is later than the record's:
-``layertap.producer.transport.ledger``; the resend has its own record), gets none: the check and the
+``layertap.transport.ledger``; the resend has its own record), gets none: the check and the
 publishing are one server-side step (the ledger's ``end_lost_message.lua``), so a job that
 ended ok is never turned ``lost``, and that step first looks for the message in the queue's
 head region, its in-flight list and ``unacked`` once more and changes nothing where it is
@@ -50,8 +50,8 @@ from typing import Any
 import redis
 from celery import Celery
 
-from layertap.producer.protocol import keys
-from layertap.producer.transport import ledger
+from layertap.protocol import keys
+from layertap.transport import ledger
 from layertap.worker.queue.periodic import Periodic, take_turn
 from layertap.worker.queue.publisher import ResultPublisher
 

@@ -1,6 +1,6 @@
 """The retention sweep: a background thread in every worker; at most one sweeps at a time
 (``SET NX`` lock). Each sweep trims every run's results stream to the last
-``retention.results_s`` seconds (``layertap.producer.transport.ledger.trim``: entries a consumer group has
+``retention.results_s`` seconds (``layertap.transport.ledger.trim``: entries a consumer group has
 not acknowledged stay, and so does the run's compact ledger that manifest, resume, ``runs``
 and ``Client.wait`` read once an entry is gone). ``results_s = 0`` keeps streams whole. The
 sweep, its lock included, works while Redis is at ``maxmemory``: it is what frees memory there.
@@ -13,8 +13,8 @@ import time
 
 import redis
 
-from layertap.producer.protocol import keys
-from layertap.producer.transport import ledger
+from layertap.protocol import keys
+from layertap.transport import ledger
 from layertap.worker.queue.periodic import Periodic, take_turn
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Where results go besides the run's stream: result sinks, called by the one publisher.
 
-The publish (``layertap.producer.transport.ledger.publish``: stream, pub/sub, status, pending record, one
+The publish (``layertap.transport.ledger.publish``: stream, pub/sub, status, pending record, one
 transaction) is the commit; a sink is told of each result around it, by
 :class:`~layertap.worker.queue.publisher.ResultPublisher`, for every result a worker publishes (its own
 jobs', and the reconciler's ``lost`` and ``cancelled`` ones). A sink is one class with two hooks,
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from layertap.producer.protocol.schema import Result
+from layertap.protocol.schema import Result
 
 log = logging.getLogger(__name__)
 

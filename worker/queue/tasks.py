@@ -25,7 +25,7 @@ from celery import Celery, Task
 from celery.exceptions import Reject
 from celery.worker.request import Request
 
-from layertap.producer.protocol import keys
+from layertap.protocol import keys
 from layertap.worker.engine.errors import AdmissionClosed
 from layertap.worker.queue.handler import RETRY_MAX_S, RetryLater, WorkerService
 

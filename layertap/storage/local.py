@@ -27,9 +27,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from layertap.producer.protocol.naming import FILE_SUFFIX, file_under_root, storage_root_of
-from layertap.producer.storage.base import Storage
-from layertap.producer.storage.locking import exclusive_lock, lock_path, shared_lock
+from layertap.protocol.naming import FILE_SUFFIX, file_under_root, storage_root_of
+from layertap.storage.base import Storage
+from layertap.storage.locking import exclusive_lock, lock_path, shared_lock
 
 TEMP_SUFFIX = ".tmp"
 #: Temp files of another host are removed only when older than this (its writer may be alive).

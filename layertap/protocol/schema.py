@@ -7,7 +7,7 @@ Invariants:
 * ``run`` and ``job_id`` are safe path components (``naming.check_name``) and ``model`` a
   printable name (``naming.check_printable_name``): no control, format or separator character
   reaches a queue key or a log line;
-* a message's ``content`` is text or a list of text and image parts (``layertap.producer.protocol.images``:
+* a message's ``content`` is text or a list of text and image parts (``layertap.protocol.images``:
   an image is a data URL or a path under the images root with the sha256 of its bytes, so
   the content hash covers every image's bytes);
 * strings carry no NUL or other control characters (tab, newline, CR excepted) and are
@@ -42,9 +42,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from layertap.producer.protocol.dtypes import AUTO, JobDtype, normalize_dtype
-from layertap.producer.protocol.images import ContentPart, TextPart, image_parts, part_text
-from layertap.producer.protocol.naming import check_name, check_printable_name, content_hash
+from layertap.protocol.dtypes import AUTO, JobDtype, normalize_dtype
+from layertap.protocol.images import ContentPart, TextPart, image_parts, part_text
+from layertap.protocol.naming import check_name, check_printable_name, content_hash
 
 #: Control characters refused in text: all below U+0020 but tab, newline and carriage return.
 _CONTROL_CHARACTER = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f]")

@@ -13,7 +13,7 @@ Invariants:
   ever reach it and are restored to the queue; kombu checks every few seconds;
 * a ``sentinel://`` URL reaches Celery as Celery spells Sentinel: the broker as its first
   sentinel with the others, ``master_name`` and ``sentinel_kwargs`` in the transport options
-  (``layertap.producer.transport.broker_transport``), the result backend as every sentinel
+  (``layertap.transport.broker_transport``), the result backend as every sentinel
   ``;``-joined with the same options; TLS as ``broker_use_ssl``/``redis_backend_use_ssl``.
 """
 
@@ -24,11 +24,11 @@ from typing import Any
 from celery import Celery
 from celery.result import AsyncResult
 
-from layertap.producer.protocol import keys
-from layertap.producer.settings import Settings
-from layertap.producer.transport.broker_transport import transport_for
-from layertap.producer.transport.redis_conn import sentinel_kwargs, ssl_options
-from layertap.producer.transport.redis_url import check_redis_url, is_sentinel_url, parse_sentinel_url
+from layertap.protocol import keys
+from layertap.settings import Settings
+from layertap.transport.broker_transport import transport_for
+from layertap.transport.redis_conn import sentinel_kwargs, ssl_options
+from layertap.transport.redis_url import check_redis_url, is_sentinel_url, parse_sentinel_url
 
 RESTORE_INTERVAL_MAX = 5.0
 

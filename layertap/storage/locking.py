@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from layertap.producer.protocol.naming import LOCK_SUFFIX
+from layertap.protocol.naming import LOCK_SUFFIX
 
 
 def lock_path(path: str | Path) -> str:

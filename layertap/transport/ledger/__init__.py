@@ -56,10 +56,10 @@ from typing import Any, NamedTuple
 import redis
 from redis.client import Pipeline
 
-from layertap.producer.protocol import keys
-from layertap.producer.protocol.naming import storage_root_of
-from layertap.producer.protocol.schema import ErrorType, Result, Status
-from layertap.producer.transport.script_flags import for_server
+from layertap.protocol import keys
+from layertap.protocol.naming import storage_root_of
+from layertap.protocol.schema import ErrorType, Result, Status
+from layertap.transport.script_flags import for_server
 
 ATTEMPTS_TTL_S = 7 * 24 * 3600
 #: How many messages from a queue's head :func:`end_lost_message` searches: restores put messages

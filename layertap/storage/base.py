@@ -7,12 +7,12 @@ local path to write to and the file appears at its address whole or not at all
 (:meth:`Storage.write`); readers never see a partial file. What the backends differ in:
 
 * ``local``: an exclusive ``flock`` on ``<file>.lock`` while a writer checks and writes, temp
-  file, fsync, rename (vLLM's reader protocol, ``layertap.producer.storage.locking``);
+  file, fsync, rename (vLLM's reader protocol, ``layertap.storage.locking``);
 * object stores: spooled to local disk, uploaded to the final key on commit; the only lock is
   the object appearing whole (a ``PUT`` or a completed multipart upload), so two writers of
   one job race harmlessly (equal content) and the last complete upload stays.
 
-Adding a backend is one module with a subclass and one line in ``layertap.producer.storage.registry``.
+Adding a backend is one module with a subclass and one line in ``layertap.storage.registry``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from layertap.producer.protocol.fileformat import FileHeader, parse_header, verify_stream
-from layertap.producer.protocol.naming import is_safe_name, job_location
+from layertap.protocol.fileformat import FileHeader, parse_header, verify_stream
+from layertap.protocol.naming import is_safe_name, job_location
 
 
 class Storage(ABC):

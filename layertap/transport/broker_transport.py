@@ -86,10 +86,10 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
-from layertap.producer.protocol import keys
-from layertap.producer.transport import ledger
-from layertap.producer.transport.redis_conn import refuses_writes
-from layertap.producer.transport.redis_url import is_sentinel_url
+from layertap.protocol import keys
+from layertap.transport import ledger
+from layertap.transport.redis_conn import refuses_writes
+from layertap.transport.redis_url import is_sentinel_url
 
 REUSED_CLIENT_SCHEMES = ("redis", "rediss")
 TRANSPORT_PATH = f"{__name__}:Transport"

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from layertap.producer.protocol.fileformat import SCALE_SUFFIX, STATE_TENSORS
+from layertap.protocol.fileformat import SCALE_SUFFIX, STATE_TENSORS
 
 E4M3_MAX = 448.0
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from layertap.producer.protocol.naming import url_scheme
+from layertap.protocol.naming import url_scheme
 
 
 @dataclass

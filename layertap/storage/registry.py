@@ -1,6 +1,6 @@
 """Which class serves a storage root, by its URL scheme (a bare path is local), imported lazily:
 a backend's library loads only when a root of its scheme is used, and a missing one is named
-with the extra that brings it (``layertap.producer.extras``). A new backend: one module, one line here.
+with the extra that brings it (``layertap.extras``). A new backend: one module, one line here.
 :func:`own_file` is the check a reader makes of a path taken from a result."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.extras import need
-from layertap.producer.protocol.naming import is_safe_name, storage_root_of, url_scheme
-from layertap.producer.storage.base import Storage
+from layertap.extras import need
+from layertap.protocol.naming import is_safe_name, storage_root_of, url_scheme
+from layertap.storage.base import Storage
 
 #: scheme -> ("module:Class", the library it needs, the extra that installs it); "" where none
 BACKENDS: dict[str, tuple[str, str, str]] = {
-    "file": ("layertap.producer.storage.local:LocalStorage", "", ""),
-    "s3": ("layertap.producer.storage.fsspec_store:FsspecStorage", "s3fs", "s3"),
-    "gs": ("layertap.producer.storage.fsspec_store:FsspecStorage", "gcsfs", "gcs"),
-    "az": ("layertap.producer.storage.fsspec_store:FsspecStorage", "adlfs", "azure"),
+    "file": ("layertap.storage.local:LocalStorage", "", ""),
+    "s3": ("layertap.storage.fsspec_store:FsspecStorage", "s3fs", "s3"),
+    "gs": ("layertap.storage.fsspec_store:FsspecStorage", "gcsfs", "gcs"),
+    "az": ("layertap.storage.fsspec_store:FsspecStorage", "adlfs", "azure"),
 }
 
 

@@ -24,12 +24,12 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from layertap.producer.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
-from layertap.producer.protocol.keys import DEFAULT_CONSUMER_GROUP
-from layertap.producer.protocol.naming import MAX_NAME_CHARS, check_printable_name
+from layertap.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
+from layertap.protocol.keys import DEFAULT_CONSUMER_GROUP
+from layertap.protocol.naming import MAX_NAME_CHARS, check_printable_name
 
 if TYPE_CHECKING:
-    from layertap.producer.storage.base import Storage
+    from layertap.storage.base import Storage
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 #: Most characters of ``worker.model``, a folder path or hub id (Linux's PATH_MAX).
@@ -122,7 +122,7 @@ class WorkerSettings(BaseModel):
     @classmethod
     def _layers(cls, value: Any) -> Any:
         if isinstance(value, str):
-            from layertap.producer.protocol.layers import parse_layer_list
+            from layertap.protocol.layers import parse_layer_list
 
             return json.loads(value) if value.strip().startswith("[") else parse_layer_list(value)
         return value
@@ -199,7 +199,7 @@ class Settings(BaseSettings):
 
     redis_url: str | None = None  # None: localhost for worker/client, an embedded server for the demo
     # a send returns once this many replicas hold its message (WAIT, up to 10 s: see
-    # layertap.producer.transport.broker_transport); None: 1 with a sentinel:// URL, else 0
+    # layertap.transport.broker_transport); None: 1 with a sentinel:// URL, else 0
     redis_wait_replicas: int | None = Field(default=None, ge=0)
     # where files go: a folder (made absolute by the worker) or an object store URL (s3://bucket/prefix)
     storage_root: str = "layertap-data"
@@ -238,8 +238,8 @@ class Settings(BaseSettings):
         return str(value) if isinstance(value, os.PathLike) else value
 
     def storage(self) -> Storage:
-        """The storage ``storage_root`` names (``layertap.producer.storage.registry``)."""
-        from layertap.producer.storage.registry import storage_for
+        """The storage ``storage_root`` names (``layertap.storage.registry``)."""
+        from layertap.storage.registry import storage_for
 
         return storage_for(self.storage_root, self.storage_options)
 

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import redis
 from kombu.exceptions import OperationalError
 
-from layertap.producer.settings import Settings
-from layertap.producer.transport.backoff import Backoff, retry_while
-from layertap.producer.transport.redis_url import (
+from layertap.settings import Settings
+from layertap.transport.backoff import Backoff, retry_while
+from layertap.transport.redis_url import (
     SentinelUrl,
     check_redis_url,
     is_sentinel_url,

@@ -24,8 +24,8 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from layertap.producer.storage.base import Storage, removing
-from layertap.producer.storage.local import HOST_TAG, TEMP_SUFFIX, sweep_temp_files
+from layertap.storage.base import Storage, removing
+from layertap.storage.local import HOST_TAG, TEMP_SUFFIX, sweep_temp_files
 
 #: Bytes per ranged read of an object (checksums read whole tensors in 16 MiB chunks).
 BLOCK_SIZE = 16 << 20

@@ -58,7 +58,7 @@ RECOVERED_COUNTER = f"{PREFIX}:stats:recovered"
 UNACKED_HASH = "unacked"
 UNACKED_INDEX = "unacked_index"
 #: A layertap message's delivery tag is ``<task id><DELIVERY_TAG_SEPARATOR><uuid>``
-#: (``layertap.producer.transport.broker_transport``), so the reconciler learns which jobs are held from the tags
+#: (``layertap.transport.broker_transport``), so the reconciler learns which jobs are held from the tags
 #: alone. Task ids never hold it (run names and job ids are :data:`naming.NAME_PATTERN`).
 DELIVERY_TAG_SEPARATOR = "|"
 
@@ -70,7 +70,7 @@ def model_queue(model: str) -> str:
 
 def inflight_list(queue: str) -> str:
     """List of the messages of ``queue`` a worker has fetched (``BLMOVE``) and not yet recorded in
-    :data:`UNACKED_HASH` (``layertap.producer.transport.broker_transport``): empty but for a message in
+    :data:`UNACKED_HASH` (``layertap.transport.broker_transport``): empty but for a message in
     transit, or one whose fetcher died; the reconciler puts those back in ``queue``."""
     return f"{PREFIX}:inflight:{queue}"
 

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from layertap.producer.protocol.schema import Result
+from layertap.protocol.schema import Result
 
 
 class RateWindow:

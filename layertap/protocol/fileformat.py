@@ -48,8 +48,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from layertap.producer.protocol.dtypes import STORED_AS
-from layertap.producer.protocol.naming import canonical_json, content_hash
+from layertap.protocol.dtypes import STORED_AS
+from layertap.protocol.naming import canonical_json, content_hash
 
 FORMAT_NAME = "layertap"
 FORMAT_VERSION = "2"
@@ -245,7 +245,7 @@ class FileHeader:
 
     def array(self, name: str) -> np.ndarray:
         """One tensor as a numpy array, without torch: bfloat16 widened to float32 (exactly),
-        float8 as its raw uint8 codes (``layertap.producer.protocol.fp8`` decodes them)."""
+        float8 as its raw uint8 codes (``layertap.protocol.fp8`` decodes them)."""
         info = self.tensors[name]
         begin, end = info["data_offsets"]
         raw = np.fromfile(self.path, dtype=np.uint8, count=end - begin, offset=self.data_start + begin)
