@@ -1,5 +1,6 @@
-"""Lua scripts that declare flags (``allow-oom``: they must write while Redis is full), on every
-Redis the project supports (6.2 and newer).
+"""The project's Lua scripts: each in a ``.lua`` file beside the module that runs it (:func:`lua`),
+run by :func:`run_script`, with its flags (``allow-oom``: it must write while Redis is full) as
+every Redis the project supports (6.2 and newer) takes them.
 
 Script flags live in a shebang line (``#!lua flags=allow-oom``), which Redis 7.0 introduced.
 Redis 6.2 compiles that line as Lua and refuses the whole script ("unexpected symbol near
@@ -18,10 +19,14 @@ processes needs them restarted.
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Sequence
+from importlib.resources import files
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 #: A script with a flags line: Redis 7 and newer run it (read-only, so also at maxmemory and on
 #: a replica), 6.2 fails to compile it.
@@ -52,3 +57,19 @@ def for_server(client: Any, script: str) -> str:
     if not script.startswith("#!") or takes_script_flags(client):
         return script
     return script.split("\n", 1)[1]
+
+
+@functools.cache
+def lua(package: str, name: str) -> str:
+    """The text of the script ``<name>.lua`` in ``package`` (read once)."""
+    return files(package).joinpath(f"{name}.lua").read_text()
+
+
+def run_script(client: redis.Redis | Pipeline, text: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
+    """Run the script ``text`` as the server takes it (:func:`for_server`): ``EVALSHA`` (loaded on
+    ``NOSCRIPT``), or queued on a pipeline as ``EVAL`` with the text (redis-py would first ask
+    ``SCRIPT EXISTS``, a round trip per pipeline)."""
+    text = for_server(client, text)
+    if isinstance(client, Pipeline):
+        return client.eval(text, len(keys), *keys, *args)
+    return client.register_script(text)(keys=keys, args=args)

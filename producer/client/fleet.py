@@ -19,25 +19,13 @@ from layertap.protocol import keys
 from layertap.protocol.dtypes import AUTO, RECORDED_NAMES, STORED_AS
 from layertap.protocol.fileformat import state_item_size
 from layertap.protocol.layers import LayerIdError, resolve_layer_ids
+from layertap.transport.script_flags import lua, run_script
 
 if TYPE_CHECKING:
     import redis
 
 #: Seconds a dead worker stays listed (as dead) after its last heartbeat.
 DEAD_WORKER_SHOWN_S = 600.0
-
-#: KEYS: workers hash, then one heartbeat key per node. ARGV: the nodes, then their entries as read.
-#: Remove each node whose heartbeat key is gone and whose entry is still the one read.
-_PRUNE = """
-local count = #KEYS - 1
-local pruned = 0
-for i = 1, count do
-  if redis.call('EXISTS', KEYS[i + 1]) == 0 and redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[count + i] then
-    pruned = pruned + redis.call('HDEL', KEYS[1], ARGV[i])
-  end
-end
-return pruned
-"""
 
 
 def worker_records(client: redis.Redis,
@@ -58,9 +46,9 @@ def worker_records(client: redis.Redis,
         else:
             records.append((keys.as_text(node), info, bool(alive)))
     if expired:
-        client.eval(_PRUNE, len(expired) + 1, keys.WORKERS_HASH,
-                    *[keys.worker_heartbeat_key(keys.as_text(node)) for node in expired],
-                    *expired, *[described[node] for node in expired])
+        run_script(client, lua(__package__, "prune_workers"),
+                   [keys.WORKERS_HASH, *(keys.worker_heartbeat_key(keys.as_text(node)) for node in expired)],
+                   [*expired, *(described[node] for node in expired)])
     return records
 
 

@@ -5,7 +5,7 @@ error, and had refused every lease renewal, cancel, ledger trim and at-maxmemory
 
 from __future__ import annotations
 
-from importlib.resources import files
+from pathlib import Path
 
 import pytest
 import redis
@@ -14,14 +14,16 @@ from layertap.producer.dev.redis_server import RedisServer, embedded_redis_serve
 from layertap.transport import ledger
 from layertap.transport.script_flags import for_server, takes_script_flags
 from layertap.worker.queue.lease import RENEW_LEASES
-from layertap.worker.queue.periodic import TAKE_TURN_AT_MAXMEMORY, take_turn
+from layertap.worker.queue.periodic import take_turn
 from tests.support.jobs import REDIS_SERVERS, SUPPORTED_REDIS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def flagged_scripts() -> dict[str, str]:
-    """Every script of the project that declares flags, by name."""
-    lua = {path.name: path.read_text() for path in files(ledger.__name__).iterdir() if path.name.endswith(".lua")}
-    scripts = {"RENEW_LEASES": RENEW_LEASES, "TAKE_TURN_AT_MAXMEMORY": TAKE_TURN_AT_MAXMEMORY, **lua}
+    """Every script of the project (its ``.lua`` files) that declares flags, by file name."""
+    scripts = {path.name: path.read_text() for package in ("layertap", "producer", "worker")
+               for path in (ROOT / package).rglob("*.lua")}
     return {name: text for name, text in scripts.items() if text.startswith("#!")}
 
 
@@ -32,7 +34,7 @@ def test_every_flagged_script_compiles_and_runs_on_the_server(private_redis):
     assert major == 6 if private_redis.binary == embedded_redis_server() else major >= 7
     assert takes_script_flags(client) == (major >= 7)
     scripts = flagged_scripts()
-    assert {"RENEW_LEASES", "TAKE_TURN_AT_MAXMEMORY", "cancel.lua", "trim_page.lua"} <= set(scripts)
+    assert {"renew_leases.lua", "take_turn.lua", "cancel.lua", "trim_page.lua"} <= set(scripts)
     for name, text in scripts.items():
         taken = for_server(client, text)
         assert taken.startswith("#!") == (major >= 7), name

@@ -76,3 +76,10 @@ def test_the_check_sees_a_write_through_a_name():
     source = ("def f(client, run):\n    stream = keys.results_stream(run)\n    client.xadd(stream, {})\n"
               "    client.hget(keys.run_status_hash(run), 'j')\n")
     assert ledger_writes(source, "probe.py") == ["probe.py:3 xadd"]
+
+
+def test_every_lua_script_is_a_lua_file():
+    """No Lua inside Python source: a script is a ``.lua`` file beside the module that runs it."""
+    inline = [str(path.relative_to(ROOT)) for package in ("producer", "worker", "layertap")
+              for path in sorted((ROOT / package).rglob("*.py")) if "redis.call(" in path.read_text()]
+    assert inline == []

@@ -27,18 +27,14 @@ import redis
 from celery.worker import state as worker_state
 
 from layertap.protocol import keys
-from layertap.transport.script_flags import for_server
+from layertap.transport.script_flags import lua, run_script
 from layertap.worker.queue.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
-#: ``ZADD KEYS[1] XX`` of the (score, member) pairs in ARGV, also at ``maxmemory`` (Redis 7+,
-#: ``layertap.transport.script_flags``): re-stamping an
-#: existing entry takes no memory, and a lease that lapsed while Redis was full would have a live
-#: worker's running job restored and run twice once it is not.
-RENEW_LEASES = """#!lua flags=allow-oom
-return redis.call('ZADD', KEYS[1], 'XX', unpack(ARGV))
-"""
+#: ``renew_leases.lua``: ``ZADD XX`` of (score, member) pairs, also at ``maxmemory`` (Redis 7+,
+#: ``layertap.transport.script_flags``).
+RENEW_LEASES = lua(__package__, "renew_leases")
 
 
 def held_delivery_tags() -> set[str]:
@@ -84,8 +80,7 @@ class LeaseKeeper:
         pipe.set(keys.worker_heartbeat_key(self.node), now, ex=self.ttl)
         pipe.hset(keys.WORKERS_HASH, self.node, json.dumps({**self.info(), "beat": now}))
         if tags:
-            pipe.eval(for_server(self.redis, RENEW_LEASES), 1, self.unacked_index_key,
-                      *(value for tag in tags for value in (now, tag)))
+            run_script(pipe, RENEW_LEASES, [self.unacked_index_key], [value for tag in tags for value in (now, tag)])
         pipe.execute()
         return len(tags)
 

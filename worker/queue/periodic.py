@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import redis
 
-from layertap.transport.script_flags import for_server
+from layertap.transport.script_flags import lua, run_script
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,8 @@ class Periodic:
                 log.warning("%s failed (%s); trying again in %.1fs", self.name, exc, self.interval)
 
 
-#: ``SET KEYS[1] ARGV[1] NX EX ARGV[2]``, also at ``maxmemory`` (a sweep that frees memory must run there;
-#: Redis 7+, ``layertap.transport.script_flags``).
-TAKE_TURN_AT_MAXMEMORY = """#!lua flags=allow-oom
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-"""
+#: ``take_turn.lua``: ``SET NX EX``, also at ``maxmemory`` (Redis 7+, ``layertap.transport.script_flags``).
+TAKE_TURN_AT_MAXMEMORY = lua(__package__, "take_turn")
 
 
 def take_turn(client: redis.Redis, lock_key: str, node: str, interval: float, *, at_maxmemory: bool = False) -> bool:
@@ -56,5 +53,5 @@ def take_turn(client: redis.Redis, lock_key: str, node: str, interval: float, *,
     ``at_maxmemory``: also while Redis refuses writes for want of memory (a few bytes past it)."""
     ttl = max(1, int(interval))
     if at_maxmemory:
-        return bool(client.eval(for_server(client, TAKE_TURN_AT_MAXMEMORY), 1, lock_key, node, ttl))
+        return bool(run_script(client, TAKE_TURN_AT_MAXMEMORY, [lock_key], [node, ttl]))
     return bool(client.set(lock_key, node, nx=True, ex=ttl))

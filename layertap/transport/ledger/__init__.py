@@ -46,11 +46,9 @@ here is one attempt, and the multi-command ones are one transaction or one scrip
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Mapping, Sequence
-from importlib.resources import files
 from typing import Any, NamedTuple
 
 import redis
@@ -59,7 +57,7 @@ from redis.client import Pipeline
 from layertap.protocol import keys
 from layertap.protocol.naming import storage_root_of
 from layertap.protocol.schema import ErrorType, Result, Status
-from layertap.transport.script_flags import for_server
+from layertap.transport.script_flags import lua, run_script
 
 ATTEMPTS_TTL_S = 7 * 24 * 3600
 #: How many messages from a queue's head :func:`end_lost_message` searches: restores put messages
@@ -72,19 +70,9 @@ START_TOKEN_TTL_S = 3600
 TRIM_PAGE = 1000
 
 
-@functools.cache
-def lua(name: str) -> str:
-    """The text of ``<name>.lua`` beside this module."""
-    return files(__name__).joinpath(f"{name}.lua").read_text()
-
-
 def _run(client: redis.Redis | Pipeline, name: str, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-    """Run ``<name>.lua``: ``EVALSHA`` (loaded on ``NOSCRIPT``), or queued on a pipeline as ``EVAL``
-    with the text (redis-py would first ask ``SCRIPT EXISTS``, a round trip per publish)."""
-    text = for_server(client, lua(name))
-    if isinstance(client, Pipeline):
-        return client.eval(text, len(keys), *keys, *args)
-    return client.register_script(text)(keys=keys, args=args)
+    """Run ``<name>.lua`` beside this module (``script_flags.run_script``)."""
+    return run_script(client, lua(__name__, name), keys, args)
 
 
 # -- results ------------------------------------------------------------------------------
