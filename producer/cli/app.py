@@ -21,6 +21,7 @@ from layertap.producer.cli import dlq as cli_dlq
 from layertap.producer.cli import draft as cli_draft
 from layertap.producer.cli import regen as cli_regen
 from layertap.producer.cli import runs as cli_runs
+from layertap.producer.cli import serve as cli_serve
 from layertap.producer.cli import worker as cli_worker
 from layertap.producer.cli.common import (
     CliError,
@@ -153,6 +154,7 @@ cli_regen.register(app)
 cli_worker.register(app)
 cli_dlq.register(app)
 cli_runs.register(app)
+cli_serve.register(app)
 register_ops(app)
 
 
