@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -205,20 +206,66 @@ def test_template_that_drops_tools_or_reasoning_is_an_error(model, job, message,
     assert message in (result.error or "")
 
 
+SENTENCE = "the weather in red city, "
+
+
+def tools_job(description: str) -> dict:
+    """A chat with one tool whose description is ``description``."""
+    return {"messages": TOOL_CHAT, "tools": [{**TOOL, "function": {**TOOL["function"], "description": description}}]}
+
+
 def test_a_tools_job_near_the_byte_limit_that_cannot_fit_is_too_long_before_tokenizing(marked_worker, client,
                                                                                       run_name):
     """Issue 45, item 4: tools just under ``max_job_bytes`` that cannot fit the context are refused
     from the rendered chat's length (a template that renders them), before any tokenizer call:
     the error says so, where a tokenized chat's would count its tokens."""
     limit = Settings().limits.max_job_bytes
-    sentence = "the weather in red city, "
-    description = sentence * ((limit - 4096) // len(sentence))
-    job = {"messages": TOOL_CHAT, "tools": [{**TOOL, "function": {**TOOL["function"], "description": description}}]}
+    description = SENTENCE * ((limit - 4096) // len(SENTENCE))
+    job = tools_job(description)
     assert limit - 8192 < json_size({**job, "model": "tiny-qwen3-marked", "run": run_name}) < limit
     sent = client.submit(job, model="tiny-qwen3-marked", run=run_name)
     result = client.wait(run_name, [sent.job_id], timeout=120)[sent.job_id]
     assert result.error_type is ErrorType.too_long, result.error
-    found = re.match(r"the rendered chat is (\d+) characters, so at least (\d+) tokens: over the limit of 32768, "
-                     r"found before tokenizing", result.error or "")
+    found = re.match(r"the rendered chat is at least (\d+) characters, so at least (\d+) tokens: over the limit of "
+                     r"32768, found before tokenizing", result.error or "")
     assert found, result.error
     assert int(found.group(1)) > len(description) and int(found.group(2)) > 32768
+
+
+@pytest.fixture(scope="module")
+def long_token_worker(redis_server, tiny_models, storage_root, tmp_path_factory):
+    """A tiny-qwen3 whose vocabulary also holds one 4,096-character token (added, never in the
+    jobs' text), served as ``tiny-qwen3-long-token`` with MARKED_TEMPLATE (it renders tools):
+    characters alone cannot refuse a near-limit job."""
+    folder = tmp_path_factory.mktemp("long-token") / "model"
+    shutil.copytree(tiny_models["qwen3"], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["~" * 4096])
+    tokenizer.save_pretrained(folder)
+    (folder.parent / "marked.jinja").write_text(MARKED_TEMPLATE)
+    process = WorkerProcess(folder, "tiny-qwen3-long-token", redis_server.url, storage_root,
+                            node="test-long-token@localhost",
+                            extra_args=["--chat-template", str(folder.parent / "marked.jinja")],
+                            log_path=folder.parent / "worker.log").start()
+    yield process
+    process.stop()
+
+
+def test_a_near_limit_job_of_a_long_token_vocabulary_is_read_only_as_far_as_the_context(long_token_worker, client,
+                                                                                      run_name):
+    """Issue 45, item 4: with a 4,096-character token in the vocabulary the characters bound
+    cannot refuse 8 MiB of tools (at least 1,000 tokens), so the chat is read as the template
+    streams it and tokenized a prefix at a time: refused once its first characters alone make
+    more tokens than the limit, at a few times the limit in characters, not the 8 MiB. A chat
+    that fits is still served whole (the reading refuses nothing under the limit)."""
+    description = SENTENCE * ((Settings().limits.max_job_bytes - 4096) // len(SENTENCE))
+    sent = client.submit(tools_job(description), model="tiny-qwen3-long-token", run=run_name)
+    result = client.wait(run_name, [sent.job_id], timeout=120)[sent.job_id]
+    assert result.error_type is ErrorType.too_long, result.error
+    found = re.match(r"the first (\d+) characters of the rendered chat alone are at least (\d+) tokens: over the "
+                     r"limit of 32768, found before tokenizing the rest", result.error or "")
+    assert found, result.error
+    assert int(found.group(1)) <= 2 * 4 * (32768 + 64) < len(description) // 30 and int(found.group(2)) > 32768
+    sent = client.submit(tools_job(SENTENCE * 2000), model="tiny-qwen3-long-token", run=run_name)
+    served = client.wait(run_name, [sent.job_id], timeout=120)[sent.job_id]
+    assert served.ok, served.error

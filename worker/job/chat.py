@@ -136,9 +136,7 @@ class ChatRenderer:
         watched = _WatchedMessages([_WatchedMessage(m, i, on_read) for i, m in enumerate(chat)], yielded.add)
         pieces = []
         try:
-            for piece in _compile_jinja_template(self.template).generate(
-                    messages=watched, tools=_plain(self.tools), documents=None,
-                    add_generation_prompt=False, **_plain(self.tokenizer.special_tokens_map)):
+            for piece in self._generate(watched):
                 pieces.append(piece)
                 emitted += len(piece)
         except Exception:  # the real rendering already succeeded: this template is one the stream cannot follow
@@ -146,6 +144,21 @@ class ChatRenderer:
         if "".join(pieces) != text or len(first_read) != len(self.messages):
             return None
         return [first_read[i] for i in range(len(self.messages))]
+
+    def _generate(self, messages: list[Any]) -> Iterator[str]:
+        """The whole chat's rendering (no generation prompt) as the template streams it out."""
+        return _compile_jinja_template(self.template).generate(
+            messages=messages, tools=_plain(self.tools), documents=None, add_generation_prompt=False,
+            **_plain(self.tokenizer.special_tokens_map))
+
+    def stream(self) -> Iterator[str]:
+        """The whole chat's text piece by piece as the template emits it, stopping quietly where the
+        template fails (the full rendering reports that). For reading no further than needed: the
+        pieces are the template's own output, not checked against ``apply_chat_template``'s."""
+        try:
+            yield from self._generate(_as_transformers_renders(self.messages))
+        except Exception:  # jinja errors, raise_exception(): the real rendering raises them as chat_template errors
+            return
 
     def turn_span(self, index: int, text: str) -> tuple[int, int]:
         """Character span of assistant turn ``index`` in ``text`` (the whole chat), by the prefix rule."""
@@ -169,15 +182,16 @@ class ChatRenderer:
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                 loss_on: Literal["all", "last", "none"] = "all", generation_prompt: bool = False,
-                check_rendered: Callable[[str], None] | None = None) -> tuple[list[int], list[int]]:
+                check_stream: Callable[[Iterator[str]], None] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered chat and a 0/1 loss mask over them (1 = trained assistant tokens;
     all 0 with ``loss_on="none"``). With ``generation_prompt`` the text ends with the template's
-    generation prompt, which is never trained on. ``check_rendered`` gets the chat's text once
-    it is rendered, before any other rendering or tokenizing (it raises to stop there)."""
+    generation prompt, which is never trained on. ``check_stream`` gets the chat's text as the
+    template streams it out, before the chat is rendered whole or tokenized (it reads as far as it
+    needs and raises to stop there)."""
     renderer = ChatRenderer(tokenizer, messages, tools)
+    if check_stream is not None:
+        check_stream(renderer.stream())
     text = renderer.render(len(messages), generation_prompt=False)
-    if check_rendered is not None:
-        check_rendered(text)
     if tools and text == renderer.render(len(messages), generation_prompt=False, tools=False):
         raise JobError(ErrorType.chat_template, "the chat template ignores tools: this model's template does not "
                                                 "render them (give the worker a template that does)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,14 +105,14 @@ def expand_mask(rendered: list[int], mask: list[int], expanded: list[int], image
 
 
 def render_image_chat(processor: Any, tokenizer: Any, job: Job, images: list[LoadedImage], image_id: int,
-                      check_rendered: Callable[[str], None] | None = None) -> ImageChat:
+                      check_stream: Callable[[Iterator[str]], None] | None = None) -> ImageChat:
     """Render ``job`` (a chat with ``images``, in order) with ``tokenizer``'s template and
     expand it with ``processor``; ``image_id`` is the model's image token
-    (:func:`model_image_token_id`); ``check_rendered`` as ``render_chat`` takes it. Raises :class:`JobError`."""
+    (:func:`model_image_token_id`); ``check_stream`` as ``render_chat`` takes it. Raises :class:`JobError`."""
     from PIL import Image
 
     rendered, mask = render_chat(tokenizer, template_messages(job), tools=job.tools, loss_on=job.loss_on,
-                                 generation_prompt=bool(job.generation_prompt), check_rendered=check_rendered)
+                                 generation_prompt=bool(job.generation_prompt), check_stream=check_stream)
     if rendered.count(placeholder_id(processor)) != len(images):
         raise JobError(ErrorType.chat_template, f"the chat template did not render one image placeholder for each "
                                                 f"of the chat's {len(images)} images")

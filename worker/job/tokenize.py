@@ -5,7 +5,8 @@ Runs on the caller's thread (a Celery task thread), never on the engine thread.
 Every problem with the input raises :class:`JobError` with a typed reason. Tokenizer calls
 take one of :data:`TOKENIZER_POOL` copies of the tokenizer (a tokenizer is not safe to share
 between threads), so one long chat holds one copy and other jobs go on with the rest; a
-prompt that cannot fit is refused before it is tokenized.
+text that cannot fit is refused having been read (rendered, tokenized) no further than the
+limit's tokens take (:mod:`layertap.worker.job.token_budget`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import queue
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +30,12 @@ from layertap.worker.engine.teacher import logit_transform
 from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.multimodal import ImageChat, model_image_token_id, placeholder_token_ids, render_image_chat
+from layertap.worker.job.token_budget import fewest_by_chars, first_overflow, longest_token_chars
 from layertap.worker.model.image_inputs import staged_inputs
 from layertap.worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.
 TOKENIZER_POOL = max(2, min(4, os.cpu_count() or 1))
-#: A text is refused unread when even this many times the longest token per token leaves it over the limit.
-UNFITTABLE_MARGIN = 2
 
 
 #: Config fields that bound a model's positions (vLLM's list, for its ``max_model_len``).
@@ -197,30 +197,39 @@ class Preparer:
             self._tokenizers.put(tokenizer)
 
     def _refuse_unfittable(self, job: Job, chars: int, what: str) -> None:
-        """``too_long`` before tokenizing when ``chars`` characters of text cannot make ``limit``
-        tokens or fewer. The bound: no token covers more characters of text than the longest
-        token string of the vocabulary (:func:`longest_token_chars`; special and added tokens
-        included), so the text makes at least ``chars / longest`` tokens; the bound divides by
-        :data:`UNFITTABLE_MARGIN` times that again, for normalizers that drop or merge characters
-        (a vocabulary of long tokens makes the bound loose). Checked on a prompt, on a chat's
-        message text before it is rendered, and on the rendered chat (tools and every template
-        part included: the very text tokenized) before anything else is rendered or tokenized,
-        so a job near ``max_job_bytes`` whose characters cannot fit costs one rendering and no
-        tokenization."""
+        """``too_long`` before rendering when ``chars`` characters of a chat's message text cannot
+        make the limit's tokens or fewer (the characters bound of :mod:`token_budget`)."""
         limit, _ = self._length_limit(job)
-        fewest = chars // max(1, UNFITTABLE_MARGIN * self._longest_token_chars)
+        fewest = fewest_by_chars(chars, self._longest_token_chars)
         if not job.truncate and fewest > limit:
             raise JobError(ErrorType.too_long, f"{what} is {chars} characters, so at least {fewest} tokens: over the "
                                                f"limit of {limit}, found before tokenizing; set truncate=true to keep "
                                                f"the first {limit}")
 
-    def _refuse_unfittable_render(self, job: Job) -> Callable[[str], None]:
-        """The check ``render_chat`` applies to a chat's rendered text (``check_rendered``)."""
-        return lambda text: self._refuse_unfittable(job, len(text), "the rendered chat")
+    def _refuse_overflow(self, job: Job, pieces: Iterable[str], tokenizer: Any, what: str, *,
+                         special_tokens: bool = False) -> None:
+        """``too_long`` as soon as the text ``pieces`` make is surely over the limit, reading no
+        further (:func:`first_overflow`); nothing with ``truncate``."""
+        if job.truncate:
+            return
+        limit, _ = self._length_limit(job)
+        found = first_overflow(pieces, limit, self._longest_token_chars,
+                               lambda text: len(tokenizer(text, add_special_tokens=special_tokens)["input_ids"]))
+        if found is None:
+            return
+        found_how = (f"the first {found.chars} characters of {what} alone are at least {found.fewest} tokens: over "
+                     f"the limit of {limit}, found before tokenizing the rest" if found.by_prefix else
+                     f"{what} is at least {found.chars} characters, so at least {found.fewest} tokens: over the "
+                     f"limit of {limit}, found before tokenizing")
+        raise JobError(ErrorType.too_long, f"{found_how}; set truncate=true to keep the first {limit}")
+
+    def _overflow_check(self, job: Job, tokenizer: Any) -> Callable[[Iterator[str]], None]:
+        """The check ``render_chat`` applies to a chat's streamed text (``check_stream``)."""
+        return lambda pieces: self._refuse_overflow(job, pieces, tokenizer, "the rendered chat")
 
     def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
-        self._refuse_unfittable(job, len(prompt), "the prompt")
         with self._tokenizer() as tokenizer:
+            self._refuse_overflow(job, [prompt], tokenizer, "the prompt", special_tokens=True)
             token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if not token_ids:
             raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
@@ -246,7 +255,7 @@ class Preparer:
         with self._tokenizer() as tokenizer:
             return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on,
                                generation_prompt=bool(job.generation_prompt),
-                               check_rendered=self._refuse_unfittable_render(job))
+                               check_stream=self._overflow_check(job, tokenizer))
 
     def _image_chat(self, job: Job) -> ImageChat:
         """A chat with images through the model's processor: every image checked first
@@ -263,7 +272,7 @@ class Preparer:
                                                        f"{self.loaded.processor_problem}")
         with self._tokenizer() as tokenizer:
             chat = render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config),
-                                     self._refuse_unfittable_render(job))
+                                     self._overflow_check(job, tokenizer))
         chat.model_inputs = staged_inputs(chat.model_inputs, self.loaded.dtype, self.loaded.device)
         return chat
 
@@ -276,13 +285,6 @@ class Preparer:
                            f"{len(token_ids)} tokens exceed {source} ({limit}); set truncate=true to keep the first "
                            f"{limit}")
         return token_ids[:limit], (loss_mask[:limit] if loss_mask is not None else None), len(token_ids)
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """Length of the vocabulary's longest token string, 0 without a tokenizer. Token strings
-    spell bytes (byte-level BPE) or add markers (``▁``, ``##``), so no token covers more
-    characters of text than this."""
-    return 0 if tokenizer is None else max((len(token) for token in tokenizer.get_vocab()), default=0)
 
 
 def topk_rows(job: Job, loss_mask: list[int] | None) -> list[int] | None:
