@@ -7,7 +7,7 @@ host has cores, so four preparer threads make four such teams, the host is overs
 engine thread that issues the batch waits for a core: on an H200 host (16 cores) an image batch
 took 447 ms instead of 404 while four threads prepared chats beside it, and 406 ms (393 alone) with
 one thread per operation, at which the four threads prepared chats no slower (70 chats/s, against 69
-at torch's 16; BENCHMARKS.md, twelfth session).
+at torch's 16; H200, 2026-12-03, BENCHMARKS.md, "Image chats").
 vLLM sets one thread per operation for the same reason (``OMP_NUM_THREADS=1`` unless set).
 
 A CPU worker computes its model with those teams: it keeps torch's own count. An explicit
