@@ -29,15 +29,19 @@ from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.model.loading import compile_decoder_layers, load_model
 
-#: Kernel class by the first pattern its name holds (lower case), in this order. Inductor's fused
-#: kernels (``triton_``) are the compiled layers' norms, RoPE, activations and adds; their names can
-#: hold ``_to_copy`` (a cast), so they are matched before the copies.
+#: Kernel class by the first pattern its name holds (lower case), in this order. Attention comes
+#: first: flash-attention's kernel names hold ``cutlass::bfloat16_t``. Inductor's fused kernels
+#: (``triton_``) are the compiled layers' norms, RoPE, activations and adds; their names can hold
+#: ``_to_copy`` (a cast), so they are matched before the copies. Device copy kernels are, in an
+#: eager model, mostly the norms' casts to float32 and back and RoPE's ``cat``; the capture's own
+#: copies into the staging buffer are among them too.
 ELEMENTWISE = "norm, rope, activation, residual"
 CLASSES = (
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
     (ELEMENTWISE, ("triton_",)),
-    ("copy", ("memcpy", "memset", "copy_kernel", "catarraybatchedcopy")),
+    ("copy to host, memset", ("memcpy", "memset")),
+    ("copy on device: casts, cat, contiguous", ("copy_kernel", "catarraybatchedcopy")),
     (ELEMENTWISE, ("elementwise", "vectorized", "reduce", "rms", "norm", "silu", "mul", "add", "cat", "index",
                    "pow", "mean", "rsqrt", "neg", "cos", "sin")),
 )
@@ -165,6 +169,13 @@ def main() -> None:
     if report["gemm_tflops"]:
         print(f"  GEMMs {report['gemm_tflop']:.1f} TFLOP at {report['gemm_tflops']:.0f} TFLOP/s; attention "
               f"{report['attention_tflop']:.1f} TFLOP at {report['attention_tflops'] or 0:.0f} TFLOP/s")
+    if rate and report["gemm_tflops"]:
+        at_rate = flops / rate
+        gemm_over = by_class["gemm"] - gemm_flops / rate
+        attention_over = by_class.get("attention", 0.0) - attention_flops / rate
+        print(f"  the batch at the matmul rate: {at_rate * 1e3:.1f} ms; beyond it, GEMMs below the rate "
+              f"{gemm_over * 1e3:.1f} ms, attention below it {attention_over * 1e3:.1f} ms, the other kernels and "
+              f"idle the rest ({(wall - at_rate - gemm_over - attention_over) * 1e3:.1f} ms of the profiled batch)")
     for row in gemms[:8]:
         print(f"  {row['op']:10} {row['shapes'][:60]:60} {row['calls']:4} calls {row['tflops']:6.0f} TFLOP/s")
 
