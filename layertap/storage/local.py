@@ -23,7 +23,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -44,21 +44,25 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{HOST_TAG}-{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
 
 
+def is_stale_temp(name: str, mtime: Callable[[], float]) -> bool:
+    """Whether the writer of the temp file ``name`` (:func:`temp_name`) is dead: one of this host
+    when its pid is gone, one of another host (a shared mount) only when older (``mtime()``) than
+    :data:`FOREIGN_TEMP_AGE_S`. Raises what ``mtime`` raises (``FileNotFoundError``: gone)."""
+    owner = name.rsplit(".", 3)[-3] if name.count(".") >= 3 else ""
+    host_tag, _, pid = owner.partition("-")
+    if host_tag == HOST_TAG and pid.isdigit():
+        return int(pid) == os.getpid() or not _process_alive(int(pid))  # at start we write nothing yet
+    return time.time() - mtime() > FOREIGN_TEMP_AGE_S
+
+
 def sweep_temp_files(temps: Iterable[Path]) -> int:
-    """Delete the temp files whose writer is dead; returns how many. One of this host is stale
-    when its writer's pid is gone; one of another host (a shared mount) only when older than
-    :data:`FOREIGN_TEMP_AGE_S`."""
+    """Delete the temp files whose writer is dead (:func:`is_stale_temp`); returns how many."""
     removed = 0
     for temp in temps:
-        owner = temp.name.rsplit(".", 3)[-3] if temp.name.count(".") >= 3 else ""
-        host_tag, _, pid = owner.partition("-")
-        if host_tag == HOST_TAG and pid.isdigit():
-            stale = int(pid) == os.getpid() or not _process_alive(int(pid))  # at start we write nothing yet
-        else:
-            try:
-                stale = time.time() - temp.stat().st_mtime > FOREIGN_TEMP_AGE_S
-            except FileNotFoundError:
-                continue
+        try:
+            stale = is_stale_temp(temp.name, lambda temp=temp: temp.stat().st_mtime)
+        except FileNotFoundError:
+            continue
         if stale:
             temp.unlink(missing_ok=True)
             removed += 1
