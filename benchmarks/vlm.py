@@ -87,7 +87,7 @@ def write_model(shape: str, folder: Path, device: torch.device) -> Path:
 
         Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                             video_processor=Qwen2VLVideoProcessor(), chat_template=TEMPLATE).save_pretrained(folder)
-    else:  # the worker loads it without its video processor (layertap.worker.model.processors)
+    else:  # the worker loads it without its video processor (layertap.worker.model.vision.processors)
         tokenizer.save_pretrained(folder)
         image_processor.save_pretrained(folder)
     return folder
@@ -236,7 +236,7 @@ def main() -> None:
     from layertap.protocol.layers import eagle3_layer_ids
     from layertap.worker.job.multimodal import placeholder_token_ids
     from layertap.worker.model.loading import resolve_device
-    from layertap.worker.model.processors import load_processor
+    from layertap.worker.model.vision.processors import load_processor
 
     device = resolve_device(args.device)
     started = time.monotonic()

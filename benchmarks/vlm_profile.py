@@ -10,7 +10,7 @@
    (vision tower, merging, M-RoPE, language model; with its logits, which a worker's capture
    stops before) and the vision tower alone (on all images at once, and one image at a time as a
    worker runs it, with its grid on the host, and the host time to issue that), each with the
-   vision tower's varlen flash attention (``layertap.worker.model.vision_attention``) and, without
+   vision tower's varlen flash attention (``layertap.worker.model.vision.attention``) and, without
    ``--compile``, with transformers' per-window SDPA; the tower's outputs of the two compared;
    where a worker would use them, also with the tower's CUDA graphs (``tower_graphs``).
    On a GPU, also where one batch's forward waits on the device (torch's sync debug mode).
@@ -51,12 +51,12 @@ from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.engine.runner import BatchRunner, run_with_images
 from layertap.worker.job.multimodal import placeholder_token_ids
-from layertap.worker.model.image_inputs import staged_inputs
-from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
+from layertap.worker.model.vision.inputs import staged_inputs
+from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.loading import compile_decoder_layers, load_model, transformers_attention, use_tower_graphs
-from layertap.worker.model.processors import load_processor
-from layertap.worker.model.tower_graphs import SIZES
-from layertap.worker.model.vision_attention import vision_attention
+from layertap.worker.model.vision.processors import load_processor
+from layertap.worker.model.vision.tower_graphs import SIZES
+from layertap.worker.model.vision.attention import vision_attention
 
 
 def process(processor: Any, chat: dict[str, Any], images: Path, loaded: Any, **image_options: Any) -> dict:

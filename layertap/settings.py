@@ -72,7 +72,7 @@ class WorkerSettings(BaseModel):
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     prefix_sharing: bool = True  # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
-    tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.tower_graphs.SIZES)
+    tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.vision.tower_graphs.SIZES)
     # torch CPU threads per operation; 0 = 1 on a GPU (its preparers and writers share the host with the
     # thread that issues batches), torch's own on the CPU; OMP_NUM_THREADS, where set, is kept (worker.ops.cpu_threads)
     cpu_threads: int = Field(default=0, ge=0)

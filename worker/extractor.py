@@ -28,7 +28,7 @@ from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.tokenize import Preparer
 from layertap.worker.model.loading import LoadedModel, compile_decoder_layers, load_model, use_tower_graphs
-from layertap.worker.model.tower_graphs import SIZES as tower_graph_sizes
+from layertap.worker.model.vision.tower_graphs import SIZES as tower_graph_sizes
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A grid tower's CUDA graphs (``layertap.worker.model.tower_graphs``) on a real GPU: every replay
+"""A grid tower's CUDA graphs (``layertap.worker.model.vision.tower_graphs``) on a real GPU: every replay
 gives an image, bit for bit, the features its eager one-image forward gives; a tower that waits on
 the device is never graphed; files are the same bits with and without graphs.
 
@@ -36,9 +36,9 @@ def loaded_tower(family: str, tmp_path):
 
 def tower_outputs(loaded, calls, graphs) -> list[list[torch.Tensor]]:
     """Each call's tower output (its tensors, on the host), the tower one image at a time."""
-    from layertap.worker.model.image_towers import one_image_at_a_time
-    from layertap.worker.model.tower_graphs import tensors_of
-    from layertap.worker.model.vision_attention import vision_attention
+    from layertap.worker.model.vision.towers import one_image_at_a_time
+    from layertap.worker.model.vision.tower_graphs import tensors_of
+    from layertap.worker.model.vision.attention import vision_attention
 
     outputs = []
     with (torch.inference_mode(), vision_attention(loaded.model, loaded.vision_attention),
@@ -62,7 +62,7 @@ def test_a_tower_graph_replays_each_image_s_eager_features_bit_for_bit(family, t
     """Two sizes, each seen three times alone and then all in one call: the graphed tower gives
     every output bit for bit as the eager one; both sizes got a graph (captured at their second
     image, replayed after), and none failed its check."""
-    from layertap.worker.model.tower_graphs import TowerGraphs
+    from layertap.worker.model.vision.tower_graphs import TowerGraphs
 
     model_dir, loaded = loaded_tower(family, tmp_path)
     calls = image_calls(family, model_dir, [0, 1, 0, 1, 0, 1])
@@ -77,7 +77,7 @@ def test_a_tower_graph_replays_each_image_s_eager_features_bit_for_bit(family, t
 
 def test_only_the_first_sizes_up_to_the_limit_get_a_graph(tmp_path):
     """With a limit of one, the first size seen twice gets the graph; the other runs eagerly."""
-    from layertap.worker.model.tower_graphs import TowerGraphs
+    from layertap.worker.model.vision.tower_graphs import TowerGraphs
 
     model_dir, loaded = loaded_tower("qwen2.5-vl", tmp_path)
     calls = image_calls("qwen2.5-vl", model_dir, [0, 0, 1, 1, 1])
@@ -92,7 +92,7 @@ def test_a_tower_that_waits_on_the_device_is_never_graphed(tmp_path):
     """A tower block that reads a value back to the host (``.item()``: a sync, which a capture
     refuses) makes the first capture fail: no graph is made, every image runs eagerly with the
     same features, and later sizes are not tried."""
-    from layertap.worker.model.tower_graphs import TowerGraphs
+    from layertap.worker.model.vision.tower_graphs import TowerGraphs
 
     model_dir, loaded = loaded_tower("qwen2-vl", tmp_path)
     calls = image_calls("qwen2-vl", model_dir, [0, 0, 0, 1, 1])

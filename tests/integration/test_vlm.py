@@ -365,7 +365,7 @@ def test_an_internvl_processor_loaded_without_its_video_processor_keeps_its_own_
     it without one; the class's own option in ``processor_config.json`` (``image_seq_length``,
     image tokens per tile: 1 here) still reaches it, not the class default of 256."""
     from tests.support.vlm import load_reference
-    from layertap.worker.model.processors import load_processor
+    from layertap.worker.model.vision.processors import load_processor
 
     model_dir = add_processor("internvl", build_tiny_vlm("internvl", tmp_path / "model"))
     processor, problem = load_processor(load_reference(str(model_dir)), str(model_dir), None, False)
@@ -523,7 +523,7 @@ def test_image_chats_that_do_not_batch_fall_back_to_one_per_forward(monkeypatch,
     """The load-time image self-check: Idefics3 wrongly listed as batching its image chats
     (its pixel_values hold one row of tiles per prompt, and the probes' tile counts differ)
     fails it, so its image chats run one per forward, with the reason, and stay exact."""
-    from layertap.worker.model import image_inputs
+    from layertap.worker.model.vision import inputs as image_inputs
 
     monkeypatch.setitem(image_inputs.BATCHED_FAMILIES, "idefics3", "listed here to fail the self-check")
     model_dir = add_processor("idefics3", build_tiny_vlm("idefics3", tmp_path / "model"))
@@ -565,7 +565,7 @@ def test_a_family_not_known_to_batch_runs_its_image_chats_plain(monkeypatch, tmp
     as the model runs its processor's output: none of the worker's host numbering reaches them
     (broken here, as in the test above, and the files are still the model's own)."""
     from layertap.worker.engine import runner
-    from layertap.worker.model import image_inputs
+    from layertap.worker.model.vision import inputs as image_inputs
 
     monkeypatch.delitem(image_inputs.BATCHED_FAMILIES, "qwen2_vl")
     monkeypatch.setattr(runner, "host_rope_positions",
@@ -622,7 +622,7 @@ def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_
     merged in image order; it is the whole-batch call up to rounding (fp32, 1e-5); and the
     tower's own forward is back afterwards."""
     from tests.support.vlm import load_reference
-    from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time
+    from layertap.worker.model.vision.towers import grid_tower, one_image_at_a_time
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     model = load_reference(str(model_dir))
@@ -656,7 +656,7 @@ def test_a_tower_given_its_grid_s_host_inputs_never_reads_the_grid(family, tmp_p
     ``host_tower_inputs``: handed them with a grid on the meta device (which has no values:
     any use of them fails), it returns, bit for bit, what it returns from the real grid alone."""
     from tests.support.vlm import load_reference
-    from layertap.worker.model.image_towers import grid_tower, host_tower_inputs, takes_host_inputs
+    from layertap.worker.model.vision.towers import grid_tower, host_tower_inputs, takes_host_inputs
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     tower = grid_tower(load_reference(str(model_dir)))
@@ -687,7 +687,7 @@ def test_a_tower_away_from_the_host_gets_its_grid_on_its_own_device(family, tmp_
     first block's input: on the tower's device, one row per patch of the first image."""
     from transformers import AutoModelForImageTextToText
 
-    from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time
+    from layertap.worker.model.vision.towers import grid_tower, one_image_at_a_time
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     tower = grid_tower(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)).to("meta")
@@ -711,7 +711,7 @@ def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path)
     eager backend here: no code generation), not its whole forward; within
     ``one_image_at_a_time``, with the grid on the host (its inputs computed there), each
     image's features are bit for bit the uncompiled tower's, for images of several sizes."""
-    from layertap.worker.model.image_towers import one_image_at_a_time
+    from layertap.worker.model.vision.towers import one_image_at_a_time
     from layertap.worker.model.loading import compile_decoder_layers
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
@@ -739,7 +739,7 @@ def test_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_p
     gives each chat's real tokens the positions the model's own forward numbers for that
     chat alone (its ``compute_3d_position_ids``), on the host."""
     from tests.support.vlm import load_reference
-    from layertap.worker.model.image_inputs import host_rope_positions, rope_index_module
+    from layertap.worker.model.vision.inputs import host_rope_positions, rope_index_module
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     model = load_reference(str(model_dir))
@@ -768,8 +768,8 @@ def test_a_tower_mlp_widened_to_an_aligned_width_computes_the_same_function():
     1e-6); aligned MLPs and non-gated ones are left as they are."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from layertap.worker.model.aligned_mlp import align_gated_mlps
-    from layertap.worker.model.image_towers import grid_tower
+    from layertap.worker.model.vision.aligned_mlp import align_gated_mlps
+    from layertap.worker.model.vision.towers import grid_tower
     from tests.support.vlm import VLM_FAMILIES
 
     model_type, fields = VLM_FAMILIES["qwen2.5-vl"]
@@ -963,7 +963,7 @@ def test_kimi_k25_s_tower_runs_one_image_at_a_time_deriving_its_grid_inputs_itse
     compute: it takes no host inputs (given them, it fails: no ``spatial_merge_size``). Within
     ``one_image_at_a_time`` each of three images of different sizes gets, bit for bit, its
     features alone, the whole-batch call's up to rounding (fp32, 1e-5)."""
-    from layertap.worker.model.image_towers import grid_tower, one_image_at_a_time, takes_host_inputs
+    from layertap.worker.model.vision.towers import grid_tower, one_image_at_a_time, takes_host_inputs
 
     model_dir = str(build_tiny_vlm("kimi-k2.5", tmp_path / "model"))
     tower = grid_tower(load_reference(model_dir))
@@ -1052,7 +1052,7 @@ def test_a_smolvlm_chat_whose_one_tile_is_all_zero_runs_alone_but_not_padded_in_
     as ``merge_image_inputs`` pads tiles, its tile is dropped and the model fails."""
     from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
-    from layertap.worker.model.image_inputs import merge_image_inputs
+    from layertap.worker.model.vision.inputs import merge_image_inputs
 
     model_dir = str(build_tiny_vlm("smolvlm", tmp_path / "model"))
     add_processor("smolvlm", tmp_path / "model")
@@ -1083,7 +1083,7 @@ def test_paligemma_image_chats_are_one_bidirectional_prefix_that_padding_would_c
     forward (the processor's ``labels`` are no model input: batched, they failed to concatenate)."""
     from transformers import AutoProcessor
 
-    from layertap.worker.model import image_inputs
+    from layertap.worker.model.vision import inputs as image_inputs
 
     monkeypatch.setitem(image_inputs.BATCHED_FAMILIES, "paligemma", "listed here to fail the self-check")
     model_dir = add_processor("paligemma", build_tiny_vlm("paligemma", tmp_path / "model"))
@@ -1122,7 +1122,7 @@ def test_omni_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, 
     ``host_rope_positions`` of a right-padded batch (images of different sizes) gives each
     chat's real tokens the positions the model's own ``compute_3d_position_ids`` numbers for that
     chat alone with its processor's mask, image tokens sharing positions (not 0..T-1)."""
-    from layertap.worker.model.image_inputs import host_rope_positions, rope_index_module
+    from layertap.worker.model.vision.inputs import host_rope_positions, rope_index_module
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     model = load_reference(str(model_dir))

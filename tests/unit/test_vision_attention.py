@@ -1,4 +1,4 @@
-"""The vision towers' varlen attention (``layertap.worker.model.vision_attention``): where it is chosen,
+"""The vision towers' varlen attention (``layertap.worker.model.vision.attention``): where it is chosen,
 and that off a flash-capable GPU it is plain transformers' ``"sdpa"`` tower, number for number."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.vlm import GLM_FAMILIES, QWEN_FAMILIES, build_tiny_vlm
-from layertap.worker.model.vision_attention import (
+from layertap.worker.model.vision.attention import (
     VISION_ATTENTION_NAME,
     choose_vision_attention,
     register,

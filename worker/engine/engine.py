@@ -6,7 +6,7 @@ in arrival order, fills a batch up to ``token_budget`` tokens (``scheduler``: th
 head of the queue always goes first), lays them out the way the model's batching layout
 says (``layertap.worker.model.layouts``: one packed row with restarting positions, a right-padded
 batch of similar lengths, or one prompt alone; chats with images batch only with each
-other, in the layout ``layertap.worker.model.image_inputs`` gives the model), and hands it to the
+other, in the layout ``layertap.worker.model.vision.inputs`` gives the model), and hands it to the
 ``runner``, which runs the decoder until the last wanted layer (through the final norm
 when a job wants ``final_hidden_states`` or teacher top-k, which is then computed on the
 device for only the asked positions), casts the states to the batch's output dtype (a

@@ -25,20 +25,20 @@ from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, 
 from layertap.worker.engine.teacher import TeacherHead
 from layertap.worker.model.capture import StopForward
 from layertap.worker.model.batching import layout_class
-from layertap.worker.model.image_inputs import host_rope_positions, merge_image_inputs, pads_tiles, real_tokens_mask
-from layertap.worker.model.image_towers import one_image_at_a_time, takes_host_inputs
+from layertap.worker.model.vision.inputs import host_rope_positions, merge_image_inputs, pads_tiles, real_tokens_mask
+from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.layouts.base import BatchLayout, to_device
 from layertap.worker.model.loading import LoadedModel, transformers_attention
-from layertap.worker.model.vision_attention import vision_attention
+from layertap.worker.model.vision.attention import vision_attention
 
-#: Processor outputs left on the host for a grid tower that takes its inputs there (``image_towers``).
+#: Processor outputs left on the host for a grid tower that takes its inputs there (``vision.towers``).
 HOST_GRID = frozenset({"image_grid_thw"})
 #: The layout of chats with images on a model that names none: one per forward.
 IMAGE_BATCH = layout_class("single")("a chat with images runs alone through the model's own forward")
 
 
 def image_layout(loaded: LoadedModel) -> BatchLayout:
-    """How ``loaded``'s chats with images share a forward (``layertap.worker.model.image_inputs``)."""
+    """How ``loaded``'s chats with images share a forward (``layertap.worker.model.vision.inputs``)."""
     return loaded.image_batching or IMAGE_BATCH
 
 
@@ -96,9 +96,9 @@ def run_with_images(loaded: LoadedModel, input_ids: torch.Tensor, token_ids: Seq
     tower, merging, its own positions such as M-RoPE, its own masks), on the attention
     implementation transformers chose for it (a vision tower that cuts its patches by
     ``cu_seqlens``: one varlen flash call per layer on a GPU,
-    ``layertap.worker.model.vision_attention``), such a tower one image at a time
-    (``layertap.worker.model.image_towers``; on a GPU as its image size's CUDA graph where it has
-    one, ``layertap.worker.model.tower_graphs``): the capture hooks see what enters each decoder layer.
+    ``layertap.worker.model.vision.attention``), such a tower one image at a time
+    (``layertap.worker.model.vision.towers``; on a GPU as its image size's CUDA graph where it has
+    one, ``layertap.worker.model.vision.tower_graphs``): the capture hooks see what enters each decoder layer.
 
     What the model derives from the image grids (M-RoPE positions, the tower's positions and
     bounds) is computed on the host by its own functions where it can be, and the grid stays

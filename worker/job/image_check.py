@@ -1,7 +1,7 @@
 """The load-time self-check for chats with images, after the text one
 (``layertap.worker.engine.self_check``), on the real device and dtype, before the worker takes a job.
 
-Where the model's image chats batch (``layertap.worker.model.image_inputs``), probe chats with random
+Where the model's image chats batch (``layertap.worker.model.vision.inputs``), probe chats with random
 images of different sizes and texts of different lengths are prepared the way jobs are
 (the model's chat template and processor), run together in one forward and each alone as a
 user runs the model on its processor's output (its attention mask, the positions it numbers
@@ -27,7 +27,7 @@ from layertap.worker.engine.records import EngineRequest
 from layertap.worker.engine.self_check import CheckReport, captured_states, compare_states
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.tokenize import PreparedInput, Preparer
-from layertap.worker.model.image_inputs import one_per_forward
+from layertap.worker.model.vision.inputs import one_per_forward
 from layertap.worker.model.loading import LoadedModel, each_image_chat_alone
 
 log = logging.getLogger(__name__)

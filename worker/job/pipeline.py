@@ -60,7 +60,7 @@ from layertap.worker.job.errors import JobError
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
 from layertap.worker.job.writer import FileTaken, OnDisk, examine, write_job_file
 from layertap.worker.model.fixes import fixes_of
-from layertap.worker.model.image_inputs import image_features_note
+from layertap.worker.model.vision.inputs import image_features_note
 from layertap.worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.multimodal import ImageChat, model_image_token_id, placeholder_token_ids, render_image_chat
 from layertap.worker.job.token_budget import fewest_by_chars, first_overflow, longest_token_chars
-from layertap.worker.model.image_inputs import staged_inputs
+from layertap.worker.model.vision.inputs import staged_inputs
 from layertap.worker.model.loading import LoadedModel
 
 #: Copies of the tokenizer that jobs tokenize with at once.

@@ -41,17 +41,17 @@ from layertap.worker.model.attention import set_attention
 from layertap.worker.model.batching import ModelRefused, layout_class, plan_batching
 from layertap.worker.model.capture import LayerCapture, UncapturableStream, probe_stream
 from layertap.worker.model.host_memory import LoadReport, peak_rss_bytes
-from layertap.worker.model.aligned_mlp import align_tower_mlps
-from layertap.worker.model.image_inputs import plan_image_batching, rope_index_module
-from layertap.worker.model.image_towers import grid_tower, takes_host_inputs
+from layertap.worker.model.vision.aligned_mlp import align_tower_mlps
+from layertap.worker.model.vision.inputs import plan_image_batching, rope_index_module
+from layertap.worker.model.vision.towers import grid_tower, takes_host_inputs
 from layertap.worker.model.layouts.base import BatchLayout
 from layertap.worker.model.quant.fp8 import choose_compute
 from layertap.worker.model.quant.scheme import QuantScheme, UnsupportedQuantization, scheme_of
 from layertap.worker.model.classes import auto_class
-from layertap.worker.model.processors import load_processor
+from layertap.worker.model.vision.processors import load_processor
 from layertap.worker.model.split.stages import ModelSplit, place, plan_split
-from layertap.worker.model.tower_graphs import TowerGraphs
-from layertap.worker.model.vision_attention import choose_vision_attention
+from layertap.worker.model.vision.tower_graphs import TowerGraphs
+from layertap.worker.model.vision.attention import choose_vision_attention
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,12 @@ class LoadedModel:
     experts: str | None = None  # mixture-of-experts models: transformers' experts implementation (grouped_mm, ...)
     processor: Any | None = None  # a VLM's AutoProcessor (images -> model inputs), None for text models
     processor_problem: str = ""  # why a VLM has no processor (said in its image jobs' errors)
-    image_batching: BatchLayout | None = None  # how chats with images share a forward (``image_inputs``)
+    image_batching: BatchLayout | None = None  # how chats with images share a forward (``vision.inputs``)
     split: ModelSplit | None = None  # a model split over layers into stages (``layertap.worker.model.split``)
-    vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision_attention``)
-    grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``image_towers``), found once
-    rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``image_inputs``), found once
-    tower_graphs: TowerGraphs | None = None  # the grid tower's CUDA graphs by image size (``tower_graphs``), GPU only
+    vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision.attention``)
+    grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``vision.towers``), found once
+    rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``vision.inputs``), found once
+    tower_graphs: TowerGraphs | None = None  # the grid tower's CUDA graphs by image size (``vision.tower_graphs``), GPU only
 
     @property
     def architecture(self) -> str:
@@ -408,7 +408,7 @@ def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> No
     (a split model's: the layer's own forward is compiled, under them). Identical layers
     share one compiled graph; the engine's warm-up pays the compile time. ``backend``: torch's
     (``eager`` traces the graphs without generating code, as the tests of their breaks do).
-    A VLM's grid tower (``layertap.worker.model.image_towers``) has its blocks compiled the same
+    A VLM's grid tower (``layertap.worker.model.vision.towers``) has its blocks compiled the same
     way, one graph for all of them, its varlen flash attention a custom op inside it (no graph
     break). Not the whole tower: that unrolls every block into one graph; on an H200
     (Qwen2.5-VL-7B's 32 blocks) a first forward so compiled had not ended after a minute (17 s
@@ -421,10 +421,10 @@ def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> No
 
 
 def use_tower_graphs(loaded: LoadedModel, limit: int) -> None:
-    """Replay ``loaded``'s grid tower as CUDA graphs by image size (``layertap.worker.model.tower_graphs``)
+    """Replay ``loaded``'s grid tower as CUDA graphs by image size (``layertap.worker.model.vision.tower_graphs``)
     in batched image forwards, for up to ``limit`` sizes: where chats with images batch, for a
-    tower given its inputs on the host (:func:`~layertap.worker.model.image_towers.takes_host_inputs`)
-    that attends by one varlen flash op (``vision_attention``: a GPU, bf16/fp16), so that its
+    tower given its inputs on the host (:func:`~layertap.worker.model.vision.towers.takes_host_inputs`)
+    that attends by one varlen flash op (``vision.attention``: a GPU, bf16/fp16), so that its
     forward never waits on the device. Else (or ``limit`` 0) nothing changes."""
     batched = loaded.image_batching is not None and not loaded.image_batching.slow
     if limit and batched and loaded.vision_attention is not None and takes_host_inputs(loaded.grid_tower):

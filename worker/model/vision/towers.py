@@ -38,7 +38,7 @@ from torch import nn
 from layertap.worker.model.layouts.base import to_device
 
 if TYPE_CHECKING:
-    from layertap.worker.model.tower_graphs import TowerGraphs
+    from layertap.worker.model.vision.tower_graphs import TowerGraphs
 
 
 def vision_module(model: nn.Module, parameter: str) -> nn.Module | None:
@@ -139,7 +139,7 @@ def one_image_at_a_time(tower: nn.Module | None, graphs: TowerGraphs | None = No
     each image of a call alone and merges the outputs (:func:`merge_tower_outputs`). A grid on
     the host (where :func:`takes_host_inputs`) brings each image its :func:`host_tower_inputs`
     and reaches the tower on the pixels' device; with ``graphs`` (a GPU), such an image runs as
-    its size's CUDA graph where it has one (``layertap.worker.model.tower_graphs``)."""
+    its size's CUDA graph where it has one (``layertap.worker.model.vision.tower_graphs``)."""
     if tower is None:
         yield
         return

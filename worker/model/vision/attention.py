@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from layertap.worker.model.attention import FLASH_DTYPES, flash_takes, runs_flash
-from layertap.worker.model.image_towers import vision_module
+from layertap.worker.model.vision.towers import vision_module
 
 #: Contains "flash": what makes the towers pass ``cu_seq_lens_q`` (see the module docstring).
 VISION_ATTENTION_NAME = "layertap_vision_varlen_flash"

@@ -57,7 +57,7 @@ def align_gated_mlps(blocks: nn.ModuleList | list[nn.Module]) -> int:
 
 def align_tower_mlps(tower: nn.Module | None, device: torch.device, dtype: torch.dtype) -> int:
     """:func:`align_gated_mlps` on the blocks of a grid ``tower``
-    (``layertap.worker.model.image_towers.grid_tower``) on a GPU in bf16 or fp16; 0 elsewhere."""
+    (``layertap.worker.model.vision.towers.grid_tower``) on a GPU in bf16 or fp16; 0 elsewhere."""
     if tower is None or device.type != "cuda" or dtype not in HALF_DTYPES:
         return 0
     return align_gated_mlps(getattr(tower, "blocks", []))

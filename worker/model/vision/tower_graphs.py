@@ -1,9 +1,9 @@
 """A grid tower's one-image forward replayed as a CUDA graph, one graph per image size.
 
-Why: run one image at a time (``image_towers``), a Qwen-style tower is bound by the host on an
+Why: run one image at a time (``towers``), a Qwen-style tower is bound by the host on an
 H200: each of its blocks costs the host about 0.7 ms per image to issue (dynamo's guards, about
 ten launches, the attention op's dispatch) against 0.37 ms of GPU time, so the GPU waits. For a
-given grid everything the tower derives from it is fixed (``image_towers.host_tower_inputs``), so
+given grid everything the tower derives from it is fixed (``towers.host_tower_inputs``), so
 its whole forward for one image is a fixed sequence of kernels on fixed buffers but the pixels:
 a graph replays it for one launch.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from layertap.worker.model.image_towers import merge_tower_outputs
+from layertap.worker.model.vision.towers import merge_tower_outputs
 
 log = logging.getLogger(__name__)
 
