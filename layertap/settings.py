@@ -206,6 +206,9 @@ class Settings(BaseSettings):
     # the object store's fsspec options (JSON in LAYERTAP_STORAGE_OPTIONS): endpoint_url, key, secret, ...;
     # without them credentials and endpoint come from the standard places (AWS_* variables, ~/.aws)
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    # other roots whose files readers (trainers, manifest, export) take from results, besides storage_root (JSON
+    # list in LAYERTAP_READ_ROOTS): a result names its file, it never chooses where readers look
+    read_roots: list[str] = Field(default_factory=list)
     images_root: Path | None = None  # image paths in chats are read under it (client and worker), nowhere else
     orphan_timeout: float = Field(default=60.0, gt=0)  # seconds until a dead worker's jobs are requeued
     max_attempts: int = Field(default=3, gt=0)  # starts of one job before it is dead-lettered
@@ -242,6 +245,12 @@ class Settings(BaseSettings):
         from layertap.storage.registry import storage_for
 
         return storage_for(self.storage_root, self.storage_options)
+
+    def reading_storages(self) -> list[Storage]:
+        """The storages a reader takes result files from: ``storage_root``'s, then ``read_roots``'."""
+        from layertap.storage.registry import storage_for
+
+        return [self.storage(), *(storage_for(root, self.storage_options) for root in self.read_roots)]
 
     @property
     def broker_url(self) -> str:

@@ -103,6 +103,20 @@ def storage_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("files")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def readers_storage_root(storage_root: Path) -> Iterator[None]:
+    """The tests' own process, and the CLI it runs, read files as a user configured like the
+    workers: ``LAYERTAP_STORAGE_ROOT`` names the shared workers' root (readers take a result's file
+    only under their own storage roots). A test of other roots gives its readers those."""
+    before = os.environ.get("LAYERTAP_STORAGE_ROOT")
+    os.environ["LAYERTAP_STORAGE_ROOT"] = str(storage_root)
+    yield
+    if before is None:
+        os.environ.pop("LAYERTAP_STORAGE_ROOT", None)
+    else:
+        os.environ["LAYERTAP_STORAGE_ROOT"] = before
+
+
 @contextmanager
 def serve_tiny(arches: tuple[str, ...], redis_server: RedisServer, tiny_models: dict[str, Path], storage_root: Path,
                logs: Path) -> Iterator[dict[str, WorkerProcess]]:

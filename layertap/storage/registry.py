@@ -7,12 +7,13 @@ do (``db+sqlite://``): ``fsspec+sftp://host/dir`` is the fsspec backend on ``sft
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from layertap.extras import need
-from layertap.protocol.naming import is_safe_name, storage_root_of, url_scheme
+from layertap.protocol.naming import is_safe_name, url_scheme
 from layertap.storage.base import Storage
 
 #: scheme -> ("module:Class", the library it needs, the extra that installs it); "" where none
@@ -52,21 +53,23 @@ def storage_for(root: str | Path, options: dict[str, Any] | None = None) -> Stor
     return getattr(import_module(module), name)(root, options)
 
 
-def own_file(address: str, run: str, job_id: str, options: dict[str, Any] | None = None) -> str | None:
-    """``address`` as a reader acts on it if it is the file of ``run``/``job_id`` under the storage
-    root it names (``naming.storage_root_of``), by that storage's :meth:`Storage.owned` (the check
-    before a delete: local paths with every symlink resolved); None for anything else, as a result
-    entry is data anyone who can write to Redis could forge: another run's or job's file, a ``..``
-    path, a symlink that leads elsewhere, a name with a NUL (no file has one), a URL of a scheme no
+def own_file(address: str, run: str, job_id: str, roots: Sequence[Storage]) -> str | None:
+    """``address`` as a reader acts on it if it is the file of ``run``/``job_id`` under one of
+    ``roots``, the reader's own storage roots (``Settings.reading_storages``), by that storage's
+    :meth:`Storage.owned` (the check before a delete: local paths with every symlink resolved);
+    None for anything else, as a result entry is data anyone who can write to Redis could forge:
+    another run's or job's file, a file under a root the reader was not given, a ``..`` path, a
+    symlink that leads elsewhere, a name with a NUL (no file has one), a URL of a scheme no
     backend serves."""
     if "\0" in address or backend_url(address)[0] not in BACKENDS:
         return None
     if not (is_safe_name(run) and is_safe_name(job_id)):
         return None
-    root = storage_root_of(address, run, job_id)
-    return None if root is None else storage_for(root, options).owned(address, run, job_id)
+    return next((own for storage in roots if (own := storage.owned(address, run, job_id)) is not None), None)
 
 
-def foreign_path(address: str, run: str) -> str:
+def foreign_path(address: str, run: str, roots: Sequence[Storage]) -> str:
     """What a reader reports of a result's path that :func:`own_file` refuses."""
-    return f"its result names {address!r}, which is not the job's own file in run {run}"
+    named = ", ".join(str(storage.root) for storage in roots)
+    return (f"its result names {address!r}, which is not the job's own file in run {run} under this reader's "
+            f"storage roots ({named}: storage_root and read_roots)")

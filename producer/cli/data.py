@@ -275,6 +275,7 @@ class RunListing:
                 raise fail(f"no run named {run!r}: it has no jobs and no results (see `layertap runs`)")
             self.results = ok_files(client.redis, run)
             self.storage_options = client.settings.storage_options
+            self.roots = client.settings.reading_storages()
         self.run = run
         self.verify = verify
         self.skipped = self.tokens = self.passes = 0
@@ -285,7 +286,8 @@ class RunListing:
 
         first_pass, self.passes = self.passes == 0, self.passes + 1
         self.skipped = self.tokens = 0
-        for entry in collect(self.results, run=self.run, verify=self.verify, storage_options=self.storage_options):
+        for entry in collect(self.results, run=self.run, roots=self.roots, verify=self.verify,
+                             storage_options=self.storage_options):
             if isinstance(entry, Skipped):
                 self.skipped += 1
                 if first_pass and self.skipped <= MAX_REPORTED_ROWS:

@@ -5,7 +5,8 @@ entries were trimmed first (by job id, found on disk under the run's storage roo
 the stream's: each job id once (its last ok result; later duplicates of a job that ran
 twice are the same file), in the order jobs first finished ok. A job's ``metadata`` comes
 from its result, else from its file's header. A result's path must be the job's own file in
-the run (``storage.registry.own_file``: not another run's file, no ``..``), each file's header
+the run under the reader's storage roots (``storage.registry.own_file``: not another run's file,
+not under another root, no ``..``), each file's header
 is read (``verify=True`` also checks every tensor's checksum), and the file must name the same
 job; a job whose path is not its own file, or whose file is missing or damaged, is reported as
 :class:`Skipped`, never listed. Parquet needs ``pyarrow`` (the ``[data]`` extra); JSONL
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from layertap.protocol import fileformat as ff
 from layertap.protocol.fileformat import FileFormatError, MetaKey
+from layertap.storage.base import Storage
 from layertap.storage.registry import foreign_path, own_file, storage_for
 
 WRITE_BATCH = 10_000
@@ -80,12 +82,13 @@ def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, veri
     )
 
 
-def collect(results: dict[str, tuple[str, str | None]], *, run: str, verify: bool = False,
+def collect(results: dict[str, tuple[str, str | None]], *, run: str, roots: Sequence[Storage], verify: bool = False,
             storage_options: dict[str, Any] | None = None) -> Iterator[ManifestEntry | Skipped]:
-    """An entry (or why not) for each ok result of ``run`` (job id -> (path, metadata)), in order."""
+    """An entry (or why not) for each ok result of ``run`` (job id -> (path, metadata)), in order;
+    a path must be its job's file under one of ``roots`` (``Settings.reading_storages``)."""
     for job_id, (path, metadata) in results.items():
-        if own_file(path, run, job_id, storage_options) is None:
-            yield Skipped(job_id, path, foreign_path(path, run))
+        if own_file(path, run, job_id, roots) is None:
+            yield Skipped(job_id, path, foreign_path(path, run, roots))
             continue
         try:
             yield entry_from_file(job_id, path, metadata, verify=verify, storage_options=storage_options)

@@ -42,8 +42,8 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    ``delete_after`` the file a re-run wrote again is removed); an ok result whose file is gone
    or damaged (any header problem: ``FileFormatError``) is acknowledged and counted (a damaged
    file is left for ``layertap inspect``); an ok result whose path is not the job's own file in
-   this run (``storage.registry.own_file``: a forged entry naming another run's file or a ``..``
-   path) is acknowledged (its job not recorded as consumed), counted ``foreign`` and logged;
+   this run under the trainer's own storage roots (``storage.registry.own_file``: a forged entry
+   naming another run's file, a file under another root or a ``..`` path) is acknowledged (its job not recorded as consumed), counted ``foreign`` and logged;
 6. it stops when the run is complete: sealed (the enqueue that feeds it has sent its last row,
    ``keys.run_sealed_key``; ``wait_for_seal=False`` skips this for runs submitted whole),
    every submitted job has a final result, nothing new is in either stream and no consumer of
@@ -227,6 +227,7 @@ class _Consumer:
                                delete_after=dataset.delete_after)
         self.reader = GroupReader(dataset.settings, dataset.run, name, peers, options, dataset.counts)
         self.finisher = self.reader.finisher
+        self.roots = dataset.settings.reading_storages()  # where this trainer takes files from, whatever results name
         self.rng = random.Random(f"{dataset.seed}:{name}")
         self.buffer: list[tuple[Taken, dict[str, Any]]] = []
         self.buffered_jobs: set[str] = set()
@@ -270,10 +271,10 @@ class _Consumer:
             self.reader.finish(stream, entry_id, result.job_id, Status.error)
             return False
         options = self.ds.settings.storage_options
-        path = own_file(result.path, self.ds.run, result.job_id, options) if result.path else ""
+        path = own_file(result.path, self.ds.run, result.job_id, self.roots) if result.path else ""
         if path is None:  # not a result of this run: acknowledged, the job not recorded as consumed
             self.counts.foreign += 1
-            log.warning("job %s: %s; skipped", result.job_id, foreign_path(result.path, self.ds.run))
+            log.warning("job %s: %s; skipped", result.job_id, foreign_path(result.path, self.ds.run, self.roots))
             self.reader.ack(stream, entry_id)
             return False
         consumed = retrying(lambda: self.reader.consumed(result.job_id), REDIS_GIVE_UP_S)

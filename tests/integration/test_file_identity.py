@@ -25,6 +25,7 @@ from layertap.protocol import fileformat as ff
 from layertap.protocol import keys
 from layertap.protocol.naming import job_path
 from layertap.protocol.schema import ErrorType, Job
+from layertap.storage.registry import storage_for
 from tests.support import reference
 from tests.support.jobs import wait_for
 from tests.support.processes import cli
@@ -275,7 +276,8 @@ def test_every_header_problem_is_a_file_format_error(tiny_models, tmp_path):
                      lambda: load_item(result.job_id, path, [0, 2])):
             with pytest.raises(ff.FileFormatError):
                 read()
-        skipped = list(collect({result.job_id: (str(path), None)}, run=result.run, verify=True))
+        skipped = list(collect({result.job_id: (str(path), None)}, run=result.run, roots=[storage_for(tmp_path / name)],
+                               verify=True))
         assert skipped == [Skipped(result.job_id, str(path), str(raised.value))], name
 
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 from layertap.producer.client import runs
 from layertap.protocol import keys
@@ -24,15 +25,16 @@ RUN = "kept"
 FIRST, SECOND = 30, 20
 
 
-def layertap(redis_url: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_url}
+def layertap(redis_url: str, *args: str, storage_root: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_url,
+           **({"LAYERTAP_STORAGE_ROOT": str(storage_root)} if storage_root else {})}
     done = subprocess.run(cli(*args), env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done
 
 
-def manifest_rows(redis_url: str, out) -> dict[str, dict]:
-    layertap(redis_url, "manifest", "--run", RUN, "--out", str(out))
+def manifest_rows(redis_url: str, out, storage_root: Path) -> dict[str, dict]:
+    layertap(redis_url, "manifest", "--run", RUN, "--out", str(out), storage_root=storage_root)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == len({row["job_id"] for row in rows})
     return {row["job_id"]: row for row in rows}
@@ -68,12 +70,12 @@ def test_trim_while_a_worker_runs_keeps_manifest_resume_counts_and_wait_exact(ma
     assert "dropped" in layertap(url, "run", "trim", RUN).stdout
     waited = client.wait(RUN, second, timeout=120)  # some of them trimmed already: read from the ledger
     assert all(result.ok and os.path.exists(result.path) for result in waited.values())
-    mixed = manifest_rows(url, tmp_path / "mixed.jsonl")
+    mixed = manifest_rows(url, tmp_path / "mixed.jsonl", make_worker.storage)
 
     layertap(url, "run", "trim", RUN)
     assert client.redis.xlen(keys.results_stream(RUN)) == 0
     assert client.redis.hlen(keys.run_result_ids_hash(RUN)) == 0
-    trimmed = manifest_rows(url, tmp_path / "trimmed.jsonl")
+    trimmed = manifest_rows(url, tmp_path / "trimmed.jsonl", make_worker.storage)
     assert trimmed == mixed  # the same rows, metadata included (from the files' headers)
     expected = {**{job_id: f"row-{i}" for i, job_id in enumerate(first)},
                 **{job_id: f"later-{i}" for i, job_id in enumerate(second)}}

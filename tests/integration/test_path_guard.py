@@ -1,7 +1,8 @@
 """Paths taken from Redis are data anyone who can write to Redis could forge: ``run delete --files``
 and a ``delete_after`` trainer remove a job's own file under the storage root and nothing else
 (not a canary outside it, not one reached through a symlink or ``..``), and no reader (a streaming
-trainer, ``layertap manifest``) reads any file but the job's own in its own run."""
+trainer, ``layertap manifest``) reads any file but the job's own in its own run under the reader's
+own storage roots (``storage_root`` and ``read_roots``), whatever root a result's path names."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from layertap.protocol import keys
 from layertap.protocol.naming import file_under_root, job_path
 from layertap.protocol.schema import Result, Status
 from layertap.settings import Settings
+from layertap.storage.registry import foreign_path, own_file
 from tests.support.processes import cli
 
 MODEL = "tiny-qwen3"
@@ -50,6 +52,19 @@ def test_the_one_path_check(tmp_path):
     assert file_under_root(tmp_path / "j.safetensors", root, "r", "j") is None
     os.symlink(root, tmp_path / "via")  # a symlinked root is the same root
     assert file_under_root(job_path(tmp_path / "via", "r", "j"), root, "r", "j") == good.resolve()
+
+
+def test_readers_take_files_only_under_their_own_roots(tmp_path):
+    """``Settings.reading_storages``: storage_root, then read_roots; ``own_file`` takes a job's file
+    under one of them and nothing at the same place under another root."""
+    roots = {name: tmp_path / name for name in ("ours", "second", "foreign")}
+    places = {name: str(job_path(root, "r", "j")) for name, root in roots.items()}
+    alone = Settings(storage_root=str(roots["ours"])).reading_storages()
+    both = Settings(storage_root=str(roots["ours"]), read_roots=[str(roots["second"])]).reading_storages()
+    assert [own_file(places[name], "r", "j", alone) is not None for name in places] == [True, False, False]
+    assert [own_file(places[name], "r", "j", both) is not None for name in places] == [True, True, False]
+    assert own_file(places["second"], "r", "other", both) is None
+    assert "under this reader's storage roots" in foreign_path(places["foreign"], "r", both)
 
 
 def test_run_delete_files_removes_nothing_outside_the_storage_root(workers, redis_server, client, run_name,
@@ -90,16 +105,16 @@ def test_a_delete_after_trainer_removes_nothing_outside_the_storage_root(workers
     trainer = StreamingHiddenStatesDataset(run_name, group=group, delete_after=True, time_limit_s=60,
                                            settings=Settings(redis_url=redis_server.url, storage_root=storage_root))
     assert [item["job_id"] for item in trainer] == [job.job_id]
-    assert trainer.counts.foreign == 3 and trainer.counts.duplicates == 1  # forged-c is its job's file, elsewhere
+    assert trainer.counts.foreign == 4 and trainer.counts.duplicates == 0  # forged-c: its job's place, another root
     assert outside.exists() and linked.exists() and elsewhere.exists() and not os.path.exists(real)
 
 
 def test_a_forged_result_is_read_by_no_reader(workers, redis_server, client, run_name, storage_root, tmp_path,
                                                caplog):
     """Reading is path-checked as deleting is: an ok entry in this run's stream that names another
-    run's file, or a ``..`` path under the root, is not yielded to the run's streaming trainer
-    (counted ``foreign`` and logged; the file is left) nor listed by ``layertap manifest``
-    (reported, exit 2); the run's own jobs are."""
+    run's file, a ``..`` path under the root, or a file at its job's place under a root the reader
+    was not given, is not yielded to the run's streaming trainer (counted ``foreign`` and logged;
+    the file is left) nor listed by ``layertap manifest`` (reported, exit 2); the run's own jobs are."""
     other = f"{run_name}-b"
     theirs = client.submit({"prompt": "another run's sample"}, model=MODEL, run=other)
     ours = sorted(client.submit({"token_ids": [5, 6, 7, i]}, model=MODEL, run=run_name).job_id for i in range(2))
@@ -108,12 +123,15 @@ def test_a_forged_result_is_read_by_no_reader(workers, redis_server, client, run
     client.wait(run_name, ours, timeout=600)
     dotted = f"{storage_root}/{run_name}/../{other}/{Path(their_path).parent.name}/{theirs.job_id}.safetensors"
     assert os.path.samefile(dotted, their_path)
-    forged = {theirs.job_id: their_path, "dotted": dotted}
+    elsewhere = job_path(tmp_path / "elsewhere", run_name, "forged-d")  # shaped as the job's file, another root
+    elsewhere.parent.mkdir(parents=True)
+    elsewhere.write_bytes(Path(their_path).read_bytes())
+    forged = {theirs.job_id: their_path, "dotted": dotted, "forged-d": str(elsewhere)}
     for job_id, path in forged.items():
         forge_ok(client, run_name, job_id, path)
 
     manifest = tmp_path / "m.jsonl"
-    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url}
+    env = {**os.environ, "LAYERTAP_REDIS_URL": redis_server.url, "LAYERTAP_STORAGE_ROOT": str(storage_root)}
     listed = subprocess.run(cli("manifest", "--run", run_name, "--out", str(manifest)), env=env,
                             capture_output=True, text=True, timeout=600)
     assert listed.returncode == 2, listed.stderr

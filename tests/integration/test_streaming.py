@@ -273,7 +273,8 @@ def test_a_redis_restart_mid_stream_loses_nothing(tiny_models, tmp_path):
             job_ids = submit(private, "restart", token_jobs(20, seed=8))
             private.wait("restart", job_ids, timeout=120)
             seen: list[str] = []
-            for item in StreamingHiddenStatesDataset("restart", redis_url=server.url, read_count=4, time_limit_s=90):
+            for item in StreamingHiddenStatesDataset("restart", redis_url=server.url, read_count=4, time_limit_s=90,
+                                                     settings=Settings(storage_root=tmp_path / "files")):
                 seen.append(item["job_id"])
                 if len(seen) == 5:  # Redis crashes and is back 2 s later (AOF, appendfsync always)
                     server.kill()
