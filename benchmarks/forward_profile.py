@@ -27,7 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 from layertap.worker.bench.measure import matmul_rate, on_own_thread, useful_flops
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.records import EngineRequest
-from layertap.worker.model.loading import compile_decoder_layers, load_model
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.modes import compile_decoder_layers
 
 #: Kernel class by the first pattern its name holds (lower case), in this order. Attention comes
 #: first: flash-attention's kernel names hold ``cutlass::bfloat16_t``. Inductor's fused kernels

@@ -33,7 +33,7 @@ LAYERS = [2, 18, 33, 36]
 def capture_all(loaded, groups: list[list[torch.Tensor]], compile_layers: bool) -> tuple[list[dict], float]:
     from layertap.worker.engine.engine import Engine
     from layertap.worker.engine.records import EngineRequest
-    from layertap.worker.model.loading import compile_decoder_layers
+    from layertap.worker.model.modes import compile_decoder_layers
 
     if compile_layers:
         compile_decoder_layers(loaded)

@@ -235,7 +235,7 @@ def main() -> None:
 
     from layertap.protocol.layers import eagle3_layer_ids
     from layertap.worker.job.multimodal import placeholder_token_ids
-    from layertap.worker.model.loading import resolve_device
+    from layertap.worker.model.devices import resolve_device
     from layertap.worker.model.vision.processors import load_processor
 
     device = resolve_device(args.device)

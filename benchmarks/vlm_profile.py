@@ -53,7 +53,8 @@ from layertap.worker.engine.runner import BatchRunner, run_with_images
 from layertap.worker.job.multimodal import placeholder_token_ids
 from layertap.worker.model.vision.inputs import staged_inputs
 from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
-from layertap.worker.model.loading import compile_decoder_layers, load_model, transformers_attention, use_tower_graphs
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.modes import compile_decoder_layers, transformers_attention, use_tower_graphs
 from layertap.worker.model.vision.processors import load_processor
 from layertap.worker.model.vision.tower_graphs import SIZES
 from layertap.worker.model.vision.attention import vision_attention
@@ -200,7 +201,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="decoder layers and vision blocks compiled, "
                                                                "as a worker's --compile")
     args = parser.parse_args()
-    from layertap.worker.model.loading import resolve_device
+    from layertap.worker.model.devices import resolve_device
 
     device = resolve_device(args.device)
     model_dir = write_model(args.shape, args.folder / args.shape, device)

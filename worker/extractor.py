@@ -27,7 +27,8 @@ from layertap.worker.engine.self_check import check_prefix_sharing, check_with_f
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.tokenize import Preparer
-from layertap.worker.model.loading import LoadedModel, compile_decoder_layers, load_model, use_tower_graphs
+from layertap.worker.model.loading import LoadedModel, load_model
+from layertap.worker.model.modes import compile_decoder_layers, use_tower_graphs
 from layertap.worker.model.vision.tower_graphs import SIZES as tower_graph_sizes
 
 log = logging.getLogger(__name__)

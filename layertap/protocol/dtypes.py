@@ -1,7 +1,7 @@
 """Dtype names, in one place (torch-free): what jobs and settings may ask for, their short
 aliases, and the name a file's header and a result record for each.
 
-The worker maps these names to torch dtypes in one table (``layertap.worker.model.loading.TORCH_DTYPES``).
+The worker maps these names to torch dtypes in one table (``layertap.worker.model.devices.TORCH_DTYPES``).
 """
 
 from __future__ import annotations

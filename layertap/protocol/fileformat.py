@@ -169,7 +169,7 @@ class MetaKey:
     PROVENANCE = "provenance"  # JSON: the job's ``provenance`` (e.g. regeneration: endpoint model, sampling, source row)
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
-    WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (layertap.worker.model.loading.weights_fingerprint)
+    WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (layertap.worker.model.fingerprints.weights_fingerprint)
     # The fixes that changed what this model's files hold (the worker's ``model.fixes``), where it has any:
     # a file written before one lacks it, so it no longer matches what a worker would write.
     COMPUTE_FIXES = "compute_fixes"

@@ -172,7 +172,7 @@ def test_writer_replaces_a_damaged_file_with_its_own_identity(tiny_models, tmp_p
 
 
 def test_weights_fingerprint_reads_little_sees_a_rewrite_and_ignores_times(tmp_path):
-    from layertap.worker.model.loading import weights_fingerprint
+    from layertap.worker.model.fingerprints import weights_fingerprint
 
     folder = tmp_path / "model"
     folder.mkdir()

@@ -78,7 +78,7 @@ def test_a_compiled_split_layer_is_one_graph_as_the_whole_models(tiny_models):
     attention only) and the same graphs as the whole model."""
     from torch._dynamo.utils import counters
 
-    from layertap.worker.model.loading import compile_decoder_layers
+    from layertap.worker.model.modes import compile_decoder_layers
 
     def compiled_graphs(stages: int) -> tuple[int, int, list[str]]:
         """(graph breaks, graphs, the modules of layer 0 that carry an accelerate hook)"""
@@ -98,7 +98,7 @@ def test_a_compiled_split_layer_is_one_graph_as_the_whole_models(tiny_models):
 
 
 def test_device_map_places_every_weight_and_the_tail_on_the_last_stage(tiny_models):
-    from layertap.worker.model.loading import empty_model, split_plan
+    from layertap.worker.model.split.plans import empty_model, split_plan
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_models["llama"])
@@ -133,7 +133,7 @@ def test_a_split_worker_writes_the_files_of_a_whole_model(make_worker, private_c
 
 def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split(tiny_models, tmp_path):
     from layertap.worker import Extractor
-    from layertap.worker.model.loading import split_devices
+    from layertap.worker.model.split.plans import split_devices
 
     assert split_devices(torch.device("cpu"), 3) == ["cpu", "cpu", "cpu"]
     assert split_devices(torch.device("cpu"), 0) == ["cpu"]
@@ -146,7 +146,7 @@ def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split(tiny_models, tmp_p
 def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():
     """``shape:`` models split over GPUs are built on the meta device and each weight made on its
     stage's device (never the whole model on one); here the map is all on the CPU."""
-    from layertap.worker.model.loading import empty_model, split_plan
+    from layertap.worker.model.split.plans import empty_model, split_plan
     from layertap.worker.model.shapes import build_random_model, fill_random, shape_config
 
     model = empty_model(shape_config("qwen3-tiny"), trust_remote_code=False)

@@ -213,7 +213,7 @@ def test_the_client_fills_image_digests_and_refuses_bad_images_before_sending(re
 def test_the_qwen2_5_vl_7b_shape_builds_as_a_vlm_with_its_text_decoder_found():
     """``shape:qwen2.5-vl-7b`` (for the bench; built on the meta device here: no memory) is the
     VLM class, vision tower included, and its 28 text layers and final norm are found."""
-    from layertap.worker.model.loading import find_decoder_layers, find_final_norm
+    from layertap.worker.model.parts import find_decoder_layers, find_final_norm
     from layertap.worker.model.shapes import build_random_model
 
     model = build_random_model("qwen2.5-vl-7b", torch.device("meta"), torch.bfloat16)
@@ -712,7 +712,7 @@ def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path)
     ``one_image_at_a_time``, with the grid on the host (its inputs computed there), each
     image's features are bit for bit the uncompiled tower's, for images of several sizes."""
     from layertap.worker.model.vision.towers import one_image_at_a_time
-    from layertap.worker.model.loading import compile_decoder_layers
+    from layertap.worker.model.modes import compile_decoder_layers
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     loaded = load_model(str(model_dir), device="cpu", dtype="float32")

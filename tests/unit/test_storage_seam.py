@@ -59,7 +59,7 @@ ALLOWED = {
     ("worker/ops/supervisor.py", ".unlink"): "the worker's phase file",
     ("worker/ops/progress.py", "open"): "/proc/self/statm (memory)",
     ("layertap/protocol/images.py", ".stat"): "an image file of a chat (under images_root)",
-    ("worker/model/loading.py", ".stat"): "the model's weight files (the weights fingerprint)",
+    ("worker/model/fingerprints.py", ".stat"): "the model's weight files (the weights fingerprint)",
     ("worker/bench/measure.py", ".stat"): "the benchmark's own scratch folder (/dev/shm), never a run's root",
     ("worker/bench/parts.py", ".unlink"): "the benchmark's probe file",
 }

@@ -43,7 +43,9 @@ from layertap.worker.bench.parts import memory_check, run_engine, run_forward_on
 from layertap.worker.bench.prompts import file_prompts, random_prompts
 from layertap.worker.bench.queue_part import run_queue
 from layertap.worker.bench.report import device_name, format_flops, format_table, software_versions
-from layertap.worker.model.loading import compile_decoder_layers, load_model, resolve_device
+from layertap.worker.model.devices import resolve_device
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.modes import compile_decoder_layers
 
 __all__ = ["BenchConfig", "format_table", "run_bench"]  # the CLI's imports
 

@@ -26,7 +26,8 @@ from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.engine.inputs import batch_policy, pad_multiple
 from layertap.worker.extractor import build_processor
 from layertap.worker.model.capture import StopForward
-from layertap.worker.model.loading import LoadedModel, transformers_attention
+from layertap.worker.model.loading import LoadedModel
+from layertap.worker.model.modes import transformers_attention
 
 PLAIN_BATCH = 8  # (p): prompts per batch
 #: (b) and (c) take at most this many jobs per batch, as a worker does by default.

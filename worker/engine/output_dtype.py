@@ -11,7 +11,7 @@ import torch
 
 from layertap.protocol.dtypes import AUTO, RECORDED_NAMES
 from layertap.protocol.fp8 import E4M3_MAX
-from layertap.worker.model.loading import TORCH_DTYPES
+from layertap.worker.model.devices import TORCH_DTYPES
 
 FLOAT8 = TORCH_DTYPES["float8"]
 

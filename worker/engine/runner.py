@@ -28,7 +28,8 @@ from layertap.worker.model.batching import layout_class
 from layertap.worker.model.vision.inputs import host_rope_positions, merge_image_inputs, pads_tiles, real_tokens_mask
 from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.layouts.base import BatchLayout, to_device
-from layertap.worker.model.loading import LoadedModel, transformers_attention
+from layertap.worker.model.loading import LoadedModel
+from layertap.worker.model.modes import transformers_attention
 from layertap.worker.model.vision.attention import vision_attention
 
 #: Processor outputs left on the host for a grid tower that takes its inputs there (``vision.towers``).

@@ -8,7 +8,7 @@ blocks) engage on them.
 
 "Alone" is one sequence per forward as the model runs it by itself: the attention
 implementation transformers chose for it (SDPA, or its own) and the positions it numbers
-itself (``loading.each_sequence_alone``), so the check covers packed attention and packed
+itself (``modes.each_sequence_alone``), so the check covers packed attention and packed
 positions too (sliding windows, features it lacks, a model that does not number from 0),
 not only state leaking between prompts.
 Every layer ``0..L`` is compared (per layer: the relative Frobenius error over the
@@ -38,7 +38,8 @@ from layertap.worker.engine.errors import EngineError
 from layertap.worker.engine.probes import ProbePlan, plan_probes
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.model.batching import ModelRefused, fallback
-from layertap.worker.model.loading import LoadedModel, each_sequence_alone, use_layout
+from layertap.worker.model.loading import LoadedModel
+from layertap.worker.model.modes import each_sequence_alone, use_layout
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Where the model's image chats batch (``layertap.worker.model.vision.inputs``), p
 images of different sizes and texts of different lengths are prepared the way jobs are
 (the model's chat template and processor), run together in one forward and each alone as a
 user runs the model on its processor's output (its attention mask, the positions it numbers
-itself: ``loading.each_image_chat_alone``), and
+itself: ``modes.each_image_chat_alone``), and
 compared on every layer ``0..L`` with the text check's tolerance. Where they differ (or no
 probe chat can be prepared), image chats fall back to one per forward, with a warning that
 says why; a model that runs them one per forward already is not checked (that is the
@@ -28,7 +28,8 @@ from layertap.worker.engine.self_check import CheckReport, captured_states, comp
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.tokenize import PreparedInput, Preparer
 from layertap.worker.model.vision.inputs import one_per_forward
-from layertap.worker.model.loading import LoadedModel, each_image_chat_alone
+from layertap.worker.model.loading import LoadedModel
+from layertap.worker.model.modes import each_image_chat_alone
 
 log = logging.getLogger(__name__)
 
