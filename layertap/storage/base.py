@@ -38,6 +38,10 @@ class Storage(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r})"
 
+    def holds(self, address: str) -> bool:
+        """Whether ``address`` lies under this storage's root."""
+        return address.startswith(self.root.rstrip("/") + "/")
+
     def locate(self, run: str, job_id: str) -> str:
         """Where ``run``/``job_id``'s file is (names checked by ``naming.check_name``)."""
         return job_location(self.root, run, job_id)

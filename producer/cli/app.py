@@ -114,12 +114,12 @@ def inspect(
     """Show a file's tensors, metadata and per-layer statistics."""
     from layertap.producer.files.file_stats import describe_file
     from layertap.protocol.fileformat import FileFormatError, MetaKey
-    from layertap.storage.registry import storage_for
+    from layertap.storage.registry import storage_at
 
     try:
         info = describe_file(file, verify=verify)
     except FileFormatError as exc:
-        if MetaKey.CHECKSUMS in storage_for(file).read_header(file).metadata:
+        if MetaKey.CHECKSUMS in storage_at(file).read_header(file).metadata:
             raise  # a layertap file that fails its check: damaged, never to be waved through
         raise CliError(f"{exc}; it has no layertap checksums and is not laid out as vLLM writes its files: "
                        "`layertap inspect --no-verify` reads it unchecked") from None

@@ -28,6 +28,7 @@ from layertap.protocol.layers import LayerIdError, resolve_layer_ids
 from layertap.protocol.naming import served_model_name
 from layertap.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
 from layertap.settings import Settings
+from layertap.storage.registry import use_options
 from layertap.transport import ledger
 from layertap.transport.celery_app import make_celery, send_extract
 from layertap.transport.redis_conn import connect, retrying
@@ -60,6 +61,7 @@ class Client:
         if redis_url is not None:
             settings = settings.model_copy(update={"redis_url": redis_url})
         self.settings = settings
+        use_options(settings.storage_root, settings.storage_options)  # result files are read with them
         self.celery = make_celery(settings)
         self.redis = connect(settings, decode_responses=True)
         self._open_runs: set[str] = set()  # runs seen not cancelled by this client

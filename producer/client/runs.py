@@ -50,7 +50,7 @@ from layertap.protocol.fileformat import MetaKey
 from layertap.protocol.naming import job_location
 from layertap.protocol.schema import Result, Status
 from layertap.storage.base import Storage
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import storage_at, storage_for
 from layertap.transport import ledger
 from layertap.transport.ledger import cancel as cancel  # re-exported: the run's ledger changes
 from layertap.transport.ledger import run_keys
@@ -241,7 +241,7 @@ def ledger_path(roots: list[str], run: str, job_id: str) -> str | None:
     holds it here (the first if this machine sees none); None without roots."""
     paths = [job_location(root, run, job_id) for root in roots]
     if len(paths) > 1:
-        paths.sort(key=lambda path: not storage_for(path).exists(path))
+        paths.sort(key=lambda path: not storage_at(path).exists(path))
     return paths[0] if paths else None
 
 
@@ -292,7 +292,7 @@ def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Re
                             "(retention): `layertap enqueue` sends it again")
     path = ledger_path(storage_roots(client, run), run, job_id)
     try:
-        header = storage_for(path).read_header(path) if path else None
+        header = storage_at(path).read_header(path) if path else None
         meta = header.metadata if header is not None else {}
         if header is None or meta.get(MetaKey.JOB_ID) != job_id:
             return Result(job_id=job_id, run=run, status=Status.ok, path=path)

@@ -30,7 +30,7 @@ from layertap.protocol.fileformat import (
     read_file_header,
     sealed_metadata,
 )
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import storage_at
 
 FLOAT8 = RECORDED_NAMES["float8"]
 BFLOAT16 = RECORDED_NAMES["bfloat16"]
@@ -42,7 +42,7 @@ def write_dequantized(path: str, target: Path, storage_options: dict[str, Any] |
     torch = need("torch", "exporting float8 files")
     from safetensors.torch import save_file
 
-    with storage_for(path, storage_options).local(path) as local:
+    with storage_at(path, storage_options).local(path) as local:
         metadata = read_file_header(local, name=path).metadata
         if metadata.get(MetaKey.DTYPE) != FLOAT8:
             raise ValueError(f"{path} is stored as {metadata.get(MetaKey.DTYPE)!r}, not {FLOAT8}")

@@ -45,7 +45,7 @@ from layertap.producer.files.export_config import ExportLayers, write_export_con
 from layertap.producer.files.manifest import ManifestEntry
 from layertap.protocol import fileformat as ff
 from layertap.storage.local import add_lock_file
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import storage_at
 
 HS_FOLDER = "hidden_states"
 
@@ -154,7 +154,7 @@ def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_lay
             if entry.dtype == FLOAT8:
                 write_dequantized(entry.path, target, storage_options)
                 report.dequantized += 1
-            elif storage_for(entry.path, storage_options).copy_to(entry.path, target):  # a link, or a copy
+            elif storage_at(entry.path, storage_options).copy_to(entry.path, target):  # a link, or a copy
                 report.linked += 1
             else:
                 report.copied += 1

@@ -21,13 +21,13 @@ from layertap.protocol.fileformat import (
     verify_file,
 )
 from layertap.protocol.fp8 import dequantize_array
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import storage_at
 
 
 def describe_file(path: str | Path, verify: bool = True) -> dict[str, Any]:
     """A JSON-ready description of one file (a path or URL); ``verify`` checks a layertap file whole,
     a file vLLM wrote as far as it can be (``fileformat.check_vllm_file``: it has no checksums)."""
-    storage = storage_for(path)
+    storage = storage_at(path)
     with storage.local(str(path)) as local:
         header = read_file_header(local, name=path)
         if verify and is_vllm_file(header):
@@ -61,7 +61,7 @@ def hidden_states_float32(header: FileHeader) -> np.ndarray:
 
 def read_hidden_states(path: str | Path) -> tuple[list[int], np.ndarray]:
     """``(layer ids, hidden_states as float32 [T, num_layers, H])`` of a file, under its shared lock."""
-    with storage_for(path).local(str(path)) as local:
+    with storage_at(path).local(str(path)) as local:
         header = read_file_header(local, name=path)
         if HIDDEN_STATES not in header.tensors:
             raise ValueError(f"{path} has no {HIDDEN_STATES} tensor")

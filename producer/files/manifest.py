@@ -25,7 +25,7 @@ from typing import Any
 from layertap.protocol import fileformat as ff
 from layertap.protocol.fileformat import FileFormatError, MetaKey
 from layertap.storage.base import Storage
-from layertap.storage.registry import foreign_path, own_file, storage_for
+from layertap.storage.registry import foreign_path, own_file, storage_at
 
 WRITE_BATCH = 10_000
 
@@ -65,7 +65,7 @@ def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, veri
                     storage_options: dict[str, Any] | None = None) -> ManifestEntry:
     """The manifest entry of one file (a path or URL; ``storage_options`` for an object store),
     from its header. Raises ``FileFormatError`` or ``OSError``."""
-    storage = storage_for(path, storage_options)
+    storage = storage_at(path, storage_options)
     parsed = storage.verify(path) if verify else storage.read_header(path)
     header, meta = parsed.tensors, parsed.metadata
     if meta.get(MetaKey.JOB_ID) != job_id:

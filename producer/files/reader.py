@@ -20,7 +20,7 @@ from layertap.protocol.fileformat import (
     read_file_header,
     verify_file,
 )
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import storage_at
 
 
 def load_hidden_states(
@@ -50,7 +50,7 @@ def load_hidden_states(
     """
     if framework is None:
         framework = "pt" if importlib.util.find_spec("torch") is not None else "np"
-    with storage_for(path, storage_options).local(str(path)) as local:
+    with storage_at(path, storage_options).local(str(path)) as local:
         header = read_file_header(local, name=path)
         vllm = is_vllm_file(header)
         in_place = verify and not vllm and framework == "pt" and device == "cpu"  # checksums on the loaded bytes
@@ -79,4 +79,4 @@ def load_hidden_states(
 def cleanup_hidden_states(path: str | Path, *, keep_data: bool = False,
                           storage_options: dict[str, Any] | None = None) -> None:
     """Remove a file's lock file and, unless ``keep_data``, the file itself (as vLLM's helper)."""
-    storage_for(path, storage_options).remove(str(path), keep_data=keep_data)
+    storage_at(path, storage_options).remove(str(path), keep_data=keep_data)

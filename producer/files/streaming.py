@@ -90,7 +90,7 @@ from layertap.protocol.fileformat import FileFormatError
 from layertap.protocol.naming import check_name
 from layertap.protocol.schema import Result, Status
 from layertap.settings import Settings
-from layertap.storage.registry import foreign_path, own_file, storage_for
+from layertap.storage.registry import foreign_path, own_file, storage_at
 from layertap.transport.redis_conn import connect, retrying
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ class _Consumer:
             self.reader.ack(stream, entry_id)
             return False
         if result.layers is None:  # recovered from the ledger, and this process cannot read the file's header
-            gone = not path or not storage_for(path, options).exists(path)
+            gone = not path or not storage_at(path, options).exists(path)
             return self._skip(stream, entry_id, result, FileNotFoundError(path) if gone
                               else FileFormatError(f"{path}: its header does not read"))
         missing = [layer for layer in self.ds.layers or [] if layer not in result.layers]

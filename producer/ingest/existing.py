@@ -28,7 +28,7 @@ from layertap.protocol import fileformat as ff
 from layertap.protocol import keys
 from layertap.protocol.fileformat import MetaKey
 from layertap.protocol.schema import Job
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import storage_at
 
 #: The settings compared, in the order they are named (job field names, as ``enqueue``'s flags).
 SETTINGS = ("model", "layers", "dtype", "topk", "topk_on", "final_hidden_states", "loss_on")
@@ -80,7 +80,7 @@ def _from_file(path: str | None, job_id: str) -> Made:
     if path is None:
         return Made(None, {}, "its result was trimmed from the run's stream and the run records no storage root")
     try:
-        header = storage_for(path).read_header(path)
+        header = storage_at(path).read_header(path)
         meta = header.metadata
         if meta.get(MetaKey.JOB_ID) != job_id:
             return Made(None, {}, f"its file {path} is not job {job_id}'s")

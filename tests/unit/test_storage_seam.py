@@ -294,3 +294,18 @@ def test_an_fsspec_file_system_commit_cut_short_leaves_no_file_at_the_final_name
     assert found["error"] == 27  # EFBIG, raised by the commit
     assert found["final"] is False and found["beside"] == []
 
+
+def test_a_file_is_read_through_the_storage_resolved_for_its_root_with_its_options(tmp_path):
+    """Resolved once per process: a root's storage is built once for its options, a file under it
+    is served by it (options and all) wherever a reader names only the path, and an address of
+    the same backend elsewhere gets this process's options for that backend."""
+    from layertap.storage.registry import storage_at, storage_for
+
+    options = {"spool_dir": str(tmp_path / "spool")}
+    storage = storage_for("fsspec+memory://layertap-once/root", options)
+    assert storage_for("fsspec+memory://layertap-once/root", dict(options)) is storage
+    address = storage.locate("run", "job")
+    assert storage_at(address) is storage and storage_for(address) is storage
+    elsewhere = storage_at("fsspec+memory://layertap-once/other/run/abc/job.safetensors")
+    assert elsewhere is not storage and elsewhere.options == options
+

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey, sealed_metadata
 from layertap.storage.base import Storage
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import storage_at
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def examine(path: str | Path, spec_hash: str, content_id: str, storage: Storage 
     """Verify the file at ``path`` in ``storage`` (by default the one its address names; checksums
     included) and compare it with what a job of this ``spec_hash`` and ``content_id`` would write
     there. Files appear only complete, so no lock is needed (``shared`` waits out a writer anyway)."""
-    storage = storage_for(path) if storage is None else storage
+    storage = storage_at(path) if storage is None else storage
     try:
         header = storage.verify(str(path), shared=shared)
     except FileNotFoundError:
@@ -79,7 +79,7 @@ def write_job_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata:
     protocol above (``metadata`` has the job's ``spec_hash`` and ``content_id``). Returns False if
     an equal file was kept; raises :class:`FileTaken` for a file of other job content there,
     which only ``replace`` (the job's own ``replace``) writes over."""
-    storage, path = (storage_for(path) if storage is None else storage), str(path)
+    storage, path = (storage_at(path) if storage is None else storage), str(path)
     tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
     metadata = sealed_metadata(metadata, {name: tensor.view(torch.uint8).numpy() for name, tensor in tensors.items()},
                                {name: list(tensor.shape) for name, tensor in tensors.items()})
