@@ -6,6 +6,7 @@ Exit codes: 0 the ids agree (printed); 1 they differ, or the data or config cann
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -15,6 +16,7 @@ from layertap.producer.cli.common import fail
 
 if TYPE_CHECKING:
     from layertap.producer.files.export_config import ExportLayers
+    from layertap.producer.files.manifest import ManifestEntry
 
 
 def check_draft(
@@ -26,6 +28,9 @@ def check_draft(
     export: Optional[Path] = typer.Option(None, "--export", help="The data: a layertap export folder."),
     run: Optional[str] = typer.Option(None, "--run", help="The data: a run's ok results (reads every file's header)."),
     from_manifest: Optional[Path] = typer.Option(None, "--manifest", help="The data: a manifest file."),
+    data: Optional[Path] = typer.Option(None, "--data", help="The data: a speculators data folder whose "
+                                        "hidden_states/hs_*.safetensors are layertap files (speculators' "
+                                        "generate-offline-data through `layertap serve`; reads every file's header)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (with --run)."),
 ) -> None:
     """Check a draft's target layer ids against the data's auxiliary layers (after vLLM's ordering)."""
@@ -34,10 +39,10 @@ def check_draft(
 
     if (config is None) == (target_layer_ids is None):
         raise fail("give one of --config C or --target-layer-ids IDS", 2)
-    if sum(source is not None for source in (export, run, from_manifest)) != 1:
-        raise fail("give one of --export DIR, --run R or --manifest F", 2)
+    if sum(source is not None for source in (export, run, from_manifest, data)) != 1:
+        raise fail("give one of --export DIR, --run R, --manifest F or --data DIR", 2)
     try:
-        found = data_layers(export, run, from_manifest, redis_url)
+        found = data_layers(export, run, from_manifest, data, redis_url)
         if config is not None:
             ids = check_draft_config(config, found.layers, found.num_hidden_layers)
         else:
@@ -49,7 +54,7 @@ def check_draft(
           f"L = {found.num_hidden_layers})", flush=True)
 
 
-def data_layers(export: Path | None, run: str | None, from_manifest: Path | None,
+def data_layers(export: Path | None, run: str | None, from_manifest: Path | None, data: Path | None,
                 redis_url: str | None) -> ExportLayers:
     """The layers every file of the data holds (``export.check_entries``, ``export_config``)."""
     from layertap.producer.cli.data import RunListing
@@ -59,8 +64,28 @@ def data_layers(export: Path | None, run: str | None, from_manifest: Path | None
 
     if export is not None:
         return read_export_layers(export)
+    if data is not None:
+        return check_entries(folder_entries(data))
     entries = RunListing(run, redis_url) if run is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
     return check_entries(entries)
+
+
+def folder_entries(folder: Path) -> Iterator[ManifestEntry]:
+    """A manifest entry per ``hidden_states/hs_*.safetensors`` file of a speculators data folder, from its
+    header (the job it names); a file without layertap's header (vLLM's) records no layers: ``ValueError``."""
+    from layertap.producer.files.export import HS_FOLDER
+    from layertap.producer.files.manifest import entry_from_file
+    from layertap.protocol.fileformat import MetaKey
+    from layertap.storage.registry import storage_at
+
+    files = sorted((folder / HS_FOLDER).glob("hs_*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder / HS_FOLDER} holds no hs_*.safetensors files")
+    for path in map(str, files):
+        job_id = storage_at(path).read_header(path).metadata.get(MetaKey.JOB_ID)
+        if job_id is None:
+            raise ValueError(f"{path} has no layertap header (a file vLLM wrote?): it records no layer ids")
+        yield entry_from_file(job_id, path)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import typer
 
 from layertap.producer.cli.common import CliError, err_console, load_settings
+from layertap.protocol.naming import is_hub_id
 
 
 def pick_model(model: str | None, workers: dict[str, dict[str, Any]]) -> str:
@@ -26,27 +27,50 @@ def pick_model(model: str | None, workers: dict[str, dict[str, Any]]) -> str:
     raise CliError(f"live workers serve several models ({', '.join(served)}): choose one with --model")
 
 
-def tokenizer_folder(tokenizer: str | None, worker_model: str | None, workers: dict[str, dict[str, Any]],
-                     model: str) -> str | None:
-    """The folder whose tokenizer renders chats: ``--tokenizer``, else the worker's model
-    (``worker.model`` or a live worker's source) when it is a local folder; None without one."""
-    if tokenizer is not None:
-        return tokenizer
+def workers_tokenizer(worker_model: str | None, workers: dict[str, dict[str, Any]], model: str) -> str | None:
+    """Where the workers' tokenizer is: setting ``worker.model``, else a live worker's source, when it
+    is a local folder or a hub id; None without one."""
     candidates = [worker_model, *(info.get("source") for info in workers.values() if info.get("model") == model)]
-    return next((str(c) for c in candidates if isinstance(c, str) and Path(c).is_dir()), None)
+    return next((c for c in candidates if isinstance(c, str) and (Path(c).is_dir() or is_hub_id(c))), None)
+
+
+def open_renderer(tokenizer: str | None, chat_template: str | Path | None, default: str | None) -> Any:
+    """The render route's :class:`~layertap.producer.serve.render.ChatRenderer`: of ``--tokenizer`` (a
+    failure is the command's error), else of ``default`` (a failure only turns the route off, said in
+    a warning); None without either."""
+    from layertap.extras import need
+
+    source = tokenizer or default
+    if source is None:
+        return None
+    try:
+        need("transformers", "the render route of `layertap serve`", extra="serve")
+        from layertap.producer.serve.render import ChatRenderer
+
+        return ChatRenderer(source, chat_template)
+    except (OSError, ValueError, RuntimeError) as exc:
+        if tokenizer is not None:
+            raise
+        err_console.print(f"warning: no chat render: the workers' tokenizer ({source}) did not load ({exc}); "
+                          "give --tokenizer", markup=False, highlight=False)
+        return None
 
 
 def serve(
     model: Optional[str] = typer.Option(None, "--model", help="Model name the jobs go to (the name live workers "
                                         "serve; default: the one model they serve). /v1/models lists it."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model's name for "
+                                                    "clients (/v1/models, requests, answers), as vllm serve's flag; "
+                                                    "e.g. the --verifier-name-or-path speculators train compares it "
+                                                    "with (default: --model)."),
     run: str = typer.Option("serve", "--run", help="Run every request's job goes to."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Layer ids of every job, e.g. 2,18,33,36 (vLLM "
                                          "ids; default: the workers' own, EAGLE-3's [2, L//2, L-3, L])."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (vllm serve's default)."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Model folder whose tokenizer and chat "
-                                            "template answer /v1/chat/completions/render (default: the worker's "
-                                            "model folder, when it is a local folder)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Model folder or hub id whose tokenizer and "
+                                            "chat template answer /v1/chat/completions/render (default: the "
+                                            "workers' model, a local folder or hub id)."),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template file used "
                                                  "instead of the tokenizer's (default: setting "
                                                  "worker.chat_template, as the workers read it)."),
@@ -74,17 +98,13 @@ def serve(
     depth = served_depths(workers).get(name)
     if layer_ids is not None and depth is not None:
         resolve_layer_ids(layer_ids, depth)  # a LayerIdError (a ValueError) is the command's one-line error
-    config = ServeConfig(name, run, layer_ids, timeout, None)
-    folder = tokenizer_folder(tokenizer, settings.worker.model, workers, name)
-    if folder is not None:
-        need("transformers", "the render route of `layertap serve`", extra="serve")
-        from layertap.producer.serve.render import ChatRenderer
-
-        config.renderer = ChatRenderer(folder, chat_template or settings.worker.chat_template)
+    renderer = open_renderer(tokenizer, chat_template or settings.worker.chat_template,
+                             workers_tokenizer(settings.worker.model, workers, name))
+    config = ServeConfig(name, run, layer_ids, timeout, renderer, served_model_name)
     shown_layers = layer_ids if layer_ids is not None else "the workers' default"
-    render = f"from {folder}" if folder else "off (no --tokenizer)"
-    err_console.print(f"layertap serve: model {name}, run {run}, layers {shown_layers}, chat render {render}; "
-                      f"http://{host}:{port}/v1", markup=False, highlight=False)
+    render = f"from {renderer.source}" if renderer else "off (no --tokenizer)"
+    err_console.print(f"layertap serve: model {config.name} (workers' {name}), run {run}, layers {shown_layers}, "
+                      f"chat render {render}; http://{host}:{port}/v1", markup=False, highlight=False)
     uvicorn.run(build_app(Front(settings, config)), host=host, port=port, log_level="warning")
 
 

@@ -61,7 +61,7 @@ def build_app(front: Front) -> FastAPI:
 
     app = FastAPI(title="layertap serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     started = time.time()
-    model = front.config.model
+    model = front.config.name
 
     @app.exception_handler(ServeError)
     async def serve_error(_: Request, exc: ServeError) -> JSONResponse:
@@ -75,11 +75,15 @@ def build_app(front: Front) -> FastAPI:
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         return error_response(ServeError(exc.status_code, str(exc.detail)))
 
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug, or a file gone before it was read
+        return error_response(ServeError(500, f"{type(exc).__name__}: {exc}"))
+
     @app.get("/health")
     async def health() -> Response:
         if await asyncio.to_thread(front.live):
             return Response(status_code=200)
-        return error_response(ServeError(503, f"no live worker serves {model}"))
+        return error_response(ServeError(503, f"no live worker serves {front.config.model}"))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

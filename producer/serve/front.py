@@ -2,7 +2,9 @@
 jobs (in bundles, so concurrent requests share messages) and the waiter of their results.
 
 A request's job is registered with the waiter before it is sent and forgotten however the request
-ends (answered, refused, timed out); a result that is an error becomes the request's HTTP error.
+ends (answered, refused, timed out); a result that is an error becomes the request's HTTP error;
+an ok result's path is answered only when it is the job's own file in the run under this front's
+storage roots (``storage_root`` and ``read_roots``, the workers'), as every reader takes it.
 """
 
 from __future__ import annotations
@@ -26,24 +28,31 @@ from layertap.protocol.images import ImageError
 from layertap.protocol.layers import LayerIdError
 from layertap.protocol.schema import JobTooLarge, Result, describe_validation_error
 from layertap.settings import Settings
-from layertap.storage.registry import storage_for
+from layertap.storage.registry import foreign_path, own_file, storage_at
 
 
 @dataclass
 class ServeConfig:
     """How ``layertap serve`` runs: the model and run of its jobs, their layers (None: the workers'
-    default), how long a request waits for its result, and the renderer (None: no render route)."""
+    default), how long a request waits for its result, the renderer (None: no render route), and
+    the name clients know the model by (vLLM's ``--served-model-name``; None: ``model``)."""
 
     model: str
     run: str
     layers: list[int] | None
     timeout_s: float
     renderer: ChatRenderer | None
+    served_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The model's id in the models list and in answers."""
+        return self.served_name or self.model
 
 
-def file_token_ids(path: str) -> list[int]:
+def file_token_ids(path: str, options: dict[str, Any] | None = None) -> list[int]:
     """The ``token_ids`` tensor of the file at ``path`` (read under its shared lock, states left unread)."""
-    with storage_for(path).local(path) as local:
+    with storage_at(path, options).local(path) as local:
         return [int(token) for token in read_file_header(local, name=path).array("token_ids")]
 
 
@@ -55,6 +64,7 @@ class Front:
         self.config = config
         self.client = Client(settings)
         self.bundler = self.client.bundler(check=True)
+        self.roots = settings.reading_storages()  # where a result's file must be the job's own
         self.waiter: ResultWaiter | None = None
 
     def open(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -67,10 +77,11 @@ class Front:
         self.client.close()
 
     def check_model(self, name: str | None) -> None:
-        """A request naming another model than the one served is a 404 (vLLM's answer)."""
-        if name is not None and name != self.config.model:
+        """A request naming another model than the one served (by its served name or the workers') is
+        a 404 (vLLM's answer)."""
+        if name is not None and name not in (self.config.name, self.config.model):
             raise ServeError(404, f"The model `{name}` does not exist. This layertap serve serves "
-                                  f"`{self.config.model}`.", "model")
+                                  f"`{self.config.name}`.", "model")
 
     def live(self) -> bool:
         """Whether a live worker serves the model."""
@@ -95,9 +106,10 @@ class Front:
             self.waiter.forget(job_id)
         if not result.ok:
             raise job_failed(result)
-        if not result.path:
-            raise ServeError(500, f"job {job_id}'s result names no file")
-        return result
+        own = own_file(result.path or "", self.config.run, job_id, self.roots)
+        if own is None:  # a result is data anyone who can write to Redis could forge
+            raise ServeError(500, f"job {job_id}: {foreign_path(result.path or '', self.config.run, self.roots)}")
+        return result.model_copy(update={"path": own})
 
     def _send(self, job: dict[str, Any]) -> None:
         try:
@@ -114,4 +126,4 @@ class Front:
     async def prompt_ids(self, result: Result) -> list[int]:
         """The ``token_ids`` of the result's file."""
         assert result.path is not None
-        return await asyncio.to_thread(file_token_ids, result.path)
+        return await asyncio.to_thread(file_token_ids, result.path, self.settings.storage_options)

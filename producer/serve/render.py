@@ -18,17 +18,18 @@ from layertap.producer.serve.wire import ChatRequest
 
 
 class ChatRenderer:
-    """The tokenizer and chat template of ``folder`` (``chat_template``: a Jinja file used instead)."""
+    """The tokenizer and chat template of ``source`` (a model folder or hub id; ``chat_template``: a
+    Jinja file used instead of its template)."""
 
-    def __init__(self, folder: str | Path, chat_template: str | Path | None = None):
+    def __init__(self, source: str | Path, chat_template: str | Path | None = None):
         from transformers import AutoTokenizer
 
-        self.folder = str(folder)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        self.source = str(source)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.source)
         if chat_template is not None:
             self.tokenizer.chat_template = Path(chat_template).read_text()
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.folder} has no chat template: give --chat-template FILE")
+            raise ValueError(f"the tokenizer of {self.source} has no chat template: give --chat-template FILE")
         self._lock = threading.Lock()  # a fast tokenizer refuses concurrent calls ("Already borrowed")
 
     def render(self, request: ChatRequest) -> list[int]:

@@ -9,9 +9,13 @@ own chat template and tokenizer give.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import uuid
 from pathlib import Path
 
+import datasets
 import httpx2
 import pytest
 import torch
@@ -20,8 +24,9 @@ from safetensors.torch import load_file
 from tests.support.chat_server import ServerProcess, free_port
 from tests.support.processes import cli
 from tests.support.reference import load, reference_states
+from tests.support.speculators_env import speculators_argv, speculators_env
 
-MODEL = "tiny-qwen3"
+MODEL = "tiny-qwen3"  # the workers' name for it; requests may name it so too
 #: The session worker's default layers for the 4-layer tiny model (EAGLE-3's, clamped: [2, 2, 1, 4]).
 LAYERS = [1, 2, 4]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a residual stream?"},
@@ -34,8 +39,11 @@ def front(workers, redis_server, tiny_models, storage_root, tmp_path_factory):
     run = f"serve-{uuid.uuid4().hex[:8]}"
     port = free_port()
     logs = tmp_path_factory.mktemp("serve")
-    server = ServerProcess(cli("serve", "--run", run, "--port", str(port), "--tokenizer", str(tiny_models["qwen3"])),
-                           port, logs / "serve.log", env={"LAYERTAP_REDIS_URL": redis_server.url})
+    folder = str(tiny_models["qwen3"])  # the served name: what speculators train --verifier-name-or-path names
+    server = ServerProcess(cli("serve", "--run", run, "--port", str(port), "--tokenizer", folder,
+                               "--served-model-name", folder),
+                           port, logs / "serve.log",
+                           env={"LAYERTAP_REDIS_URL": redis_server.url, "LAYERTAP_STORAGE_ROOT": str(storage_root)})
     server.start(timeout=120)
     server.run = run  # type: ignore[attr-defined]
     yield server
@@ -46,9 +54,9 @@ def post(front, route: str, body: dict) -> httpx2.Response:
     return httpx2.post(f"{front.url}{route}", json=body, timeout=120)
 
 
-def test_models_and_health(front):
+def test_models_and_health(front, tiny_models):
     listed = httpx2.get(f"{front.url}/models", timeout=10).json()
-    assert [entry["id"] for entry in listed["data"]] == [MODEL]
+    assert [entry["id"] for entry in listed["data"]] == [str(tiny_models["qwen3"])]
     assert listed["object"] == "list"
     assert httpx2.get(f"{front.url.removesuffix('/v1')}/health", timeout=10).status_code == 200
 
@@ -124,3 +132,112 @@ def test_a_job_error_is_an_error_answer(front):
     message = answer.json()["error"]["message"]
     assert f"of run {front.run} failed: bad_token_ids:" in message
     assert "1000000" in message  # the worker's own words name the id
+
+
+# -- speculators' own data generation and trainer, unchanged, through layertap serve ----------------
+
+#: ShareGPT conversations: one or two exchanges each, so prepare-data fans out one row per assistant turn.
+CONVERSATIONS = [[{"from": "human", "value": f"question {i}: what is {i} plus {i}?"},
+                  {"from": "gpt", "value": f"it is {2 * i}. " * (1 + i % 3)},
+                  *([{"from": "human", "value": "and twice that?"}, {"from": "gpt", "value": f"{4 * i}."}]
+                    if i % 2 else [])] for i in range(6)]
+#: Rows generate-offline-data writes; the trainer asks for the others on demand.
+GENERATED = 4
+
+
+def expected_rows(tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Per assistant turn, plain transformers' render of the chat through it and the loss mask after
+    its generation prompt: what speculators' prepare-data derives from a vLLM render route."""
+    rows = []
+    for conversation in CONVERSATIONS:
+        chat = [{"role": "user" if turn["from"] == "human" else "assistant", "content": turn["value"]}
+                for turn in conversation]
+        for end in range(1, len(chat), 2):
+            ids = tokenizer(tokenizer.apply_chat_template(chat[:end + 1], tokenize=False), add_special_tokens=False)
+            prompt = tokenizer(tokenizer.apply_chat_template(chat[:end], tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)
+            boundary = len(prompt["input_ids"])
+            rows.append((ids["input_ids"], [0] * boundary + [1] * (len(ids["input_ids"]) - boundary)))
+    return sorted(rows)
+
+
+def speculators(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(speculators_argv(*args), env=speculators_env(HF_HUB_OFFLINE="1"), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"speculators {args[0]}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_speculators_generates_and_trains_through_serve(front, tiny_models, client, tmp_path):
+    model_dir = str(tiny_models["qwen3"])
+    _, tokenizer = load(model_dir)
+    before = set(client.latest(front.run))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": c}) + "\n"
+                             for i, c in enumerate(CONVERSATIONS)))
+    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
+    base = front.url.removesuffix("/v1")
+    speculators("prepare-data", "--model", model_dir, "--data", str(chats), "--render-endpoint", base,
+                "--output", str(data), "--seq-length", "256", "--num-preprocessing-workers", "1")
+    rows = datasets.load_from_disk(str(data)).with_format(None)
+    assert sorted(zip(rows["input_ids"], rows["loss_mask"])) == expected_rows(tokenizer)
+
+    speculators("generate-offline-data", "--endpoint", front.url, "--preprocessed-data", str(data),
+                "--max-samples", str(GENERATED), "--concurrency", "2", "--validate-outputs", "--fail-on-error")
+    for index in range(GENERATED):  # speculators moved the worker's file here, its lock file taken and removed
+        states = load_file(data / "hidden_states" / f"hs_{index}.safetensors")
+        assert states["token_ids"].tolist() == rows[index]["input_ids"]
+        assert states["hidden_states"].shape[1] == len(LAYERS)
+
+    speculators("train", "--verifier-name-or-path", model_dir, "--data-path", str(data), "--speculator-type",
+                "eagle3", "--target-layer-ids", "1", "2", "--draft-attn-impl", "sdpa", "--loss-implementation",
+                "eager", "--epochs", "1", "--total-seq-len", "256", "--num-workers", "0", "--save-path", str(ckpt),
+                "--hidden-states-dtype", "float32", "--logger", "", "--on-missing", "generate", "--vllm-endpoint",
+                front.url)
+    results = {job_id: result for job_id, result in client.latest(front.run).items() if job_id not in before}
+    assert all(result.ok for result in results.values())
+    assert {tuple(result.layers) for result in results.values()} == {tuple(LAYERS)}
+    config = json.loads((ckpt / "0" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == LAYERS[:-1]  # the checkpoint's ids: the files' but L
+    # every row once: GENERATED by generate-offline-data (files moved into the data folder), the rest asked
+    # for by the trainer, train and validation split alike (each file read, checked against its row by
+    # speculators, and deleted)
+    assert len(results) == len(rows)
+    assert sorted(result.num_tokens for result in results.values()) == sorted(rows["seq_len"])
+    assert not any(Path(result.path).exists() for result in results.values())
+    assert sorted(path.name for path in (data / "hidden_states").iterdir()) == sorted(
+        f"hs_{index}.safetensors" for index in range(GENERATED))
+
+    # the layer check before training, on the folder generate-offline-data wrote through layertap serve
+    agreed = subprocess.run(cli("check-draft", "--config", str(ckpt / "0"), "--data", str(data)),
+                            capture_output=True, text=True)
+    assert agreed.returncode == 0, agreed.stderr
+    assert "target layer ids [1, 2] are the data's auxiliary layers (layers [1, 2, 4], L = 4)" in agreed.stdout
+    wrong = subprocess.run(cli("check-draft", "--target-layer-ids", "1 3", "--data", str(data)),
+                           capture_output=True, text=True)
+    assert wrong.returncode == 1
+    assert "--target-layer-ids names [1, 3] but the data's auxiliary layers are [1, 2]" in wrong.stderr
+
+
+def test_serve_needs_a_served_model(private_redis):
+    done = subprocess.run(cli("serve", "--port", str(free_port())), capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LAYERTAP_REDIS_URL": private_redis.url})
+    assert done.returncode == 1
+    assert "error: no live worker: start one (`layertap worker --model ...`), or name the model" in done.stderr
+
+
+def test_a_file_outside_its_storage_roots_is_not_answered(workers, redis_server, tmp_path):
+    """A front whose storage roots are not the workers' (a result names a file it does not own) answers
+    an error, never a path it cannot vouch for."""
+    port = free_port()
+    server = ServerProcess(cli("serve", "--run", f"serve-{uuid.uuid4().hex[:8]}", "--port", str(port)), port,
+                           tmp_path / "serve.log", env={"LAYERTAP_REDIS_URL": redis_server.url,
+                                                        "LAYERTAP_STORAGE_ROOT": str(tmp_path / "elsewhere")})
+    server.start(timeout=120)
+    try:
+        answer = post(server, "/completions", {"prompt": [5, 6, 7], "max_tokens": 1})
+    finally:
+        server.kill()
+    assert answer.status_code == 500, answer.text
+    assert "which is not the job's own file in run" in answer.json()["error"]["message"]
+    assert str(tmp_path / "elsewhere") in answer.json()["error"]["message"]
