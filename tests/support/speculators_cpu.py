@@ -7,10 +7,15 @@ with no accelerator both raise. Only there, this places an integer device on the
 ``Module.to``) and makes the synchronize a no-op; with an accelerator it changes nothing. Then it runs
 ``speculators.__main__.app`` with the arguments given. DataLoader workers (spawned) import only
 speculators' data code, which needs neither.
+
+With ``TRAINER_LOG=<file>`` in the environment, the log of ``layertap.producer.trainers`` (the rows
+layertap's hs-connectors backend hands over, at DEBUG) of this process is written to that file.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 import torch
@@ -43,6 +48,11 @@ if __name__ == "__main__":
     del sys.path[0]  # this folder: its modules must not shadow speculators' imports
     if torch.accelerator.current_accelerator() is None:
         place_integer_devices_on_cpu()
+    if os.environ.get("TRAINER_LOG"):
+        handler = logging.FileHandler(os.environ["TRAINER_LOG"])
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+        logging.getLogger("layertap.producer.trainers").addHandler(handler)
+        logging.getLogger("layertap.producer.trainers").setLevel(logging.DEBUG)
     from speculators.__main__ import app
 
     sys.argv = ["speculators", *sys.argv[1:]]

@@ -4,8 +4,8 @@ speculators' own CLI there on a machine without an accelerator.
 
 :func:`speculators_python` builds it once and reuses it: under ``.pytest_cache/venv-speculators``
 (gitignored; ``make clean`` removes it), guarded by a file lock so pytest-xdist processes build it
-once, and rebuilt only when what it was built from changes (the pins here, ``pyproject.toml``,
-``setup.py``, this file). It installs, with pip from its indexes (no bytecode compiled):
+once, and rebuilt only when what it was built from changes (the pins here, the ``[project]`` table
+of ``pyproject.toml``, ``setup.py``, this file). It installs, with pip from its indexes (no bytecode compiled):
 
 1. ``torch==2.13.0`` (on the build machines a CPU wheel on local disk);
 2. speculators, hs-connectors and layertap (``-e``) without their dependencies;
@@ -71,8 +71,10 @@ def speculators_env(**extra: str) -> dict[str, str]:
 
 def _inputs() -> str:
     """What the venv is built from, as one string (compared with the stamp)."""
-    digest = hashlib.sha256()
-    for path in (REPO / "pyproject.toml", REPO / "setup.py", Path(__file__)):
+    import tomllib  # Python 3.11, as hs-connectors
+
+    digest = hashlib.sha256(json.dumps(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]).encode())
+    for path in (REPO / "setup.py", Path(__file__)):
         digest.update(path.read_bytes())
     return json.dumps({"torch": TORCH, "pinned": PINNED, "python": sys.version_info[:2], "sha256": digest.hexdigest()})
 
@@ -95,8 +97,9 @@ def _pip(*args: str) -> None:
 
 
 def _declared_requirements() -> list[str]:
-    """The requirements :data:`DECLARING` declare (markers evaluated, the asked extras included), less
-    :data:`LEFT_OUT` and what step 2 installed; read from the venv's installed metadata."""
+    """The requirements :data:`DECLARING` declare (markers evaluated, the asked extras included, and the
+    extras an extra names of its own distribution, ``layertap[serve]``), less :data:`LEFT_OUT` and what
+    step 2 installed; read from the venv's installed metadata."""
     from importlib.metadata import distributions
 
     from packaging.requirements import Requirement
@@ -104,15 +107,21 @@ def _declared_requirements() -> list[str]:
 
     site = next(VENV.glob("lib/python*/site-packages"))
     installed = {canonicalize_name(dist.metadata["Name"]): dist for dist in distributions(path=[str(site)])}
+    asked = {canonicalize_name(name): {"", *extras} for name, extras in DECLARING.items()}
     skip = {canonicalize_name(name) for name in (*LEFT_OUT, "torch", *DECLARING)}
-    wanted: list[str] = []
-    for name, extras in DECLARING.items():
-        for line in installed[canonicalize_name(name)].requires or []:
+    wanted: set[str] = set()
+    pending = list(asked)
+    while pending:
+        name = pending.pop()
+        for line in installed[name].requires or []:
             requirement = Requirement(line)
-            if requirement.marker and not any(requirement.marker.evaluate({"extra": extra})
-                                              for extra in ("", *extras)):
+            if requirement.marker and not any(requirement.marker.evaluate({"extra": extra}) for extra in asked[name]):
                 continue
-            if canonicalize_name(requirement.name) not in skip:
+            required = canonicalize_name(requirement.name)
+            if required in asked and not requirement.extras <= asked[required]:
+                asked[required] |= requirement.extras  # an extra of a distribution here: take its requirements too
+                pending.append(required)
+            elif required not in skip:
                 requirement.marker = None
-                wanted.append(str(requirement))
-    return sorted(set(wanted))
+                wanted.add(str(requirement))
+    return sorted(wanted)
