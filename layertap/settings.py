@@ -71,6 +71,10 @@ class WorkerSettings(BaseModel):
     host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     prefix_sharing: bool = True  # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
+    # a run's certificate: 1 in sample_every computed rows (0: none), and the first sample_min of each run, are
+    # computed again alone and measured (layertap.worker.job.sampling); a row over its bound fails
+    sample_every: int = Field(default=1000, ge=0)
+    sample_min: int = Field(default=8, ge=0)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
     tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.vision.tower_graphs.SIZES)
     # torch CPU threads per operation; 0 = 1 on a GPU (its preparers and writers share the host with the

@@ -22,7 +22,7 @@ import pytest
 from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import RedisServer
 from layertap.settings import Settings
-from tests.support import blocking
+from tests.support import blocking, faulty
 from tests.support.architectures import ARCHES
 from tests.support.jobs import ORPHAN_TIMEOUT, RELIABILITY_ENV
 from tests.support.processes import WorkerProcess
@@ -224,3 +224,11 @@ def crashing_model(tiny_models, tmp_path_factory) -> Path:
     """The tiny Qwen3 model, saved with modeling code of its own that kills its process on a marker."""
     return _model_with_code(tiny_models["qwen3"], tmp_path_factory.mktemp("crashing") / "model",
                             blocking.CRASHING_MODEL_CODE, "CrashingQwen3ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def faulty_batch_model(tiny_models, tmp_path_factory) -> Path:
+    """The tiny Qwen3 model, saved with modeling code of its own whose long forwards are wrong
+    past a position the load-time self-check never reaches (``tests.support.faulty``)."""
+    return _model_with_code(tiny_models["qwen3"], tmp_path_factory.mktemp("faulty") / "model",
+                            faulty.FAULTY_BATCH_MODEL_CODE, "WrappingQwen3ForCausalLM")

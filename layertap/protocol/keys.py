@@ -193,6 +193,17 @@ def run_sealed_key(run: str) -> str:
     return f"{PREFIX}:run:{run}:sealed"
 
 
+def run_samples_hash(run: str) -> str:
+    """Hash job_id -> JSON ``certificate.SampleRow``: the run's rows a worker computed again alone."""
+    return f"{PREFIX}:run:{run}:samples"
+
+
+def run_workers_hash(run: str) -> str:
+    """Hash node -> JSON of what that worker was (versions, device, layout, sampling) when it sampled ``run``."""
+    return f"{PREFIX}:run:{run}:workers"
+
+
+
 def attempts_key(run: str, job_id: str) -> str:
     """Counter of how many times a job started (crash requeues included)."""
     return f"{PREFIX}:attempts:{run}:{job_id}"

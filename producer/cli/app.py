@@ -22,6 +22,7 @@ from layertap.producer.cli import draft as cli_draft
 from layertap.producer.cli import regen as cli_regen
 from layertap.producer.cli import runs as cli_runs
 from layertap.producer.cli import serve as cli_serve
+from layertap.producer.cli import verify as cli_verify
 from layertap.producer.cli import worker as cli_worker
 from layertap.producer.cli.common import (
     CliError,
@@ -155,6 +156,7 @@ cli_worker.register(app)
 cli_dlq.register(app)
 cli_runs.register(app)
 cli_serve.register(app)
+cli_verify.register(app)
 register_ops(app)
 
 

@@ -344,7 +344,7 @@ def export(
         return listing if listing is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
 
     with one_line_errors():  # every file's layers agree before anything is written
-        check_entries(entries(), check_layers=not any_layers)
+        check_entries(entries(), check_layers=not any_layers, storage_options=Settings().storage_options)
     with progress(len(listing.results) if listing else None, "export") as step, one_line_errors():
         quiet_datasets()
         report = export_speculators(counted(entries(), step), out, check_layers=not any_layers,

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from layertap.producer.files.verify import RunStates
 from layertap.producer.files.manifest import ManifestEntry, iter_manifest
 from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol import fileformat as ff
@@ -63,8 +64,9 @@ class HiddenStatesDataset:
     """The files of a manifest (a parquet/JSONL manifest path, or entries) as training items.
 
     Refused when built (``ValueError``), not mid-epoch: files that lack one of ``layers``, files
-    of different hidden sizes, and, without ``layers``, files holding different layers (their
-    items would not batch, or would put different layers in one slot)."""
+    of different hidden sizes, without ``layers`` files holding different layers (their items
+    would not batch, or would put different layers in one slot), and files of runs whose
+    certificates disagree in their states (``verify.RunStates``: other weights, tokenizer, dtype...)."""
 
     collate = staticmethod(collate)
 
@@ -79,9 +81,11 @@ class HiddenStatesDataset:
         self.max_length = max_length
         self.verify, self.storage_options = verify, storage_options
         first: ManifestEntry | None = None
+        states = RunStates(storage_options)
         for entry in entries:
             first = first or entry
             self._check(entry, first)
+            states.see(entry.path)
             self.items.append((entry.job_id, entry.path, list(entry.layers), entry.num_tokens))
 
     def _check(self, entry: ManifestEntry, first: ManifestEntry) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from layertap.extras import need
+from layertap.producer.files.verify import RunStates
 from layertap.producer.files.dequantized import FLOAT8, write_dequantized
 from layertap.producer.files.export_config import ExportLayers, write_export_config
 from layertap.producer.files.manifest import ManifestEntry
@@ -94,14 +95,18 @@ def check_speculators_layers(entry: ManifestEntry, first: ManifestEntry, *, last
                          "with -1), or export with --any-layers")
 
 
-def check_entries(entries: Iterable[ManifestEntry], *, check_layers: bool = True) -> ExportLayers:
+def check_entries(entries: Iterable[ManifestEntry], *, check_layers: bool = True,
+                  storage_options: dict[str, Any] | None = None) -> ExportLayers:
     """Refuse, before anything is written, what :func:`export_speculators` would refuse midway
-    (:func:`check_speculators_layers`; ``check_layers=False`` skips its last-layer check) and an
-    empty run; return the layers every entry holds."""
+    (:func:`check_speculators_layers`; ``check_layers=False`` skips its last-layer check; files of
+    runs whose certificates disagree in their states, ``verify.RunStates``) and an empty run;
+    return the layers every entry holds."""
     first: ManifestEntry | None = None
+    states = RunStates(storage_options)
     for entry in entries:
         first = first or entry
         check_speculators_layers(entry, first, last_layer=check_layers)
+        states.see(entry.path)
     if first is None:
         raise ValueError("nothing to export: no ok results")
     return ExportLayers(list(first.layers), first.num_hidden_layers)
@@ -144,7 +149,9 @@ def _write_speculators(entries: Iterable[ManifestEntry], out: Path, *, check_lay
         import numpy as np
 
         first: ManifestEntry | None = None
+        states = RunStates(storage_options)
         for index, entry in enumerate(entries):
+            states.see(entry.path)
             if first is None:
                 first = entry
                 report.layers = ExportLayers(list(entry.layers), entry.num_hidden_layers)

@@ -32,6 +32,9 @@ message's attempts only then); the place is left when the first block ends.
 (:class:`AdmissionClosed`) and to later ones; what is queued still runs. So a worker holds at
 most ``MAX_PREPARING`` messages beyond those whose jobs are queued here or later.
 
+Other work that needs the model outside a batch (a run's sampled row, run alone) goes to the
+engine thread too (:meth:`Engine.call`), and runs there before the next batch is formed.
+
 Out of memory on a batch splits it in halves and retries; a single request that still
 does not fit fails with :class:`~layertap.worker.engine.errors.OutOfMemory`. The engine raises only
 ``layertap.worker.engine.errors`` (the job pipeline maps them to error types); it changes nothing on
@@ -49,6 +52,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -100,6 +104,7 @@ class Engine:
         self._places: set[int] = set()  # threads holding a place (preparing()); at most MAX_PREPARING
         self._admitting = True  # False once close_admission() was called
         self._together: deque[list[EngineRequest]] = deque()  # batches asked for as they are
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # work for this thread between batches
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # the engine thread waits here for work
         self._room = threading.Condition(lock)  # callers wait here to start preparing
@@ -139,6 +144,19 @@ class Engine:
                 self._pending_tokens += sum(request.num_tokens for request in requests)
             self._cond.notify()
         return [request.future for request in requests]
+
+    def call(self, work: Callable[[], Any]) -> Future:
+        """Run ``work()`` on the engine thread, which owns the model, before the next batch (work that
+        uses the model outside a batch: a sampled row run alone); its future holds what it returns or
+        raises. Raises :class:`EngineStopped` once the engine is stopping."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            self._calls.append((work, future))
+            self._cond.notify()
+        self._staging.wake()  # the engine thread may be waiting for a free host buffer
+        return future
 
     def warm_up(self, full_batch: bool = False) -> None:
         """Run throwaway work before real jobs: one 512-token request (kernel selection, lazy
@@ -236,9 +254,12 @@ class Engine:
         if self._cuda:
             torch.cuda.set_device(self.loaded.device)
         while True:
+            self._run_calls()
             batch = self._next_batch()
             if batch is None:
                 return
+            if not batch:  # woken for calls alone
+                continue
             try:
                 self._run_or_split(batch)
             except Exception as exc:  # fail these jobs (transient: they are retried), keep serving
@@ -258,22 +279,41 @@ class Engine:
         with self._cond:
             self.fatal, self._stopping = exc, True
             pending = [*self._pending, *(request for batch in self._together for request in batch)]
-            self._pending, self._together, self._pending_tokens = deque(), deque(), 0
+            calls = list(self._calls)
+            self._pending, self._together, self._calls, self._pending_tokens = deque(), deque(), deque(), 0
             self._room.notify_all()
         for request in pending:
             request.future.set_exception(DeviceFault(f"device fault on this worker: {exc}"))
+        for _, future in calls:
+            future.set_exception(DeviceFault(f"device fault on this worker: {exc}"))
         if self._on_fatal is not None:
             self._on_fatal(exc)
 
+    def _run_calls(self) -> None:
+        """Run the queued :meth:`call` work, in order (a device fault in one is the engine's)."""
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                work, future = self._calls.popleft()
+            try:
+                future.set_result(work())
+            except Exception as exc:
+                future.set_exception(exc)
+                if is_device_fatal(exc):
+                    self._fail_fatally(exc)
+
     def _next_batch(self) -> list[EngineRequest] | None:
-        """The next batch, formed once a host buffer is free for it (None: stopped, nothing queued)."""
+        """The next batch, formed once a host buffer is free for it (None: stopped, nothing queued;
+        empty: only :meth:`call` work is queued)."""
         with self._cond:
-            while not self._pending and not self._together and not self._stopping:
+            while not self._pending and not self._together and not self._calls and not self._stopping:
                 self._cond.wait()
             if not self._pending and not self._together:
-                return None
+                return [] if self._calls else None
         waited = time.perf_counter()
-        self._staging.wait_free()
+        while not self._staging.wait_free(lambda: bool(self._calls)):  # call work runs while writers are behind
+            self._run_calls()
         self.stats.buffer_wait_s += time.perf_counter() - waited
         with self._cond:
             if self._together:

@@ -16,6 +16,7 @@ so any batch still runs.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -55,10 +56,16 @@ class HostStaging:
         self._free = [HostSlot(capacity, pinned) for _ in range(slots)]
         self._cond = threading.Condition()
 
-    def wait_free(self) -> None:
-        """Block until a slot is free, without taking it."""
+    def wait_free(self, interrupt: Callable[[], bool] = lambda: False) -> bool:
+        """Block until a slot is free (True), without taking it, or until ``interrupt()`` holds
+        (False); :meth:`wake` makes a waiter look at ``interrupt`` again."""
         with self._cond:
-            self._cond.wait_for(lambda: self._free)
+            self._cond.wait_for(lambda: self._free or interrupt())
+            return bool(self._free)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def acquire(self) -> HostSlot:
         """Take a free slot (blocks while none is)."""

@@ -13,6 +13,8 @@ submitted inside the engine's ``preparing`` block (just ahead of the engine, a f
 once; disk answers come before it and take no place there), go to the engine at once and are
 handed to the processor's writer threads as their batches come back, so the files of one call
 are written side by side (a batch's host buffer is free only once all its files are written).
+A computed row the worker samples (``layertap.worker.job.sampling``) is computed again alone
+before its file is written; over its bound it gets ``sample_over_bound`` and no file.
 Every failure becomes that job's error result with a typed reason; nothing raises.
 """
 
@@ -57,6 +59,7 @@ from layertap.worker.engine.records import Captured, EngineRequest
 from layertap.worker.engine.self_check import CheckReport
 from layertap.worker.engine.teacher import dense_topk
 from layertap.worker.job.errors import JobError
+from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
 from layertap.worker.job.writer import FileTaken, OnDisk, examine, write_job_file
 from layertap.worker.model.fixes import fixes_of
@@ -109,6 +112,11 @@ def _conflict(job: Job, path: str) -> JobError:
                     "give this job its own job_id (or remove that file to replace it)")
 
 
+def _non_finite(dtype: str) -> JobError:
+    return JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
+                                          f"{dtype}'s range); no file written (check the model weights and dtype)")
+
+
 def _queued(submitted_at: float | None) -> float | None:
     """Seconds since ``submitted_at`` (the job's time in the queue), if known."""
     return max(0.0, time.time() - submitted_at) if submitted_at else None
@@ -142,11 +150,14 @@ class JobProcessor:
     """Thread-safe; one per worker (or Extractor), sharing one engine."""
 
     def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage: Storage,
-                 worker_name: str, writer_threads: int = 8, self_check: CheckReport | None = None):
+                 worker_name: str, writer_threads: int = 8, self_check: CheckReport | None = None,
+                 sampler: Sampler | None = None):
         """``storage``: where files go (the worker's own root: paths never come from jobs).
         ``writer_threads``: files written at once, over all calls (each job's check, write and
-        result run on one of them)."""
+        result run on one of them). ``sampler``: measures a sample of the computed rows (none:
+        no sampling)."""
         self.loaded = loaded
+        self.sampler = sampler
         self.self_check = self_check  # the engine's batching self-check, passed before any job
         self.engine = engine
         self.preparer = preparer
@@ -373,20 +384,13 @@ class JobProcessor:
         try:  # the slice's host buffer is given back on every path, or the engine stalls for good
             captured = job_slice.wait()
             if captured.non_finite:
-                raise JobError(ErrorType.non_finite, "NaN or Inf in the captured hidden states (or values beyond "
-                                                     f"{recorded_name(started.output_dtype)}'s range); no file "
-                                                     "written (check the model weights and dtype)")
+                raise _non_finite(recorded_name(started.output_dtype))
             tensors = self._tensors(job, prepared, request, captured)
-            write_start = time.perf_counter()
-            try:
-                write_job_file(path, tensors, self._metadata(job, prepared, started.identity), self.storage,
-                               replace=bool(job.replace))
-            except FileTaken:
-                raise _conflict(job, path) from None
-            except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
-                fault = STORAGE_FAULT if is_storage_fault(exc) else ""
-                raise JobError(ErrorType.write_failed, f"{fault}could not write {path}: {exc}") from None
-            write_s = time.perf_counter() - write_start
+            if self.sampler is not None and self.sampler.wants(job, request):
+                tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+                job_slice.release()  # before waiting on the engine for the row alone
+                self._sample(job, request, tensors)
+            write_s = self._write(job, path, tensors, self._metadata(job, prepared, started.identity))
         finally:
             job_slice.release()
         if prepared.warning:
@@ -422,6 +426,27 @@ class JobProcessor:
                           header.metadata[MetaKey.DTYPE], Timings(queued=queued), attempt,
                           header.metadata[MetaKey.SPEC_HASH])
         return result.model_copy(update={"cached": True})
+
+    def _write(self, job: Job, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> float:
+        """Write the job's file (``writer.write_job_file``); the seconds it took. Raises :class:`JobError`."""
+        write_start = time.perf_counter()
+        try:
+            write_job_file(path, tensors, metadata, self.storage, replace=bool(job.replace))
+        except FileTaken:
+            raise _conflict(job, path) from None
+        except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+            fault = STORAGE_FAULT if is_storage_fault(exc) else ""
+            raise JobError(ErrorType.write_failed, f"{fault}could not write {path}: {exc}") from None
+        return time.perf_counter() - write_start
+
+    def _sample(self, job: Job, request: EngineRequest, tensors: dict[str, torch.Tensor]) -> None:
+        """Measure a sampled row (``sampling``); raises :class:`JobError` when it is over its bound."""
+        row = self.sampler.measure(job, request, tensors)  # type: ignore[union-attr]
+        if row is not None and not row.passed:
+            raise JobError(ErrorType.sample_over_bound,
+                           f"sampled {row.describe()}: computed alone, this row's states differ from its batched "
+                           f"ones beyond the bound of its dtypes; no file written, and run {job.run}'s "
+                           "certificate fails (`layertap certify`)")
 
     def _metadata(self, job: Job, prepared: PreparedInput, identity: dict[str, str]) -> dict[str, str]:
         loaded = self.loaded

@@ -41,11 +41,13 @@ class UncapturableStream(Exception):
     """The decoder's residual stream cannot be captured in vLLM's convention; ``str()`` says why."""
 
 
-def _hidden_of(value: Any) -> torch.Tensor:
+def hidden_of(value: Any) -> torch.Tensor:
+    """The hidden states of a decoder block's output (the first item of a tuple, or the tensor)."""
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
-def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder block is called with (a pre-hook's ``args``/``kwargs``)."""
     return args[0] if args else kwargs["hidden_states"]
 
 
@@ -96,12 +98,12 @@ def probe_stream(decoder: nn.Module, layers: nn.ModuleList, hidden_size: int, de
 
     def pre_hook(index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            seen.setdefault(index, []).append(_block_input(args, kwargs).shape)
+            seen.setdefault(index, []).append(block_input(args, kwargs).shape)
         return hook
 
     handles = [layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
     handles.append(layers[-1].register_forward_hook(lambda module, args, output: outputs.append(
-        _hidden_of(output).shape)))
+        hidden_of(output).shape)))
     try:
         with torch.inference_mode():
             decoder(input_ids=torch.arange(3, 3 + PROBE_TOKENS, device=device)[None], use_cache=False)
@@ -157,7 +159,7 @@ class LayerCapture:
                 return
             slot = self._slots.get(index)
             if slot is not None:
-                self._store(self._staging[:, slot], self.stream.tokens(_block_input(args, kwargs)))
+                self._store(self._staging[:, slot], self.stream.tokens(block_input(args, kwargs)))
             if self._stop_at == index:
                 raise StopForward
 
@@ -168,13 +170,13 @@ class LayerCapture:
             return
         slot = self._slots.get(self.num_layers)
         if slot is not None:
-            self._store(self._staging[:, slot], self.stream.tokens(_hidden_of(output)))
+            self._store(self._staging[:, slot], self.stream.tokens(hidden_of(output)))
         if self._stop_at == self.num_layers:
             raise StopForward
 
     def _final_norm_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._final is not None:
-            hidden = _hidden_of(output)
+            hidden = hidden_of(output)
             self._store(self._final, hidden.reshape(-1, hidden.shape[-1]))
             raise StopForward  # nothing after the final norm is read (a VLM's own forward would go on to logits)
 

@@ -18,6 +18,8 @@ operations, by the step of a job's life they record:
 * **lost**: the reconciler's :func:`head_delivery_tag`, :func:`restore_inflight`,
   :func:`note_suspects`, :func:`adopt_records`, :func:`forget_sent`;
 * **trim**: :func:`trim` (``trim_page.lua``, works at ``maxmemory`` on Redis 7+), :func:`forget_run` (delete);
+* **certificate**: :func:`record_sample` (a sampled row and its worker, one ``MULTI``), :func:`run_samples`,
+  :func:`run_workers`;
 * **consume**: :func:`create_group`, :func:`read_group`, :func:`claim_idle`, :func:`keep_held`,
   :func:`finish` (``finish.lua``), :func:`ack`, :func:`queue_recovered`, :func:`mark_recovered`,
   :func:`take_lock` / :func:`release_lock` (``release_lock.lua``).
@@ -464,6 +466,27 @@ def forget_run(client: redis.Redis, run: str) -> None:
     for key in run_keys(client, run):
         pipe.delete(key)
     pipe.execute()
+
+
+# -- certificate -------------------------------------------------------------------------
+def record_sample(client: redis.Redis, run: str, job_id: str, row: str, worker: str, facts: str) -> None:
+    """Record a sampled row of ``run`` (JSON ``certificate.SampleRow``) and what its ``worker`` is
+    (JSON ``facts``), in one transaction."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.run_samples_hash(run), job_id, row)
+    pipe.hset(keys.run_workers_hash(run), worker, facts)
+    pipe.execute()
+
+
+def run_samples(client: redis.Redis, run: str) -> dict[str, str]:
+    """job id -> JSON sampled row, of every sampled row of ``run``."""
+    return {keys.as_text(job_id): keys.as_text(row) for job_id, row in
+            client.hscan_iter(keys.run_samples_hash(run), count=1000)}
+
+
+def run_workers(client: redis.Redis, run: str) -> dict[str, str]:
+    """node -> JSON facts, of every worker that sampled rows of ``run``."""
+    return {keys.as_text(node): keys.as_text(facts) for node, facts in client.hgetall(keys.run_workers_hash(run)).items()}
 
 
 # -- consume ------------------------------------------------------------------------------
