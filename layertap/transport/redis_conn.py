@@ -11,9 +11,7 @@ outage, which callers already wait out (:func:`retrying`, the worker's publisher
 
 from __future__ import annotations
 
-import logging
 import ssl
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,7 +19,6 @@ import redis
 from kombu.exceptions import OperationalError
 
 from layertap.settings import Settings
-from layertap.transport.backoff import Backoff, retry_while
 from layertap.transport.redis_url import (
     SentinelUrl,
     check_redis_url,
@@ -29,9 +26,10 @@ from layertap.transport.redis_url import (
     parse_sentinel_url,
     uses_tls,
 )
+from layertap.transport.refusals import REDIS_AWAY, wait_out
+from layertap.transport.refusals import refuses_writes as redis_refuses_writes
 
 T = TypeVar("T")
-log = logging.getLogger("layertap.client")
 
 _CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
 #: Seconds a question to one sentinel may take before the next is asked (a host that went away
@@ -51,29 +49,16 @@ def ssl_options(settings: Settings) -> dict[str, Any] | None:
     return options
 
 
-#: Error replies that end when an operator or a failover fixes the server: writes refused at
-#: ``maxmemory`` (OOM), by a replica (READONLY), by an ACL (NOPERM); see also :data:`REFUSAL_CODES`.
-WRITE_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
-                  redis.exceptions.NoPermissionError)
-#: Error codes of refusals redis-py gives no class: a failed snapshot (``MISCONF``), and a primary
-#: with fewer replicas in reach than its ``min-replicas-to-write`` (``NOREPLICAS``).
-REFUSAL_CODES = ("MISCONF", "NOREPLICAS")
-PIPELINE_ERROR = " of pipeline caused error: "
-#: Errors of a server that is away for a while (restarting, loading its data), as redis-py and
-#: kombu raise them: waited out, like the refusals. BusyLoadingError is a ConnectionError.
-UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OperationalError, OSError)
+#: Errors of a server that is away for a while, as redis-py and kombu raise them (a refused send:
+#: kombu's ``OperationalError``): waited out, like the refusals (``refusals``).
+UNREACHABLE = (*REDIS_AWAY, OperationalError)
 
 
 def refuses_writes(exc: BaseException) -> bool:
-    """True for an error reply in :data:`WRITE_REFUSALS` or :data:`REFUSAL_CODES` (no class of their
-    own), also as the cause of kombu's ``OperationalError`` (a refused send)."""
+    """``refusals.refuses_writes``, also as the cause of kombu's ``OperationalError`` (a refused send)."""
     if isinstance(exc, OperationalError) and exc.__cause__ is not None:
         exc = exc.__cause__
-    if isinstance(exc, WRITE_REFUSALS):
-        return True
-    # redis-py puts "Command # N (...) of pipeline caused error: " before a pipeline command's reply
-    reply = str(exc).partition(PIPELINE_ERROR)[2] or str(exc)
-    return isinstance(exc, redis.exceptions.ResponseError) and reply.startswith(REFUSAL_CODES)
+    return redis_refuses_writes(exc)
 
 
 def sentinel_kwargs(target: SentinelUrl, settings: Settings) -> dict[str, Any]:
@@ -102,9 +87,6 @@ def connect(settings: Settings, *, decode_responses: bool = False) -> redis.Redi
     return sentinel.master_for(target.master_name)
 
 
-CLIENT_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
-
-
 def waits_out(exc: BaseException) -> bool:
     """Whether a client waits ``exc`` out: Redis unreachable (restarting) or refusing writes."""
     return isinstance(exc, UNREACHABLE) or refuses_writes(exc)
@@ -113,12 +95,5 @@ def waits_out(exc: BaseException) -> bool:
 def retrying(action: Callable[[], T], give_up_s: float = 60.0) -> T:
     """Run ``action``, retrying with backoff while Redis is unreachable (restarting) or refuses
     writes (``maxmemory``, ``READONLY``: :func:`refuses_writes`), for up to ``give_up_s``; each
-    wait is logged (a warning on stderr in the CLI), saying how long it has waited."""
-    started = time.monotonic()
-
-    def report(exc: BaseException, delay: float) -> None:
-        why = "refuses writes" if refuses_writes(exc) else "is unreachable"
-        log.warning("Redis %s (%s); waited %.0fs of %.0fs, trying again in %.1fs", why, exc,
-                    time.monotonic() - started, give_up_s, delay)
-
-    return retry_while(action, waits_out, give_up_s=give_up_s, backoff=CLIENT_BACKOFF, on_retry=report)
+    wait is logged (on stderr in the CLI), saying how long it has waited (``refusals.wait_out``)."""
+    return wait_out(action, give_up_s, waits=waits_out, refusal=refuses_writes)

@@ -15,7 +15,6 @@ send it again).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -24,12 +23,9 @@ import redis
 from layertap.protocol import keys
 from layertap.protocol.schema import Result
 from layertap.transport import ledger
-from layertap.transport.backoff import Backoff, retry_while
-from layertap.transport.redis_conn import UNREACHABLE, refuses_writes
+from layertap.transport.refusals import wait_out
 from layertap.worker.queue.sinks import ResultSink, tell
 
-log = logging.getLogger(__name__)
-PUBLISH_BACKOFF = Backoff(first_s=0.1, max_s=5.0)
 PUBLISH_GIVE_UP_S = 300.0  # how long publishing waits out a Redis that is away or refuses writes
 
 
@@ -38,16 +34,8 @@ T = TypeVar("T")
 
 def wait_out_redis(action: Callable[[], T], what: str, give_up_s: float) -> T:
     """``action()``, tried again with backoff while Redis is away or refuses writes; raises
-    the last error after ``give_up_s`` seconds, and any other error at once."""
-    def retryable(exc: Exception) -> bool:
-        return isinstance(exc, redis.exceptions.RedisError) and (refuses_writes(exc) or isinstance(exc, UNREACHABLE))
-
-    def report(exc: Exception, delay: float) -> None:
-        unwritable = refuses_writes(exc)
-        log.log(logging.ERROR if unwritable else logging.WARNING, "%s failed (%s%s); retrying in %.1fs", what,
-                exc, ": Redis refuses writes" if unwritable else "", delay)
-
-    return retry_while(action, retryable, give_up_s=give_up_s, backoff=PUBLISH_BACKOFF, on_retry=report)
+    the last error after ``give_up_s`` seconds, and any other error at once (``refusals.wait_out``)."""
+    return wait_out(action, give_up_s, what=what)
 
 
 class ResultPublisher:
