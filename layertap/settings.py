@@ -75,6 +75,7 @@ class WorkerSettings(BaseModel):
     # computed again alone and measured (layertap.worker.job.sampling); a row over its bound fails
     sample_every: int = Field(default=1000, ge=0)
     sample_min: int = Field(default=8, ge=0)
+    reuse: bool = True  # answer a job from a file of its capture holding its layers, with no forward (worker.job.reuse)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
     tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.vision.tower_graphs.SIZES)
     # torch CPU threads per operation; 0 = 1 on a GPU (its preparers and writers share the host with the

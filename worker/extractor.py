@@ -26,6 +26,7 @@ from layertap.worker.engine.scheduler import MAX_PADDING
 from layertap.worker.engine.self_check import check_prefix_sharing, check_with_fallback
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
+from layertap.worker.job.reuse import CaptureIndex
 from layertap.worker.job.sampling import Record, Sampler, worker_facts
 from layertap.worker.job.tokenize import Preparer
 from layertap.worker.model.loading import LoadedModel, load_model
@@ -43,7 +44,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     compile_layers: bool = False, images_root: Path | None = None,
                     on_fatal: Callable[[BaseException], None] | None = None,
                     tower_graphs: int = tower_graph_sizes, prefix_sharing: bool = True,
-                    sampling: tuple[Record, int, int] | None = None) -> JobProcessor:
+                    sampling: tuple[Record, int, int] | None = None, captures: CaptureIndex | None = None
+                    ) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
     The engine passes the batching self-check first (``layertap.worker.engine.self_check``), falling back
@@ -54,7 +56,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     ``prefix_sharing`` (and the load-time prefix check passed), a row that begins with a longer row
     of its batch is sliced from it (``layertap.worker.engine.prefix_share``). ``sampling``: ``(record,
     every, minimum)`` of the rows measured for the runs' certificates (``layertap.worker.job.sampling``;
-    None: none)."""
+    None: none); ``captures``: the index jobs are answered from without a forward (``reuse``; None: none)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 
@@ -84,7 +86,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
         sampler = Sampler(engine, worker_name, worker_facts(loaded, report, every, minimum), record, every=every,
                           minimum=minimum)
     return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,
-                        self_check=report, sampler=sampler)
+                        self_check=report, sampler=sampler, captures=captures)
 
 
 class Extractor:

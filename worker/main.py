@@ -39,7 +39,7 @@ from layertap.worker.queue.lease import LeaseKeeper, held_delivery_tags
 from layertap.worker.queue.publisher import PUBLISH_GIVE_UP_S, ResultPublisher
 from layertap.worker.queue.reconciler import Reconciler
 from layertap.worker.queue.retention import RetentionSweep
-from layertap.worker.queue.run_records import sample_recorder
+from layertap.worker.queue.run_records import LedgerCaptures, sample_recorder
 from layertap.worker.queue.sinks import SinkContext, build_sinks
 from layertap.worker.queue.task_events import batch_task_events
 from layertap.worker.queue.tasks import register_bundle_task, register_extract_task
@@ -121,7 +121,8 @@ def run_worker(settings: Settings) -> int:
                                 compile_layers=ws.compile, images_root=settings.images_root, on_fatal=on_fatal,
                                 tower_graphs=ws.tower_graphs, prefix_sharing=ws.prefix_sharing,
                                 sampling=(sample_recorder(client, PUBLISH_GIVE_UP_S), ws.sample_every, ws.sample_min)
-                                if ws.sample_every or ws.sample_min else None)
+                                if ws.sample_every or ws.sample_min else None,
+                                captures=LedgerCaptures(client) if ws.reuse else None)
     log.info("image chats: %s", f"{type(loaded.processor).__name__}, {loaded.image_batching.describe()}, paths under "
              f"{settings.images_root or '(no images_root: data URLs only)'}" if loaded.processor is not None
              else f"not served ({loaded.processor_problem})")

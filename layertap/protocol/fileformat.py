@@ -176,6 +176,9 @@ class MetaKey:
     # An export's bfloat16 copy of a float8 file (layertap.producer.files.dequantized): the dtype it was decoded from.
     DEQUANTIZED_FROM = "dequantized_from"
     CONTENT_ID = "content_id"  # content_id() of the IDENTITY_KEYS below
+    # layertap.protocol.capture.capture_key(): the identity but for layers and stored dtype (files that
+    # can answer each other's jobs); not part of the content_id, absent from files written before it
+    CAPTURE_KEY = "capture_key"
     CHECKSUMS = "checksums"  # JSON {tensor name: crc32 hex}
     HEADER_CHECKSUM = "header_checksum"  # header_checksum() of the rest of the metadata and the tensor shapes
 

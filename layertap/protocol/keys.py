@@ -203,6 +203,11 @@ def run_workers_hash(run: str) -> str:
     return f"{PREFIX}:run:{run}:workers"
 
 
+def capture_hash(capture_key: str) -> str:
+    """Hash file address -> ``""``: the files workers computed whose states are those of ``capture_key``
+    (``protocol.capture``) in their computed values. Outlives runs: a removed file is skipped when met."""
+    return f"{PREFIX}:capture:{capture_key}"
+
 
 def attempts_key(run: str, job_id: str) -> str:
     """Counter of how many times a job started (crash requeues included)."""

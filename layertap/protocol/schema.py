@@ -376,6 +376,7 @@ class Result(BaseModel):
     spec_hash: str | None = None  # ok results: the job's ``Job.spec_hash`` (the content its file holds)
     attempt: int | None = None
     cached: bool = False
+    captured_from: str | None = None  # ok results written from an existing file of the capture (no forward)
     finished_at: float = Field(default_factory=time.time)
 
     @property

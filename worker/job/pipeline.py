@@ -13,8 +13,11 @@ submitted inside the engine's ``preparing`` block (just ahead of the engine, a f
 once; disk answers come before it and take no place there), go to the engine at once and are
 handed to the processor's writer threads as their batches come back, so the files of one call
 are written side by side (a batch's host buffer is free only once all its files are written).
-A computed row the worker samples (``layertap.worker.job.sampling``) is computed again alone
-before its file is written; over its bound it gets ``sample_over_bound`` and no file.
+A job whose file is to be computed is first looked for in the worker's capture index
+(``layertap.worker.job.reuse``): a file of its capture that holds its layers answers it, written on
+the caller's thread as the job's own file with no forward (``captured_from``). A computed row the
+worker samples (``layertap.worker.job.sampling``) is computed again alone before its file is
+written; over its bound it gets ``sample_over_bound`` and no file.
 Every failure becomes that job's error result with a typed reason; nothing raises.
 """
 
@@ -38,6 +41,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 
 from layertap.protocol import fileformat as ff
+from layertap.protocol.capture import capture_key, holds_computed_values
 from layertap.protocol.fileformat import MetaKey
 from layertap.protocol.layers import CONVENTION
 from layertap.protocol.naming import content_hash, is_safe_name
@@ -59,6 +63,7 @@ from layertap.worker.engine.records import Captured, EngineRequest
 from layertap.worker.engine.self_check import CheckReport
 from layertap.worker.engine.teacher import dense_topk
 from layertap.worker.job.errors import JobError
+from layertap.worker.job.reuse import CaptureIndex, NonFinite, computed_options, derived_tensors, find_capture
 from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
 from layertap.worker.job.writer import FileTaken, OnDisk, examine, write_job_file
@@ -151,13 +156,13 @@ class JobProcessor:
 
     def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage: Storage,
                  worker_name: str, writer_threads: int = 8, self_check: CheckReport | None = None,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, captures: CaptureIndex | None = None):
         """``storage``: where files go (the worker's own root: paths never come from jobs).
         ``writer_threads``: files written at once, over all calls (each job's check, write and
         result run on one of them). ``sampler``: measures a sample of the computed rows (none:
-        no sampling)."""
+        no sampling); ``captures``: where files are noted to answer later jobs (none: no reuse)."""
         self.loaded = loaded
-        self.sampler = sampler
+        self.sampler, self.captures = sampler, captures
         self.self_check = self_check  # the engine's batching self-check, passed before any job
         self.engine = engine
         self.preparer = preparer
@@ -341,6 +346,10 @@ class JobProcessor:
             raise _conflict(job, path)
         if existing.state is OnDisk.matches:
             return self._from_disk(job, path, existing.header, queued, attempt)  # type: ignore[arg-type]
+        if self.captures is not None:
+            answered = self._from_capture(job, path, identity, queued, attempt)
+            if answered is not None:
+                return answered
         return _Target(path, identity)
 
     def _identity(self, job: Job) -> dict[str, str]:
@@ -362,7 +371,8 @@ class JobProcessor:
         }
         if self._fixes:  # fixes that changed this model's files (only where any: ``model.fixes``)
             identity[MetaKey.COMPUTE_FIXES] = self._fixes
-        return {**identity, MetaKey.CONTENT_ID: ff.content_id(identity)}
+        return {**identity, MetaKey.CAPTURE_KEY: capture_key(job.spec(), identity),
+                MetaKey.CONTENT_ID: ff.content_id(identity)}
 
     def _start(self, job: Job, target: _Target) -> _Started:
         """What the engine is to run for a checked job (tokenized here, on the caller's thread)."""
@@ -390,9 +400,11 @@ class JobProcessor:
                 tensors = {name: tensor.clone() for name, tensor in tensors.items()}
                 job_slice.release()  # before waiting on the engine for the row alone
                 self._sample(job, request, tensors)
-            write_s = self._write(job, path, tensors, self._metadata(job, prepared, started.identity))
+            write_s = self._write(job, path, tensors, self._metadata(job, started.identity,
+                                                                    self._computed(job, prepared)))
         finally:
             job_slice.release()
+        self._note_capture(started.identity, path)
         if prepared.warning:
             log.warning("job %s: %s", job.job_id, prepared.warning)
         return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(started.output_dtype),
@@ -427,6 +439,24 @@ class JobProcessor:
                           header.metadata[MetaKey.SPEC_HASH])
         return result.model_copy(update={"cached": True})
 
+    def _from_capture(self, job: Job, path: str, identity: dict[str, str], queued: float | None,
+                      attempt: int | None) -> Result | None:
+        """The ok result of a job answered from a file of its capture (its own file written from it,
+        no forward), or None when no noted file answers it."""
+        layers = json.loads(identity[MetaKey.LAYERS])
+        capture = find_capture(self.captures, self.storage, identity[MetaKey.CAPTURE_KEY], layers)  # type: ignore[arg-type]
+        if capture is None:
+            return None
+        output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
+        try:
+            tensors = derived_tensors(capture, layers, output_dtype, self.loaded.dtype)
+        except NonFinite:
+            raise _non_finite(identity[MetaKey.DTYPE]) from None
+        write_s = self._write(job, path, tensors, self._metadata(job, identity, computed_options(capture.header)))
+        result = self._ok(job, path, tensors[ff.TOKEN_IDS].shape[0], layers, identity[MetaKey.DTYPE],
+                          Timings(queued=queued, write=write_s), attempt, identity[MetaKey.SPEC_HASH])
+        return result.model_copy(update={"captured_from": capture.address})
+
     def _write(self, job: Job, path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> float:
         """Write the job's file (``writer.write_job_file``); the seconds it took. Raises :class:`JobError`."""
         write_start = time.perf_counter()
@@ -448,27 +478,38 @@ class JobProcessor:
                            f"ones beyond the bound of its dtypes; no file written, and run {job.run}'s "
                            "certificate fails (`layertap certify`)")
 
-    def _metadata(self, job: Job, prepared: PreparedInput, identity: dict[str, str]) -> dict[str, str]:
+    def _note_capture(self, identity: dict[str, str], path: str) -> None:
+        """Note a computed file in the capture index, where it holds the computed values."""
+        if self.captures is not None and holds_computed_values(identity[MetaKey.DTYPE],
+                                                               identity[MetaKey.COMPUTE_DTYPE]):
+            self.captures.add(identity[MetaKey.CAPTURE_KEY], path)
+
+    def _computed(self, job: Job, prepared: PreparedInput) -> dict[str, str]:
+        """The header fields of how a job's states were computed here (``reuse.COMPUTED_KEYS``)."""
         loaded = self.loaded
-        options = {}
+        options = {MetaKey.BATCHING: loaded.batching.name, MetaKey.ARCHITECTURE: loaded.architecture}
         if prepared.loss_mask is not None:
             options[MetaKey.LOSS_ON] = job.loss_on
         if job.topk:
             options.update({MetaKey.TOPK: str(job.topk), MetaKey.TOPK_ON: job.topk_on})
-        if job.metadata is not None:
-            options[MetaKey.JOB_METADATA] = job.metadata
-        if job.provenance is not None:
-            options[MetaKey.PROVENANCE] = json.dumps(job.provenance, sort_keys=True)
         if loaded.capture.stream.copies > 1:
             options[MetaKey.RESIDUAL_COPIES] = str(loaded.capture.stream.copies)
         if prepared.image_token_mask is not None:
             options[MetaKey.IMAGE_FEATURES] = image_features_note(loaded.model, loaded.decoder, loaded.num_layers)
+        return options
+
+    def _metadata(self, job: Job, identity: dict[str, str], computed: dict[str, str]) -> dict[str, str]:
+        """A job's file header: the job's names and options, its ``identity``, how it was ``computed``."""
+        loaded = self.loaded
+        options = dict(computed)
+        if job.metadata is not None:
+            options[MetaKey.JOB_METADATA] = job.metadata
+        if job.provenance is not None:
+            options[MetaKey.PROVENANCE] = json.dumps(job.provenance, sort_keys=True)
         return {
             MetaKey.FORMAT: ff.FORMAT_NAME,
             MetaKey.MODEL: loaded.name,
             MetaKey.NUM_LAYERS: str(loaded.num_layers),
-            MetaKey.BATCHING: loaded.batching.name,
-            MetaKey.ARCHITECTURE: loaded.architecture,
             MetaKey.JOB_ID: job.job_id or "",
             MetaKey.RUN: job.run,
             **identity,

@@ -97,6 +97,8 @@ class WorkerMetrics:
                             registry=registry)
         self.cached = Counter("layertap_jobs_cached", "Jobs answered from a complete file already on disk.",
                               registry=registry)
+        self.from_capture = Counter("layertap_jobs_from_capture", "Jobs whose file was written from a file of "
+                                    "their capture, with no forward (worker.job.reuse).", registry=registry)
         self.failed = Counter("layertap_jobs_failed", "Jobs finished with an error result, by error type.",
                               ["error_type"], registry=registry)
         for error_type in ErrorType:
@@ -125,6 +127,8 @@ class WorkerMetrics:
             self.done.inc()
             if result.cached:
                 self.cached.inc()
+            if result.captured_from:
+                self.from_capture.inc()
             elif result.path:
                 try:
                     self.bytes_written.inc(self.storage.size(result.path))

@@ -1,15 +1,19 @@
-"""What a worker keeps in the ledger for certificates (``layertap.transport.ledger``).
+"""What a worker keeps in the ledger for certificates and reuse (``layertap.transport.ledger``).
 
 * :func:`sample_recorder`: each sampled row (``layertap.worker.job.sampling``) with what the worker
   is, waited out while Redis is away as a publish is: a row that cannot be recorded fails its job
-  (transiently), so no measured row is lost quietly.
+  (transiently), so no measured row is lost quietly;
+* :class:`LedgerCaptures`: the capture index (``layertap.worker.job.reuse``). It only saves work:
+  a lookup Redis cannot answer finds nothing (the job is computed) and a file it cannot note is
+  not reused, each logged.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 
@@ -19,6 +23,7 @@ from layertap.worker.job.sampling import Record
 from layertap.worker.queue.publisher import wait_out_redis
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def sample_recorder(client: redis.Redis, give_up_s: float) -> Record:
@@ -28,3 +33,32 @@ def sample_recorder(client: redis.Redis, give_up_s: float) -> Record:
                                                     json.dumps(facts, sort_keys=True)),
                        f"recording sampled row {row.job_id} of run {run}", give_up_s)
     return record
+
+
+class LedgerCaptures:
+    """The capture index in Redis (``keys.capture_hash``). Thread-safe."""
+
+    def __init__(self, client: redis.Redis):
+        self.redis = client
+
+    def find(self, capture_key: str) -> list[str]:
+        found = _or_logged(lambda: ledger.captures(self.redis, capture_key),
+                           f"could not look up capture {capture_key}; the job is computed")
+        return found or []
+
+    def add(self, capture_key: str, address: str) -> None:
+        _or_logged(lambda: ledger.record_capture(self.redis, capture_key, address),
+                   f"could not note {address} as capture {capture_key}; it answers no other job")
+
+    def forget(self, capture_key: str, address: str) -> None:
+        _or_logged(lambda: ledger.forget_capture(self.redis, capture_key, address),
+                   f"could not drop the gone file {address} from capture {capture_key}")
+
+
+def _or_logged(action: Callable[[], T], what: str) -> T | None:
+    """``action()``, or None with ``what`` logged when Redis fails it."""
+    try:
+        return action()
+    except redis.exceptions.RedisError as exc:
+        log.warning("%s (%s)", what, exc)
+        return None

@@ -19,7 +19,7 @@ operations, by the step of a job's life they record:
   :func:`note_suspects`, :func:`adopt_records`, :func:`forget_sent`;
 * **trim**: :func:`trim` (``trim_page.lua``, works at ``maxmemory`` on Redis 7+), :func:`forget_run` (delete);
 * **certificate**: :func:`record_sample` (a sampled row and its worker, one ``MULTI``), :func:`run_samples`,
-  :func:`run_workers`;
+  :func:`run_workers`; **captures**: :func:`record_capture`, :func:`captures`, :func:`forget_capture`;
 * **consume**: :func:`create_group`, :func:`read_group`, :func:`claim_idle`, :func:`keep_held`,
   :func:`finish` (``finish.lua``), :func:`ack`, :func:`queue_recovered`, :func:`mark_recovered`,
   :func:`take_lock` / :func:`release_lock` (``release_lock.lua``).
@@ -468,7 +468,7 @@ def forget_run(client: redis.Redis, run: str) -> None:
     pipe.execute()
 
 
-# -- certificate -------------------------------------------------------------------------
+# -- certificate and captures -------------------------------------------------------------
 def record_sample(client: redis.Redis, run: str, job_id: str, row: str, worker: str, facts: str) -> None:
     """Record a sampled row of ``run`` (JSON ``certificate.SampleRow``) and what its ``worker`` is
     (JSON ``facts``), in one transaction."""
@@ -487,6 +487,21 @@ def run_samples(client: redis.Redis, run: str) -> dict[str, str]:
 def run_workers(client: redis.Redis, run: str) -> dict[str, str]:
     """node -> JSON facts, of every worker that sampled rows of ``run``."""
     return {keys.as_text(node): keys.as_text(facts) for node, facts in client.hgetall(keys.run_workers_hash(run)).items()}
+
+
+def record_capture(client: redis.Redis, capture_key: str, address: str) -> None:
+    """Note the file at ``address`` as one holding the computed states of ``capture_key``."""
+    client.hset(keys.capture_hash(capture_key), address, "")
+
+
+def captures(client: redis.Redis, capture_key: str) -> list[str]:
+    """The addresses noted for ``capture_key``, sorted."""
+    return sorted(keys.as_text(address) for address in client.hkeys(keys.capture_hash(capture_key)))
+
+
+def forget_capture(client: redis.Redis, capture_key: str, address: str) -> None:
+    """Drop a noted address whose file is gone or is not of the capture."""
+    client.hdel(keys.capture_hash(capture_key), address)
 
 
 # -- consume ------------------------------------------------------------------------------
