@@ -165,3 +165,42 @@ def test_the_file_protocol_holds_in_s3(tiny_models, s3, s3_env):
         conflict = extractor.extract(["other content, same job id"], job_id="same")[0]
         assert conflict.error_type == ErrorType.job_id_conflict, conflict.error
         assert fs.cat_file(first.path) == kept
+
+
+def test_reuse_and_certificates_hold_in_s3(make_worker, private_client, private_redis, s3, run_name):
+    """Issue 46, item 4: a run in ``s3://`` is certified and verified there (a changed object is
+    named), and a later run's layers out of it are written from its objects with no forward."""
+    from layertap.producer.files.verify import verify
+    from layertap.storage.registry import storage_for
+    from tests.integration.test_reuse import forwards
+
+    root, node = f"s3://layertap/certified-{run_name[-12:]}", "s3-certified@localhost"
+    options = json.dumps(s3.storage_options)
+    make_worker(node, env={"LAYERTAP_STORAGE_ROOT": root, "LAYERTAP_STORAGE_OPTIONS": options})
+    ids = [f"o{index}" for index in range(len(PROMPTS))]
+    for text, job_id in zip(PROMPTS, ids):
+        private_client.submit({"prompt": text, "job_id": job_id}, model=MODEL, run=run_name, layers=[0, 2, 4])
+    captured = private_client.wait(run_name, ids, timeout=120)
+    assert all(result.ok for result in captured.values()), [result.error for result in captured.values()]
+    env = {"LAYERTAP_REDIS_URL": private_redis.url, "LAYERTAP_STORAGE_ROOT": root, "LAYERTAP_STORAGE_OPTIONS": options}
+    certified = layertap(env, "certify", run_name)
+    assert f"run {run_name}: {len(ids)} file(s)" in certified.stderr and f"{len(ids)} within their bound" in \
+        certified.stderr
+    fs = s3fs_of(s3)
+    assert fs.exists(f"{root}/{run_name}/certificate.json") and fs.exists(f"{root}/{run_name}/certificate.files.jsonl")
+    assert "match certificate" in layertap(env, "verify", run_name).stderr
+
+    before = forwards(private_client, node)
+    for text, job_id in zip(PROMPTS, ids):
+        private_client.submit({"prompt": text, "job_id": job_id}, model=MODEL, run=f"{run_name}-draft", layers=[4])
+    drafts = private_client.wait(f"{run_name}-draft", ids, timeout=120)
+    assert forwards(private_client, node) == before
+    for job_id in ids:
+        assert drafts[job_id].ok and drafts[job_id].captured_from == captured[job_id].path, drafts[job_id]
+        assert drafts[job_id].path.startswith(f"{root}/{run_name}-draft/")
+
+    changed = bytearray(fs.cat_file(captured[ids[2]].path))
+    changed[-9] ^= 0x40
+    fs.pipe_file(captured[ids[2]].path, bytes(changed))
+    (problem,) = verify(storage_for(root, s3.storage_options), run_name).problems
+    assert problem.startswith(f"job {ids[2]}: ") and "checksum mismatch" in problem, problem
