@@ -1,7 +1,8 @@
 """``layertap certify`` and ``layertap verify``: a run's certificate (``layertap.producer.files.certify``).
 
 Exit codes: 0 certified (verified); 1 refused, a sampled row over its bound (the certificate is
-written and says so), or a problem found (each named, the first 20 in full).
+written and says so), or a problem found (each named, the first 20 in full). ``verify --recompute``
+imports the worker side (``layertap.worker.job.fresh_sample``) when it runs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from layertap.extras import require
 from layertap.producer.cli.common import err_console, fail
 
 
@@ -51,16 +53,33 @@ def certify(
 def verify(
     run: str = typer.Argument(..., help="Run name."),
     checksums: bool = typer.Option(True, help="Check every tensor's checksum (reads every file whole)."),
+    recompute: int = typer.Option(0, min=0, help="Also compute this many certified files the workers did not "
+                                  "sample again, each alone on this machine (needs the [worker] extra), and measure "
+                                  "them as the workers measured their sampled rows."),
+    model: Optional[str] = typer.Option(None, help="With --recompute: where the certified checkpoint is (default: "
+                                        "the model source its files name; its weights fingerprint is checked)."),
+    device: str = typer.Option("auto", help="With --recompute: the device to compute on."),
     storage: Optional[str] = typer.Option(None, help="The run's storage root, folder or URL (setting storage_root)."),
 ) -> None:
     """Check a run's certificate against its files (no Redis needed): its seal, its file list, and each file's
-    checksums, states and identity."""
+    checksums, states and identity; with --recompute, a fresh sample of its rows computed again alone."""
     from layertap.producer.cli.common import load_settings
+    from layertap.producer.files.verify import file_lines
     from layertap.producer.files.verify import verify as verify_run
     from layertap.protocol.certificate import CertificateError
 
+    files = load_settings(storage=storage).storage()
     try:
-        verdict = verify_run(load_settings(storage=storage).storage(), run, checksums=checksums)
+        verdict = verify_run(files, run, checksums=checksums)
+        if recompute:
+            require("`layertap verify --recompute`")
+            from layertap.worker.job.fresh_sample import fresh_sample
+
+            rows = fresh_sample(files, verdict.certificate, file_lines(files, verdict.certificate), recompute,
+                                source=model, device=device)
+            verdict.problems += [f"recomputed {row.describe()} is over its bound" for row in rows if not row.passed]
+            _say(f"run {run}: {len(rows)} file(s) computed again alone on this machine, "
+                 f"{sum(row.passed for row in rows)} within their bound")
     except CertificateError as exc:
         raise fail(str(exc)) from None
     if not verdict.ok:

@@ -12,6 +12,7 @@ again since). Imports no Redis or torch.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -108,20 +109,33 @@ def verify(storage: Storage, run: str, *, checksums: bool = True) -> Verdict:
     problems = verdict.problems
     problems += [f"sampled {row.describe()} is over its bound" for row in certificate.failed]
     try:
-        listing = _get(storage, run_object(storage.root, run, FILES_NAME))
+        for line in file_lines(storage, certificate):
+            verdict.checked += 1
+            problem = _check_file(storage, run, line, certificate, checksums)
+            if problem:
+                problems.append(f"job {line.job_id}: {problem}")
     except FileNotFoundError:
         problems.append(f"its file list {FILES_NAME} is missing")
-        return verdict
-    if hashlib.sha256(listing).hexdigest() != certificate.files.sha256:
-        problems.append(f"its file list {FILES_NAME} is not the one certified (its sha256 differs)")
-        return verdict
-    for text in listing.decode("utf-8").splitlines():
-        line = FileLine.model_validate_json(text)
-        verdict.checked += 1
-        problem = _check_file(storage, run, line, certificate, checksums)
-        if problem:
-            problems.append(f"job {line.job_id}: {problem}")
+    except CertificateError as exc:
+        problems.append(str(exc))
     return verdict
+
+
+def file_lines(storage: Storage, certificate: Certificate) -> Iterator[FileLine]:
+    """The certificate's file list, line by line (``FileNotFoundError`` if it is missing); raises
+    :class:`~layertap.protocol.certificate.CertificateError` at a line that is not one, and at its end
+    when its sha256 is not the one certified."""
+    digest = hashlib.sha256()
+    with storage.open(run_object(storage.root, certificate.run, FILES_NAME)) as handle:
+        for raw in handle:
+            digest.update(raw)
+            try:
+                line = FileLine.model_validate_json(raw)
+            except ValueError:
+                raise CertificateError(f"its file list {FILES_NAME} holds a line that is not a file's") from None
+            yield line
+    if digest.hexdigest() != certificate.files.sha256:
+        raise CertificateError(f"its file list {FILES_NAME} is not the one certified (its sha256 differs)")
 
 
 def _check_file(storage: Storage, run: str, line: FileLine, certificate: Certificate, checksums: bool) -> str | None:

@@ -95,13 +95,18 @@ def test_a_certified_run_verifies_until_a_file_changes_or_comes_from_another_che
         verify(storage, run_name)
 
 
-def test_a_sampled_row_over_its_bound_fails_the_run_naming_the_rows(make_worker, private_client, private_redis,
-                                                                    faulty_batch_model, run_name):
+def test_a_sampled_row_over_its_bound_fails_the_run_and_a_fresh_sample_finds_an_unsampled_one(
+        make_worker, private_client, private_redis, faulty_batch_model, run_name):
     """Ten 40-token rows in one packed forward of 400 tokens: the model's own fault makes every
-    row that reaches past position ``WRAP_AT`` wrong from layer 1 on; each row is sampled."""
-    make_worker("faulty@localhost", model_dir=faulty_batch_model,
-                env={"LAYERTAP_WORKER__TRUST_REMOTE_CODE": "true", "LAYERTAP_WORKER__BATCHING": "packed",
-                     "LAYERTAP_WORKER__SAMPLE_EVERY": "1"})
+    row that reaches past position ``WRAP_AT`` wrong from layer 1 on. A worker that samples every
+    row fails them; one that samples none writes them all, and ``verify --recompute`` finds them."""
+    faulty = {"LAYERTAP_WORKER__TRUST_REMOTE_CODE": "true", "LAYERTAP_WORKER__BATCHING": "packed"}
+    started = [make_worker("faulty@localhost", model_dir=faulty_batch_model, wait=False,
+                           env={**faulty, "LAYERTAP_WORKER__SAMPLE_EVERY": "1"}),
+               make_worker("unsampled@localhost", model_dir=faulty_batch_model, wait=False, name="tiny-unsampled",
+                           env={**faulty, "LAYERTAP_WORKER__SAMPLE_EVERY": "0", "LAYERTAP_WORKER__SAMPLE_MIN": "0"})]
+    for worker in started:
+        worker.wait_ready()
     rng = random.Random(46)
     jobs = [{"job_id": f"row{i}", "token_ids": [rng.randrange(1, 700) for _ in range(40)], "layers": [1, 2, 4]}
             for i in range(10)]
@@ -128,6 +133,17 @@ def test_a_sampled_row_over_its_bound_fails_the_run_naming_the_rows(make_worker,
     assert certificate.stated["jobs"]["failed"] == len(failed)
     verified = layertap(env, "verify", run_name)
     assert verified.returncode == 1 and "is over its bound" in verified.stderr
+
+    unsampled = f"{run_name}-unsampled"
+    private_client.submit_many(jobs, model="tiny-unsampled", run=unsampled)
+    assert all(result.ok for result in private_client.wait(unsampled, ids, timeout=120).values())
+    certified = layertap(env, "certify", unsampled)
+    assert certified.returncode == 0 and "has no sampled rows" in certified.stderr, certified.stderr
+    assert layertap(env, "verify", unsampled).returncode == 0  # its files are the ones certified
+    found = layertap(env, "verify", unsampled, "--recompute", "10", "--device", "cpu")
+    over = sorted(job_id for job_id in ids if f"recomputed row {job_id} (worker verify@" in found.stderr)
+    assert found.returncode == 1 and len(failed) <= len(over) < len(ids), found.stderr
+    assert f"10 file(s) computed again alone on this machine, {len(ids) - len(over)} within" in found.stderr
 
 
 def _certified_run(root: Path, run: str, dtype: str) -> ManifestEntry:

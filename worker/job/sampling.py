@@ -76,6 +76,18 @@ def stored_states(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return hidden if scale is None else hidden.float() * scale.unsqueeze(-1)
 
 
+def sample_row(job_id: str, worker: str, layers: list[int], got: torch.Tensor, reference: torch.Tensor, stored: str,
+               compute_dtype: torch.dtype) -> SampleRow:
+    """The measured row of a file's states ``got`` (values, states stored as ``stored``) against the
+    same tokens run alone (``reference``, computed in ``compute_dtype``), per layer, with its bound."""
+    compute = recorded_name(compute_dtype)
+    errors = relative_error_per_layer(got, reference).tolist()
+    return SampleRow(job_id=job_id, worker=worker, tokens=got.shape[0], layers=list(layers),
+                     errors=[error if math.isfinite(error) else None for error in errors],
+                     bound=sample_bound(TOLERANCE.get(compute_dtype, HALF_TOLERANCE), stored, compute),
+                     dtype=stored, compute_dtype=compute)
+
+
 class Sampler:
     """Thread-safe; one per worker."""
 
@@ -110,13 +122,8 @@ class Sampler:
             log.warning("job %s (run %s): its sampled row could not be run alone, so it is not measured: %s: %s",
                         job.job_id, job.run, type(exc).__name__, exc)
             return None
-        errors = relative_error_per_layer(stored_states(tensors), reference).tolist()
-        stored, compute = recorded_name(request.output_dtype or loaded.dtype), recorded_name(loaded.dtype)
-        row = SampleRow(job_id=job.job_id or "", worker=self.worker, tokens=request.num_tokens,
-                        layers=list(request.layer_ids), errors=[error if math.isfinite(error) else None
-                                                                for error in errors],
-                        bound=sample_bound(TOLERANCE.get(loaded.dtype, HALF_TOLERANCE), stored, compute),
-                        dtype=stored, compute_dtype=compute)
+        row = sample_row(job.job_id or "", self.worker, request.layer_ids, stored_states(tensors), reference,
+                         recorded_name(request.output_dtype or loaded.dtype), loaded.dtype)
         self.record(job.run, row, self.facts)
         if not row.passed:
             log.error("run %s: sampled %s over its bound: computed alone it differs from its batched states",
