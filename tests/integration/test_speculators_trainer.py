@@ -3,13 +3,17 @@ its CLI unchanged, run on the CPU through ``tests/support/speculators_cpu.py``) 
 through hs-connectors' backend ``layertap`` (``--hidden-states-backend layertap``): (a) an export,
 (b) a run that the worker extracts while the trainer reads it. Each: the checkpoint's layer ids are
 the extracted ones, every row is trained once, and wrong ``--target-layer-ids`` stop the trainer
-before a step with both lists. Float8 states reach speculators decoded, within float8's bound.
-Real Redis, the real tiny-qwen3 worker, speculators' real trainer."""
+before a step with both lists. Float8 states reach speculators decoded, within float8's bound. In
+object storage the backend's transfer (in this venv: hs-connectors without speculators) reads and
+removes only the jobs' own objects under its roots. Real Redis, the real tiny-qwen3 worker,
+speculators' real trainer, a real S3-protocol server."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import pickle
 import re
 import subprocess
 from pathlib import Path
@@ -19,6 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from layertap.producer.dev.s3_server import S3Server
+from layertap.producer.trainers.hs_backend import LayertapBackend
 from layertap.protocol import keys
 from layertap.protocol.schema import Job
 from tests.integration.test_training_record import FLOAT32_ATOL, FP8_RELATIVE, FP8_SUBNORMAL
@@ -53,10 +59,11 @@ def layertap(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 
 def trainer(save: Path, *args: str, model: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """``speculators train`` (eagle3, one epoch, on the CPU) with the layertap backend; the backend's log to ``log``."""
+    """``speculators train`` (eagle3, one epoch, on the CPU, rows read in its own process: the transfer's pickling
+    for DataLoader workers is tested below) with the layertap backend; the backend's log to ``log``."""
     argv = speculators_argv(
         "train", "--verifier-name-or-path", str(model), "--speculator-type", "eagle3", "--draft-attn-impl", "sdpa",
-        "--loss-implementation", "eager", "--hidden-states-dtype", "float32", "--epochs", "1",
+        "--loss-implementation", "eager", "--hidden-states-dtype", "float32", "--epochs", "1", "--num-workers", "0",
         "--total-seq-len", "512", "--save-path", str(save), "--hidden-states-backend", "layertap", *args)
     return subprocess.Popen(argv, cwd=save.parent, env={**env, "TRAINER_LOG": str(log), "COLUMNS": "300"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,6 +72,10 @@ def trainer(save: Path, *args: str, model: Path, env: dict[str, str], log: Path)
 def finished(process: subprocess.Popen) -> tuple[int, str]:
     output, _ = process.communicate(timeout=TRAINER_TIMEOUT_S)
     return process.returncode, output
+
+
+def text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def checkpoint_layer_ids(save: Path) -> list[int]:
@@ -96,8 +107,8 @@ def test_trainer_reads_an_export(venv_python, export, tiny_models, tmp_path):
     locks = sorted((folder / "hidden_states").glob("*.lock"))
     assert len(locks) == ROWS
     save, log = tmp_path / "ckpt", tmp_path / "backend.log"
-    code, output = finished(trainer(save, "--config", str(folder / "speculators.yaml"), "--num-workers", "0",
-                                    model=tiny_models["qwen3"], env=env, log=log))
+    code, output = finished(trainer(save, "--config", str(folder / "speculators.yaml"), model=tiny_models["qwen3"],
+                                    env=env, log=log))
     assert code == 0, output[-4000:]
 
     assert checkpoint_layer_ids(save) == TARGET_IDS
@@ -119,8 +130,7 @@ def test_wrong_target_layer_ids_stop_the_trainer_on_an_export(venv_python, expor
     folder, env = export
     save = tmp_path / "ckpt"
     code, output = finished(trainer(save, "--config", str(folder / "speculators.yaml"), "--target-layer-ids",
-                                    *WRONG_IDS, "--num-workers", "0", model=tiny_models["qwen3"], env=env,
-                                    log=tmp_path / "backend.log"))
+                                    *WRONG_IDS, model=tiny_models["qwen3"], env=env, log=tmp_path / "backend.log"))
     assert_refused_with_both_lists(code, output, save)
 
 
@@ -144,8 +154,8 @@ def test_trainer_reads_a_run_while_the_worker_extracts_it(venv_python, workers, 
 
     # wrong ids: the trainer waits for the run's first file, then stops with both lists
     wrong_log = tmp_path / "wrong.log"
-    wrong = trainer(tmp_path / "wrong", *common, "--target-layer-ids", *WRONG_IDS, "--num-workers", "0",
-                    model=tiny_models["qwen3"], env=env, log=wrong_log)
+    wrong = trainer(tmp_path / "wrong", *common, "--target-layer-ids", *WRONG_IDS, model=tiny_models["qwen3"],
+                    env=env, log=wrong_log)
     wait_for(lambda: "waiting for the first ok result" in text(wrong_log) or wrong.poll() is not None, 300,
              "the trainer to wait for the run")
     client.submit(Job(model="tiny-qwen3", run=run_name, **jobs[0]))  # one row's job; the run is not sealed
@@ -154,7 +164,7 @@ def test_trainer_reads_a_run_while_the_worker_extracts_it(venv_python, workers, 
     # the trainer reads the run while the rest is extracted: each row handed over once, then its file removed
     log, save = tmp_path / "backend.log", tmp_path / "ckpt"
     live = trainer(save, *common, "--target-layer-ids", *map(str, TARGET_IDS), "--layertap-delete-after", "true",
-                   "--on-missing", "raise", "--num-workers", "1", model=tiny_models["qwen3"], env=env, log=log)
+                   "--on-missing", "raise", model=tiny_models["qwen3"], env=env, log=log)
     wait_for(lambda: "target layer ids" in text(log) or live.poll() is not None, 300, "the trainer to read the run")
     layertap(env, "enqueue", "--model", "tiny-qwen3", "--run", run_name, "--file", str(tmp_path / "jobs.jsonl"))
     code, output = finished(live)
@@ -164,31 +174,41 @@ def test_trainer_reads_a_run_while_the_worker_extracts_it(venv_python, workers, 
     assert sorted(results) == sorted(job_ids) and all(result.ok and result.layers == LAYERS
                                                        for result in results.values())
     assert checkpoint_layer_ids(save) == TARGET_IDS
-    # every row handed over: recorded once by the group, its file then removed; a second read of any row
-    # would have found no file and stopped the trainer (--on-missing raise)
+    # every row handed over once (the backend's log), recorded by the group, its file then removed: a second
+    # read of any row would have found no file and stopped the trainer (--on-missing raise)
+    handed = [(int(row), job) for row, job in HANDED_OVER.findall(log.read_text())]
+    assert sorted(handed) == [(row, job_ids[row]) for row in range(ROWS)]
     consumed = client.redis.hgetall(keys.run_consumed_hash(run_name, "speculators"))
     assert consumed == dict.fromkeys(job_ids, "ok")
     assert not [path for path in (storage_root / run_name).rglob("*") if path.is_file()]
 
 
-def text(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
+def backend_args(run: str | None, *, delete_after: bool = False) -> argparse.Namespace:
+    """What speculators' trainer gives the backend (its flattened config), for this data's target ids."""
+    return argparse.Namespace(layertap_run=run, layertap_group="speculators", layertap_delete_after=delete_after,
+                              layertap_redis_url=None, target_layer_ids=TARGET_IDS, speculator_type="eagle3")
 
 
 def test_float8_states_reach_speculators_decoded(venv_python, workers, redis_server, storage_root, client,
-                                                 tiny_models, run_name, tmp_path):
+                                                 tiny_models, run_name, tmp_path, monkeypatch):
     """The backend hands over a float8 run's states decoded (float32), within float8's bound of plain
-    transformers' states; hs-connectors' own fp8 backend reads the export's bfloat16 copy within that
-    bound plus bfloat16's rounding."""
+    transformers' states, and the export's bfloat16 copy of them; hs-connectors' own fp8 backend reads that
+    copy too. The transfers are made here and read in a fresh process of the venv that unpickles them
+    first, as a spawned DataLoader worker of speculators does."""
     env = speculators_env(LAYERTAP_REDIS_URL=redis_server.url, LAYERTAP_STORAGE_ROOT=str(storage_root))
     sent = layertap(env, "enqueue", "--model", "tiny-qwen3", "--run", run_name, "--dtype", "float8", "--prompt",
                     "a float8 prompt for the draft trainer")
     (job_id,) = sent.stdout.split()
     result = client.wait(run_name, [job_id], timeout=60)[job_id]
     assert result.ok and result.dtype == "float8_e4m3"
-    layertap(env, "export", "--run", run_name, "--format", "speculators", "--out", str(tmp_path / "ds"))
-    read = subprocess.run([str(venv_python), "-c", FP8_READ, str(tmp_path / "ds"), run_name, str(tmp_path / "read")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    folder = tmp_path / "ds"
+    layertap(env, "export", "--run", run_name, "--format", "speculators", "--out", str(folder))
+    monkeypatch.setenv("LAYERTAP_REDIS_URL", redis_server.url)
+    transfers = {source: LayertapBackend.from_train_args(backend_args(run), str(folder))
+                 for source, run in (("run", run_name), ("export", None))}
+    (tmp_path / "transfers.pickle").write_bytes(pickle.dumps(transfers))
+    read = subprocess.run([str(venv_python), "-c", FP8_READ, str(tmp_path / "transfers.pickle"), str(folder),
+                           str(tmp_path / "read")], env=env, capture_output=True, text=True, timeout=300)
     assert read.returncode == 0, read.stderr[-3000:]
     got = load_file(str(tmp_path / "read"))
 
@@ -203,23 +223,72 @@ def test_float8_states_reach_speculators_decoded(venv_python, workers, redis_ser
     assert torch.all((got["hs_connectors_fp8"].float() - exact).abs() <= rounded_bound)
 
 
-#: Run by the venv's python: ``argv`` = export folder, run, output file. Reads row 0 through the layertap
-#: backend from the run (the job's own float8 file) and from the export (its bfloat16 copy), and through
-#: hs-connectors' own fp8 backend from the export.
-FP8_READ = """
-import argparse, sys
-from pathlib import Path
-from safetensors.torch import save_file
-from hs_connectors import FP8Transfer, HiddenStatesBackend
+def test_the_backend_reads_and_removes_only_its_own_objects_in_s3(make_worker, private_client, private_redis,
+                                                                  tiny_models, run_name, tmp_path, monkeypatch):
+    """A run written to ``s3://``: the transfer (pickled, as speculators' DataLoader workers get it) hands over
+    each row's states from its object, equal to plain transformers', and with delete_after removes that object;
+    a ``layertap serve``-style answer naming the job's object is read and then removed, and the same object
+    under another prefix (not the reader's root) is neither read nor removed."""
+    import s3fs
 
-folder, run, out = sys.argv[1:]
-backend = HiddenStatesBackend.registry["layertap"]
-def read(run):
-    args = argparse.Namespace(layertap_run=run, layertap_group="fp8-check", layertap_delete_after=False,
-                              layertap_redis_url=None, target_layer_ids=[1, 2], speculator_type="eagle3")
-    return backend.from_train_args(args, folder).get_cached(0)
-from_run, from_export = read(run), read(None)
-fp8 = FP8Transfer(Path(folder) / "hidden_states").get_cached(0)
+    prompts = ["an object per job", "read from the bucket", "and removed once handed over"]
+    job_ids = [f"row-{index}" for index in range(len(prompts))]
+    with S3Server() as s3:
+        s3.make_bucket("layertap")
+        root, options = f"s3://layertap/spec-{run_name[-12:]}", s3.storage_options
+        env = {"LAYERTAP_REDIS_URL": private_redis.url, "LAYERTAP_STORAGE_ROOT": root,
+               "LAYERTAP_STORAGE_OPTIONS": json.dumps(options)}
+        make_worker("s3@localhost", env=env)
+        jobs = [private_client.submit({"prompt": text, "job_id": job_id}, model="tiny-qwen3", run=run_name)
+                for text, job_id in zip(prompts, job_ids, strict=True)]
+        results = private_client.wait(run_name, [job.job_id for job in jobs], timeout=120)
+        paths = [results[job_id].path for job_id in job_ids]
+        assert all(path.startswith(f"{root}/{run_name}/") for path in paths), paths
+        _, tokenizer = load(str(tiny_models["qwen3"]))
+        token_ids = [tokenizer(text)["input_ids"] for text in prompts]
+        datasets.Dataset.from_dict({"input_ids": token_ids, "loss_mask": [[1] * len(ids) for ids in token_ids],
+                                    "seq_len": [len(ids) for ids in token_ids], "job_id": job_ids},
+                                   ).with_format("torch").save_to_disk(str(tmp_path / "rows"))
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        transfer = pickle.loads(pickle.dumps(LayertapBackend.from_train_args(backend_args(run_name, delete_after=True),
+                                                                             str(tmp_path / "rows"))))
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+
+        for row in (0, 1):
+            states = transfer.get_cached(row)
+            assert states["token_ids"].tolist() == token_ids[row]
+            expected = reference_states(str(tiny_models["qwen3"]), token_ids[row], LAYERS)
+            torch.testing.assert_close(states["hidden_states"].float(), expected, atol=FLOAT32_ATOL, rtol=1e-5)
+            assert not fs.exists(paths[row])  # handed over, then removed
+        consumed = private_client.redis.hgetall(keys.run_consumed_hash(run_name, "speculators"))
+        assert consumed == {"row-0": "ok", "row-1": "ok"}
+
+        elsewhere = paths[2].replace(f"{root}/", "s3://layertap/elsewhere/")
+        fs.copy(paths[2], elsewhere)
+        with pytest.raises(ValueError, match="not the own file of a layertap run's job under this trainer's"):
+            transfer.get_generated({"hidden_states_path": elsewhere})
+        transfer.delete(elsewhere)
+        assert fs.exists(elsewhere)  # not under the reader's storage root: left
+        generated = transfer.get_generated({"hidden_states_path": paths[2]})
+        assert generated["token_ids"].tolist() == token_ids[2]
+        transfer.delete(paths[2])
+        assert not fs.exists(paths[2])
+
+
+#: Run by the venv's python: ``argv`` = pickled transfers, export folder, output file. Unpickles the layertap
+#: backend's transfers before anything else is imported, reads row 0 through each (the run's float8 file, the
+#: export's bfloat16 copy), and through hs-connectors' own fp8 backend from the export.
+FP8_READ = """
+import pickle, sys
+from pathlib import Path
+
+transfers = pickle.loads(Path(sys.argv[1]).read_bytes())
+from hs_connectors import FP8Transfer
+from safetensors.torch import save_file
+
+from_run, from_export = transfers["run"].get_cached(0), transfers["export"].get_cached(0)
+fp8 = FP8Transfer(Path(sys.argv[2]) / "hidden_states").get_cached(0)
 save_file({"run": from_run["hidden_states"], "export": from_export["hidden_states"],
-           "hs_connectors_fp8": fp8["hidden_states"], "token_ids": from_run["token_ids"]}, out)
+           "hs_connectors_fp8": fp8["hidden_states"], "token_ids": from_run["token_ids"]}, sys.argv[3])
 """
