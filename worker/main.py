@@ -130,7 +130,7 @@ def run_worker(settings: Settings) -> int:
     metrics = WorkerMetrics(processor.engine, {"node": node, "model": loaded.name, "device": str(loaded.device),
                                                "gpus": gpus, "dtype": dtype}, storage)
     publisher = ResultPublisher(client, sinks=build_sinks(ws.result_sinks, SinkContext(node, metrics)))
-    service = WorkerService(processor, client, publisher, settings.max_attempts,
+    service = WorkerService(processor, publisher, settings.max_attempts,
                             storage_retry_s=settings.worker.storage_retry_s)
     app = make_celery(settings)
     set_held_messages(held_delivery_tags)  # a broker channel closing after an error leaves these held

@@ -39,7 +39,7 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 #: Hash task id -> JSON {"queue", "submitted_at"}: messages (jobs, bundles) sent and not yet finished.
 PENDING_HASH = f"{PREFIX}:pending"
 #: Message header carrying the message's pending record: the broker transport writes the record
-#: in the transaction that queues the message (``ledger.push_recorded``).
+#: in the transaction that queues the message (the run ledger's ``push_recorded``).
 PENDING_HEADER = "layertap_pending"
 #: Set of the queues the Client has sent jobs to (bounded by the models ever used).
 PENDING_QUEUES_SET = f"{PREFIX}:pending:queues"

@@ -45,7 +45,7 @@ connection, and a refused sweep is skipped until the next, so the consumer keeps
 
 **Sending loses nothing.** A message that carries its pending record (the Client's and a
 worker's split halves: ``keys.PENDING_HEADER``) is pushed in the same server-side step that
-writes the record (``ledger.push_recorded``). A Redis at ``maxmemory`` refuses both or neither, so the
+writes the record (the run ledger's ``push_recorded``). A Redis at ``maxmemory`` refuses both or neither, so the
 reconciler never finds a record whose message is still on its way (it called such a message
 lost, then the push went through and the job was dropped unrun as already handled).
 
@@ -87,7 +87,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from layertap.protocol import keys
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger
 from layertap.transport.redis_conn import refuses_writes
 from layertap.transport.redis_url import is_sentinel_url
 
@@ -256,7 +256,7 @@ class Channel(kombu_redis.Channel):
             raise ValueError(f"message {task_id} carries its pending record and cannot go in a publish batch")
         key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         with self.conn_or_acquire() as client:
-            ledger.push_recorded(client, key, dumps(message), task_id, record)
+            Ledger(client, give_up_s=0).push_recorded(key, dumps(message), task_id, record)  # the sender retries
 
     def _confirm(self, client: redis.Redis) -> int:
         """How many replicas hold what ``client`` wrote: ``WAIT`` until ``replicas_to_wait`` do or

@@ -121,7 +121,7 @@ def send_extract(app: Celery, args: list[Any], kwargs: dict[str, Any], queue: st
                  task: str = keys.EXTRACT_TASK, pending: str | None = None) -> AsyncResult:
     """Send one ``layertap.extract`` message (``args == [job payload]``), or with ``task``
     ``layertap.extract_bundle`` one bundle (``args == [[job payload, ...]]``). ``pending``: the
-    message's pending record (``ledger.pending_record``), written with its push.
+    message's pending record (``ledger.pending.pending_record``), written with its push.
 
     Monitors (Flower, task events) show the job by model, run and id (a bundle by model,
     run and its number of jobs) rather than by its input: Celery's default repr of the

@@ -21,7 +21,7 @@ import redis
 from layertap.producer.client import runs
 from layertap.producer.client.bundler import Bundler
 from layertap.producer.client.fleet import did_you_mean, live_workers, served_depths
-from layertap.producer.client.results import PAGE, entry_result, read_after
+from layertap.producer.client.results import PAGE, read_after
 from layertap.protocol import keys
 from layertap.protocol.images import load_images, with_image_digests
 from layertap.protocol.layers import LayerIdError, resolve_layer_ids
@@ -29,8 +29,8 @@ from layertap.protocol.naming import served_model_name
 from layertap.protocol.schema import Job, JobTooLarge, Result, oversize, refuse_oversize
 from layertap.settings import Settings
 from layertap.storage.registry import use_options
-from layertap.transport import ledger
 from layertap.transport.celery_app import make_celery, send_extract
+from layertap.transport.ledger import Ledger, SentMessage, pending_record
 from layertap.transport.redis_conn import connect, retrying
 
 
@@ -64,6 +64,7 @@ class Client:
         use_options(settings.storage_root, settings.storage_options)  # result files are read with them
         self.celery = make_celery(settings)
         self.redis = connect(settings, decode_responses=True)
+        self.ledger = Ledger(self.redis, settings.redis_wait_s)  # its changes wait Redis out; reads are one attempt
         self._open_runs: set[str] = set()  # runs seen not cancelled by this client
         self._served: set[str] = set()  # models seen served by a live worker, or already warned about
         self._depths: dict[str, int] = {}  # served model -> decoder layers, as live workers reported them
@@ -127,13 +128,13 @@ class Client:
                 args = [[payload for _, payload in jobs]]
             queue = keys.model_queue(first.model)
             pairs = [(job.run, job.job_id or "") for job, _ in jobs]
-            record = ledger.pending_record(queue, task_id, now, pairs if len(jobs) > 1 else None)
+            record = pending_record(queue, task_id, now, pairs if len(jobs) > 1 else None)
             sends.append((task, args, {"submitted_at": now}, queue, task_id, record))
-            sent.append(ledger.SentMessage(queue, task_id, pairs, len(jobs) > 1))
-        wait_s = self.settings.redis_wait_s
-        retrying(lambda: ledger.record_sent(self.redis, sent, now), wait_s)
-        for task, args, kwargs, queue, task_id, record in sends:
-            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task, record), wait_s)
+            sent.append(SentMessage(queue, task_id, pairs, len(jobs) > 1))
+        self.ledger.record_sent(sent, now)
+        for task, args, kwargs, queue, task_id, record in sends:  # kombu's send, waited out as the ledger's
+            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task, record),
+                     self.settings.redis_wait_s)
 
     def bundler(self, *, check: bool | None = None, **overrides: Any) -> Bundler:
         """A :class:`~layertap.producer.client.bundler.Bundler` sending this client's jobs in bundles
@@ -188,7 +189,7 @@ class Client:
     def seal(self, run: str, sealed: bool = True) -> None:
         """Mark ``run`` as fed whole (``sealed``) or still being fed: a streaming consumer
         (``layertap.producer.files.streaming``) stops only on a sealed run. ``layertap enqueue`` does both."""
-        retrying(lambda: ledger.seal(self.redis, run, sealed), self.settings.redis_wait_s)
+        self.ledger.seal(run, sealed)
 
     # -- reading results ---------------------------------------------------------------
     def results(self, run: str, *, follow: bool = False, since: str = "0",
@@ -229,8 +230,7 @@ class Client:
         if not runs.was_trimmed(self.redis, run):
             return found
         trimmed = {job_id: runs.ledger_result(self.redis, run, job_id, status)
-                   for job_id, status in self.redis.hscan_iter(keys.run_status_hash(run), count=1000)
-                   if job_id not in found}
+                   for job_id, status in self.ledger.statuses(run) if job_id not in found}
         return {**trimmed, **found}
 
     def wait(self, run: str, job_ids: Iterable[str], timeout: float = 600.0, *,
@@ -238,10 +238,11 @@ class Client:
         """Block until every job in ``job_ids`` has a result; raise ``TimeoutError`` otherwise.
         With ``raise_on_error``, raise :class:`JobFailed` if any of them is an error result.
 
-        Jobs already finished are read by their stream ids (``keys.run_result_ids_hash``), the
-        others from the stream's end onwards: the cost grows with ``job_ids``, not with the run."""
+        Jobs already finished are read by their latest stream ids, the others from the stream's
+        end onwards: the cost grows with ``job_ids``, not with the run. Redis away is waited out
+        for up to ``timeout`` while the finished ones are read."""
         wanted = set(job_ids)
-        found, since = retrying(lambda: self._published_results(run, wanted), give_up_s=timeout)
+        found, since = self._published_results(self.ledger.waiting(timeout), run, wanted)
         deadline = time.monotonic() + timeout
         if len(found) < len(wanted):
             for result in self.results(run, follow=True, since=since, block_ms=500, timeout=timeout):
@@ -260,46 +261,32 @@ class Client:
         raise TimeoutError(f"{len(missing)} of {len(wanted)} jobs have no result after {timeout:.0f}s, "
                            f"e.g. {missing[:3]}")
 
-    def _published_results(self, run: str, wanted: set[str]) -> tuple[dict[str, Result], str]:
+    @staticmethod
+    def _published_results(book: Ledger, run: str, wanted: set[str]) -> tuple[dict[str, Result], str]:
         """The latest results of ``wanted`` jobs published so far, and the stream id after which
-        every later result lies (one snapshot: ``MULTI``). A job with a status but no indexed
+        every later result lies (one snapshot: ``MULTI``). A job with a status but no latest
         entry was trimmed (``runs.trim``: its result comes from the ledger, ``runs.ledger_result``)
         or, in a run never trimmed, published before the index existed: that sends the caller to
         the stream's start."""
-        stream, order = keys.results_stream(run), sorted(wanted)
+        order = sorted(wanted)
         if not order:
             return {}, "0"
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xrevrange(stream, count=1)
-        pipe.hmget(keys.run_result_ids_hash(run), order)
-        pipe.hmget(keys.run_status_hash(run), order)
-        last, entry_ids, statuses = pipe.execute()
+        last, entry_ids, statuses = book.published_snapshot(run, order)
         unindexed = {job_id: status for job_id, status, entry_id in zip(order, statuses, entry_ids)
                      if status is not None and entry_id is None}
-        if unindexed and not runs.was_trimmed(self.redis, run):
+        if unindexed and not book.was_trimmed(run):
             return {}, "0"
-        found = {job_id: runs.ledger_result(self.redis, run, job_id, status) for job_id, status in unindexed.items()}
-        indexed = [(job_id, entry_id) for job_id, entry_id in zip(order, entry_ids) if entry_id is not None]
-        pipe = self.redis.pipeline(transaction=False)
-        for _, entry_id in indexed:
-            pipe.xrange(stream, entry_id, entry_id)
-        status_of = dict(zip(order, statuses))
-        for (job_id, _), entries in zip(indexed, pipe.execute()):
-            if entries:
-                found[job_id] = entry_result(entries[0][1])
-            elif status_of[job_id] is not None:  # trimmed since the snapshot
-                found[job_id] = runs.ledger_result(self.redis, run, job_id, status_of[job_id])
-        return found, last[0][0] if last else "0"
+        found = {job_id: runs.ledger_result(book, run, job_id, status) for job_id, status in unindexed.items()}
+        for job_id, status, result in zip(order, statuses, book.results_at(run, entry_ids)):
+            if result is not None:
+                found[job_id] = result
+            elif job_id not in found and status is not None:  # trimmed since the snapshot
+                found[job_id] = runs.ledger_result(book, run, job_id, status)
+        return found, last or "0"
 
     def subscribe(self, run: str) -> Iterator[Result]:
         """Results as they are published (pub/sub: at-most-once; use :meth:`results` to not miss any)."""
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.results_stream(run))
-        try:
-            for message in pubsub.listen():
-                yield Result.model_validate_json(message["data"])
-        finally:
-            pubsub.close()
+        yield from self.ledger.follow_published(run)
 
     # -- fleet -------------------------------------------------------------------------
     def workers(self) -> dict[str, dict[str, Any]]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from layertap.producer.client.client import Client
-from layertap.transport import ledger
 
 
 @dataclass
@@ -36,7 +35,7 @@ class DeadLetter:
 
 def list_dead(client: Client, count: int | None = None) -> list[DeadLetter]:
     """Dead letters, oldest first."""
-    entries = ledger.dead_letters(client.redis, count)
+    entries = client.ledger.waiting(0).dead_letters(count)
     return [DeadLetter.from_entry(entry_id, fields) for entry_id, fields in entries]
 
 
@@ -47,13 +46,13 @@ def requeue(client: Client, entry_ids: list[str] | None = None) -> list[str]:
     for letter in list_dead(client):
         if wanted is not None and letter.entry_id not in wanted:
             continue
-        ledger.clear_attempts(client.redis, letter.run, letter.job_id)
+        client.ledger.clear_attempts(letter.run, letter.job_id)
         client.submit(letter.job)
-        ledger.remove_dead_letters(client.redis, [letter.entry_id])
+        client.ledger.remove_dead_letters([letter.entry_id])
         requeued.append(letter.job_id)
     return requeued
 
 
 def purge(client: Client, entry_ids: list[str] | None = None) -> int:
     """Delete dead letters (all, or the given entries); returns how many."""
-    return ledger.remove_dead_letters(client.redis, entry_ids)
+    return client.ledger.waiting(0).remove_dead_letters(entry_ids)

@@ -19,6 +19,7 @@ from layertap.protocol import keys
 from layertap.protocol.dtypes import AUTO, RECORDED_NAMES, STORED_AS
 from layertap.protocol.fileformat import state_item_size
 from layertap.protocol.layers import LayerIdError, resolve_layer_ids
+from layertap.transport.ledger import Ledger
 from layertap.transport.script_flags import lua, run_script
 
 if TYPE_CHECKING:
@@ -136,10 +137,9 @@ def running_jobs(client: redis.Redis) -> dict[str, int]:
     task_ids = sorted({keys.as_text(tag).partition(keys.DELIVERY_TAG_SEPARATOR)[0]
                        for tag in client.hkeys(keys.UNACKED_HASH)})
     counts: dict[str, int] = {}
-    for record in client.hmget(keys.PENDING_HASH, task_ids) if task_ids else []:
-        if record is None:
+    for data in Ledger(client, give_up_s=0).records_of(task_ids):
+        if data is None:
             continue
-        data = json.loads(record)
         model = keys.queue_model(data.get("queue", ""))
         if model is not None:
             counts[model] = counts.get(model, 0) + (len(data["jobs"]) if isinstance(data.get("jobs"), list) else 1)

@@ -3,34 +3,31 @@
 The retention (``runs.trim``) never drops an entry a consumer group has not acknowledged, but
 it cannot protect a group that does not exist yet: a trainer that starts after the retention
 window (or after ``layertap run trim``) finds the stream trimmed past what its group has seen.
-The ledger still knows every final job (``keys.run_status_hash``) and where an ok job's file is
+The ledger still knows every final job (its status) and where an ok job's file is
 (``runs.ledger_path``), so :func:`fill` queues every job the group missed on the group's
 recovery stream (``keys.run_recovery_stream``), which the group's consumers read beside the
 results stream, with the same acknowledgements, heartbeats and take-overs.
 
-A job is *missed* by group G when it has a final status, its latest results entry is gone (no
-field in ``keys.run_result_ids_hash``: trimmed) and G has not consumed it
-(``keys.run_consumed_hash``). A group that existed when an entry was trimmed had acknowledged
-it, and acknowledging records the job as consumed, so only a late group misses jobs. One
-consumer fills at a time (``keys.run_recovery_lock``), once per trim of the stream
-(``keys.run_recovered_key``), and a job already on the recovery stream is not queued again (its
-entries stay: the stream is the record of what was queued).
+A job is *missed* by group G when it has a final status, its latest results entry is gone
+(trimmed) and G has not consumed it (the run ledger's ``missed_of``). A group that existed when
+an entry was trimmed had acknowledged it, and acknowledging records the job as consumed, so only
+a late group misses jobs. One consumer fills at a time (the ledger's recovery lock), once per
+trim of the stream (its recovered marker), and a job already on the recovery stream is not
+queued again (its entries stay: the stream is the record of what was queued). Every read and
+change goes through the :class:`~layertap.transport.ledger.Ledger` given, which waits Redis out.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-
 from layertap.producer.client import runs
-from layertap.protocol import keys
 from layertap.protocol.schema import Result, Status
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -54,21 +51,21 @@ class Recovery:
         return self.ok + self.errors
 
 
-def fill(client: redis.Redis, run: str, group: str) -> Recovery | None:
+def fill(book: Ledger, run: str, group: str) -> Recovery | None:
     """Queue every job ``group`` missed (module doc) on its recovery stream; None while another
     consumer fills (look again later). Logs, as an error, the ok jobs whose file is not on this
-    machine: no consumer of the group can train them. ``client`` decodes responses."""
-    marker = client.get(keys.run_trimmed_key(run))
-    if marker is None or client.get(keys.run_recovered_key(run, group)) == marker:
+    machine: no consumer of the group can train them."""
+    marker = book.trim_marker(run)
+    if marker is None or book.recovered_marker(run, group) == marker:
         return Recovery()  # never trimmed, or filled since the last trim
-    lock, token = keys.run_recovery_lock(run, group), uuid.uuid4().hex
-    if not ledger.take_lock(client, lock, token, LOCK_MS):
+    token = uuid.uuid4().hex
+    if not book.take_recovery_lock(run, group, token, LOCK_MS):
         return None
     try:
-        found = _fill(client, run, group)
-        ledger.mark_recovered(client, run, group, marker)
+        found = _fill(book, run, group)
+        book.mark_recovered(run, group, marker)
     finally:
-        ledger.release_lock(client, lock, token)
+        book.release_recovery_lock(run, group, token)
     if found.queued:
         log.warning("run %s, consumer group %s: %d ok and %d error result(s) were trimmed from the results stream "
                     "before the group read them; recovered from the run's ledger", run, group, found.ok, found.errors)
@@ -79,45 +76,23 @@ def fill(client: redis.Redis, run: str, group: str) -> Recovery | None:
     return found
 
 
-def _fill(client: redis.Redis, run: str, group: str) -> Recovery:
-    recovery_stream = keys.run_recovery_stream(run, group)
-    queued = set(_queued_jobs(client, recovery_stream))
-    roots = runs.storage_roots(client, run)
+def _fill(book: Ledger, run: str, group: str) -> Recovery:
+    queued = set(book.recovery_jobs(run, group))
+    roots = book.storage_roots(run)
     found = Recovery()
-    page: list[tuple[str, str]] = []
-    for job_id, status in client.hscan_iter(keys.run_status_hash(run), count=PAGE):
-        page.append((job_id, status))
-        if len(page) >= PAGE:
-            _queue_missed(client, run, group, page, queued, roots, found)
-            page = []
-    _queue_missed(client, run, group, page, queued, roots, found)
+    statuses = book.statuses(run)
+    while page := list(itertools.islice(statuses, PAGE)):
+        _queue_missed(book, run, group, page, queued, roots, found)
     return found
 
 
-def _queued_jobs(client: redis.Redis, recovery_stream: str) -> Iterator[str]:
-    after = "-"
-    while True:
-        entries = client.xrange(recovery_stream, min=after, count=PAGE)
-        for _, fields in entries:
-            yield fields[keys.RECOVERY_JOB_FIELD]
-        if len(entries) < PAGE:
-            return
-        after = f"({entries[-1][0]}"
-
-
-def _queue_missed(client: redis.Redis, run: str, group: str, page: list[tuple[str, str]], queued: set[str],
+def _queue_missed(book: Ledger, run: str, group: str, page: list[tuple[str, str]], queued: set[str],
                   roots: list[str], found: Recovery) -> None:
     """Queue the jobs of ``page`` (job id, status) that ``group`` missed and that are not queued yet."""
-    if not page:
-        return
-    job_ids = [job_id for job_id, _ in page]
-    pipe = client.pipeline(transaction=True)  # one moment: indexed and consumed agree
-    pipe.hmget(keys.run_result_ids_hash(run), job_ids)
-    pipe.hmget(keys.run_consumed_hash(run, group), job_ids)
-    indexed, consumed = pipe.execute()
     missed: list[str] = []
-    for (job_id, status), entry_id, taken in zip(page, indexed, consumed, strict=True):
-        if entry_id is not None or taken is not None or job_id in queued:
+    for (job_id, status), was_missed in zip(page, book.missed_of(run, group, [job_id for job_id, _ in page]),
+                                            strict=True):
+        if not was_missed or job_id in queued:
             continue
         missed.append(job_id)
         queued.add(job_id)
@@ -128,11 +103,11 @@ def _queue_missed(client: redis.Redis, run: str, group: str, page: list[tuple[st
                 found.without_file.append(job_id)
         else:
             found.errors += 1
-    ledger.queue_recovered(client, run, group, missed)
+    book.queue_recovered(run, group, missed)
 
 
-def recovered_result(client: redis.Redis, run: str, job_id: str) -> Result | None:
+def recovered_result(book: Ledger, run: str, job_id: str) -> Result | None:
     """The final result of a job queued on a recovery stream, from the ledger; None when the job
     has no final status any more (sent again since: its new result comes on the results stream)."""
-    status = client.hget(keys.run_status_hash(run), job_id)
-    return None if status is None else runs.ledger_result(client, run, job_id, keys.as_text(status))
+    status = book.status_of(run, job_id)
+    return None if status is None else runs.ledger_result(book, run, job_id, status)

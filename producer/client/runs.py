@@ -1,8 +1,9 @@
 """A run's lifecycle: list runs, see whether one is complete, cancel it, delete it.
 
-This module reads the run's ledger and orders its changes; every change itself (cancel, trim,
-the keys a delete removes) is made by ``layertap.transport.ledger``, the one writer of job and
-run state, from which :func:`cancel`, :func:`trim` and :func:`run_names` come.
+This module orders a run's changes and reads through the run ledger (``layertap.transport.ledger``),
+the one reader and writer of job and run state, from which :func:`cancel`, :func:`trim` and
+:func:`run_names` come. Each function reads once (a command reports what Redis says), unless
+given a :class:`~layertap.transport.ledger.Ledger` that waits.
 
 A run exists once the Client has recorded a job in its submitted hash (or a worker has
 published a result to its stream). Its progress is the length of that hash against the
@@ -34,7 +35,6 @@ trimmed ok job is found at ``naming.job_location`` and its file's header holds t
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Callable, Container, Iterator
@@ -51,11 +51,10 @@ from layertap.protocol.naming import job_location
 from layertap.protocol.schema import Result, Status
 from layertap.storage.base import Storage
 from layertap.storage.registry import storage_at, storage_for
-from layertap.transport import ledger
-from layertap.transport.ledger import cancel as cancel  # re-exported: the run's ledger changes
-from layertap.transport.ledger import run_keys
-from layertap.transport.ledger import run_names as run_names
-from layertap.transport.ledger import trim as trim
+from layertap.transport.ledger import Ledger
+from layertap.transport.ledger.attempts import cancel as cancel  # re-exported: the run's ledger changes
+from layertap.transport.ledger.runs import run_names as run_names
+from layertap.transport.ledger.runs import trim as trim
 
 HELD_POLL_S = 1.0
 
@@ -90,40 +89,30 @@ class RunSummary:
         return "cancelled" if self.cancelled_jobs else "complete"
 
 
+def _ledger(client: redis.Redis | Ledger) -> Ledger:
+    """The ledger these functions read: a given one with its wait, or ``client``'s, one attempt."""
+    return client if isinstance(client, Ledger) else Ledger(client, give_up_s=0)
+
+
 def cancelled_jobs(client: redis.Redis, run: str) -> int:
     """Jobs of ``run`` whose final result is ``cancelled`` (its cancelled set, less the jobs that
     ended otherwise since): O(cancelled jobs)."""
-    found = 0
-    batch: list[str] = []
-    status = keys.run_status_hash(run)
-    members = client.sscan_iter(keys.run_cancelled_jobs_set(run), count=1000)
-    for job_id in itertools.chain(members, [None]):
-        if job_id is not None:
-            batch.append(keys.as_text(job_id))
-        if batch and (job_id is None or len(batch) >= 1000):
-            found += sum(keys.as_text(value) == Status.error.value for value in client.hmget(status, batch) if value)
-            batch = []
-    return found
+    return len(_ledger(client).cancelled_jobs(run))
 
 
 def summary(client: redis.Redis, run: str, *, count_cancelled: bool = False) -> RunSummary:
     """The run's counts (O(1)); with ``count_cancelled``, a cancelled run's ``cancelled`` jobs too
     (:func:`cancelled_jobs`), which :attr:`RunSummary.state` needs."""
-    pipe = client.pipeline(transaction=False)
-    pipe.hlen(keys.run_submitted_hash(run))
-    pipe.hlen(keys.run_status_hash(run))
-    pipe.get(keys.run_cancelled_key(run))
-    submitted, finished, cancelled = pipe.execute()
+    submitted, finished, cancelled = _ledger(client).counts(run)
     if cancelled is None or not count_cancelled:
-        return RunSummary(run, int(submitted), int(finished), None if cancelled is None else float(cancelled))
-    return RunSummary(run, int(submitted), int(finished), float(cancelled), cancelled_jobs(client, run))
+        return RunSummary(run, submitted, finished, cancelled)
+    return RunSummary(run, submitted, finished, cancelled, cancelled_jobs(client, run))
 
 
 def outcomes(client: redis.Redis, run: str) -> dict[str, int]:
     """How the run's jobs ended so far: ``ok``, ``failed`` (errors other than ``cancelled``),
     ``cancelled``, and ``pending`` (submitted, no result yet). Reads the status hash: O(run)."""
-    ok = sum(keys.as_text(status) == Status.ok.value
-             for _, status in client.hscan_iter(keys.run_status_hash(run), count=1000))
+    ok = sum(status == Status.ok.value for _, status in _ledger(client).statuses(run))
     found = summary(client, run)
     cancelled = cancelled_jobs(client, run)
     return {"ok": ok, "failed": found.finished - ok - cancelled, "cancelled": cancelled,
@@ -132,7 +121,7 @@ def outcomes(client: redis.Redis, run: str) -> dict[str, int]:
 
 def exists(client: redis.Redis, run: str) -> bool:
     """Jobs were submitted to ``run`` or results were published to it."""
-    return bool(client.exists(keys.run_submitted_hash(run), keys.results_stream(run)))
+    return _ledger(client).exists(run)
 
 
 def is_complete(client: redis.Redis, run: str) -> bool:
@@ -153,27 +142,17 @@ def list_runs(client: redis.Redis) -> list[RunSummary]:
 
 def redis_bytes(client: redis.Redis, run: str) -> int:
     """Bytes the run's keys take in Redis (``MEMORY USAGE``: large hashes and streams are sampled)."""
-    pipe = client.pipeline(transaction=False)
-    for key in run_keys(client, run):
-        pipe.memory_usage(key)
-    return sum(size or 0 for size in pipe.execute())
+    return _ledger(client).memory_bytes(run)
 
 
 def waiting_models(client: redis.Redis, run: str, sample: int = 100) -> set[str]:
     """Models that (up to ``sample``) unfinished jobs of ``run`` were sent to (their pending records)."""
-    models: set[str] = set()
-    for seen, (_, record) in enumerate(client.hscan_iter(keys.PENDING_HASH, match=f"{keys.task_id(run, '')}*",
-                                                          count=1000)):
-        model = keys.queue_model(json.loads(record)["queue"])
-        if model is not None:
-            models.add(model)
-        if seen + 1 >= sample:
-            break
-    return models
+    models = {keys.queue_model(record["queue"]) for record in _ledger(client).run_records(run, most=sample)}
+    return {model for model in models if model is not None}
 
 
 def is_cancelled(client: redis.Redis, run: str) -> bool:
-    return bool(client.exists(keys.run_cancelled_key(run)))
+    return _ledger(client).is_cancelled(run)
 
 
 def held_messages(client: redis.Redis, run: str) -> int:
@@ -198,12 +177,11 @@ def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: s
         raise RuntimeError(f"run {run} has {found.submitted - found.finished} job(s) without a result; "
                            f"`layertap runs cancel {run}` and wait for their `cancelled` results, "
                            "or delete with --force")
+    book = _ledger(client)
     if force:
-        cancel(client, run)
-        prefix = keys.task_id(run, "")
-        queues = {json.loads(record)["queue"] for _, record in client.hscan_iter(keys.PENDING_HASH, match=f"{prefix}*")}
-        for queue in sorted(queues):
-            ledger.remove_queued(client, queue, run)
+        book.cancel(run)
+        for queue in sorted({record["queue"] for record in book.run_records(run)}):
+            book.remove_queued(queue, run)
         deadline = time.monotonic() + held_wait_s
         while held := held_messages(client, run):
             if time.monotonic() > deadline:
@@ -214,7 +192,7 @@ def delete(client: redis.Redis, run: str, *, force: bool = False, files_under: s
             time.sleep(HELD_POLL_S)
     paths = [path if files_under is None else str(_file_under(files_under, run, job_id, path))
              for job_id, (path, _) in ok_files(client, run).items()]
-    ledger.forget_run(client, run)
+    book.forget_run(run)
     return paths
 
 
@@ -227,13 +205,13 @@ def _file_under(root: str | Path | Storage, run: str, job_id: str, path: str) ->
     return found
 
 
-def was_trimmed(client: redis.Redis, run: str) -> bool:
-    return bool(client.exists(keys.run_trimmed_key(run)))
+def was_trimmed(client: redis.Redis | Ledger, run: str) -> bool:
+    return _ledger(client).was_trimmed(run)
 
 
-def storage_roots(client: redis.Redis, run: str) -> list[str]:
-    """The storage roots of the run's trimmed ok results (``keys.run_roots_set``), sorted."""
-    return sorted(keys.as_text(root) for root in client.smembers(keys.run_roots_set(run)))
+def storage_roots(client: redis.Redis | Ledger, run: str) -> list[str]:
+    """The storage roots of the run's trimmed ok results, sorted."""
+    return _ledger(client).storage_roots(run)
 
 
 def ledger_path(roots: list[str], run: str, job_id: str) -> str | None:
@@ -255,9 +233,8 @@ def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]
             streamed[result.job_id] = (result.path, result.metadata)
     trimmed: dict[str, tuple[str, str | None]] = {}
     if was_trimmed(client, run):
-        statuses = client.hscan_iter(keys.run_status_hash(run), count=1000)
-        done = sorted(keys.as_text(job_id) for job_id, status in statuses
-                      if keys.as_text(status) == Status.ok.value and keys.as_text(job_id) not in streamed)
+        done = sorted(job_id for job_id, status in _ledger(client).statuses(run)
+                      if status == Status.ok.value and job_id not in streamed)
         roots = storage_roots(client, run)
         for job_id in done:
             path = ledger_path(roots, run, job_id)
@@ -268,21 +245,16 @@ def ok_files(client: redis.Redis, run: str) -> dict[str, tuple[str, str | None]]
 
 def trimmed_results(client: redis.Redis, run: str, shown: Container[str] = ()) -> Iterator[Result]:
     """From the ledger (:func:`ledger_result`), by job id: the final result of each job of ``run``
-    whose stream entry was trimmed (a status, and no entry in ``keys.run_result_ids_hash``), but
-    those in ``shown``. Nothing for a run never trimmed."""
+    whose stream entry was trimmed (a status, and no latest entry), but those in ``shown``.
+    Nothing for a run never trimmed."""
     if not was_trimmed(client, run):
         return
-    trimmed: dict[str, str] = {}
-    statuses = client.hscan_iter(keys.run_status_hash(run), count=1000)
-    while page := list(itertools.islice(statuses, 1000)):
-        entry_ids = client.hmget(keys.run_result_ids_hash(run), [keys.as_text(job_id) for job_id, _ in page])
-        trimmed |= {keys.as_text(job_id): keys.as_text(status) for (job_id, status), entry_id in zip(page, entry_ids)
-                    if entry_id is None and keys.as_text(job_id) not in shown}
+    trimmed = _ledger(client).trimmed_statuses(run, shown)
     for job_id in sorted(trimmed):
         yield ledger_result(client, run, job_id, trimmed[job_id])
 
 
-def ledger_result(client: redis.Redis, run: str, job_id: str, status: str) -> Result:
+def ledger_result(client: redis.Redis | Ledger, run: str, job_id: str, status: str) -> Result:
     """The final result of a job whose stream entry was trimmed, from the ledger: ok with its
     file's path (and, when this machine can read the file, its model, layers, tokens, dtype and
     metadata from the header); an error result without its error type and message."""

@@ -27,7 +27,7 @@ from layertap.protocol import fileformat as ff
 from layertap.protocol.certificate import CERTIFICATE_NAME, FILES_NAME, Certificate, FileLine, FileSet, SampleRow
 from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey
 from layertap.storage.base import Storage
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger
 
 
 class CertifyRefused(RuntimeError):
@@ -91,9 +91,10 @@ def certify(client: redis.Redis, run: str, storage: Storage, *, checksums: bool 
         raise CertifyRefused(f"run {run} cannot be certified: {summed(problems)}")
     listing = "".join(line.model_dump_json() + "\n" for line in lines).encode("utf-8")
     _put(storage, run_object(storage.root, run, FILES_NAME), listing)
-    samples = sorted((SampleRow.model_validate_json(row) for row in ledger.run_samples(client, run).values()),
+    book = Ledger(client, give_up_s=0)
+    samples = sorted((SampleRow.model_validate_json(row) for row in book.run_samples(run).values()),
                      key=lambda row: row.job_id)
-    workers = {node: json.loads(facts_json) for node, facts_json in sorted(ledger.run_workers(client, run).items())}
+    workers = {node: json.loads(facts_json) for node, facts_json in sorted(book.run_workers(run).items())}
     certificate = Certificate(
         run=run, created_at=time.time() if now is None else now, states=states or {},
         stated=facts.stated(runs.outcomes(client, run)), workers=workers,

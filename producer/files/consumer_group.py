@@ -8,9 +8,9 @@ for its own name, then new ones (``XREADGROUP >``), and every ``claim_idle_s / 2
 another consumer has held for ``claim_idle_s`` (``XAUTOCLAIM``: a live consumer's heartbeat,
 ``stream_group.Heartbeat``, resets their idle time). It queues what the group missed from the
 run's ledger once per trim (``layertap.producer.client.recovery.fill``), says when the run is complete
-or stalled, and finishes entries (``stream_group.GroupFinisher``). Its Redis state changes are
-the run ledger's (``layertap.transport.ledger``: ``create_group``, ``read_group``, ``claim_idle``,
-``ack``, ``finish``).
+or stalled, and finishes entries (``stream_group.GroupFinisher``). Its Redis reads and changes
+are the run ledger's (``layertap.transport.ledger``), which waits Redis out for
+``stream_group.REDIS_GIVE_UP_S``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from layertap.producer.files.stream_group import REDIS_GIVE_UP_S, GroupFinisher,
 from layertap.protocol import keys
 from layertap.protocol.schema import Result, Status
 from layertap.settings import Settings
-from layertap.transport import ledger
-from layertap.transport.redis_conn import connect, retrying
+from layertap.transport.ledger import Ledger
+from layertap.transport.redis_conn import connect
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,12 @@ class GroupReader:
                  counts: StreamCounts):
         self.run, self.name, self.peers, self.options, self.counts = run, name, peers, options, counts
         self.group = options.group
-        self.results_stream = keys.results_stream(run)
-        self.recovery_stream = keys.run_recovery_stream(run, self.group)
-        self.streams = (self.results_stream, self.recovery_stream)
+        self.streams = self.results_stream, self.recovery_stream = Ledger.group_streams(run, self.group)
         self.redis = connect(settings, decode_responses=True)
+        self.ledger = Ledger(self.redis, REDIS_GIVE_UP_S)
         for stream in self.streams:
-            retrying(lambda stream=stream: ledger.create_group(self.redis, stream, self.group), REDIS_GIVE_UP_S)
-        self.finisher = GroupFinisher(self.redis, run, self.group, delete_after=options.delete_after,
+            self.ledger.create_group(stream, self.group)
+        self.finisher = GroupFinisher(self.ledger, run, self.group, delete_after=options.delete_after,
                                       storage=settings.storage())
         self.heartbeat = Heartbeat(connect(settings, decode_responses=True), self.group, name, options.claim_idle_s / 4)
         self.heartbeat.start()
@@ -101,11 +100,11 @@ class GroupReader:
     def recover(self) -> bool:
         """Queue what the group missed (``recovery.fill``) once per trim of the stream; True when
         there is something to look at again (jobs queued, or another consumer is queuing)."""
-        marker = self.redis.get(keys.run_trimmed_key(self.run))
+        marker = self.ledger.trim_marker(self.run)
         if marker is None or marker == self.recovered_through:
             return False
         self.next_recovery = time.monotonic() + self.options.claim_idle_s / 2
-        found = recovery.fill(self.redis, self.run, self.group)
+        found = recovery.fill(self.ledger, self.run, self.group)
         if found is None:
             return True
         self.recovered_through = marker
@@ -118,19 +117,10 @@ class GroupReader:
 
     def held_elsewhere(self) -> bool:
         """A consumer of the group outside this trainer holds an entry."""
-        for stream in self.streams:
-            for consumer in self.redis.xpending(stream, self.group)["consumers"]:
-                if consumer["pending"] and keys.as_text(consumer["name"]) not in self.peers:
-                    return True
-        return False
+        return self.ledger.held_outside(self.streams, self.group, self.peers)
 
     def run_state(self) -> RunState:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.exists(keys.run_sealed_key(self.run))
-        pipe.hlen(keys.run_submitted_hash(self.run))
-        pipe.hlen(keys.run_status_hash(self.run))
-        pipe.hlen(self.finisher.consumed_hash)
-        sealed, submitted, final, consumed = pipe.execute()
+        sealed, submitted, final, consumed = self.ledger.group_state(self.run, self.group)
         all_final = submitted > 0 and final >= submitted
         return RunState(complete=all_final and (bool(sealed) or not self.options.wait_for_seal),
                         stalled=all_final and consumed < final)
@@ -139,7 +129,7 @@ class GroupReader:
         """Own pending entries, else entries claimed from a dead consumer (when due), else new ones."""
         options = self.options
         if self.history:
-            got = ledger.read_group(self.redis, self.group, self.name, self.history, options.read_count)
+            got = self.ledger.read_group(self.group, self.name, self.history, options.read_count)
             entries = self._entries(got)
             for stream, stream_entries in got or []:
                 if stream_entries:
@@ -152,8 +142,8 @@ class GroupReader:
             claimed = self._claim()
             if claimed:
                 return claimed
-        got = ledger.read_group(self.redis, self.group, self.name, dict.fromkeys(self.streams, ">"), options.read_count,
-                                options.block_ms if block else None)
+        got = self.ledger.read_group(self.group, self.name, dict.fromkeys(self.streams, ">"), options.read_count,
+                                     options.block_ms if block else None)
         return self._entries(got)
 
     def _claim(self) -> list[Entry]:
@@ -161,8 +151,8 @@ class GroupReader:
         self.next_claim = time.monotonic() + options.claim_idle_s / 2
         claimed = []
         for stream in self.streams:
-            reply = ledger.claim_idle(self.redis, stream, self.group, self.name, int(options.claim_idle_s * 1000),
-                                      self.claim_cursors[stream], options.read_count)
+            reply = self.ledger.claim_idle(stream, self.group, self.name, int(options.claim_idle_s * 1000),
+                                           self.claim_cursors[stream], options.read_count)
             self.claim_cursors[stream] = reply[0]
             if reply[0] != "0-0":
                 self.next_claim = time.monotonic()  # more to look at: carry on next time
@@ -185,7 +175,7 @@ class GroupReader:
         """The entry's result (a recovery entry's from the ledger); None when there is none to take."""
         try:
             if stream == self.recovery_stream:
-                return recovery.recovered_result(self.redis, self.run, (fields or {})[keys.RECOVERY_JOB_FIELD])
+                return recovery.recovered_result(self.ledger, self.run, (fields or {})[keys.RECOVERY_JOB_FIELD])
             return entry_result(fields or {})
         except (KeyError, ValidationError) as exc:  # trimmed away, or not a result: nothing to train on
             log.warning("entry %s of %s is not a result (%s); skipped", entry_id, stream, exc)
@@ -193,7 +183,7 @@ class GroupReader:
 
     def consumed(self, job_id: str) -> str | None:
         """How the group consumed ``job_id`` so far (``ok``, ``error``), or None."""
-        return self.redis.hget(self.finisher.consumed_hash, job_id)
+        return self.ledger.consumed(self.run, self.group, job_id)
 
     def finish(self, stream: str, entry_id: str, job_id: str, status: Status) -> None:
         """Acknowledge an entry with nothing to train on, recording its job as consumed; no longer held."""
@@ -202,5 +192,5 @@ class GroupReader:
 
     def ack(self, stream: str, entry_id: str) -> None:
         """Acknowledge an entry that is not a job to consume (or a duplicate); no longer held."""
-        retrying(lambda: ledger.ack(self.redis, stream, self.group, entry_id), REDIS_GIVE_UP_S)
+        self.ledger.ack(stream, self.group, entry_id)
         self.heartbeat.release(stream, entry_id)

@@ -5,7 +5,7 @@ An entry is named by ``(stream, entry id)``: a consumer reads the run's results 
 group's recovery stream (``layertap.producer.client.recovery``) through the same group. Finishing a
 trained entry removes its file first (``delete_after``; only the job's own file under the storage
 root, since a result entry is data anyone who can write to Redis could forge), then acknowledges the entry and records
-the job in the group's consumed hash in one step (``layertap.transport.ledger.finish``); any process may finish an entry
+the job in the group's consumed hash in one step (the run ledger's ``finish``); any process may finish an entry
 (``XACK`` does not care which consumer holds it), so a trainer's main process finishes the
 entries its DataLoader workers read.
 """
@@ -22,8 +22,7 @@ import redis
 from layertap.protocol import keys
 from layertap.protocol.schema import Status
 from layertap.storage.base import Storage
-from layertap.transport import ledger
-from layertap.transport.redis_conn import retrying
+from layertap.transport.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +45,16 @@ def peer_names(consumer: str, world_size: int, num_workers: int) -> set[str]:
 
 
 class GroupFinisher:
-    """Finishes entries of ``run``'s consumer group ``group`` (module doc)."""
+    """Finishes entries of ``run``'s consumer group ``group`` (module doc), through ``book`` (a
+    ledger that waits Redis out)."""
 
-    def __init__(self, client: redis.Redis, run: str, group: str, *, delete_after: bool, storage: Storage):
-        self.redis, self.run, self.group, self.delete_after = client, run, group, delete_after
+    def __init__(self, book: Ledger, run: str, group: str, *, delete_after: bool, storage: Storage):
+        self.ledger, self.run, self.group, self.delete_after = book, run, group, delete_after
         self.storage = storage
-        self.consumed_hash = keys.run_consumed_hash(run, group)
 
     def finish(self, stream: str, entry_id: str, job_id: str, status: Status) -> None:
         """Acknowledge an entry that yields nothing to train on, recording its job as consumed."""
-        retrying(lambda: ledger.finish(self.redis, stream, self.run, self.group, entry_id, job_id, status),
-                 REDIS_GIVE_UP_S)
+        self.ledger.finish(stream, self.run, self.group, entry_id, job_id, status)
 
     def finish_trained(self, taken: Sequence[Taken]) -> None:
         """Finish yielded items once trained on: files first (``delete_after``), then one round trip."""
@@ -65,14 +63,8 @@ class GroupFinisher:
         if self.delete_after:
             for item in taken:
                 self.delete(item.job_id, item.path)
-
-        def send() -> None:
-            pipe = self.redis.pipeline(transaction=False)
-            for item in taken:
-                ledger.finish(pipe, item.stream, self.run, self.group, item.entry_id, item.job_id, Status.ok)
-            pipe.execute()
-
-        retrying(send, REDIS_GIVE_UP_S)
+        self.ledger.finish_many(self.run, self.group, [(item.stream, item.entry_id, item.job_id) for item in taken],
+                                Status.ok)
 
     def delete(self, job_id: str, path: str) -> None:
         """Remove the job's file, only if ``path`` is that file under the storage root."""
@@ -91,6 +83,7 @@ class Heartbeat(threading.Thread):
     def __init__(self, client: redis.Redis, group: str, name: str, every_s: float):
         super().__init__(daemon=True, name=f"layertap-heartbeat-{name}")
         self.redis, self.group, self.consumer, self.every_s = client, group, name, every_s
+        self.ledger = Ledger(client, give_up_s=0)  # one attempt: the next beat tries again
         self.held: dict[str, set[str]] = {}  # stream -> entry ids
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -109,7 +102,7 @@ class Heartbeat(threading.Thread):
                 held = {stream: sorted(ids) for stream, ids in self.held.items() if ids}
             for stream, ids in held.items():
                 try:
-                    kept = ledger.keep_held(self.redis, stream, self.group, self.consumer, ids)
+                    kept = self.ledger.keep_held(stream, self.group, self.consumer, ids)
                 except redis.exceptions.RedisError as exc:  # Redis restarting: the next beat retries
                     log.warning("heartbeat of %s failed: %s", self.consumer, exc)
                     continue

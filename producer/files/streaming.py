@@ -30,7 +30,7 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    came within ``block_ms``, so a buffer larger than the in-flight limit cannot stall);
 4. a yielded item is finished once trained on: its file and lock are removed
    (``delete_after``), then in one step the entry is acknowledged and the job recorded in the
-   group's ``keys.run_consumed_hash`` (``layertap.transport.ledger.finish``; what the enqueue's back-pressure
+   group's ``keys.run_consumed_hash`` (the run ledger's ``finish``; what the enqueue's back-pressure
    with ``--inflight-until consumed --consumer-group G`` counts). "Trained on" means: asked for
    the next item, in the process that trains; under :meth:`~StreamingHiddenStatesDataset.loader`
    the main process finishes a batch when the next batch is asked for (the DataLoader worker
@@ -91,7 +91,8 @@ from layertap.protocol.naming import check_name
 from layertap.protocol.schema import Result, Status
 from layertap.settings import Settings
 from layertap.storage.registry import foreign_path, own_file, storage_at
-from layertap.transport.redis_conn import connect, retrying
+from layertap.transport.ledger import Ledger
+from layertap.transport.redis_conn import connect
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class StreamingLoader:
     def __iter__(self) -> Iterator[Any]:
         ds = self.dataset
         client = connect(ds.settings, decode_responses=True)
-        finisher = GroupFinisher(client, ds.run, ds.group, delete_after=ds.delete_after,
+        finisher = GroupFinisher(Ledger(client, REDIS_GIVE_UP_S), ds.run, ds.group, delete_after=ds.delete_after,
                                  storage=ds.settings.storage())
         try:
             for taken, counts, batch in self.dataloader:
@@ -237,10 +238,10 @@ class _Consumer:
 
     def items(self) -> Iterator[dict[str, Any]]:
         ds, reader, deadline = self.ds, self.reader, time.monotonic() + self.ds.time_limit_s
-        retrying(reader.recover, REDIS_GIVE_UP_S)
+        reader.recover()  # the reader's ledger waits Redis out (stream_group.REDIS_GIVE_UP_S)
         while self.counts.yielded < ds.max_items and time.monotonic() < deadline:
-            state = retrying(reader.run_state, REDIS_GIVE_UP_S)
-            entries = retrying(lambda: reader.next_entries(block=not state.complete), REDIS_GIVE_UP_S)
+            state = reader.run_state()
+            entries = reader.next_entries(block=not state.complete)
             for stream, entry_id, fields in entries:
                 if self._take(stream, entry_id, fields) and len(self.buffer) >= max(1, ds.shuffle_buffer):
                     yield from self._emit()
@@ -251,18 +252,18 @@ class _Consumer:
             if self.buffer:
                 yield from self._emit()
             elif state.complete:
-                if retrying(reader.recover, REDIS_GIVE_UP_S):
+                if reader.recover():
                     time.sleep(ds.block_ms / 1000)  # queued jobs to read, or another consumer is queuing them
-                elif not retrying(reader.held_elsewhere, REDIS_GIVE_UP_S):
+                elif not reader.held_elsewhere():
                     return
                 else:  # a consumer outside this trainer holds entries: wait, or take them over once idle
                     time.sleep(ds.block_ms / 1000)
             elif state.stalled and reader.recovery_due():
-                retrying(reader.recover, REDIS_GIVE_UP_S)
+                reader.recover()
 
     def _take(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> bool:
         """Load an entry's item into the buffer (True), or finish the entry without one (False)."""
-        result = retrying(lambda: self.reader.result(stream, entry_id, fields), REDIS_GIVE_UP_S)
+        result = self.reader.result(stream, entry_id, fields)
         if result is None:
             self.reader.ack(stream, entry_id)
             return False
@@ -277,7 +278,7 @@ class _Consumer:
             log.warning("job %s: %s; skipped", result.job_id, foreign_path(result.path, self.ds.run, self.roots))
             self.reader.ack(stream, entry_id)
             return False
-        consumed = retrying(lambda: self.reader.consumed(result.job_id), REDIS_GIVE_UP_S)
+        consumed = self.reader.consumed(result.job_id)
         if result.job_id in self.buffered_jobs or consumed == Status.ok.value:
             self.counts.duplicates += 1
             if self.ds.delete_after and result.job_id not in self.buffered_jobs and path:

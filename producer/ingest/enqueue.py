@@ -54,7 +54,7 @@ from layertap.protocol.layers import LayerIdError
 from layertap.protocol.naming import check_name
 from layertap.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
 from layertap.settings import InflightUntil, Limits
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger
 
 
 @dataclass
@@ -107,12 +107,8 @@ def look_up(client: redis.Redis, jobs: list[Job], shape: ServedShape | None) -> 
     by_run: dict[str, list[str]] = {}
     for job in jobs:
         by_run.setdefault(job.run, []).append(job.job_id or "")
-    pipe = client.pipeline(transaction=False)
-    for run, job_ids in by_run.items():
-        pipe.hmget(keys.run_status_hash(run), job_ids)
-        pipe.hmget(keys.run_submitted_hash(run), job_ids)
-    replies = iter(pipe.execute())
-    found = {run: (iter(next(replies)), iter(next(replies))) for run in by_run}  # in the jobs' order
+    records = Ledger(client, give_up_s=0).job_records(by_run)
+    found = {run: (iter(statuses), iter(sent)) for run, (statuses, sent) in records.items()}  # in the jobs' order
     looked = [Ledgered(next(found[job.run][0]), next(found[job.run][1])) for job in jobs]
     own: dict[str, list[str]] = {}
     for job, ledgered in zip(jobs, looked):
@@ -179,7 +175,7 @@ class InflightLimiter:
 
     def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05, until: InflightUntil = "finished",
                  group: str = keys.DEFAULT_CONSUMER_GROUP, before_read: Callable[[], None] = lambda: None):
-        self.redis = client
+        self.ledger = Ledger(client, give_up_s=0)
         self.before_read = before_read
         self.limit = limit
         self.poll_s = poll_s
@@ -191,13 +187,7 @@ class InflightLimiter:
     def refresh(self) -> None:
         """Read the count of jobs in flight from Redis."""
         self.before_read()
-        pipe = self.redis.pipeline(transaction=False)
-        for run in sorted(self.runs):
-            pipe.hlen(keys.run_submitted_hash(run))
-            pipe.hlen(keys.run_consumed_hash(run, self.group) if self.until == "consumed"
-                      else keys.run_status_hash(run))
-        counts = pipe.execute()
-        self.in_flight = sum(max(0, sub - done) for sub, done in zip(counts[0::2], counts[1::2]))
+        self.in_flight = self.ledger.in_flight(sorted(self.runs), self.group if self.until == "consumed" else None)
 
     def acquire(self, run: str) -> None:
         """Block until one more job of ``run`` may be submitted, and count it."""
@@ -286,7 +276,7 @@ class Enqueuer:
         job = item.job
         self.limiter.acquire(job.run)
         if reopen:  # sent before: clear its old (error, or replaced ok) status; sending marks it sent by this enqueue
-            ledger.reopen(self.client.redis, job.run, job.job_id or "", self.group)
+            self.client.ledger.reopen(job.run, job.job_id or "", self.group)
         try:
             self.bundler.add(job.model_copy(update={"replace": True}) if replace else job)
         except (JobTooLarge, LayerIdError, ImageError) as exc:  # an image changed since its row was read

@@ -5,8 +5,8 @@ ok result may hold other content: other layers, dtype, top-k, final states, loss
 another input. Such a job is "already ok" only when its result's content is the one asked
 (``Job.spec_hash``); a job with a content-hash id names its content, so its ok result always is.
 
-What made an ok result is read, cheapest first, from its entry on the run's stream (found
-through ``keys.run_result_ids_hash``: ``spec_hash``, model, layers, dtype); else from its file's
+What made an ok result is read, cheapest first, from its latest entry on the run's stream
+(``spec_hash``, model, layers, dtype); else from its file's
 header (an entry trimmed at the retention, or one from a worker that did not record
 ``spec_hash``), which also gives top-k, the loss mask's turns and the final states; else it is
 unknown here (trimmed, and the file not readable from this machine) and never taken as the content
@@ -23,12 +23,11 @@ import redis
 
 from layertap.producer.client import runs
 from layertap.producer.client.fleet import ServedShape
-from layertap.producer.client.results import entry_result
 from layertap.protocol import fileformat as ff
-from layertap.protocol import keys
 from layertap.protocol.fileformat import MetaKey
 from layertap.protocol.schema import Job
 from layertap.storage.registry import storage_at
+from layertap.transport.ledger import Ledger
 
 #: The settings compared, in the order they are named (job field names, as ``enqueue``'s flags).
 SETTINGS = ("model", "layers", "dtype", "topk", "topk_on", "final_hidden_states", "loss_on")
@@ -51,25 +50,17 @@ def made(client: redis.Redis, run: str, job_ids: Sequence[str]) -> dict[str, Mad
     read per job its stream entry does not answer). ``client`` decodes responses."""
     if not job_ids:
         return {}
-    stream = keys.results_stream(run)
-    entry_ids = client.hmget(keys.run_result_ids_hash(run), list(job_ids))
-    pipe = client.pipeline(transaction=False)
-    for entry_id in entry_ids:
-        if entry_id is not None:
-            pipe.xrange(stream, entry_id, entry_id)
-    replies = iter(pipe.execute())
+    book = Ledger(client, give_up_s=0)
     roots: list[str] | None = None
     found: dict[str, Made] = {}
-    for job_id, entry_id in zip(job_ids, entry_ids):
-        entries = next(replies) if entry_id is not None else []
-        result = entry_result(entries[0][1]) if entries else None
+    for job_id, result in zip(job_ids, book.results_at(run, book.latest_entry_ids(run, job_ids))):
         if result is not None and result.ok and result.spec_hash:
             found[job_id] = Made(result.spec_hash, {"model": result.model, "layers": result.layers,
                                                     "dtype": result.dtype}, path=result.path)
             continue
         path = result.path if result is not None and result.path else None
         if path is None:
-            roots = runs.storage_roots(client, run) if roots is None else roots
+            roots = book.storage_roots(run) if roots is None else roots
             path = runs.ledger_path(roots, run, job_id)
         found[job_id] = _from_file(path, job_id)
     return found

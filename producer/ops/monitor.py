@@ -27,8 +27,7 @@ from layertap.producer.client.results import START, stream_results
 from layertap.rates import RateWindow
 from layertap.protocol import keys
 from layertap.protocol.schema import ErrorType, Status
-
-PAGE = 5000
+from layertap.transport.ledger import Ledger
 
 
 @dataclass
@@ -130,7 +129,7 @@ def fleet_status(client: redis.Redis) -> FleetStatus:
     for state in workers:
         if state.alive:
             queues.setdefault(state.model, 0)
-    return FleetStatus(dict(sorted(queues.items())), workers, int(client.xlen(keys.DEAD_LETTER_STREAM)),
+    return FleetStatus(dict(sorted(queues.items())), workers, Ledger(client, give_up_s=0).dead_letter_count(),
                        redis_memory(client))
 
 
@@ -171,11 +170,10 @@ class RunTracker:
     def __init__(self, client: redis.Redis, run: str, window_s: float = 30.0):
         self.redis = client
         self.run = run
-        last = client.xrevrange(keys.results_stream(run), count=1)
-        self._last_id = last[0][0] if last else START  # taken before the scan: later results are replayed
-        errors = {job for job, status in client.hscan_iter(keys.run_status_hash(run), count=PAGE)
-                  if status == Status.error.value}
-        self._cancelled = errors & set(client.sscan_iter(keys.run_cancelled_jobs_set(run), count=PAGE))
+        self.ledger = Ledger(client, give_up_s=0)
+        self._last_id = self.ledger.last_entry_id(run) or START  # taken before the scan: later results are replayed
+        errors = {job for job, status in self.ledger.statuses(run) if status == Status.error.value}
+        self._cancelled = self.ledger.cancelled_jobs(run)
         self._failed = errors - self._cancelled
         self._tokens = 0
         self._token_rate = RateWindow(window_s)
@@ -190,10 +188,7 @@ class RunTracker:
                 self._tokens += result.num_tokens or 0
             else:
                 (self._cancelled if result.error_type is ErrorType.cancelled else self._failed).add(result.job_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hlen(keys.run_submitted_hash(self.run))
-        pipe.hlen(keys.run_status_hash(self.run))
-        submitted, finished = (int(value) for value in pipe.execute())
+        submitted, finished, _ = self.ledger.counts(self.run)
         cancelled = min(len(self._cancelled), finished)
         failed = min(len(self._failed), finished - cancelled)
         self._token_rate.add(self._tokens)

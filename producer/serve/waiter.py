@@ -18,8 +18,8 @@ import time
 import redis
 
 from layertap.producer.client.results import read_after
-from layertap.protocol import keys
 from layertap.protocol.schema import Result
+from layertap.transport.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ class ResultWaiter:
         self.loop = loop
         self._waiting: dict[str, asyncio.Future[Result]] = {}  # touched on the loop's thread only
         self._stop = threading.Event()
-        last = connection.xrevrange(keys.results_stream(run), count=1)
-        self._after = last[0][0] if last else "0"
+        self._after = Ledger(connection, give_up_s=0).last_entry_id(run) or "0"
         self._thread = threading.Thread(target=self._follow, name=f"serve-results-{run}", daemon=True)
 
     def start(self) -> ResultWaiter:

@@ -13,8 +13,8 @@ epoch; a folder's rows are HF ``datasets`` rows (``input_ids``, ``loss_mask``, `
   decides). A path a result names is taken only when it is the job's own file in the run under
   the reader's storage roots (``storage.registry.own_file``): results are data anyone who can
   write to Redis could forge.
-  A row handed to the trainer is recorded in consumer group ``group``'s consumed hash
-  (``keys.run_consumed_hash``), and with ``delete_after`` its file and lock are removed first,
+  A row handed to the trainer is recorded as consumed by consumer group ``group`` (the run
+  ledger's ``mark_consumed``), and with ``delete_after`` its file and lock are removed first,
   only when it is that own file under the reader's storage root (``Storage.owned``).
 
 Torch-free; ``trainers.hs_backend`` loads the files (checksums verified) and hands them over.
@@ -33,16 +33,15 @@ from typing import Any
 
 from layertap.extras import need
 from layertap.producer.client import runs
-from layertap.producer.client.results import entry_result
 from layertap.producer.files.export import HS_FOLDER
 from layertap.producer.files.export_config import ExportLayers, read_export_layers
 from layertap.producer.files.manifest import entry_from_file
-from layertap.protocol import keys
 from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey, is_vllm_file
 from layertap.protocol.schema import Result, Status
 from layertap.settings import Settings
 from layertap.storage.registry import foreign_path, own_file
-from layertap.transport.redis_conn import connect, retrying
+from layertap.transport.ledger import Ledger
+from layertap.transport.redis_conn import connect
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +131,11 @@ class RunRows(FolderRows):
         return {**super().__getstate__(), "_redis": None}
 
     @property
-    def redis(self) -> Any:
+    def ledger(self) -> Ledger:
+        """The run's ledger, opened in this process; it waits Redis out for :data:`REDIS_GIVE_UP_S`."""
         if self._redis is None:
             self._redis = connect(self.settings, decode_responses=True)
-        return self._redis
+        return Ledger(self._redis, REDIS_GIVE_UP_S)
 
     def describe(self) -> str:
         return f"run {self.run} (rows of {self.data_path})"
@@ -159,7 +159,7 @@ class RunRows(FolderRows):
         """The layers of the run's files: the header of the first ok job's file found (waited for)."""
         waiting = Waiting(f"the first ok result of run {self.run} (its files' layers)")
         while True:
-            found = retrying(self._first_file_layers, REDIS_GIVE_UP_S)
+            found = self._first_file_layers()
             if found is not None:
                 return found
             waiting.say()
@@ -169,14 +169,13 @@ class RunRows(FolderRows):
         """Record row's job as consumed by the group; with ``delete_after`` remove its own file first."""
         if self.delete_after:
             remove_own_file(row.path, self.run, row.job_id, self.settings)
-        retrying(lambda: self.redis.hset(keys.run_consumed_hash(self.run, self.group), row.job_id,
-                                         Status.ok.value), REDIS_GIVE_UP_S)
+        self.ledger.mark_consumed(self.run, self.group, row.job_id, Status.ok)
 
     def final_result(self, job_id: str, what: str) -> Result:
         """Job ``job_id``'s final result, waiting for it while it may come; :class:`RowError` when it never will."""
         waiting = Waiting(f"job {job_id} of run {self.run} ({what})")
         while True:
-            found = retrying(lambda: self._final_or_why_not(job_id), REDIS_GIVE_UP_S)
+            found = self._final_or_why_not(job_id)
             if isinstance(found, Result):
                 return found
             if found is not None:
@@ -186,22 +185,17 @@ class RunRows(FolderRows):
 
     def _final_or_why_not(self, job_id: str) -> Result | str | None:
         """The job's final result; else why it never will have one; else None (it may still come)."""
-        run, pipe = self.run, self.redis.pipeline(transaction=True)
-        pipe.hget(keys.run_status_hash(run), job_id)
-        pipe.hget(keys.run_result_ids_hash(run), job_id)
-        pipe.hexists(keys.run_submitted_hash(run), job_id)
-        pipe.exists(keys.run_sealed_key(run))
-        status, entry_id, submitted, sealed = pipe.execute()
+        run, book = self.run, self.ledger
+        status, entry_id, submitted, sealed = book.job_state(run, job_id)
         if status is not None:
-            entries = self.redis.xrange(keys.results_stream(run), entry_id, entry_id) if entry_id else []
-            return entry_result(entries[0][1]) if entries else runs.ledger_result(self.redis, run, job_id, status)
-        if not submitted and sealed and runs.is_complete(self.redis, run):
+            return book.results_at(run, [entry_id])[0] or runs.ledger_result(book, run, job_id, status)
+        if not submitted and sealed and runs.is_complete(book.redis, run):
             return f"job {job_id} is not in run {run}, which is sealed and complete"
         return None
 
     def _first_file_layers(self) -> ExportLayers | None:
         """The layers in the header of an ok job's own file that reads, or None while there is none."""
-        for job_id, status in self.redis.hscan_iter(keys.run_status_hash(self.run), count=1000):
+        for job_id, status in self.ledger.statuses(self.run):
             result = self._final_or_why_not(job_id) if status == Status.ok.value else None
             if not (isinstance(result, Result) and result.path):
                 continue
@@ -217,10 +211,8 @@ class RunRows(FolderRows):
 
     def _sleep_until_a_result(self) -> None:
         """Block until the run's stream has an entry after its last one now (or :data:`WAKE_MS`)."""
-        stream = keys.results_stream(self.run)
-        last = retrying(lambda: self.redis.xrevrange(stream, count=1), REDIS_GIVE_UP_S)
-        retrying(lambda: self.redis.xread({stream: last[0][0] if last else "0-0"}, count=1, block=WAKE_MS),
-                 REDIS_GIVE_UP_S)
+        book = self.ledger
+        book.read_results(self.run, book.last_entry_id(self.run) or "0-0", count=1, block_ms=WAKE_MS)
 
 
 def own_path(path: str, run: str, job_id: str, settings: Settings) -> str | None:

@@ -25,7 +25,6 @@ from layertap.protocol.fileformat import MetaKey, metadata_of
 from layertap.protocol.naming import job_path
 from layertap.protocol.schema import ErrorType
 from layertap.storage.registry import storage_for
-from layertap.transport import ledger
 from layertap.worker.extractor import Extractor
 from tests.integration.test_file_identity import rewrite_checkpoint
 from tests.support.faulty import WRAP_AT
@@ -119,7 +118,7 @@ def test_a_sampled_row_over_its_bound_fails_the_run_and_a_fresh_sample_finds_an_
         result = results[job_id]
         assert result.error_type is ErrorType.sample_over_bound and f"row {job_id} " in (result.error or "")
         assert not job_path(make_worker.storage, run_name, job_id).exists()  # no wrong file written
-    samples = ledger.run_samples(private_client.redis, run_name)
+    samples = private_client.ledger.run_samples(run_name)
     assert sorted(samples) == sorted(ids)
     assert sorted(job_id for job_id, row in samples.items()
                   if max(json.loads(row)["errors"]) > json.loads(row)["bound"]) == failed

@@ -27,7 +27,7 @@ from layertap.producer.client.client import Client, NoWorkerWarning
 from layertap.protocol import keys
 from layertap.protocol.schema import Job, Result
 from layertap.settings import Settings
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger, pending_record
 from layertap.worker.queue.reconciler import Reconciler
 from tests.support.jobs import RELIABILITY_ENV
 from tests.support.processes import cli
@@ -97,30 +97,30 @@ def test_a_delivery_counts_its_starts_once_however_often_redis_makes_it_retry(pr
     raw.config_set("maxmemory", 1)
     try:
         with pytest.raises(redis.exceptions.OutOfMemoryError):
-            ledger.count_starts(raw, jobs, ["counted"], "delivery-1")
+            Ledger(raw, give_up_s=0).count_starts(jobs, ["counted"], "delivery-1")
     finally:
         raw.config_set("maxmemory", 0)
     assert not any(raw.exists(keys.attempts_key(run, job_id)) for run, job_id in jobs)  # nothing applied
-    assert ledger.count_starts(raw, jobs, ["counted"], "delivery-1") == ([1] * 64, set())
-    assert ledger.count_starts(raw, jobs, ["counted"], "delivery-1") == ([1] * 64, set())  # the retry
+    assert Ledger(raw, give_up_s=0).count_starts(jobs, ["counted"], "delivery-1") == ([1] * 64, set())
+    assert Ledger(raw, give_up_s=0).count_starts(jobs, ["counted"], "delivery-1") == ([1] * 64, set())  # the retry
     raw.set(keys.run_cancelled_key("counted"), 1)
-    assert ledger.count_starts(raw, jobs, ["counted"], "delivery-2") == ([2] * 64, {"counted"})
+    assert Ledger(raw, give_up_s=0).count_starts(jobs, ["counted"], "delivery-2") == ([2] * 64, {"counted"})
     raw.close()
 
 
 def test_a_message_and_its_record_are_queued_together_or_not_at_all(private_redis):
     raw = redis.Redis.from_url(private_redis.url, decode_responses=True)
     queue = keys.model_queue("tiny-nobody")
-    record = ledger.pending_record(queue, "together:job", 1.0)
+    record = pending_record(queue, "together:job", 1.0)
     raw.config_set("maxmemory", 1)
     try:
         with pytest.raises(redis.exceptions.OutOfMemoryError):
-            ledger.push_recorded(raw, queue, "{}", "together:job", record)
+            Ledger(raw, give_up_s=0).push_recorded(queue, "{}", "together:job", record)
     finally:
         raw.config_set("maxmemory", 0)
     assert raw.llen(queue) == 0 and raw.hlen(keys.PENDING_HASH) == 0 and raw.zcard(keys.pending_sent_zset(queue)) == 0
     before = raw.time()
-    ledger.push_recorded(raw, queue, "{}", "together:job", record)
+    Ledger(raw, give_up_s=0).push_recorded(queue, "{}", "together:job", record)
     assert raw.lrange(queue, 0, -1) == ["{}"] and raw.hget(keys.PENDING_HASH, "together:job") == record
     assert raw.zscore(keys.pending_sent_zset(queue), "together:job") >= before[0]  # the push time, the server's clock
     raw.close()

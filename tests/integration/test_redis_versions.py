@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from layertap.producer.dev.redis_server import RedisServer, embedded_redis_server, free_port
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger
 from layertap.transport.script_flags import for_server, takes_script_flags
 from layertap.worker.queue.lease import RENEW_LEASES
 from layertap.worker.queue.periodic import take_turn
@@ -44,8 +44,8 @@ def test_every_flagged_script_compiles_and_runs_on_the_server(private_redis):
 
     assert take_turn(client, "sweep-lock", "node-a", 30, at_maxmemory=True)
     assert not take_turn(client, "sweep-lock", "node-b", 30, at_maxmemory=True)  # a turn is one worker's
-    ledger.cancel(client, "run-a")
-    assert ledger.cancelled_runs(client, ["run-a", "run-b"]) == {"run-a"}
+    Ledger(client, give_up_s=0).cancel("run-a")
+    assert Ledger(client, give_up_s=0).cancelled_runs(["run-a", "run-b"]) == {"run-a"}
     pipe = client.pipeline(transaction=False)
     client.zadd("leases", {"tag-1": 1.0})
     pipe.eval(for_server(client, RENEW_LEASES), 1, "leases", 5.0, "tag-1", 6.0, "tag-gone")
@@ -66,5 +66,5 @@ def test_a_user_without_dangerous_commands_runs_the_flagged_scripts(binary, tmp_
             client.info("server")
         assert takes_script_flags(client) == (binary != embedded_redis_server())
         assert take_turn(client, "sweep-lock", "node-a", 30, at_maxmemory=True)
-        ledger.cancel(client, "run-a")
-        assert ledger.cancelled_runs(client, ["run-a"]) == {"run-a"}
+        Ledger(client, give_up_s=0).cancel("run-a")
+        assert Ledger(client, give_up_s=0).cancelled_runs(["run-a"]) == {"run-a"}

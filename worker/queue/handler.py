@@ -1,8 +1,9 @@
 """What the Celery task does around the processor: attempts, retries, dead letters, publishing.
 
 Invariants:
-* every Redis state change here (attempts, cancelled runs, splits, dead letters) is the run
-  ledger's (``layertap.transport.ledger``), and every result goes out through the one publisher;
+* every Redis state change and read here (attempts, cancelled runs, splits, dead letters) is the
+  run ledger's (``layertap.transport.ledger``: the publisher's, which waits Redis out), and every
+  result goes out through the one publisher;
 * a job of a cancelled run (``layertap.producer.client.runs``) is not run: it gets a ``cancelled`` error
   result, published like any other final result; the run is checked when the message starts
   and again just before its jobs go to the engine (``JobProcessor.process_many``'s
@@ -59,12 +60,12 @@ from celery import Celery
 from layertap.protocol import keys
 from layertap.protocol.schema import ErrorType, Job, Result, Status
 from layertap.transport.backoff import Backoff
-from layertap.transport import ledger
 from layertap.transport.celery_app import send_extract
+from layertap.transport.ledger import cancelled_error, cancelled_result, pending_record
 from layertap.transport.redis_conn import retrying
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.pipeline import STORAGE_FAULT, JobProcessor
-from layertap.worker.queue.publisher import ResultPublisher, wait_out_redis
+from layertap.worker.queue.publisher import ResultPublisher
 
 log = logging.getLogger(__name__)
 TRANSIENT_ERRORS = {ErrorType.internal, ErrorType.write_failed}
@@ -120,11 +121,11 @@ def _counts(value: Any) -> dict[str, int]:
 class WorkerService:
     """Thread-safe; shared by all task threads of one worker."""
 
-    def __init__(self, processor: JobProcessor, client: redis.Redis, publisher: ResultPublisher, max_attempts: int,
+    def __init__(self, processor: JobProcessor, publisher: ResultPublisher, max_attempts: int,
                  app: Celery | None = None, storage_retry_s: float = 900.0):
         self.processor = processor
-        self.redis = client
         self.publisher = publisher
+        self.ledger = publisher.ledger  # waits Redis out as the publish does
         self.max_attempts = max_attempts
         self.storage_retry_s = storage_retry_s
         self.app = app  # sends the halves of a split bundle
@@ -156,18 +157,14 @@ class WorkerService:
         counts, and which of their runs are cancelled."""
         run_names = sorted({job.run for job in jobs})
         pairs = [(job.run, job.job_id or "") for job in jobs]
-        what = f"counting an attempt of {jobs[0].job_id}" if len(jobs) == 1 else f"counting {len(jobs)} attempts"
-        token = uuid.uuid4().hex
-        return wait_out_redis(lambda: ledger.count_starts(self.redis, pairs, run_names, token), what,
-                              self.publisher.give_up_s)
+        return self.ledger.count_starts(pairs, run_names, uuid.uuid4().hex)
 
     def handle_bundle(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, queue: str | None,
                       refusal: str | None = None) -> dict[str, int]:
         """Run one bundle message (see the module doc); returns how many results it published and
         how many of them are ok (the results themselves are on the runs' streams). May raise
         :class:`RetryLater` (for the jobs that failed transiently)."""
-        if not wait_out_redis(lambda: ledger.is_pending(self.redis, task_id), f"reading bundle {task_id}",
-                              self.publisher.give_up_s):
+        if not self.ledger.is_pending(task_id):
             log.info("bundle %s is handled already (its results are published, or it was split); not run again",
                      task_id)
             return _summary([])
@@ -210,8 +207,8 @@ class WorkerService:
         to_run: list[int] = []
         for index, job in enumerate(jobs):
             if job.run in cancelled_runs:
-                finished.append(ledger.cancelled_result(job.run, ids[index], worker=self.processor.worker_name,
-                                                      model=job.model, metadata=job.metadata))
+                finished.append(cancelled_result(job.run, ids[index], worker=self.processor.worker_name,
+                                                 model=job.model, metadata=job.metadata))
             elif len(jobs) == 1 and own[index] > self.max_attempts:
                 finished.append(self.dead_letter(job, counts[index] - 1, ErrorType.internal,
                                                  f"the worker died {counts[index] - 1} time(s) while running this job"))
@@ -240,8 +237,8 @@ class WorkerService:
                                           result.error or "")
             finished.append(result)
         retried = {ids[i] for i in retry}
-        done = [keys.attempts_key(job.run, job_id) for job, job_id in zip(jobs, ids) if job_id not in retried]
-        self.publisher.publish_many(finished, None if retry else message, queue, also_delete=done)
+        done = [(job.run, job_id) for job, job_id in zip(jobs, ids) if job_id not in retried]
+        self.publisher.publish_many(finished, None if retry else message, queue, ended=done)
         for result in finished:
             _log_error(result)
         if retry:
@@ -264,11 +261,11 @@ class WorkerService:
         the error their jobs end with; none while Redis cannot say (the jobs run)."""
         order = sorted(run_names)
         try:
-            cancelled = ledger.cancelled_runs(self.redis, order)
+            cancelled = self.ledger.waiting(0).cancelled_runs(order)
         except redis.exceptions.RedisError as exc:
             log.warning("could not check for cancelled runs before computing (%s); running the jobs", exc)
             return {}
-        return {run: JobError(ErrorType.cancelled, ledger.cancelled_error(run)) for run in order if run in cancelled}
+        return {run: JobError(ErrorType.cancelled, cancelled_error(run)) for run in order if run in cancelled}
 
     def _split(self, jobs: list[Job], payloads: list[Any], counts: list[int], kwargs: dict[str, Any],
                task_id: str, queue: str | None) -> None:
@@ -281,12 +278,10 @@ class WorkerService:
         for part in (slice(0, middle), slice(middle, None)):
             counted = {job.job_id or "": count for job, count in zip(jobs[part], counts[part])}
             half_id = keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex)
-            record = ledger.pending_record(queue, half_id, now, [(job.run, job.job_id or "") for job in jobs[part]])
+            record = pending_record(queue, half_id, now, [(job.run, job.job_id or "") for job in jobs[part]])
             retrying(partial(send_extract, self.app, [payloads[part]], {**kwargs, "counted": counted, "excused": counted},
-                             queue, half_id, keys.EXTRACT_BUNDLE_TASK, record), self.publisher.give_up_s)
-        pairs = [(job.run, job.job_id or "") for job in jobs]
-        wait_out_redis(lambda: ledger.split_message(self.redis, pairs, queue, task_id),
-                       f"splitting bundle {task_id}", self.publisher.give_up_s)
+                             queue, half_id, keys.EXTRACT_BUNDLE_TASK, record), self.ledger.give_up_s)
+        self.ledger.split_message([(job.run, job.job_id or "") for job in jobs], queue, task_id)
         log.warning("bundle %s of %d jobs started before and did not finish (its worker died?): sent it again "
                     "as two bundles of %d and %d", task_id, len(jobs), middle, len(jobs) - middle)
 
@@ -295,7 +290,7 @@ class WorkerService:
         entry = {"job": json.dumps(job.model_dump(mode="json", exclude_none=True)), "run": job.run,
                  "job_id": job.job_id or "", "attempts": str(attempts), "error_type": last_type.value,
                  "error": last_error, "at": str(time.time()), "worker": self.processor.worker_name}
-        ledger.dead_letter(self.redis, entry)
+        self.ledger.dead_letter(entry)
         log.error("job %s dead-lettered after %d attempts: %s", job.job_id, attempts, last_error)
         return Result(job_id=job.job_id, run=job.run, status=Status.error, error_type=ErrorType.dead_letter,
                       error=f"failed {attempts} time(s); last error ({last_type.value}): {last_error}",

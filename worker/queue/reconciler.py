@@ -45,13 +45,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from typing import Any
 
 import redis
 from celery import Celery
 
 from layertap.protocol import keys
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger, cancelled_result, lost_result, message_jobs
 from layertap.worker.queue.periodic import Periodic, take_turn
 from layertap.worker.queue.publisher import ResultPublisher
 
@@ -87,6 +86,7 @@ class Reconciler:
     def __init__(self, client: redis.Redis, app: Celery, node: str, interval: float, grace: float,
                  publisher: ResultPublisher | None = None):
         self.redis = client
+        self.ledger = Ledger(client, give_up_s=0)  # one attempt: a sweep that fails runs again at the next tick
         self.app = app
         self.node = node
         self.interval = interval
@@ -108,14 +108,13 @@ class Reconciler:
         seconds, micros = self.redis.time()
         now = seconds + micros / 1e6  # the server's clock: the send times it compares with are the server's
         held = self._held_task_ids()
-        suspects = {keys.as_text(task_id): float(seen)
-                    for task_id, seen in self.redis.hgetall(keys.SUSPECT_HASH).items()}
+        suspects = self.ledger.suspects()
         queues = self._adopt_unsorted_records()
         missing: dict[str, float] = {}
         for queue in sorted(queues):
             missing.update(self._missing_from(queue, held, now))
         cleared = [task_id for task_id in suspects if task_id not in missing]
-        ledger.note_suspects(self.redis, cleared, {task_id: now for task_id in missing if task_id not in suspects})
+        self.ledger.note_suspects(cleared, {task_id: now for task_id in missing if task_id not in suspects})
         due = [task_id for task_id in missing if task_id in suspects and now - suspects[task_id] >= self.grace]
         # newest first: each goes back to the head, so the oldest ends first in line (the queue stays in send order)
         return sum(self._resend(task_id) for task_id in sorted(due, key=lambda task_id: -missing[task_id]))
@@ -123,16 +122,11 @@ class Reconciler:
     def _adopt_unsorted_records(self) -> set[str]:
         """The queues with pending jobs; first, if some pending record has no send-time member
         (the client writes both in one transaction, so only an older client's), add the members."""
-        queues = set(map(keys.as_text, self.redis.smembers(keys.PENDING_QUEUES_SET)))
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hlen(keys.PENDING_HASH)
-        for queue in queues:
-            pipe.zcard(keys.pending_sent_zset(queue))
-        records, *members = pipe.execute()
-        if records <= sum(members):
+        queues, unsorted = self.ledger.pending_queues()
+        if not unsorted:
             return queues
-        queues |= ledger.adopt_records(self.redis)
-        log.info("gave %d pending record(s) of an older client their send-time entries", records - sum(members))
+        queues |= self.ledger.adopt_records()
+        log.info("gave %d pending record(s) of an older client their send-time entries", unsorted)
         return queues
 
     def _held_task_ids(self) -> set[str | None]:
@@ -154,23 +148,19 @@ class Reconciler:
         cutoff = self._oldest_queued(queue)
         if cutoff is None:
             return {}
-        sent = keys.pending_sent_zset(queue)
-        before = self.redis.zrangebyscore(sent, "-inf", f"({min(cutoff, now - self.grace)!r}", withscores=True)
-        candidates = {keys.as_text(task_id): float(at) for task_id, at in before if keys.as_text(task_id) not in held}
-        pipe = self.redis.pipeline(transaction=False)
-        for task_id in candidates:
-            pipe.hexists(keys.PENDING_HASH, task_id)
-        recorded = dict(zip(candidates, pipe.execute())) if candidates else {}
-        ledger.forget_sent(self.redis, queue, [task_id for task_id, exists in recorded.items() if not exists])
-        return {task_id: at for task_id, at in candidates.items() if recorded[task_id]}
+        sent = self.ledger.sent_before(queue, min(cutoff, now - self.grace))
+        candidates = {task_id: at for task_id, at in sent.items() if task_id not in held}
+        ended = self.ledger.ended_of(list(candidates))
+        self.ledger.forget_sent(queue, sorted(ended))
+        return {task_id: at for task_id, at in candidates.items() if task_id not in ended}
 
     def _oldest_queued(self, queue: str) -> float | None:
         """Send time of the message next in line in ``queue``: +inf if empty, None if unknown."""
-        tag = ledger.head_delivery_tag(self.redis, queue)
+        tag = self.ledger.head_delivery_tag(queue)
         if tag is None:
             return float("inf")
         task_id = keys.task_id_of_delivery_tag(tag)
-        sent_at = self.redis.zscore(keys.pending_sent_zset(queue), task_id) if task_id else None
+        sent_at = self.ledger.sent_at(queue, task_id) if task_id else None
         if sent_at is not None:
             return sent_at
         head = self.redis.lindex(queue, -1)  # a tag without a task id, or a finished job's duplicate
@@ -178,22 +168,21 @@ class Reconciler:
 
     def _resend(self, task_id: str) -> bool:
         """Put a missing job's in-flight message back in its queue; else give it its final result."""
-        record: Any = self.redis.hget(keys.PENDING_HASH, task_id)
-        if record is None:  # finished meanwhile
+        pending = self.ledger.record_of(task_id)
+        if pending is None:  # finished meanwhile
             return False
-        pending = json.loads(record)
         queue = pending["queue"]
-        if ledger.restore_inflight(self.redis, task_id, queue):
+        if self.ledger.restore_inflight(task_id, queue):
             log.warning("message %s was fetched by a worker that died before holding it; put it back in its queue",
                         task_id)
             return True
-        found = ledger.message_jobs(task_id, pending)
+        found = message_jobs(task_id, pending)
         if found is None:
             return False
         model = keys.queue_model(queue)
-        cancelled = ledger.cancelled_runs(self.redis, sorted({run for run, _ in found}))
-        results = [ledger.cancelled_result(run, job_id, worker=self.node, model=model) if run in cancelled
-                   else ledger.lost_result(run, job_id, worker=self.node, model=model) for run, job_id in found]
+        cancelled = self.ledger.cancelled_runs(sorted({run for run, _ in found}))
+        results = [cancelled_result(run, job_id, worker=self.node, model=model) if run in cancelled
+                   else lost_result(run, job_id, worker=self.node, model=model) for run, job_id in found]
         published = self.publisher.end_lost_message(results, task_id, queue, float(pending["submitted_at"]))
         if published is None:
             log.info("message %s was found queued or held after all (a restore put it behind newer messages); "

@@ -1,6 +1,6 @@
 """The retention sweep: a background thread in every worker; at most one sweeps at a time
 (``SET NX`` lock). Each sweep trims every run's results stream to the last
-``retention.results_s`` seconds (``layertap.transport.ledger.trim``: entries a consumer group has
+``retention.results_s`` seconds (the run ledger's ``trim``: entries a consumer group has
 not acknowledged stay, and so does the run's compact ledger that manifest, resume, ``runs``
 and ``Client.wait`` read once an entry is gone). ``results_s = 0`` keeps streams whole. The
 sweep, its lock included, works while Redis is at ``maxmemory``: it is what frees memory there.
@@ -14,7 +14,7 @@ import time
 import redis
 
 from layertap.protocol import keys
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger
 from layertap.worker.queue.periodic import Periodic, take_turn
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class RetentionSweep:
     def __init__(self, client: redis.Redis, node: str, retention_s: float, interval: float):
         self.redis = client
+        self.ledger = Ledger(client, give_up_s=0)  # one attempt: the next sweep tries again
         self.node = node
         self.retention_s = retention_s
         self.interval = interval
@@ -41,7 +42,7 @@ class RetentionSweep:
         if not take_turn(self.redis, keys.RETENTION_LOCK, self.node, self.interval, at_maxmemory=True):
             return 0
         before = time.time() - self.retention_s
-        dropped = sum(ledger.trim(self.redis, run, before=before) for run in ledger.run_names(self.redis))
+        dropped = sum(self.ledger.trim(run, before=before) for run in self.ledger.run_names())
         if dropped:
             log.info("retention: dropped %d result stream entries older than %.0fs", dropped, self.retention_s)
         return dropped

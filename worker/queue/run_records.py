@@ -18,9 +18,8 @@ from typing import Any, TypeVar
 import redis
 
 from layertap.protocol.certificate import SampleRow
-from layertap.transport import ledger
+from layertap.transport.ledger import Ledger
 from layertap.worker.job.sampling import Record
-from layertap.worker.queue.publisher import wait_out_redis
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -28,10 +27,10 @@ T = TypeVar("T")
 
 def sample_recorder(client: redis.Redis, give_up_s: float) -> Record:
     """A sampler's ``record``: the row and the worker's facts into the run's ledger."""
+    ledger = Ledger(client, give_up_s)
+
     def record(run: str, row: SampleRow, facts: dict[str, Any]) -> None:
-        wait_out_redis(lambda: ledger.record_sample(client, run, row.job_id, row.model_dump_json(), row.worker,
-                                                    json.dumps(facts, sort_keys=True)),
-                       f"recording sampled row {row.job_id} of run {run}", give_up_s)
+        ledger.record_sample(run, row.job_id, row.model_dump_json(), row.worker, json.dumps(facts, sort_keys=True))
     return record
 
 
@@ -39,19 +38,19 @@ class LedgerCaptures:
     """The capture index in Redis (``keys.capture_hash``). Thread-safe."""
 
     def __init__(self, client: redis.Redis):
-        self.redis = client
+        self.ledger = Ledger(client, give_up_s=0)  # it only saves work: one attempt, then the job is computed
 
     def find(self, capture_key: str) -> list[str]:
-        found = _or_logged(lambda: ledger.captures(self.redis, capture_key),
+        found = _or_logged(lambda: self.ledger.captures(capture_key),
                            f"could not look up capture {capture_key}; the job is computed")
         return found or []
 
     def add(self, capture_key: str, address: str) -> None:
-        _or_logged(lambda: ledger.record_capture(self.redis, capture_key, address),
+        _or_logged(lambda: self.ledger.record_capture(capture_key, address),
                    f"could not note {address} as capture {capture_key}; it answers no other job")
 
     def forget(self, capture_key: str, address: str) -> None:
-        _or_logged(lambda: ledger.forget_capture(self.redis, capture_key, address),
+        _or_logged(lambda: self.ledger.forget_capture(capture_key, address),
                    f"could not drop the gone file {address} from capture {capture_key}")
 
 

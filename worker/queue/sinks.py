@@ -1,6 +1,6 @@
 """Where results go besides the run's stream: result sinks, called by the one publisher.
 
-The publish (``layertap.transport.ledger.publish``: stream, pub/sub, status, pending record, one
+The publish (the run ledger's ``publish``: stream, pub/sub, status, pending record, one
 transaction) is the commit; a sink is told of each result around it, by
 :class:`~layertap.worker.queue.publisher.ResultPublisher`, for every result a worker publishes (its own
 jobs', and the reconciler's ``lost`` and ``cancelled`` ones). A sink is one class with two hooks,

@@ -1,0 +1,44 @@
+"""A run's certificate and the capture index, as the ledger keeps them: each sampled row of a run
+with what its worker is (``layertap.worker.job.sampling``, read by ``layertap certify``), and the
+files that hold the computed states of a capture (``layertap.worker.job.reuse``)."""
+
+from __future__ import annotations
+
+import redis
+
+from layertap.protocol import keys
+
+
+def record_sample(client: redis.Redis, run: str, job_id: str, row: str, worker: str, facts: str) -> None:
+    """Record a sampled row of ``run`` (JSON ``certificate.SampleRow``) and what its ``worker`` is
+    (JSON ``facts``), in one transaction."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.run_samples_hash(run), job_id, row)
+    pipe.hset(keys.run_workers_hash(run), worker, facts)
+    pipe.execute()
+
+
+def run_samples(client: redis.Redis, run: str) -> dict[str, str]:
+    """job id -> JSON sampled row, of every sampled row of ``run``."""
+    return {keys.as_text(job_id): keys.as_text(row) for job_id, row in
+            client.hscan_iter(keys.run_samples_hash(run), count=1000)}
+
+
+def run_workers(client: redis.Redis, run: str) -> dict[str, str]:
+    """node -> JSON facts, of every worker that sampled rows of ``run``."""
+    return {keys.as_text(node): keys.as_text(facts) for node, facts in client.hgetall(keys.run_workers_hash(run)).items()}
+
+
+def record_capture(client: redis.Redis, capture_key: str, address: str) -> None:
+    """Note the file at ``address`` as one holding the computed states of ``capture_key``."""
+    client.hset(keys.capture_hash(capture_key), address, "")
+
+
+def captures(client: redis.Redis, capture_key: str) -> list[str]:
+    """The addresses noted for ``capture_key``, sorted."""
+    return sorted(keys.as_text(address) for address in client.hkeys(keys.capture_hash(capture_key)))
+
+
+def forget_capture(client: redis.Redis, capture_key: str, address: str) -> None:
+    """Drop a noted address whose file is gone or is not of the capture."""
+    client.hdel(keys.capture_hash(capture_key), address)
