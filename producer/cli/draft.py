@@ -6,7 +6,6 @@ Exit codes: 0 the ids agree (printed); 1 they differ, or the data or config cann
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -16,7 +15,6 @@ from layertap.producer.cli.common import fail
 
 if TYPE_CHECKING:
     from layertap.producer.files.export_config import ExportLayers
-    from layertap.producer.files.manifest import ManifestEntry
 
 
 def check_draft(
@@ -30,7 +28,8 @@ def check_draft(
     from_manifest: Optional[Path] = typer.Option(None, "--manifest", help="The data: a manifest file."),
     data: Optional[Path] = typer.Option(None, "--data", help="The data: a speculators data folder whose "
                                         "hidden_states/hs_*.safetensors are layertap files (speculators' "
-                                        "generate-offline-data through `layertap serve`; reads every file's header)."),
+                                        "generate-offline-data through `layertap serve`; reads every file's header; "
+                                        "their runs' certificates are looked for under the storage roots)."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (with --run)."),
 ) -> None:
     """Check a draft's target layer ids against the data's auxiliary layers (after vLLM's ordering)."""
@@ -56,7 +55,8 @@ def check_draft(
 
 def data_layers(export: Path | None, run: str | None, from_manifest: Path | None, data: Path | None,
                 redis_url: str | None) -> ExportLayers:
-    """The layers every file of the data holds (``export.check_entries``, ``export_config``)."""
+    """The layers every file of the data holds (``export.check_entries``, ``export_config``,
+    ``data_folder.folder_layers``)."""
     from layertap.producer.cli.data import RunListing
     from layertap.producer.files.export import check_entries
     from layertap.producer.files.export_config import read_export_layers
@@ -65,27 +65,13 @@ def data_layers(export: Path | None, run: str | None, from_manifest: Path | None
     if export is not None:
         return read_export_layers(export)
     if data is not None:
-        return check_entries(folder_entries(data))
+        from layertap.producer.files.data_folder import folder_layers
+        from layertap.settings import Settings
+
+        settings = Settings()
+        return folder_layers(data, settings.reading_storages(), storage_options=settings.storage_options)
     entries = RunListing(run, redis_url) if run is not None else iter_manifest(from_manifest)  # type: ignore[arg-type]
     return check_entries(entries)
-
-
-def folder_entries(folder: Path) -> Iterator[ManifestEntry]:
-    """A manifest entry per ``hidden_states/hs_*.safetensors`` file of a speculators data folder, from its
-    header (the job it names); a file without layertap's header (vLLM's) records no layers: ``ValueError``."""
-    from layertap.producer.files.export import HS_FOLDER
-    from layertap.producer.files.manifest import entry_from_file
-    from layertap.protocol.fileformat import MetaKey
-    from layertap.storage.registry import storage_at
-
-    files = sorted((folder / HS_FOLDER).glob("hs_*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder / HS_FOLDER} holds no hs_*.safetensors files")
-    for path in map(str, files):
-        job_id = storage_at(path).read_header(path).metadata.get(MetaKey.JOB_ID)
-        if job_id is None:
-            raise ValueError(f"{path} has no layertap header (a file vLLM wrote?): it records no layer ids")
-        yield entry_from_file(job_id, path)
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,7 @@ again since). Imports no Redis or torch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -170,7 +170,8 @@ def file_run(path: str) -> tuple[str, str] | None:
 
 class RunStates:
     """Refuses to mix files of runs whose certificates disagree in a state field: :meth:`see` each
-    file's address; a run without a certificate is not compared."""
+    file's address, or :meth:`see_run` the run a file's header names where the file was moved out
+    of its run's folder; a run without a certificate is not compared."""
 
     def __init__(self, storage_options: dict[str, Any] | None = None):
         self.storage_options = storage_options
@@ -180,11 +181,22 @@ class RunStates:
     def see(self, path: str) -> None:
         """Raise ``ValueError`` naming the field if the file's run disagrees with the runs seen before."""
         where = file_run(path)
-        if where is None or where in self._seen:
+        if where is not None:
+            root, run = where
+            self._compare(where, lambda: read_certificate(storage_for(root, self.storage_options), run))
+
+    def see_run(self, run: str, storages: Sequence[Storage]) -> None:
+        """As :meth:`see`, for a file of ``run`` found elsewhere (speculators' ``generate-offline-data``
+        moves ``layertap serve``'s files into its data folder): the run's certificate is the one under
+        the first of ``storages`` (a reader's roots) that has one."""
+        self._compare(("", run), lambda: next(filter(None, (read_certificate(storage, run) for storage in storages)),
+                                              None))
+
+    def _compare(self, where: tuple[str, str], certificate_of: Callable[[], Certificate | None]) -> None:
+        if where in self._seen:
             return
         self._seen.add(where)
-        root, run = where
-        certificate = read_certificate(storage_for(root, self.storage_options), run)
+        certificate = certificate_of()
         if certificate is None:
             return
         if self._first is None:

@@ -7,20 +7,26 @@ imported; layertap installs ``layertap-hs-connectors.pth``, whose hook (``_layer
 imports this module right after ``hs_connectors`` (so ``speculators train`` and ``torchrun -m
 speculators.train`` list it) and does nothing in a process that never imports hs-connectors.
 
-``DIR`` is a speculators data folder whose rows carry a ``job_id`` column: an export, or, with
-``--layertap-run RUN``, rows whose jobs the run holds or is extracting (``trainers.rows``). Each row
+``DIR`` is a speculators data folder (``trainers.rows``): an export; with ``--layertap-run RUN``,
+rows whose jobs (a ``job_id`` column) the run holds or is extracting; or speculators' own folder
+whose ``hs_{i}`` files its ``generate-offline-data`` moved there from ``layertap serve``'s answers
+(the rows it did not write are asked of serve by ``--on-missing generate``). Each row
 speculators asks for, in its own order and once per epoch, is handed over as its file's
 ``hidden_states [T, n_layers, H]`` and ``token_ids``: read once complete (the writer's lock), its
 checksums verified, float8 states decoded (float32: what ``load_hidden_states`` returns), from the
 job's own file only; a row whose job is not extracted yet is waited for, never skipped. A row with
 no states (an error result, a missing or damaged file) is logged and returned as ``None``, so
 speculators' ``--on-missing`` decides (``raise`` stops the run, ``skip`` counts it). Nothing is
-removed unless ``--layertap-delete-after true`` (a run only: each row's own file under the
-trainer's storage root once handed over, and so the file of each ``layertap serve`` answer).
+removed unless ``--layertap-delete-after true`` (not with an export): each row's own file of a run
+under the trainer's storage root once handed over, and the file of each ``layertap serve`` answer
+(an answer is the job's own file under the trainer's roots, or it is not read).
 
-Before the first step, :meth:`LayertapBackend.from_train_args` checks the trainer's
-``--target-layer-ids`` (or speculators' default) against the data's auxiliary layers and raises
-``LayerIdError`` naming both lists when they differ. Every file must then hold those layers.
+Before the first step, :meth:`LayertapBackend.from_train_args` finds the data's layers (an export's
+record; a run's first file; every file of speculators' own folder, whose runs' certificates must
+agree in what changes the states, ``verify.RunStates``), checks the trainer's ``--target-layer-ids``
+(or speculators' default) against their auxiliary layers and raises ``LayerIdError`` naming both
+lists when they differ. Every file handed over, each answer of ``layertap serve`` too, must then
+hold those layers.
 
 Flags (hs-connectors' train-args hook; also under ``train: backend:`` in ``--config``):
 ``--layertap-run``, ``--layertap-group`` (the consumer group whose consumed hash records the rows
@@ -40,7 +46,7 @@ from typing import Any
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.producer.trainers.rows import ExportRows, RunRows, own_path, remove_own_file, rows_of
+from layertap.producer.trainers.rows import Rows, own_path, remove_own_file, rows_of
 from layertap.protocol import fileformat as ff
 from layertap.protocol.layers import check_target_layer_ids
 from layertap.settings import Settings
@@ -65,7 +71,7 @@ def true_or_false(text: str) -> bool:
 class LayertapTransfer(HiddenStatesTransfer):
     """Hands speculators each row's states (module doc); picklable into DataLoader workers."""
 
-    def __init__(self, rows: ExportRows | RunRows, layers: list[int], settings: Settings, *, delete_after: bool):
+    def __init__(self, rows: Rows, layers: list[int], settings: Settings, *, delete_after: bool):
         self.rows, self.layers, self.settings, self.delete_after = rows, layers, settings, delete_after
 
     def get_cached(self, file_idx: int) -> dict[str, Any] | None:
@@ -83,9 +89,15 @@ class LayertapTransfer(HiddenStatesTransfer):
         return states
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, Any] | None:
-        """A generated sample (``layertap serve``'s answer): a job's own file under this trainer's roots only."""
+        """A generated sample (``layertap serve``'s answer): a job's own file under this trainer's roots only,
+        holding the trainer's layers (``ValueError``: speculators retries, then counts the row as missing)."""
         path = next((hs_transfer_params[key] for key in PATH_KEYS if hs_transfer_params.get(key)), None)
-        return None if path is None else self._load(self._own(path), None)
+        if path is None:
+            return None
+        own = self._own(path)
+        states = self._load(own, lambda header: self.rows.checked_answer(own, header, self.layers))
+        log.debug("generated: %s handed over (%d tokens)", own, len(states[ff.TOKEN_IDS]))
+        return states
 
     def delete(self, handle: str) -> None:
         """With ``delete_after``, remove a generated file if it is its job's own under this trainer's storage root."""
@@ -97,10 +109,9 @@ class LayertapTransfer(HiddenStatesTransfer):
             return
         remove_own_file(handle, run, job_id, self.settings)
 
-    def _load(self, path: str, check: Callable[[ff.FileHeader], None] | None) -> dict[str, Any]:
+    def _load(self, path: str, check: Callable[[ff.FileHeader], None]) -> dict[str, Any]:
         options = self.settings.storage_options
-        if check is not None:
-            check(storage_at(path, options).read_header(path))
+        check(storage_at(path, options).read_header(path))
         tensors = load_hidden_states(path, verify=True, storage_options=options)
         return {ff.HIDDEN_STATES: tensors[ff.HIDDEN_STATES], ff.TOKEN_IDS: tensors[ff.TOKEN_IDS]}
 
@@ -126,12 +137,14 @@ class LayertapBackend(HiddenStatesBackend):
     def add_train_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--layertap-run", type=str, default=None,
                             help="layertap: the run whose jobs the --data-path rows name (job_id column), read "
-                                 "while it is extracted; without it --data-path is a `layertap export`")
+                                 "while it is extracted; without it --data-path is a `layertap export`, or "
+                                 "speculators' own folder made through `layertap serve`")
         parser.add_argument("--layertap-group", type=str, default=DEFAULT_GROUP,
                             help="layertap: the consumer group that records the rows of --layertap-run handed over")
         parser.add_argument("--layertap-delete-after", type=true_or_false, default=False,
-                            help="layertap: true removes each row's own file under the storage root once handed "
-                                 "over (one epoch), and each generated file; false (default) removes nothing")
+                            help="layertap: true removes each row's own file of --layertap-run under the storage "
+                                 "root once handed over (one epoch), and each generated file; false (default) "
+                                 "removes nothing")
         parser.add_argument("--layertap-redis-url", type=str, default=None,
                             help="layertap: Redis of --layertap-run (default: LAYERTAP_REDIS_URL)")
 

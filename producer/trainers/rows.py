@@ -1,8 +1,8 @@
 """Where row ``i`` of a speculators data folder has its hidden states, under layertap's rules.
 
 speculators' ``ArrowDataset`` asks for rows by index, in its own (shuffled) order, one each per
-epoch; a folder's rows are HF ``datasets`` rows (``input_ids``, ``loss_mask``, ``seq_len``) with a
-``job_id`` column naming the layertap job of each. Two kinds of folder:
+epoch; a folder's rows are HF ``datasets`` rows (``input_ids``, ``loss_mask``, ``seq_len``), with a
+``job_id`` column naming the layertap job of each where layertap made them. Three kinds of folder:
 
 * an export (``layertap export --format speculators``, :class:`ExportRows`): row ``i``'s file is
   ``hidden_states/hs_{i}.safetensors`` (a link to, or copy of, its job's file); never removed;
@@ -15,7 +15,17 @@ epoch; a folder's rows are HF ``datasets`` rows (``input_ids``, ``loss_mask``, `
   write to Redis could forge.
   A row handed to the trainer is recorded as consumed by consumer group ``group`` (the run
   ledger's ``mark_consumed``), and with ``delete_after`` its file and lock are removed first,
-  only when it is that own file under the reader's storage root (``Storage.owned``).
+  only when it is that own file under the reader's storage root (``Storage.owned``);
+* speculators' own (``prepare-data``'s rows, no ``job_id`` column; :class:`GeneratedRows`,
+  ``files.data_folder``): row ``i``'s file is ``hidden_states/hs_{i}.safetensors`` where
+  speculators' ``generate-offline-data`` moved ``layertap serve``'s answer for it; a row without
+  one has no file (``--on-missing generate`` asks the endpoint: ``LayertapTransfer.get_generated``).
+  Every file's header is read before training (the same layers in each; runs whose certificates
+  disagree in their states refused, ``verify.RunStates``); the files are never removed.
+
+Every file handed over must hold the trainer's layers, and so must each file ``layertap serve``
+answers (:meth:`FolderRows.checked`, :meth:`FolderRows.checked_answer`); an answer's run is held
+to the certificates of the runs seen before, as the folder's files are.
 
 Torch-free; ``trainers.hs_backend`` loads the files (checksums verified) and hands them over.
 Objects here are pickled into speculators' DataLoader workers: Redis clients and the folder's
@@ -33,13 +43,14 @@ from typing import Any
 
 from layertap.extras import need
 from layertap.producer.client import runs
-from layertap.producer.files.export import HS_FOLDER
-from layertap.producer.files.export_config import ExportLayers, read_export_layers
+from layertap.producer.files.data_folder import folder_layers, row_file
+from layertap.producer.files.export_config import CONFIG_NAME, ExportLayers, read_export_layers
 from layertap.producer.files.manifest import entry_from_file
+from layertap.producer.files.verify import RunStates
 from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey, is_vllm_file
 from layertap.protocol.schema import Result, Status
 from layertap.settings import Settings
-from layertap.storage.registry import foreign_path, own_file
+from layertap.storage.registry import foreign_path, own_file, storage_at
 from layertap.transport.ledger import Ledger
 from layertap.transport.redis_conn import connect
 
@@ -73,6 +84,7 @@ class FolderRows:
 
     def __init__(self, data_path: str | Path, settings: Settings):
         self.data_path, self.settings = Path(data_path), settings
+        self.states = RunStates(settings.storage_options)  # the runs of the files seen, by their certificates
         self._job_ids: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -97,10 +109,13 @@ class FolderRows:
         if meta.get(MetaKey.JOB_ID) != row.job_id:
             raise ValueError(f"{row.path}: the file is of job {meta.get(MetaKey.JOB_ID)!r}, but row {row.index} of "
                              f"{self.data_path} names job {row.job_id!r}")
-        found = json.loads(meta[MetaKey.LAYERS])
-        if found != layers:
-            raise ValueError(f"{row.path} (row {row.index}, job {row.job_id}) holds layers {found}, not the "
-                             f"{layers} the trainer was started with: speculators would take other layers")
+        check_layers(row.path, f"row {row.index}, job {row.job_id}", header, layers)
+
+    def checked_answer(self, path: str, header: FileHeader, layers: list[int]) -> None:
+        """Refuse a file ``layertap serve`` answered (``ValueError``) that holds other layers than ``layers``,
+        or whose run's certificate disagrees with those of the runs seen before (``verify.RunStates``)."""
+        check_layers(path, "layertap serve's answer", header, layers)
+        self.states.see(path)
 
     def handed_over(self, row: RowFile) -> None:
         """Row's states went to the trainer (nothing to record for a folder of files)."""
@@ -110,13 +125,37 @@ class ExportRows(FolderRows):
     """An export's rows: row ``i``'s file is ``hidden_states/hs_{i}.safetensors`` (module doc)."""
 
     def file(self, index: int) -> RowFile:
-        return RowFile(index, self.job_id(index), str(self.data_path / HS_FOLDER / f"hs_{index}.safetensors"))
+        return RowFile(index, self.job_id(index), str(row_file(self.data_path, index)))
 
     def layers(self) -> ExportLayers:
         return read_export_layers(self.data_path)
 
     def describe(self) -> str:
         return f"the export {self.data_path}"
+
+
+class GeneratedRows(FolderRows):
+    """speculators' own data folder made through ``layertap serve`` (module doc)."""
+
+    def file(self, index: int) -> RowFile | None:
+        """Row ``index``'s file, of the job its header names; None where the row has none (or it does not read)."""
+        path = str(row_file(self.data_path, index))
+        try:
+            meta = storage_at(path, self.settings.storage_options).read_header(path).metadata
+        except FileNotFoundError:
+            return None  # not generated yet: speculators' --on-missing decides
+        except (OSError, FileFormatError) as exc:
+            log.warning("row %d: %s; no states for it", index, exc)
+            return None
+        return RowFile(index, meta.get(MetaKey.JOB_ID, ""), path)
+
+    def layers(self) -> ExportLayers:
+        """The layers of every file of the folder (``data_folder.folder_layers``), their runs seen."""
+        return folder_layers(self.data_path, self.settings.reading_storages(), self.states,
+                             self.settings.storage_options)
+
+    def describe(self) -> str:
+        return f"the data folder {self.data_path}"
 
 
 class RunRows(FolderRows):
@@ -215,6 +254,14 @@ class RunRows(FolderRows):
         book.read_results(self.run, book.last_entry_id(self.run) or "0-0", count=1, block_ms=WAKE_MS)
 
 
+def check_layers(path: str, what: str, header: FileHeader, layers: list[int]) -> None:
+    """Refuse (``ValueError``) the file at ``path`` (``what`` it is) whose header names other layers than ``layers``."""
+    found = json.loads(header.metadata[MetaKey.LAYERS])
+    if found != layers:
+        raise ValueError(f"{path} ({what}) holds layers {found}, not the {layers} the trainer was started with: "
+                         "speculators would take other layers")
+
+
 def own_path(path: str, run: str, job_id: str, settings: Settings) -> str | None:
     """``path`` as the reader acts on it if it is the file of ``run``/``job_id`` under the reader's storage
     roots (``storage.registry.own_file`` with ``Settings.reading_storages``: ``storage_root``, ``read_roots``),
@@ -248,12 +295,18 @@ class Waiting:
             self.next = now + WAIT_LOG_S
 
 
+Rows = ExportRows | GeneratedRows | RunRows
+
+
 def rows_of(data_path: str | Path, settings: Settings, *, run: str | None, group: str,
-            delete_after: bool) -> ExportRows | RunRows:
-    """A folder's rows: a run's with ``run``, else an export's (``delete_after`` needs a run)."""
-    if run is None:
-        if delete_after:
-            raise ValueError("delete_after removes a run's files once read: it needs the run (an export's files "
-                             "are never removed)")
-        return ExportRows(data_path, settings)
-    return RunRows(data_path, run, settings, group=group, delete_after=delete_after)
+            delete_after: bool) -> Rows:
+    """A folder's rows: a run's with ``run``, else an export's (it has ``export_config.CONFIG_NAME``), else
+    speculators' own (``delete_after`` there removes ``layertap serve``'s answers only; an export refuses it)."""
+    if run is not None:
+        return RunRows(data_path, run, settings, group=group, delete_after=delete_after)
+    if not (Path(data_path) / CONFIG_NAME).exists():
+        return GeneratedRows(data_path, settings)
+    if delete_after:
+        raise ValueError("delete_after removes a run's files once read: it needs the run (an export's files "
+                         "are never removed)")
+    return ExportRows(data_path, settings)

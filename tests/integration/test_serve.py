@@ -4,13 +4,16 @@ A real ``layertap serve`` process on a free port, the session's Redis and tiny-q
 HTTP surface is checked against vLLM's shapes (models list, completions and chat completions with
 ``kv_transfer_params`` and ``prompt_token_ids``, the chat render route, vLLM's error body); the
 files it names hold plain transformers' states; the render route gives what transformers'
-own chat template and tokenizer give.
+own chat template and tokenizer give. speculators' own prepare-data, generate-offline-data and
+trainer (``--on-missing generate``) run against it unchanged, the trainer reading through
+layertap's backend, which refuses wrong ``--target-layer-ids`` before the first step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import uuid
 from pathlib import Path
@@ -21,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from layertap.protocol.fileformat import MetaKey, metadata_of
 from tests.support.chat_server import ServerProcess, free_port
 from tests.support.processes import cli
 from tests.support.reference import load, reference_states
@@ -161,14 +165,19 @@ def expected_rows(tokenizer) -> list[tuple[list[int], list[int]]]:
     return sorted(rows)
 
 
-def speculators(*args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(speculators_argv(*args), env=speculators_env(HF_HUB_OFFLINE="1"), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, f"speculators {args[0]}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+def speculators(*args: str, ok: bool = True, **env: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(speculators_argv(*args), env=speculators_env(HF_HUB_OFFLINE="1", **env),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 or not ok, f"speculators {args[0]}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
 
-def test_speculators_generates_and_trains_through_serve(front, tiny_models, client, tmp_path):
+#: The backend's log (``tests/support/speculators_cpu.py``): a row of the folder, and a generated sample.
+HANDED_OVER = re.compile(r"row (\d+): job (\S+) handed over")
+GENERATED_HANDED_OVER = re.compile(r"generated: (\S+) handed over")
+
+
+def test_speculators_generates_and_trains_through_serve(front, tiny_models, client, storage_root, tmp_path):
     model_dir = str(tiny_models["qwen3"])
     _, tokenizer = load(model_dir)
     before = set(client.latest(front.run))
@@ -184,24 +193,43 @@ def test_speculators_generates_and_trains_through_serve(front, tiny_models, clie
 
     speculators("generate-offline-data", "--endpoint", front.url, "--preprocessed-data", str(data),
                 "--max-samples", str(GENERATED), "--concurrency", "2", "--validate-outputs", "--fail-on-error")
-    for index in range(GENERATED):  # speculators moved the worker's file here, its lock file taken and removed
-        states = load_file(data / "hidden_states" / f"hs_{index}.safetensors")
+    moved = []  # the jobs of the files speculators moved here from the worker's, its lock file taken and removed
+    for index in range(GENERATED):
+        path = data / "hidden_states" / f"hs_{index}.safetensors"
+        states = load_file(path)
         assert states["token_ids"].tolist() == rows[index]["input_ids"]
         assert states["hidden_states"].shape[1] == len(LAYERS)
+        moved.append(metadata_of(path)[MetaKey.JOB_ID])
 
-    speculators("train", "--verifier-name-or-path", model_dir, "--data-path", str(data), "--speculator-type",
-                "eagle3", "--target-layer-ids", "1", "2", "--draft-attn-impl", "sdpa", "--loss-implementation",
-                "eager", "--epochs", "1", "--total-seq-len", "256", "--num-workers", "0", "--save-path", str(ckpt),
-                "--hidden-states-dtype", "float32", "--logger", "", "--on-missing", "generate", "--vllm-endpoint",
-                front.url)
+    # speculators' trainer through layertap's backend: its data folder's files and serve's answers checked
+    train = ("train", "--verifier-name-or-path", model_dir, "--data-path", str(data), "--speculator-type", "eagle3",
+             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--epochs", "1", "--total-seq-len", "256",
+             "--num-workers", "0", "--hidden-states-dtype", "float32", "--logger", "", "--on-missing", "generate",
+             "--vllm-endpoint", front.url, "--hidden-states-backend", "layertap", "--layertap-delete-after", "true")
+    where = {"LAYERTAP_STORAGE_ROOT": str(storage_root), "TRAINER_LOG": str(tmp_path / "backend.log"),
+             "COLUMNS": "300"}  # the traceback unwrapped
+    wrong = speculators(*train, "--target-layer-ids", "1", "3", "--save-path", str(tmp_path / "wrong"), ok=False,
+                        **where)
+    assert wrong.returncode != 0
+    assert ("LayerIdError: target layer ids differ: --target-layer-ids names [1, 3] but the data's auxiliary "
+            "layers are [1, 2]") in wrong.stdout + wrong.stderr, wrong.stderr[-3000:]
+    assert not (tmp_path / "wrong" / "0").exists()  # stopped before a step: no checkpoint, and no job sent
+    assert set(client.latest(front.run)) == set(before) | set(moved)
+
+    speculators(*train, "--target-layer-ids", "1", "2", "--save-path", str(ckpt), **where)
     results = {job_id: result for job_id, result in client.latest(front.run).items() if job_id not in before}
     assert all(result.ok for result in results.values())
     assert {tuple(result.layers) for result in results.values()} == {tuple(LAYERS)}
     config = json.loads((ckpt / "0" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == LAYERS[:-1]  # the checkpoint's ids: the files' but L
-    # every row once: GENERATED by generate-offline-data (files moved into the data folder), the rest asked
-    # for by the trainer, train and validation split alike (each file read, checked against its row by
-    # speculators, and deleted)
+    # every row once: GENERATED by generate-offline-data (files moved into the data folder), each handed over
+    # from there; the rest asked for by the trainer, train and validation split alike, each answer handed over
+    # (checked against its row by speculators) and then removed by the backend (--layertap-delete-after)
+    log = (tmp_path / "backend.log").read_text()
+    handed = sorted((int(row), job) for row, job in HANDED_OVER.findall(log))
+    assert handed == list(enumerate(moved))
+    asked = {job_id: result for job_id, result in results.items() if job_id not in moved}
+    assert sorted(GENERATED_HANDED_OVER.findall(log)) == sorted(result.path for result in asked.values())
     assert len(results) == len(rows)
     assert sorted(result.num_tokens for result in results.values()) == sorted(rows["seq_len"])
     assert not any(Path(result.path).exists() for result in results.values())
@@ -213,10 +241,6 @@ def test_speculators_generates_and_trains_through_serve(front, tiny_models, clie
                             capture_output=True, text=True)
     assert agreed.returncode == 0, agreed.stderr
     assert "target layer ids [1, 2] are the data's auxiliary layers (layers [1, 2, 4], L = 4)" in agreed.stdout
-    wrong = subprocess.run(cli("check-draft", "--target-layer-ids", "1 3", "--data", str(data)),
-                           capture_output=True, text=True)
-    assert wrong.returncode == 1
-    assert "--target-layer-ids names [1, 3] but the data's auxiliary layers are [1, 2]" in wrong.stderr
 
 
 def test_serve_needs_a_served_model(private_redis):

@@ -5,8 +5,9 @@ through hs-connectors' backend ``layertap`` (``--hidden-states-backend layertap`
 the extracted ones, every row is trained once, and wrong ``--target-layer-ids`` stop the trainer
 before a step with both lists. Float8 states reach speculators decoded, within float8's bound. In
 object storage the backend's transfer (in this venv: hs-connectors without speculators) reads and
-removes only the jobs' own objects under its roots. Real Redis, the real tiny-qwen3 worker,
-speculators' real trainer, a real S3-protocol server."""
+removes only the jobs' own objects under its roots. speculators' own data folder of files from runs
+whose certificates disagree in their states is refused before the first step, naming the field.
+Real Redis, the real tiny-qwen3 worker, speculators' real trainer, a real S3-protocol server."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,9 +26,11 @@ import torch
 from safetensors.torch import load_file
 
 from layertap.producer.dev.s3_server import S3Server
+from layertap.producer.files.certify import certify
 from layertap.producer.trainers.hs_backend import LayertapBackend
 from layertap.protocol import keys
 from layertap.protocol.schema import Job
+from layertap.storage.registry import storage_for
 from tests.integration.test_training_record import FLOAT32_ATOL, FP8_RELATIVE, FP8_SUBNORMAL
 from tests.support.jobs import wait_for
 from tests.support.processes import cli
@@ -221,6 +225,29 @@ def test_float8_states_reach_speculators_decoded(venv_python, workers, redis_ser
     assert torch.equal(got["hs_connectors_fp8"], got["export"])
     rounded_bound = float8_bound + 2.0**-8 * got["run"].abs()
     assert torch.all((got["hs_connectors_fp8"].float() - exact).abs() <= rounded_bound)
+
+
+def test_files_of_runs_whose_certificates_disagree_stop_the_trainer(workers, client, storage_root, run_name, tmp_path):
+    """speculators' own data folder holding ``layertap serve``-style files (each its run's, moved out of the run's
+    folder as generate-offline-data moves them; copied here) of two certified runs whose files store the same
+    prompt's states in other dtypes: the backend refuses it before the first step, naming the field; the files
+    of one run are read."""
+    runs = [f"{run_name}-a", f"{run_name}-b"]
+    folder = tmp_path / "data" / "hidden_states"
+    folder.mkdir(parents=True)
+    for index, (run, dtype) in enumerate(zip(runs, ("float32", "bfloat16"), strict=True)):
+        job = client.submit({"prompt": "one prompt, two runs"}, model="tiny-qwen3", run=run, dtype=dtype)
+        result = client.wait(run, [job.job_id], timeout=60)[job.job_id]
+        assert result.ok, result.error
+        certify(client.redis, run, storage_for(str(storage_root)))
+        shutil.copy(result.path, folder / f"hs_{index}.safetensors")
+    with pytest.raises(ValueError, match=re.escape(f"runs {runs[0]} and {runs[1]} differ in dtype ('float32' vs "
+                                                   "'bfloat16'): their states do not mix")):
+        LayertapBackend.from_train_args(backend_args(None), str(tmp_path / "data"))
+
+    (folder / "hs_1.safetensors").unlink()
+    transfer = LayertapBackend.from_train_args(backend_args(None), str(tmp_path / "data"))
+    assert transfer.get_cached(0)["hidden_states"].dtype == torch.float32 and transfer.get_cached(1) is None
 
 
 def test_the_backend_reads_and_removes_only_its_own_objects_in_s3(make_worker, private_client, private_redis,
