@@ -1,0 +1,121 @@
+"""A re-run of a finished run (issue 46): every job answered from its file on disk with no forward,
+against the storage's own read rate over the same files.
+
+    python benchmarks/rerun_rate.py --model shape:qwen3-8b --device cuda --dtype bfloat16 --rows 10000 \\
+        --min-len 16 --max-len 128 --storage /dev/shm/rerun --out rerun.json
+    python benchmarks/rerun_rate.py          # a CPU smoke run: shape:qwen3-tiny, 256 rows
+
+One model loaded once, the worker's own job processor in this process (``certificate_cost``'s
+harness: bundles of ``--bundle`` jobs, ``--callers`` at once). The run is computed once (its
+forwards, device seconds and tokens/s), then sent again as the same run (same job ids): the
+worker's batch counter and busy time (what its heartbeat reports) over the re-run, its rows/s and
+bytes/s. The storage's read rate over the same files, on ``--callers`` threads: the raw bytes
+(plain reads), and layertap's reader (``load_hidden_states``, checksums verified).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from certificate_cost import NAME, answered_part, run_rows  # noqa: E402  (this folder's harness)
+
+from layertap.producer.files.reader import load_hidden_states  # noqa: E402
+from layertap.settings import Limits  # noqa: E402
+from layertap.worker.bench.measure import dir_bytes  # noqa: E402
+from layertap.worker.bench.prompts import random_prompts  # noqa: E402
+from layertap.worker.extractor import build_processor  # noqa: E402
+from layertap.worker.model.loading import load_model  # noqa: E402
+
+CHUNK = 16 << 20
+
+
+def read_raw(path: Path) -> int:
+    """Every byte of ``path``, read and dropped; the count."""
+    count = 0
+    with open(path, "rb", buffering=0) as handle:
+        while block := handle.read(CHUNK):
+            count += len(block)
+    return count
+
+
+def read_layertap(path: Path) -> int:
+    """``path`` through layertap's reader, checksums verified; the file's size."""
+    load_hidden_states(path, verify=True)
+    return path.stat().st_size
+
+
+def read_rate(files: list[Path], read: Any, threads: int) -> dict[str, float]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, files))
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "bytes_per_s": total / seconds, "rows_per_s": len(files) / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = {"model": "shape:qwen3-tiny", "device": "auto", "dtype": "auto", "rows": 256, "min_len": 16,
+                "max_len": 128, "token_budget": 16384, "bundle": 64, "callers": 8}
+    for name, default in defaults.items():  # model: a folder or shape:<name>
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    parser.add_argument("--compile", action="store_true", help="compile the decoder layers, as the worker's --compile")
+    parser.add_argument("--layers", type=lambda text: [int(i) for i in text.split(",")], default=None,
+                        help="default: 4 layers spread over the model, ending with L")
+    parser.add_argument("--storage", default="rerun-bench-files", help="a folder, emptied first and last")
+    parser.add_argument("--out", default=None, help="write the report as JSON here")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, name=NAME, device=args.device, dtype=args.dtype)
+    depth = loaded.num_layers
+    layers = args.layers or sorted({2, depth // 2, depth - 3, depth})
+    storage = Path(args.storage)
+    shutil.rmtree(storage, ignore_errors=True)
+    processor = build_processor(loaded, storage_root=storage, worker_name="bench", layers=None, limits=Limits(),
+                                token_budget=args.token_budget, compile_layers=args.compile)
+    prompts = random_prompts(args.rows, args.min_len, args.max_len, loaded.vocab_size, seed=46)
+    report: dict[str, Any] = {"model": args.model, "device": str(loaded.device), "dtype": str(loaded.dtype),
+                              "rows": args.rows, "tokens": sum(map(len, prompts)), "layers": layers,
+                              "callers": args.callers, "bundle": args.bundle}
+    try:
+        processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
+        busy, batches = processor.engine.busy_seconds(), processor.engine.stats.batches
+        seconds, results = run_rows(processor, prompts, "run", {"layers": layers}, args.bundle, args.callers)
+        files = sorted(Path(result.path) for result in results)
+        run_bytes = dir_bytes(storage / "run")
+        report["first_run"] = {"seconds": seconds, "tokens_per_s": report["tokens"] / seconds,
+                               "rows_per_s": len(results) / seconds, "bytes": run_bytes,
+                               "forwards": processor.engine.stats.batches - batches,
+                               "device_s": processor.engine.busy_seconds() - busy}
+        report["rerun"] = answered_part(processor, prompts, "run", {"layers": layers}, run_bytes, args)
+        report["read_raw"] = read_rate(files, read_raw, args.callers)
+        report["read_layertap"] = read_rate(files, read_layertap, args.callers)
+        report["rerun_again"] = answered_part(processor, prompts, "run", {"layers": layers}, run_bytes, args)
+    finally:
+        processor.close()
+        shutil.rmtree(storage, ignore_errors=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    first = report["first_run"]
+    print(f"{report['model']} on {report['device']} ({report['dtype']}), {args.rows} rows, {report['tokens']} tokens, "
+          f"layers {layers}, {first['bytes'] / 1e9:.2f} GB of files")
+    print(f"first run: {first['forwards']} forwards, {first['device_s']:.2f} device s, {first['tokens_per_s']:,.0f} "
+          f"tokens/s, {first['rows_per_s']:,.0f} rows/s")
+    for name in ("rerun", "rerun_again"):
+        part = report[name]
+        print(f"{name}: {part['forwards']} forwards, {part['device_s']:.3f} device s, {part['rows_per_s']:,.0f} rows/s, "
+              f"{part['read_bytes_per_s'] / 1e9:.2f} GB/s; {part['from_disk']} of {part['rows']} from disk")
+    for name in ("read_raw", "read_layertap"):
+        part = report[name]
+        print(f"{name} ({args.callers} threads): {part['rows_per_s']:,.0f} rows/s, {part['bytes_per_s'] / 1e9:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
