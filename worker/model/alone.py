@@ -3,7 +3,8 @@ the reference a run's sampled rows are measured against (``layertap.worker.job.s
 
 The decoder runs the tokens as one sequence (no padding, no packing, the positions it numbers
 itself) on the attention implementation transformers chose for it (``modes.transformers_attention``)
-through all of its layers: what a user's ``model(input_ids)`` runs. Hooks read vLLM's convention
+through all of its layers, eagerly (layers the engine compiled run their eager code): what a
+user's ``model(input_ids)`` runs. Hooks read vLLM's convention
 (``layertap.protocol.layers``): id ``i < L`` is the input of decoder layer ``i``, id ``L`` the output of
 the last one. Nothing of the engine's batching, layouts or capture buffers is used. Run it on the
 engine thread (``Engine.call``): it switches the attention implementation for its forward.
@@ -38,7 +39,9 @@ def alone_states(loaded: LoadedModel, token_ids: torch.Tensor, layer_ids: Sequen
         handles.append(loaded.layers[-1].register_forward_hook(
             lambda module, args, output: keep(last, hidden_of(output))))
     try:
-        with transformers_attention(loaded), torch.inference_mode():
+        # eagerly, whatever the engine compiled: the plain model's forward, and no recompile of the engine's
+        # graphs for an attention setup and shapes they never take (which stalled a compiled worker for seconds)
+        with transformers_attention(loaded), torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             loaded.decoder(input_ids=token_ids[None].to(loaded.device), use_cache=False)
     finally:
         for handle in handles:
