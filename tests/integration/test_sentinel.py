@@ -41,7 +41,7 @@ def test_a_primary_killed_mid_run_fails_over_and_every_job_ends_ok_once(tiny_mod
     after = [make_job(RUN, f"sent by the CLI after the failover {i}") for i in range(4)]
     every_id = {job.job_id for job in before + during + after}
     with SentinelSet(tmp_path / "set", password=PASSWORD, sentinel_password=SENTINEL_PASSWORD) as cluster:
-        settings = Settings(redis_url=cluster.url, bundle=BundleSettings(max_jobs=4))
+        settings = Settings(redis_url=cluster.url, storage_root=str(storage), bundle=BundleSettings(max_jobs=4))
         worker = WorkerProcess(tiny_models["qwen3"], "tiny-qwen3", cluster.url, storage, node="sentinel@localhost",
                                env=ENV, log_path=tmp_path / "worker.log")
         with Client(settings) as client:

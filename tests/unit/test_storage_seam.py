@@ -44,6 +44,7 @@ ALLOWED = {
     ("producer/files/reader.py", "layertap.protocol.fileformat.verify_file"): "the local path of Storage.local",
     ("producer/files/reader.py", "layertap.protocol.fileformat.read_file_header"): "the local path of Storage.local",
     ("producer/files/reader.py", "safetensors.torch.load_file"): "the local path of Storage.local",
+    ("worker/job/fresh_sample.py", "safetensors.torch.load_file"): "the local path of Storage.local",
     ("producer/files/file_stats.py", "layertap.protocol.fileformat.verify_file"): "the local path of Storage.local",
     ("producer/files/file_stats.py", "layertap.protocol.fileformat.read_file_header"):
         "the local path of Storage.local",
