@@ -17,11 +17,12 @@ is away or refuses writes (``refusals.wait_out``), so no caller writes a retry o
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import redis
 
+from layertap.protocol.schema import Result
 from layertap.transport.ledger import attempts, certificate, groups, pending, results, runs
 from layertap.transport.ledger.pending import SentMessage, message_jobs, pending_record, record_pending
 from layertap.transport.ledger.results import cancelled_error, cancelled_result, entry_result, lost_result
@@ -44,12 +45,6 @@ def _waited(operation: Callable[..., T]) -> Callable[..., T]:
     return method
 
 
-def _paged(operation: Callable[..., T]) -> Callable[..., T]:
-    """``operation(client, ...)``, an iterator, as a :class:`Ledger` method: each page one attempt."""
-    @functools.wraps(operation)
-    def method(self: Ledger, *args: Any, **kwargs: Any) -> T:
-        return operation(self.redis, *args, **kwargs)
-    return method
 
 
 class Ledger:
@@ -57,7 +52,7 @@ class Ledger:
     named the same) is tried again while Redis is away or refuses writes, for up to ``give_up_s``
     seconds, and then raises; ``give_up_s`` 0: one attempt (a sweep that runs again at its next
     tick, a check with a fallback, a command that reports the error). Iterators are read a page at
-    a time, each page one attempt. Thread-safe as its client is."""
+    a time, each page waited out. Thread-safe as its client is."""
 
     def __init__(self, client: redis.Redis, give_up_s: float = 60.0) -> None:
         self.redis = client
@@ -106,7 +101,10 @@ class Ledger:
     latest_entry_ids = _waited(results.latest_entry_ids)
     results_at = _waited(results.results_at)
     published_snapshot = _waited(results.published_snapshot)
-    follow_published = _paged(results.follow_published)
+
+    def follow_published(self, run: str) -> Iterator[Result]:
+        """``run``'s results as they are published (pub/sub: at-most-once), until closed."""
+        return results.follow_published(self.redis, run)
 
     # a run (``runs``)
     run_names = _waited(runs.run_names)
@@ -117,7 +115,7 @@ class Ledger:
     job_records = _waited(runs.job_records)
     status_of = _waited(runs.status_of)
     job_state = _waited(runs.job_state)
-    statuses = _paged(runs.statuses)
+    status_page = _waited(runs.status_page)
     cancelled_jobs = _waited(runs.cancelled_jobs)
     was_trimmed = _waited(runs.was_trimmed)
     trim_marker = _waited(runs.trim_marker)
@@ -143,12 +141,28 @@ class Ledger:
     consumed = _waited(groups.consumed)
     group_state = _waited(groups.group_state)
     recovered_marker = _waited(groups.recovered_marker)
-    recovery_jobs = _paged(groups.recovery_jobs)
+    recovery_page = _waited(groups.recovery_page)
     missed_of = _waited(groups.missed_of)
     queue_recovered = _waited(groups.queue_recovered)
     mark_recovered = _waited(groups.mark_recovered)
     take_recovery_lock = _waited(groups.take_recovery_lock)
     release_recovery_lock = _waited(groups.release_recovery_lock)
+
+    def statuses(self, run: str) -> Iterator[tuple[str, str]]:
+        """``(job id, status)`` of every job of ``run`` with a final status (:meth:`status_page`s)."""
+        cursor = 0
+        while True:
+            cursor, page = self.status_page(run, cursor)
+            yield from page
+            if not cursor:
+                return
+
+    def recovery_jobs(self, run: str, group: str) -> Iterator[str]:
+        """The job ids queued on ``group``'s recovery stream so far (:meth:`recovery_page`s)."""
+        after: str | None = "-"
+        while after is not None:
+            jobs, after = self.recovery_page(run, group, after)
+            yield from jobs
 
     # a run's certificate and the capture index (``certificate``)
     record_sample = _waited(certificate.record_sample)

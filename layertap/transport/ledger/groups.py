@@ -9,7 +9,7 @@ Finishing an entry acknowledges it and records its job as consumed with its stat
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -116,16 +116,12 @@ def recovered_marker(client: redis.Redis, run: str, group: str) -> str | None:
     return None if marker is None else keys.as_text(marker)
 
 
-def recovery_jobs(client: redis.Redis, run: str, group: str) -> Iterator[str]:
-    """The job ids queued on ``group``'s recovery stream so far, a page at a time."""
-    stream, after = keys.run_recovery_stream(run, group), "-"
-    while True:
-        entries = client.xrange(stream, min=after, count=PAGE)
-        for _, fields in entries:
-            yield keys.as_text(fields[keys.RECOVERY_JOB_FIELD])
-        if len(entries) < PAGE:
-            return
-        after = f"({keys.as_text(entries[-1][0])}"
+def recovery_page(client: redis.Redis, run: str, group: str, after: str = "-") -> tuple[list[str], str | None]:
+    """One page of the job ids queued on ``group``'s recovery stream from stream id bound ``after``,
+    and the bound of the next page (None: this was the last)."""
+    entries = client.xrange(keys.run_recovery_stream(run, group), min=after, count=PAGE)
+    jobs = [keys.as_text(fields[keys.RECOVERY_JOB_FIELD]) for _, fields in entries]
+    return jobs, f"({keys.as_text(entries[-1][0])}" if len(entries) == PAGE else None
 
 
 def missed_of(client: redis.Redis, run: str, group: str, job_ids: Sequence[str]) -> list[bool]:

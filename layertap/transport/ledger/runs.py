@@ -92,10 +92,21 @@ def job_state(client: redis.Redis, run: str, job_id: str) -> tuple[str | None, s
             bool(submitted), bool(sealed))
 
 
+def status_page(client: redis.Redis, run: str, cursor: int = 0) -> tuple[int, list[tuple[str, str]]]:
+    """One page of ``run``'s final statuses (``HSCAN`` from ``cursor``): the next cursor (0: the
+    last page) and ``(job id, status)`` pairs."""
+    cursor, page = client.hscan(keys.run_status_hash(run), cursor, count=PAGE)
+    return int(cursor), [(keys.as_text(job_id), keys.as_text(status)) for job_id, status in page.items()]
+
+
 def statuses(client: redis.Redis, run: str) -> Iterator[tuple[str, str]]:
     """``(job id, status)`` of every job of ``run`` with a final status, a page at a time."""
-    for job_id, status in client.hscan_iter(keys.run_status_hash(run), count=PAGE):
-        yield keys.as_text(job_id), keys.as_text(status)
+    cursor = 0
+    while True:
+        cursor, page = status_page(client, run, cursor)
+        yield from page
+        if not cursor:
+            return
 
 
 def cancelled_jobs(client: redis.Redis, run: str) -> set[str]:
