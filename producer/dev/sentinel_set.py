@@ -19,6 +19,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from layertap.producer.dev.redis_server import RedisServer, RedisServerError, find_redis_server, free_port
 
@@ -92,8 +94,7 @@ class SentinelSet:
                                for replica in replicas), timeout, "the replicas to sync")
         for index, port in enumerate(self.sentinel_ports):
             self.sentinel_processes.append(self._start_sentinel(index, port, primary.port))
-        self._wait(lambda: all(self._sentinel_sees_all(index) for index in range(len(self.sentinel_ports))),
-                   timeout, "the sentinels to know the set")
+        self._wait(lambda: self._sentinels_know_the_set(primary.port), timeout, "the sentinels to know the set")
         return self
 
     def announced_port(self, port: int) -> int:
@@ -127,9 +128,22 @@ class SentinelSet:
         return subprocess.Popen([find_redis_server(), str(conf), "--sentinel"], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
+    def _sentinels_know_the_set(self, primary_port: int) -> bool:
+        """Every sentinel knows every replica and every other sentinel. A sentinel that exited (its
+        port, free when picked, was bound by another process before it started) starts again on fresh
+        ports; the others learn them from its hello messages."""
+        for index, process in enumerate(self.sentinel_processes):
+            if process.poll() is not None:
+                self.sentinel_ports[index] = free_port()
+                if self.tls:
+                    self.sentinel_tls_ports[index] = free_port()
+                self.sentinel_processes[index] = self._start_sentinel(index, self.sentinel_ports[index], primary_port)
+        return all(self._sentinel_sees_all(index) for index in range(len(self.sentinel_ports)))
+
     def _sentinel_sees_all(self, index: int) -> bool:
-        try:
-            sentinel = self.sentinel_client(index)
+        try:  # one short try: the port may be another process's that never answers (it is then started again)
+            sentinel = redis.Redis(port=self.sentinel_ports[index], password=self.sentinel_password, socket_timeout=1,
+                                   socket_connect_timeout=1, retry=Retry(NoBackoff(), 0), decode_responses=True)
             replicas = sentinel.execute_command("SENTINEL", "REPLICAS", MASTER_NAME)
             others = sentinel.execute_command("SENTINEL", "SENTINELS", MASTER_NAME)  # they vote in a failover
             return len(replicas) == len(self.servers) - 1 and len(others) == len(self.sentinel_ports) - 1

@@ -9,6 +9,7 @@ And the same URL over TLS."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import threading
 from collections import Counter
@@ -109,3 +110,17 @@ def test_sentinel_over_tls(tmp_path):
         untrusted = Settings(redis_url=cluster.url)  # no CA: the sentinel is not trusted
         with pytest.raises(redis.exceptions.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
             connect(untrusted).ping()
+
+
+def test_a_sentinel_whose_port_was_taken_before_it_started_starts_on_another(tmp_path):
+    """Ports are picked free and bound later: another process may take one in between (parallel
+    tests do). The set starts that sentinel again on fresh ports and its URL names them."""
+    cluster = SentinelSet(tmp_path / "set", replicas=1, sentinels=2)
+    taken = cluster.sentinel_ports[0]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with cluster:
+            assert cluster.sentinel_ports[0] != taken and f"127.0.0.1:{taken}" not in cluster.url
+            assert "Address already in use" in (tmp_path / "set" / "sentinel0" / "sentinel.log").read_text()
+            assert connect(Settings(redis_url=cluster.url)).ping()

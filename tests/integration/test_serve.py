@@ -44,7 +44,7 @@ def front(workers, redis_server, tiny_models, storage_root, tmp_path_factory):
     port = free_port()
     logs = tmp_path_factory.mktemp("serve")
     folder = str(tiny_models["qwen3"])  # the served name: what speculators train --verifier-name-or-path names
-    server = ServerProcess(cli("serve", "--run", run, "--port", str(port), "--tokenizer", folder,
+    server = ServerProcess(cli("serve", "--model", MODEL, "--run", run, "--port", str(port), "--tokenizer", folder,
                                "--served-model-name", folder),
                            port, logs / "serve.log",
                            env={"LAYERTAP_REDIS_URL": redis_server.url, "LAYERTAP_STORAGE_ROOT": str(storage_root)})
@@ -254,7 +254,8 @@ def test_a_file_outside_its_storage_roots_is_not_answered(workers, redis_server,
     """A front whose storage roots are not the workers' (a result names a file it does not own) answers
     an error, never a path it cannot vouch for."""
     port = free_port()
-    server = ServerProcess(cli("serve", "--run", f"serve-{uuid.uuid4().hex[:8]}", "--port", str(port)), port,
+    server = ServerProcess(cli("serve", "--model", MODEL, "--run", f"serve-{uuid.uuid4().hex[:8]}", "--port",
+                               str(port)), port,
                            tmp_path / "serve.log", env={"LAYERTAP_REDIS_URL": redis_server.url,
                                                         "LAYERTAP_STORAGE_ROOT": str(tmp_path / "elsewhere")})
     server.start(timeout=120)
