@@ -107,6 +107,13 @@ def answered_part(processor: JobProcessor, prompts: list[list[int]], run: str, f
             "from_disk": sum(r.cached for r in results)}
 
 
+def model_and_layers(args: argparse.Namespace, layers: list[int] | None) -> tuple[Any, list[int]]:
+    """The model ``args`` name, loaded, and ``layers`` or 4 spread over it, ending with L."""
+    loaded = load_model(args.model, name=NAME, device=args.device, dtype=args.dtype)
+    depth = loaded.num_layers
+    return loaded, layers or sorted({2, depth // 2, depth - 3, depth})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="shape:qwen3-tiny", help="a folder or shape:<name>")
@@ -129,9 +136,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     args = parser.parse_args()
 
-    loaded = load_model(args.model, name=NAME, device=args.device, dtype=args.dtype)
-    depth = loaded.num_layers
-    args.capture_layers = args.capture_layers or sorted({2, depth // 2, depth - 3, depth})
+    loaded, args.capture_layers = model_and_layers(args, args.capture_layers)
     args.draft_layers = args.draft_layers or args.capture_layers[-2:]
     storage = Path(args.storage)
     shutil.rmtree(storage, ignore_errors=True)

@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from certificate_cost import NAME, answered_part, run_rows  # noqa: E402  (this folder's harness)
+from certificate_cost import answered_part, model_and_layers, run_rows  # noqa: E402  (this folder's harness)
 
 from layertap.producer.files.reader import load_hidden_states  # noqa: E402
 from layertap.settings import Limits  # noqa: E402
 from layertap.worker.bench.measure import dir_bytes  # noqa: E402
 from layertap.worker.bench.prompts import random_prompts  # noqa: E402
 from layertap.worker.extractor import build_processor  # noqa: E402
-from layertap.worker.model.loading import load_model  # noqa: E402
 
 CHUNK = 16 << 20
 
@@ -73,9 +72,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     args = parser.parse_args()
 
-    loaded = load_model(args.model, name=NAME, device=args.device, dtype=args.dtype)
-    depth = loaded.num_layers
-    layers = args.layers or sorted({2, depth // 2, depth - 3, depth})
+    loaded, layers = model_and_layers(args, args.layers)
     storage = Path(args.storage)
     shutil.rmtree(storage, ignore_errors=True)
     processor = build_processor(loaded, storage_root=storage, worker_name="bench", layers=None, limits=Limits(),

@@ -129,24 +129,27 @@ class LayertapTransfer(HiddenStatesTransfer):
         return own
 
 
+#: The trainer's ``--layertap-*`` flags: flag, type, default, help.
+TRAIN_FLAGS: tuple[tuple[str, Callable[[str], Any], Any, str], ...] = (
+    ("--layertap-run", str, None, "the run whose jobs the --data-path rows name (job_id column), read while it is "
+                                  "extracted; without it --data-path is a `layertap export`, or speculators' own "
+                                  "folder made through `layertap serve`"),
+    ("--layertap-group", str, DEFAULT_GROUP, "the consumer group that records the rows of --layertap-run handed over"),
+    ("--layertap-delete-after", true_or_false, False, "true removes each row's own file of --layertap-run under the "
+                                                      "storage root once handed over (one epoch), and each generated "
+                                                      "file; false (default) removes nothing"),
+    ("--layertap-redis-url", str, None, "Redis of --layertap-run (default: LAYERTAP_REDIS_URL)"),
+)
+
+
 @HiddenStatesBackend.register(NAME)
 class LayertapBackend(HiddenStatesBackend):
     """``--hidden-states-backend layertap`` (module doc)."""
 
     @staticmethod
     def add_train_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--layertap-run", type=str, default=None,
-                            help="layertap: the run whose jobs the --data-path rows name (job_id column), read "
-                                 "while it is extracted; without it --data-path is a `layertap export`, or "
-                                 "speculators' own folder made through `layertap serve`")
-        parser.add_argument("--layertap-group", type=str, default=DEFAULT_GROUP,
-                            help="layertap: the consumer group that records the rows of --layertap-run handed over")
-        parser.add_argument("--layertap-delete-after", type=true_or_false, default=False,
-                            help="layertap: true removes each row's own file of --layertap-run under the storage "
-                                 "root once handed over (one epoch), and each generated file; false (default) "
-                                 "removes nothing")
-        parser.add_argument("--layertap-redis-url", type=str, default=None,
-                            help="layertap: Redis of --layertap-run (default: LAYERTAP_REDIS_URL)")
+        for flag, kind, default, help_text in TRAIN_FLAGS:
+            parser.add_argument(flag, type=kind, default=default, help=f"layertap: {help_text}")
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
