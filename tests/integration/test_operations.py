@@ -77,6 +77,25 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
 
 
+def test_metrics_count_no_bytes_for_a_disk_answer_and_the_bytes_of_a_capture_write(ops_worker, client, run_name):
+    """A job answered by its file on disk writes nothing; one written from a file of its capture
+    (a subset of its layers, no forward) writes its own file: counted in bytes_written."""
+    _, port = ops_worker
+    first = client.submit({"prompt": "metrics of a capture"}, model=MODEL, run=run_name)
+    captured = client.wait(run_name, [first.job_id], timeout=60)[first.job_id]
+    assert captured.ok and len(captured.layers) > 1, captured
+    before = scrape(port)
+    again = client.submit({"prompt": "metrics of a capture"}, model=MODEL, run=run_name)
+    subset = client.submit({"prompt": "metrics of a capture"}, model=MODEL, run=run_name, layers=captured.layers[:1])
+    results = client.wait(run_name, [again.job_id, subset.job_id], timeout=60)
+    after = scrape(port)
+    assert results[again.job_id].cached and results[subset.job_id].captured_from == captured.path, results
+    assert value(after, "layertap_jobs_cached_total") - value(before, "layertap_jobs_cached_total") == 1
+    assert value(after, "layertap_jobs_from_capture_total") - value(before, "layertap_jobs_from_capture_total") == 1
+    assert value(after, "layertap_bytes_written_total") - value(before, "layertap_bytes_written_total") \
+        == os.path.getsize(results[subset.job_id].path)
+
+
 def table_rows(text: str) -> list[list[str]]:
     """The cells of every row (header rows included) of the rich tables in ``text``."""
     return [[cell.strip() for cell in line[1:-1].split(line[0])] for line in text.splitlines()

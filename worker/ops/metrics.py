@@ -125,11 +125,11 @@ class WorkerMetrics:
         """Count one final result (called just before it is published)."""
         if result.ok:
             self.done.inc()
-            if result.cached:
+            if result.cached:  # answered by a file already on disk: nothing written
                 self.cached.inc()
-            if result.captured_from:
-                self.from_capture.inc()
-            elif result.path:
+            elif result.path:  # computed, or written from a file of its capture
+                if result.captured_from:
+                    self.from_capture.inc()
                 try:
                     self.bytes_written.inc(self.storage.size(result.path))
                 except Exception:  # removed by hand, or an object store not answering (botocore's own
