@@ -28,8 +28,9 @@ answers (:meth:`FolderRows.checked`, :meth:`FolderRows.checked_answer`); an answ
 to the certificates of the runs seen before, as the folder's files are.
 
 Torch-free; ``trainers.hs_backend`` loads the files (checksums verified) and hands them over.
-Objects here are pickled into speculators' DataLoader workers: Redis clients and the folder's
-``job_id`` column are opened again in each process.
+torch's DataLoader pickles objects here into speculators' worker processes (inside the trainer, never
+on a wire: Redis carries JSON only): Redis clients and the folder's ``job_id`` column are opened
+again in each process.
 """
 
 from __future__ import annotations

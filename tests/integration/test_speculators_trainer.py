@@ -194,11 +194,11 @@ def backend_args(run: str | None, *, delete_after: bool = False) -> argparse.Nam
 
 
 def test_float8_states_reach_speculators_decoded(venv_python, workers, redis_server, storage_root, client,
-                                                 tiny_models, run_name, tmp_path, monkeypatch):
+                                                 tiny_models, run_name, tmp_path):
     """The backend hands over a float8 run's states decoded (float32), within float8's bound of plain
     transformers' states, and the export's bfloat16 copy of them; hs-connectors' own fp8 backend reads that
-    copy too. The transfers are made here and read in a fresh process of the venv that unpickles them
-    first, as a spawned DataLoader worker of speculators does."""
+    copy too. The transfers are made in a fresh process of the speculators venv from the trainer's flags,
+    as speculators makes them."""
     env = speculators_env(LAYERTAP_REDIS_URL=redis_server.url, LAYERTAP_STORAGE_ROOT=str(storage_root))
     sent = layertap(env, "enqueue", "--model", "tiny-qwen3", "--run", run_name, "--dtype", "float8", "--prompt",
                     "a float8 prompt for the draft trainer")
@@ -207,12 +207,8 @@ def test_float8_states_reach_speculators_decoded(venv_python, workers, redis_ser
     assert result.ok and result.dtype == "float8_e4m3"
     folder = tmp_path / "ds"
     layertap(env, "export", "--run", run_name, "--format", "speculators", "--out", str(folder))
-    monkeypatch.setenv("LAYERTAP_REDIS_URL", redis_server.url)
-    transfers = {source: LayertapBackend.from_train_args(backend_args(run), str(folder))
-                 for source, run in (("run", run_name), ("export", None))}
-    (tmp_path / "transfers.pickle").write_bytes(pickle.dumps(transfers))
-    read = subprocess.run([str(venv_python), "-c", FP8_READ, str(tmp_path / "transfers.pickle"), str(folder),
-                           str(tmp_path / "read")], env=env, capture_output=True, text=True, timeout=300)
+    read = subprocess.run([str(venv_python), "-c", FP8_READ, run_name, str(folder), str(tmp_path / "read")], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert read.returncode == 0, read.stderr[-3000:]
     got = load_file(str(tmp_path / "read"))
 
@@ -278,6 +274,8 @@ def test_the_backend_reads_and_removes_only_its_own_objects_in_s3(make_worker, p
                                    ).with_format("torch").save_to_disk(str(tmp_path / "rows"))
         for name, value in env.items():
             monkeypatch.setenv(name, value)
+        # torch's DataLoader hands the transfer to its worker processes by pickling it (in the trainer's own
+        # processes, nothing on any wire): it must survive that
         transfer = pickle.loads(pickle.dumps(LayertapBackend.from_train_args(backend_args(run_name, delete_after=True),
                                                                              str(tmp_path / "rows"))))
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
@@ -303,18 +301,24 @@ def test_the_backend_reads_and_removes_only_its_own_objects_in_s3(make_worker, p
         assert not fs.exists(paths[2])
 
 
-#: Run by the venv's python: ``argv`` = pickled transfers, export folder, output file. Unpickles the layertap
-#: backend's transfers before anything else is imported, reads row 0 through each (the run's float8 file, the
+#: Run by the venv's python: ``argv`` = run, export folder, output file. Makes the layertap backend's transfers of
+#: the run and of the export from the trainer's flags, reads row 0 through each (the run's float8 file, the
 #: export's bfloat16 copy), and through hs-connectors' own fp8 backend from the export.
 FP8_READ = """
-import pickle, sys
+import argparse, sys
 from pathlib import Path
 
-transfers = pickle.loads(Path(sys.argv[1]).read_bytes())
 from hs_connectors import FP8Transfer
 from safetensors.torch import save_file
 
-from_run, from_export = transfers["run"].get_cached(0), transfers["export"].get_cached(0)
+from layertap.producer.trainers.hs_backend import LayertapBackend
+
+def transfer(run):
+    args = argparse.Namespace(layertap_run=run, layertap_group="speculators", layertap_delete_after=False,
+                              layertap_redis_url=None, target_layer_ids=[1, 2], speculator_type="eagle3")
+    return LayertapBackend.from_train_args(args, sys.argv[2])
+
+from_run, from_export = transfer(sys.argv[1]).get_cached(0), transfer(None).get_cached(0)
 fp8 = FP8Transfer(Path(sys.argv[2]) / "hidden_states").get_cached(0)
 save_file({"run": from_run["hidden_states"], "export": from_export["hidden_states"],
            "hs_connectors_fp8": fp8["hidden_states"], "token_ids": from_run["token_ids"]}, sys.argv[3])
