@@ -41,6 +41,11 @@ class Overflow:
     by_prefix: bool
 
 
+def first_probe_chars(limit: int) -> int:
+    """The first prefix tokenized alone, in characters: below it a text is tokenized whole."""
+    return PROBE_CHARS_PER_TOKEN * (limit + CUT_MARGIN_TOKENS)
+
+
 def fewest_by_chars(chars: int, longest_token_chars: int) -> int:
     """The fewest tokens ``chars`` characters can make, by the characters bound."""
     return chars // max(1, UNFITTABLE_MARGIN * longest_token_chars)

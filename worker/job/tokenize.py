@@ -12,6 +12,7 @@ limit's tokens take (:mod:`layertap.worker.job.token_budget`).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import queue
 from collections.abc import Callable, Iterable, Iterator
@@ -30,7 +31,7 @@ from layertap.worker.engine.teacher import logit_transform
 from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.multimodal import ImageChat, model_image_token_id, placeholder_token_ids, render_image_chat
-from layertap.worker.job.token_budget import fewest_by_chars, first_overflow, longest_token_chars
+from layertap.worker.job.token_budget import fewest_by_chars, first_overflow, first_probe_chars, longest_token_chars
 from layertap.worker.model.vision.inputs import staged_inputs
 from layertap.worker.model.loading import LoadedModel
 
@@ -223,8 +224,13 @@ class Preparer:
                      f"limit of {limit}, found before tokenizing")
         raise JobError(ErrorType.too_long, f"{found_how}; set truncate=true to keep the first {limit}")
 
-    def _overflow_check(self, job: Job, tokenizer: Any) -> Callable[[Iterator[str]], None]:
-        """The check ``render_chat`` applies to a chat's streamed text (``check_stream``)."""
+    def _overflow_check(self, job: Job, tokenizer: Any, text_chars: int) -> Callable[[Iterator[str]], None] | None:
+        """The check ``render_chat`` applies to a chat's streamed text (``check_stream``); None (the
+        chat is rendered once, not streamed first) where its message text and tools, ``text_chars``
+        and their JSON, are shorter than the first prefix probed: such a chat is tokenized whole."""
+        given = text_chars + (len(json.dumps(job.tools)) if job.tools else 0)
+        if job.truncate or given < first_probe_chars(self._length_limit(job)[0]):
+            return None
         return lambda pieces: self._refuse_overflow(job, pieces, tokenizer, "the rendered chat")
 
     def _tokenize_prompt(self, job: Job, prompt: str) -> list[int]:
@@ -235,9 +241,9 @@ class Preparer:
             raise JobError(ErrorType.empty_input, "prompt tokenizes to no tokens")
         return token_ids
 
-    def _checked_chat(self, job: Job) -> list[dict[str, Any]]:
+    def _checked_chat(self, job: Job) -> tuple[list[dict[str, Any]], int]:
         """The chat's messages as template data (text parts joined), within the limits, with an
-        assistant turn unless ``loss_on="none"``; raises :class:`JobError`."""
+        assistant turn unless ``loss_on="none"``, and their text's length; raises :class:`JobError`."""
         messages = [{**m.model_dump(exclude_none=True), **({"content": m.text} if isinstance(m.content, list) else {})}
                     for m in job.messages or []]
         if len(messages) > self.limits.max_turns:
@@ -248,14 +254,14 @@ class Preparer:
             raise JobError(ErrorType.no_trainable_tokens, "the chat has no assistant turn: nothing to train on "
                                                           "(loss_on='none' extracts it for analysis)")
         self._refuse_unfittable(job, chars, "the chat's message text")
-        return messages
+        return messages, chars
 
     def _tokenize_chat(self, job: Job) -> tuple[list[int], list[int]]:
-        messages = self._checked_chat(job)
+        messages, chars = self._checked_chat(job)
         with self._tokenizer() as tokenizer:
             return render_chat(tokenizer, messages, tools=job.tools, loss_on=job.loss_on,
                                generation_prompt=bool(job.generation_prompt),
-                               check_stream=self._overflow_check(job, tokenizer))
+                               check_stream=self._overflow_check(job, tokenizer, chars))
 
     def _image_chat(self, job: Job) -> ImageChat:
         """A chat with images through the model's processor: every image checked first
@@ -265,14 +271,14 @@ class Preparer:
                                  max_bytes=self.limits.max_image_bytes)
         except ImageError as exc:
             raise JobError(ErrorType.bad_image, str(exc)) from None
-        self._checked_chat(job)
+        _, chars = self._checked_chat(job)
         processor = self.loaded.processor
         if processor is None:
             raise JobError(ErrorType.no_image_support, f"this worker serves text and token-id jobs only: "
                                                        f"{self.loaded.processor_problem}")
         with self._tokenizer() as tokenizer:
             chat = render_image_chat(processor, tokenizer, job, images, model_image_token_id(self.loaded.model.config),
-                                     self._overflow_check(job, tokenizer))
+                                     self._overflow_check(job, tokenizer, chars))
         chat.model_inputs = staged_inputs(chat.model_inputs, self.loaded.dtype, self.loaded.device)
         return chat
 
