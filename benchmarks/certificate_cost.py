@@ -41,6 +41,31 @@ from layertap.worker.model.loading import load_model
 NAME = "certificate-bench"
 
 
+class MemorySamples:
+    """The sampled rows as lists (the worker keeps them in Redis): measured rows, rows waiting."""
+
+    def __init__(self) -> None:
+        self.rows: list[SampleRow] = []
+        self.waiting_rows: set[tuple[str, str]] = set()
+
+    def waiting(self, run: str, job_id: str, worker: str) -> None:
+        self.waiting_rows.add((run, job_id))
+
+    def record(self, run: str, row: SampleRow, facts: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.waiting_rows.discard((run, row.job_id))
+
+    def dropped(self, run: str, job_id: str) -> None:
+        self.waiting_rows.discard((run, job_id))
+
+    def settled(self, timeout: float = 600.0) -> float:
+        """Seconds until no row waits to be measured."""
+        started = time.perf_counter()
+        while self.waiting_rows and time.perf_counter() - started < timeout:
+            time.sleep(0.005)
+        return time.perf_counter() - started
+
+
 class MemoryCaptures:
     """The capture index as a dict (the worker keeps it in Redis)."""
 
@@ -76,9 +101,12 @@ def run_rows(processor: JobProcessor, prompts: list[list[int]], run: str, fields
 
 
 def sampling_part(processor: JobProcessor, prompts: list[list[int]], args: argparse.Namespace,
-                  rows: list[SampleRow]) -> dict[str, Any]:
+                  book: MemorySamples) -> dict[str, Any]:
+    """Tokens/s to the last result with sampling off and on; with it on also the seconds after the
+    last result until every sampled row was measured (they are measured when the engine is idle)."""
     tokens = sum(map(len, prompts))
     sampler, captures, rates = processor.sampler, processor.captures, {"off": [], "on": []}
+    settle: list[float] = []
     processor.captures = None  # every run computed (not answered from the one before)
     for repeat in range(args.repeats):
         for mode in ("off", "on"):
@@ -86,11 +114,14 @@ def sampling_part(processor: JobProcessor, prompts: list[list[int]], args: argpa
             seconds, _ = run_rows(processor, prompts, f"sampling-{mode}-{repeat}", {"layers": args.capture_layers},
                                   args.bundle, args.callers)
             rates[mode].append(tokens / seconds)
+            if mode == "on":
+                settle.append(book.settled())
     processor.sampler, processor.captures = sampler, captures
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    sampled = list(rows)
+    sampled = list(book.rows)
     return {"tokens_per_s_off": off, "tokens_per_s_on": on, "cost_percent": 100 * (off - on) / off,
-            "runs_off": rates["off"], "runs_on": rates["on"], "sampled_rows": len(sampled) // max(1, args.repeats),
+            "runs_off": rates["off"], "runs_on": rates["on"], "measured_after_last_result_s": settle,
+            "sampled_rows": len(sampled) // max(1, args.repeats),
             "worst_error": max((max(error for error in row.errors if error is not None) for row in sampled),
                                default=None), "failed_rows": sum(not row.passed for row in sampled)}
 
@@ -140,11 +171,10 @@ def main() -> None:
     args.draft_layers = args.draft_layers or args.capture_layers[-2:]
     storage = Path(args.storage)
     shutil.rmtree(storage, ignore_errors=True)
-    rows: list[SampleRow] = []
+    book = MemorySamples()
     processor = build_processor(loaded, storage_root=storage, worker_name="bench", layers=None, limits=Limits(),
-                                token_budget=args.token_budget,
-                                sampling=(lambda run, row, facts: rows.append(row), args.sample_every,
-                                          args.sample_min), captures=MemoryCaptures())
+                                token_budget=args.token_budget, sampling=(book, args.sample_every, args.sample_min),
+                                captures=MemoryCaptures())
     prompts = random_prompts(args.rows, args.min_len, args.max_len, loaded.vocab_size, seed=46)
     report: dict[str, Any] = {"model": args.model, "device": str(loaded.device), "dtype": str(loaded.dtype),
                               "rows": args.rows, "tokens": sum(map(len, prompts)), "sample_every": args.sample_every,
@@ -152,7 +182,7 @@ def main() -> None:
                               "draft_layers": args.draft_layers}
     try:
         processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
-        report["sampling"] = sampling_part(processor, prompts, args, rows)
+        report["sampling"] = sampling_part(processor, prompts, args, book)
         processor.sampler = None  # the capture is measured as a run, not again here
         seconds, _ = run_rows(processor, prompts, "capture", {"layers": args.capture_layers}, args.bundle,
                               args.callers)

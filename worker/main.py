@@ -47,7 +47,7 @@ from layertap.worker.queue.lease import LeaseKeeper, held_delivery_tags
 from layertap.worker.queue.publisher import PUBLISH_GIVE_UP_S, ResultPublisher
 from layertap.worker.queue.reconciler import Reconciler
 from layertap.worker.queue.retention import RetentionSweep
-from layertap.worker.queue.run_records import LedgerCaptures, sample_recorder
+from layertap.worker.queue.run_records import LedgerCaptures, LedgerSamples
 from layertap.worker.queue.sinks import SinkContext, build_sinks
 from layertap.worker.queue.task_events import batch_task_events
 from layertap.worker.queue.tasks import register_bundle_task, register_extract_task
@@ -80,7 +80,7 @@ def run_worker(settings: Settings) -> int:
                                 writer_threads=ws.writer_threads, prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, images_root=settings.images_root, on_fatal=worker.on_fatal,
                                 tower_graphs=ws.tower_graphs, prefix_sharing=ws.prefix_sharing,
-                                sampling=(sample_recorder(client, PUBLISH_GIVE_UP_S), ws.sample_every, ws.sample_min)
+                                sampling=(LedgerSamples(client, PUBLISH_GIVE_UP_S), ws.sample_every, ws.sample_min)
                                 if ws.sample_every or ws.sample_min else None,
                                 captures=LedgerCaptures(client) if ws.reuse else None)
     log_image_chats(loaded, settings.images_root)
@@ -172,6 +172,8 @@ class Worker:
         try:
             celery_worker.start()
         finally:
+            if self.processor is not None and self.processor.sampler is not None:
+                self.processor.sampler.close()  # its rows measured while the heartbeat says it lives
             self.services.stop()
             if self.metrics is not None:
                 self.metrics.close()

@@ -41,6 +41,10 @@ STATE_KEYS = (MetaKey.FORMAT_VERSION, MetaKey.WEIGHTS_FINGERPRINT, MetaKey.MODEL
               MetaKey.QUANT_COMPUTE, MetaKey.COMPUTE_FIXES, MetaKey.TOKENIZER_FINGERPRINT, MetaKey.LAYER_CONVENTION,
               MetaKey.NUM_LAYERS, MetaKey.RESIDUAL_COPIES, MetaKey.COMPUTE_DTYPE, MetaKey.DTYPE)
 
+#: Seconds a worker's sampled row waits for its engine to be idle before it is measured between two
+#: batches (its result is published first; ``layertap certify`` waits for it).
+MEASURE_WITHIN_S = 30.0
+
 #: Relative rounding error of storing a value in each dtype (recorded names): half a unit in the
 #: last place. float8 e4m3 has 3 mantissa bits; its subnormals add at most ``2**-10`` of a row's
 #: scale per value (``protocol.fp8``), counted here as if relative.

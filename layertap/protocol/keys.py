@@ -198,6 +198,13 @@ def run_samples_hash(run: str) -> str:
     return f"{PREFIX}:run:{run}:samples"
 
 
+def run_samples_waiting_hash(run: str) -> str:
+    """Hash job_id -> node: the run's sampled rows whose files are written and published but not yet
+    measured by that worker (a row leaves it when its measured row is recorded, or it could not be
+    measured). ``layertap certify`` waits for them."""
+    return f"{PREFIX}:run:{run}:samples-waiting"
+
+
 def run_workers_hash(run: str) -> str:
     """Hash node -> JSON of what that worker was (versions, device, layout, sampling) when it sampled ``run``."""
     return f"{PREFIX}:run:{run}:workers"

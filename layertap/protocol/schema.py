@@ -341,9 +341,6 @@ class ErrorType(str, Enum):
     cancelled = "cancelled"  # its run was cancelled (``layertap runs cancel``) before it ran
     lost = "lost"  # its message was gone before any worker held it (purged, never sent); send it again
     internal = "internal"  # a bug or an unexpected fault; the message says what
-    # a sampled row computed again alone differs from its batched states beyond its dtypes' bound
-    # (``protocol.certificate``): no file written, and the run's certificate fails
-    sample_over_bound = "sample_over_bound"
 
 
 class Timings(BaseModel):

@@ -24,6 +24,7 @@ def certify(
     checksums: bool = typer.Option(True, help="Check every tensor's checksum (reads every file whole)."),
     storage: Optional[str] = typer.Option(None, help="The run's storage root, folder or URL (setting storage_root): "
                                           "its files must lie under it; the certificate is written there."),
+    wait: float = typer.Option(60.0, min=0, help="Seconds to wait for sampled rows live workers still measure."),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
 ) -> None:
     """Certify a complete run: write <root>/<run>/certificate.json (sealed by its content) and its file list,
@@ -35,12 +36,16 @@ def certify(
     settings = load_settings(redis_url=redis_url, storage=storage)
     with Client(settings) as client:
         try:
-            certificate = certify_run(client.redis, run, settings.storage(), checksums=checksums)
+            certificate = certify_run(client.redis, run, settings.storage(), checksums=checksums, wait_s=wait)
         except CertifyRefused as exc:
             raise fail(str(exc)) from None
     rows = len(certificate.samples)
     _say(f"run {run}: {certificate.files.count} file(s), {certificate.files.tokens} tokens; {rows} sampled row(s), "
          f"{rows - len(certificate.failed)} within their bound")
+    unmeasured = certificate.stated.get("unmeasured_samples", {})
+    if unmeasured:
+        _say(f"warning: {len(unmeasured)} sampled row(s) of run {run} were never measured: their worker(s) "
+             f"{', '.join(sorted(set(unmeasured.values())))} stopped first (the certificate lists them)")
     if not rows:
         _say(f"warning: run {run} has no sampled rows (its workers ran with sample_every and sample_min 0, or "
              "answered every job from disk): its certificate states no measured error")

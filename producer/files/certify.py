@@ -6,8 +6,12 @@ lie under one storage root, reads every file (its header and, by default, every 
 checksum), and refuses (:class:`CertifyRefused`, naming the jobs) a file that is damaged, not the
 job's own, or whose :data:`~layertap.protocol.certificate.STATE_KEYS` differ from the run's other
 files. The sampled rows and the workers' facts come from the run's ledger (recorded by the workers
-that computed them). It writes the file list, then the certificate, under ``<root>/<run>/``; a
-certificate with a sampled row over its bound is written too (it says so).
+that computed them). Sampled rows are measured after their results are published
+(``layertap.worker.job.sampling``): certify waits up to ``wait_s`` for the rows still waiting on a live
+worker, and refuses while any does; rows whose worker stopped without measuring them are stated
+as such (``stated["unmeasured_samples"]``: job id -> worker). It writes the file list, then the
+certificate, under ``<root>/<run>/``; a certificate with a sampled row over its bound is written
+too (it says so).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import Any
 import redis
 
 from layertap.producer.client import runs
+from layertap.producer.client.fleet import live_workers
 from layertap.producer.files.verify import differing, file_line, run_object, states_of, summed
 from layertap.protocol import fileformat as ff
-from layertap.protocol.certificate import CERTIFICATE_NAME, FILES_NAME, Certificate, FileLine, FileSet, SampleRow
+from layertap.protocol.certificate import (CERTIFICATE_NAME, FILES_NAME, MEASURE_WITHIN_S, Certificate, FileLine, FileSet,
+                                           SampleRow)
 from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey
 from layertap.storage.base import Storage
 from layertap.transport.ledger import Ledger
@@ -55,8 +61,30 @@ class _Facts:
                 "jobs": outcomes}
 
 
+#: Seconds between two looks at a run's sampled rows still waiting to be measured.
+WAITING_POLL_S = 0.25
+
+
+def unmeasured_rows(book: Ledger, run: str, wait_s: float) -> dict[str, str]:
+    """The sampled rows of ``run`` whose worker stopped before measuring them (job id -> worker), once
+    no live worker has one waiting, for up to ``wait_s`` seconds. Raises :class:`CertifyRefused`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        waiting = book.run_samples_waiting(run)
+        alive = set(live_workers(book.redis)) if waiting else set()
+        measuring = {job_id: node for job_id, node in waiting.items() if node in alive}
+        if not measuring:
+            return waiting
+        if time.monotonic() >= deadline:
+            nodes = sorted(set(measuring.values()))
+            raise CertifyRefused(f"run {run} has {len(measuring)} sampled row(s) its worker(s) {', '.join(nodes)} "
+                                 f"still measure (e.g. {sorted(measuring)[:3]}); each is measured once its engine "
+                                 f"is idle or within {MEASURE_WITHIN_S:.0f} s: certify again shortly")
+        time.sleep(WAITING_POLL_S)
+
+
 def certify(client: redis.Redis, run: str, storage: Storage, *, checksums: bool = True,
-            now: float | None = None) -> Certificate:
+            now: float | None = None, wait_s: float = 60.0) -> Certificate:
     """Certify ``run`` (module doc): write its file list and certificate under ``storage``'s root and
     return the certificate. Raises :class:`CertifyRefused`."""
     found = runs.summary(client, run)
@@ -65,6 +93,8 @@ def certify(client: redis.Redis, run: str, storage: Storage, *, checksums: bool 
     if found.finished < found.submitted:
         raise CertifyRefused(f"run {run} has {found.submitted - found.finished} job(s) without a result yet: "
                              "certify it once every job has one (`layertap runs show`)")
+    book = Ledger(client, give_up_s=0)
+    unmeasured = unmeasured_rows(book, run, wait_s)
     lines: list[FileLine] = []
     problems: list[str] = []
     states: dict[str, str] | None = None
@@ -91,13 +121,15 @@ def certify(client: redis.Redis, run: str, storage: Storage, *, checksums: bool 
         raise CertifyRefused(f"run {run} cannot be certified: {summed(problems)}")
     listing = "".join(line.model_dump_json() + "\n" for line in lines).encode("utf-8")
     _put(storage, run_object(storage.root, run, FILES_NAME), listing)
-    book = Ledger(client, give_up_s=0)
     samples = sorted((SampleRow.model_validate_json(row) for row in book.run_samples(run).values()),
                      key=lambda row: row.job_id)
     workers = {node: json.loads(facts_json) for node, facts_json in sorted(book.run_workers(run).items())}
+    stated = facts.stated(runs.outcomes(client, run))
+    if unmeasured:
+        stated["unmeasured_samples"] = dict(sorted(unmeasured.items()))
     certificate = Certificate(
         run=run, created_at=time.time() if now is None else now, states=states or {},
-        stated=facts.stated(runs.outcomes(client, run)), workers=workers,
+        stated=stated, workers=workers,
         files=FileSet(count=len(lines), tokens=sum(line.tokens for line in lines),
                       sha256=hashlib.sha256(listing).hexdigest()),
         samples=samples).sealed()

@@ -22,8 +22,8 @@ from layertap.producer.files.manifest import ManifestEntry
 from layertap.producer.files.verify import read_certificate, verify
 from layertap.protocol.certificate import CERTIFICATE_NAME, Certificate, CertificateError, FileSet, parse_certificate
 from layertap.protocol.fileformat import MetaKey, metadata_of
+from layertap.protocol import keys
 from layertap.protocol.naming import job_path
-from layertap.protocol.schema import ErrorType
 from layertap.storage.registry import storage_for
 from layertap.worker.extractor import Extractor
 from tests.integration.test_file_identity import rewrite_checkpoint
@@ -98,7 +98,8 @@ def test_a_sampled_row_over_its_bound_fails_the_run_and_a_fresh_sample_finds_an_
         make_worker, private_client, private_redis, faulty_batch_model, run_name):
     """Ten 40-token rows in one packed forward of 400 tokens: the model's own fault makes every
     row that reaches past position ``WRAP_AT`` wrong from layer 1 on. A worker that samples every
-    row fails them; one that samples none writes them all, and ``verify --recompute`` finds them."""
+    row writes them (each is measured after its result) and its run fails its certificate, naming
+    them; one that samples none writes them all, and ``verify --recompute`` finds them."""
     faulty = {"LAYERTAP_WORKER__TRUST_REMOTE_CODE": "true", "LAYERTAP_WORKER__BATCHING": "packed"}
     started = [make_worker("faulty@localhost", model_dir=faulty_batch_model, wait=False,
                            env={**faulty, "LAYERTAP_WORKER__SAMPLE_EVERY": "1"}),
@@ -111,25 +112,20 @@ def test_a_sampled_row_over_its_bound_fails_the_run_and_a_fresh_sample_finds_an_
             for i in range(10)]
     ids = [job.job_id for job in private_client.submit_many(jobs, model=MODEL, run=run_name)]
     results = private_client.wait(run_name, ids, timeout=120)
-    failed = sorted(job_id for job_id, result in results.items() if not result.ok)
-    assert failed and len(failed) < len(ids), {job_id: result.error for job_id, result in results.items()}
-    assert len(failed) >= (len(ids) * 40 - WRAP_AT) // 40  # every row wholly past the point at least
-    for job_id in failed:
-        result = results[job_id]
-        assert result.error_type is ErrorType.sample_over_bound and f"row {job_id} " in (result.error or "")
-        assert not job_path(make_worker.storage, run_name, job_id).exists()  # no wrong file written
-    samples = private_client.ledger.run_samples(run_name)
-    assert sorted(samples) == sorted(ids)
-    assert sorted(job_id for job_id, row in samples.items()
-                  if max(json.loads(row)["errors"]) > json.loads(row)["bound"]) == failed
+    assert all(result.ok for result in results.values()), {job_id: result.error for job_id, result in results.items()}
 
     env = {"LAYERTAP_REDIS_URL": private_redis.url, "LAYERTAP_STORAGE_ROOT": str(make_worker.storage)}
-    certified = layertap(env, "certify", run_name)
+    certified = layertap(env, "certify", run_name)  # waits for rows the worker still measures
     assert certified.returncode == 1 and f"run {run_name} fails its certificate" in certified.stderr
+    samples = {job_id: json.loads(row) for job_id, row in private_client.ledger.run_samples(run_name).items()}
+    assert sorted(samples) == sorted(ids) and not private_client.ledger.run_samples_waiting(run_name)
+    failed = sorted(job_id for job_id, row in samples.items() if max(row["errors"]) > row["bound"])
+    assert failed and len(failed) < len(ids), samples
+    assert len(failed) >= (len(ids) * 40 - WRAP_AT) // 40  # every row wholly past the point at least
     assert all(f"row {job_id} (worker faulty@localhost" in certified.stderr for job_id in failed), certified.stderr
     certificate = read_certificate(storage_for(make_worker.storage), run_name)
     assert certificate is not None and sorted(row.job_id for row in certificate.failed) == failed
-    assert certificate.stated["jobs"]["failed"] == len(failed)
+    assert certificate.stated["jobs"]["ok"] == len(ids)
     verified = layertap(env, "verify", run_name)
     assert verified.returncode == 1 and "is over its bound" in verified.stderr
 
@@ -143,6 +139,33 @@ def test_a_sampled_row_over_its_bound_fails_the_run_and_a_fresh_sample_finds_an_
     over = sorted(job_id for job_id in ids if f"recomputed row {job_id} (worker verify@" in found.stderr)
     assert found.returncode == 1 and len(failed) <= len(over) < len(ids), found.stderr
     assert f"10 file(s) computed again alone on this machine, {len(ids) - len(over)} within" in found.stderr
+
+
+def test_certify_waits_for_rows_a_live_worker_measures_and_states_those_a_stopped_one_left(
+        make_worker, private_client, private_redis, run_name):
+    """A sampled row is measured after its result is published, and noted as waiting until then.
+    Such a note left by a worker that stopped first (as a crash leaves it) is stated in the
+    certificate as unmeasured; one held by a live worker keeps ``certify`` waiting, then refused."""
+    make_worker("measuring@localhost")
+    ids = [private_client.submit({"prompt": text}, model=MODEL, run=run_name, layers=LAYERS).job_id for text in PROMPTS]
+    assert all(result.ok for result in private_client.wait(run_name, ids, timeout=120).values())
+    env = {"LAYERTAP_REDIS_URL": private_redis.url, "LAYERTAP_STORAGE_ROOT": str(make_worker.storage)}
+    assert layertap(env, "certify", run_name).returncode == 0
+    assert not private_client.ledger.run_samples_waiting(run_name)
+
+    samples, waiting = keys.run_samples_hash(run_name), keys.run_samples_waiting_hash(run_name)
+    private_client.redis.hdel(samples, ids[0])
+    private_client.redis.hset(waiting, ids[0], "crashed@localhost")  # no heartbeat: a worker gone
+    certified = layertap(env, "certify", run_name)
+    assert certified.returncode == 0, certified.stderr
+    assert "1 sampled row(s) of run" in certified.stderr and "crashed@localhost stopped first" in certified.stderr
+    certificate = read_certificate(storage_for(make_worker.storage), run_name)
+    assert certificate is not None and certificate.stated["unmeasured_samples"] == {ids[0]: "crashed@localhost"}
+    assert sorted(row.job_id for row in certificate.samples) == sorted(ids[1:])
+
+    private_client.redis.hset(waiting, ids[0], "measuring@localhost")  # a live worker's
+    refused = layertap(env, "certify", run_name, "--wait", "0.5")
+    assert refused.returncode == 1 and "measuring@localhost still measure" in refused.stderr, refused.stderr
 
 
 def _certified_run(root: Path, run: str, dtype: str) -> ManifestEntry:

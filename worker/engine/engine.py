@@ -32,8 +32,10 @@ message's attempts only then); the place is left when the first block ends.
 (:class:`AdmissionClosed`) and to later ones; what is queued still runs. So a worker holds at
 most ``MAX_PREPARING`` messages beyond those whose jobs are queued here or later.
 
-Other work that needs the model outside a batch (a run's sampled row, run alone) goes to the
-engine thread too (:meth:`Engine.call`), and runs there before the next batch is formed.
+Other work that needs the model outside a batch goes to the engine thread too: :meth:`Engine.call`
+runs before the next batch is formed; :meth:`Engine.call_when_idle` (a run's sampled row, run alone)
+runs once no batch work is queued, or before the next batch once its time is up, so it holds up
+no batch while work keeps coming. Both run before the engine stops.
 
 Out of memory on a batch splits it in halves and retries; a single request that still
 does not fit fails with :class:`~layertap.worker.engine.errors.OutOfMemory`. The engine raises only
@@ -105,6 +107,7 @@ class Engine:
         self._admitting = True  # False once close_admission() was called
         self._together: deque[list[EngineRequest]] = deque()  # batches asked for as they are
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # work for this thread between batches
+        self._idle_calls: deque[tuple[Callable[[], Any], Future, float]] = deque()  # (work, future, due) when idle
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # the engine thread waits here for work
         self._room = threading.Condition(lock)  # callers wait here to start preparing
@@ -157,6 +160,26 @@ class Engine:
             self._cond.notify()
         self._staging.wake()  # the engine thread may be waiting for a free host buffer
         return future
+
+    def call_when_idle(self, work: Callable[[], Any], within_s: float) -> Future:
+        """Run ``work()`` on the engine thread once no batch work is queued, or before the next batch
+        once ``within_s`` seconds have passed (or :meth:`hurry_idle_calls` was called), in order;
+        its future holds what it returns or raises. Raises :class:`EngineStopped` once stopping."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            self._idle_calls.append((work, future, time.monotonic() + within_s))
+            self._cond.notify()
+        self._staging.wake()
+        return future
+
+    def hurry_idle_calls(self) -> None:
+        """Make every queued :meth:`call_when_idle` work due now."""
+        with self._cond:
+            self._idle_calls = deque((work, future, 0.0) for work, future, _ in self._idle_calls)
+            self._cond.notify()
+        self._staging.wake()
 
     def warm_up(self, full_batch: bool = False) -> None:
         """Run throwaway work before real jobs: one 512-token request (kernel selection, lazy
@@ -279,8 +302,9 @@ class Engine:
         with self._cond:
             self.fatal, self._stopping = exc, True
             pending = [*self._pending, *(request for batch in self._together for request in batch)]
-            calls = list(self._calls)
+            calls = [*self._calls, *((work, future) for work, future, _ in self._idle_calls)]
             self._pending, self._together, self._calls, self._pending_tokens = deque(), deque(), deque(), 0
+            self._idle_calls = deque()
             self._room.notify_all()
         for request in pending:
             request.future.set_exception(DeviceFault(f"device fault on this worker: {exc}"))
@@ -289,13 +313,26 @@ class Engine:
         if self._on_fatal is not None:
             self._on_fatal(exc)
 
+    def _idle_work_due(self) -> bool:
+        """Whether :meth:`call_when_idle` work is to run now: no batch work is queued, or the oldest
+        is due."""
+        try:
+            due = self._idle_calls[0][2]
+        except IndexError:
+            return False
+        return not self._pending and not self._together or due <= time.monotonic()
+
     def _run_calls(self) -> None:
-        """Run the queued :meth:`call` work, in order (a device fault in one is the engine's)."""
+        """Run the queued :meth:`call` work, in order, then the :meth:`call_when_idle` work that is to
+        run now (a device fault in one is the engine's)."""
         while True:
             with self._cond:
-                if not self._calls:
+                if self._calls:
+                    work, future = self._calls.popleft()
+                elif self._idle_work_due():
+                    work, future, _ = self._idle_calls.popleft()
+                else:
                     return
-                work, future = self._calls.popleft()
             try:
                 future.set_result(work())
             except Exception as exc:
@@ -307,12 +344,13 @@ class Engine:
         """The next batch, formed once a host buffer is free for it (None: stopped, nothing queued;
         empty: only :meth:`call` work is queued)."""
         with self._cond:
-            while not self._pending and not self._together and not self._calls and not self._stopping:
+            while (not self._pending and not self._together and not self._calls and not self._idle_calls
+                   and not self._stopping):
                 self._cond.wait()
             if not self._pending and not self._together:
-                return [] if self._calls else None
+                return [] if self._calls or self._idle_calls else None
         waited = time.perf_counter()
-        while not self._staging.wait_free(lambda: bool(self._calls)):  # call work runs while writers are behind
+        while not self._staging.wait_free(self._calls_due):  # call work runs while writers are behind
             self._run_calls()
         self.stats.buffer_wait_s += time.perf_counter() - waited
         with self._cond:
@@ -340,6 +378,11 @@ class Engine:
             self._pending_tokens -= sum(request.num_tokens for request in batch)
             self._room.notify_all()
             return batch
+
+    def _calls_due(self) -> bool:
+        """Whether call work waits (read without the lock, under the host buffers' own: a hint that
+        makes the engine look again)."""
+        return bool(self._calls) or self._idle_work_due()
 
     def _policy(self, images: bool) -> BatchPolicy:
         """The policy of a batch of text jobs, or of chats with images (their layout, the same limits)."""

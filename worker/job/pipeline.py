@@ -16,8 +16,9 @@ are written side by side (a batch's host buffer is free only once all its files 
 A job whose file is to be computed is first looked for in the worker's capture index
 (``layertap.worker.job.reuse``): a file of its capture that holds its layers answers it, written on
 the caller's thread as the job's own file with no forward (``captured_from``). A computed row the
-worker samples (``layertap.worker.job.sampling``) is computed again alone before its file is
-written; over its bound it gets ``sample_over_bound`` and no file.
+worker samples (``layertap.worker.job.sampling``) is noted as waiting once its file is written,
+before its result, and computed again alone later, when the engine is idle: a row over its bound
+fails its run's certificate.
 Every failure becomes that job's error result with a typed reason; nothing raises.
 """
 
@@ -187,7 +188,10 @@ class JobProcessor:
         return other
 
     def close(self) -> None:
-        """Finish what is queued, then stop the engine and the writer threads."""
+        """Measure the sampled rows still waiting, finish what is queued, then stop the engine and the
+        writer threads (no job is being processed any more)."""
+        if self.sampler is not None:
+            self.sampler.close()
         self.engine.stop()
         self._writers.shutdown(wait=True)
         self._preparers.shutdown(wait=True)
@@ -396,12 +400,10 @@ class JobProcessor:
             if captured.non_finite:
                 raise _non_finite(recorded_name(started.output_dtype))
             tensors = self._tensors(job, prepared, request, captured)
-            if self.sampler is not None and self.sampler.wants(job, request):
-                tensors = {name: tensor.clone() for name, tensor in tensors.items()}
-                job_slice.release()  # before waiting on the engine for the row alone
-                self._sample(job, request, tensors)
             write_s = self._write(job, path, tensors, self._metadata(job, started.identity,
                                                                     self._computed(job, prepared)))
+            if self.sampler is not None and self.sampler.wants(job, request):
+                self._sample(job, request, tensors)
         finally:
             job_slice.release()
         self._note_capture(started.identity, path)
@@ -470,13 +472,13 @@ class JobProcessor:
         return time.perf_counter() - write_start
 
     def _sample(self, job: Job, request: EngineRequest, tensors: dict[str, torch.Tensor]) -> None:
-        """Measure a sampled row (``sampling``); raises :class:`JobError` when it is over its bound."""
-        row = self.sampler.measure(job, request, tensors)  # type: ignore[union-attr]
-        if row is not None and not row.passed:
-            raise JobError(ErrorType.sample_over_bound,
-                           f"sampled {row.describe()}: computed alone, this row's states differ from its batched "
-                           f"ones beyond the bound of its dtypes; no file written, and run {job.run}'s "
-                           "certificate fails (`layertap certify`)")
+        """Hand a sampled row, its file written, to the sampler (``sampling``: measured later, noted as
+        waiting now, before its result is published); raises :class:`JobError` when it cannot be noted."""
+        try:
+            self.sampler.defer(job, request, {name: tensor.clone() for name, tensor in tensors.items()})  # type: ignore[union-attr]
+        except Exception as exc:  # the ledger is away past its wait: the job retries, answered from its file
+            raise JobError(ErrorType.internal, f"could not note sampled row {job.job_id} of run {job.run} as "
+                                               f"waiting to be measured: {type(exc).__name__}: {exc}") from None
 
     def _note_capture(self, identity: dict[str, str], path: str) -> None:
         """Note a computed file in the capture index, where it holds the computed values."""

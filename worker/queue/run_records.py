@@ -1,8 +1,8 @@
 """What a worker keeps in the ledger for certificates and reuse (``layertap.transport.ledger``).
 
-* :func:`sample_recorder`: each sampled row (``layertap.worker.job.sampling``) with what the worker
-  is, waited out while Redis is away as a publish is: a row that cannot be recorded fails its job
-  (transiently), so no measured row is lost quietly;
+* :class:`LedgerSamples`: the sampled rows (``layertap.worker.job.sampling``): each waiting row,
+  then its measured row with what the worker is; waited out while Redis is away as a publish is
+  (a row that cannot be noted as waiting fails its job, transiently, so none is lost quietly);
 * :class:`LedgerCaptures`: the capture index (``layertap.worker.job.reuse``). It only saves work:
   a lookup Redis cannot answer finds nothing (the job is computed) and a file it cannot note is
   not reused, each logged.
@@ -19,19 +19,25 @@ import redis
 
 from layertap.protocol.certificate import SampleRow
 from layertap.transport.ledger import Ledger
-from layertap.worker.job.sampling import Record
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def sample_recorder(client: redis.Redis, give_up_s: float) -> Record:
-    """A sampler's ``record``: the row and the worker's facts into the run's ledger."""
-    ledger = Ledger(client, give_up_s)
+class LedgerSamples:
+    """A sampler's book (``sampling.SampleBook``) in the run's ledger. Thread-safe."""
 
-    def record(run: str, row: SampleRow, facts: dict[str, Any]) -> None:
-        ledger.record_sample(run, row.job_id, row.model_dump_json(), row.worker, json.dumps(facts, sort_keys=True))
-    return record
+    def __init__(self, client: redis.Redis, give_up_s: float):
+        self.ledger = Ledger(client, give_up_s)
+
+    def waiting(self, run: str, job_id: str, worker: str) -> None:
+        self.ledger.note_sample_waiting(run, job_id, worker)
+
+    def record(self, run: str, row: SampleRow, facts: dict[str, Any]) -> None:
+        self.ledger.record_sample(run, row.job_id, row.model_dump_json(), row.worker, json.dumps(facts, sort_keys=True))
+
+    def dropped(self, run: str, job_id: str) -> None:
+        self.ledger.drop_sample_waiting(run, job_id)
 
 
 class LedgerCaptures:

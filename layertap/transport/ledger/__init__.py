@@ -165,7 +165,10 @@ class Ledger:
             yield from jobs
 
     # a run's certificate and the capture index (``certificate``)
+    note_sample_waiting = _waited(certificate.note_sample_waiting)
     record_sample = _waited(certificate.record_sample)
+    drop_sample_waiting = _waited(certificate.drop_sample_waiting)
+    run_samples_waiting = _waited(certificate.run_samples_waiting)
     run_samples = _waited(certificate.run_samples)
     run_workers = _waited(certificate.run_workers)
     record_capture = _waited(certificate.record_capture)

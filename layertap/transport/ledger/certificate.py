@@ -9,13 +9,30 @@ import redis
 from layertap.protocol import keys
 
 
+def note_sample_waiting(client: redis.Redis, run: str, job_id: str, worker: str) -> None:
+    """Note a sampled row of ``run`` as waiting to be measured by ``worker`` (before its result is published)."""
+    client.hset(keys.run_samples_waiting_hash(run), job_id, worker)
+
+
 def record_sample(client: redis.Redis, run: str, job_id: str, row: str, worker: str, facts: str) -> None:
     """Record a sampled row of ``run`` (JSON ``certificate.SampleRow``) and what its ``worker`` is
-    (JSON ``facts``), in one transaction."""
+    (JSON ``facts``), no longer waiting, in one transaction."""
     pipe = client.pipeline(transaction=True)
     pipe.hset(keys.run_samples_hash(run), job_id, row)
     pipe.hset(keys.run_workers_hash(run), worker, facts)
+    pipe.hdel(keys.run_samples_waiting_hash(run), job_id)
     pipe.execute()
+
+
+def drop_sample_waiting(client: redis.Redis, run: str, job_id: str) -> None:
+    """A sampled row of ``run`` that could not be measured: no longer waiting, and not sampled."""
+    client.hdel(keys.run_samples_waiting_hash(run), job_id)
+
+
+def run_samples_waiting(client: redis.Redis, run: str) -> dict[str, str]:
+    """job id -> node, of the sampled rows of ``run`` still waiting to be measured."""
+    return {keys.as_text(job_id): keys.as_text(node) for job_id, node in
+            client.hscan_iter(keys.run_samples_waiting_hash(run), count=1000)}
 
 
 def run_samples(client: redis.Redis, run: str) -> dict[str, str]:
