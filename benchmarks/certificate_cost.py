@@ -36,6 +36,7 @@ from layertap.worker.bench.measure import dir_bytes, sync
 from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.extractor import build_processor
 from layertap.worker.job.pipeline import JobProcessor
+from layertap.worker.job.sampling import SamplingPlan
 from layertap.worker.model.loading import load_model
 
 NAME = "certificate-bench"
@@ -173,7 +174,8 @@ def main() -> None:
     shutil.rmtree(storage, ignore_errors=True)
     book = MemorySamples()
     processor = build_processor(loaded, storage_root=storage, worker_name="bench", layers=None, limits=Limits(),
-                                token_budget=args.token_budget, sampling=(book, args.sample_every, args.sample_min),
+                                token_budget=args.token_budget,
+                                sampling=SamplingPlan(book, args.sample_every, args.sample_min),
                                 captures=MemoryCaptures())
     prompts = random_prompts(args.rows, args.min_len, args.max_len, loaded.vocab_size, seed=46)
     report: dict[str, Any] = {"model": args.model, "device": str(loaded.device), "dtype": str(loaded.dtype),

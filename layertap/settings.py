@@ -24,6 +24,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from layertap.protocol.certificate import MEASURE_WITHIN_S
 from layertap.protocol.dtypes import AUTO, WorkerDtype, normalize_dtype
 from layertap.protocol.keys import DEFAULT_CONSUMER_GROUP
 from layertap.protocol.naming import MAX_NAME_CHARS, check_printable_name
@@ -72,9 +73,11 @@ class WorkerSettings(BaseModel):
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
     prefix_sharing: bool = True  # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
     # a run's certificate: 1 in sample_every computed rows (0: none), and the first sample_min of each run, are
-    # computed again alone and measured (layertap.worker.job.sampling); a row over its bound fails
+    # computed again alone and measured (layertap.worker.job.sampling); a row over its bound fails its run's certificate
     sample_every: int = Field(default=1000, ge=0)
     sample_min: int = Field(default=8, ge=0)
+    # seconds a sampled row waits for an idle engine before it is measured between two batches (its result is not held)
+    sample_within_s: float = Field(default=MEASURE_WITHIN_S, ge=0)
     reuse: bool = True  # answer a job from a file of its capture holding its layers, with no forward (worker.job.reuse)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
     tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.vision.tower_graphs.SIZES)

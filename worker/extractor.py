@@ -27,7 +27,7 @@ from layertap.worker.engine.self_check import check_prefix_sharing, check_with_f
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.reuse import CaptureIndex
-from layertap.worker.job.sampling import SampleBook, Sampler, worker_facts
+from layertap.worker.job.sampling import Sampler, SamplingPlan, worker_facts
 from layertap.worker.job.tokenize import Preparer
 from layertap.worker.model.loading import LoadedModel, load_model
 from layertap.worker.model.modes import compile_decoder_layers, use_tower_graphs
@@ -44,7 +44,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     compile_layers: bool = False, images_root: Path | None = None,
                     on_fatal: Callable[[BaseException], None] | None = None,
                     tower_graphs: int = tower_graph_sizes, prefix_sharing: bool = True,
-                    sampling: tuple[SampleBook, int, int] | None = None, captures: CaptureIndex | None = None
+                    sampling: SamplingPlan | None = None, captures: CaptureIndex | None = None
                     ) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
@@ -54,8 +54,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     theirs (``layertap.worker.job.image_check``: one per forward where batched ones differ), and
     a batched grid tower on a GPU its CUDA graphs, for up to ``tower_graphs`` image sizes. With
     ``prefix_sharing`` (and the load-time prefix check passed), a row that begins with a longer row
-    of its batch is sliced from it (``layertap.worker.engine.prefix_share``). ``sampling``: ``(book,
-    every, minimum)`` of the rows measured for the runs' certificates (``layertap.worker.job.sampling``;
+    of its batch is sliced from it (``layertap.worker.engine.prefix_share``). ``sampling``: the rows
+    measured for the runs' certificates (``layertap.worker.job.sampling``;
     None: none); ``captures``: the index jobs are answered from without a forward (``reuse``; None: none)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
@@ -82,9 +82,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     "can cost more than the fp8 matmul saves; --compile fuses it into each layer (BENCHMARKS.md)")
     sampler = None
     if sampling is not None:
-        book, every, minimum = sampling
-        sampler = Sampler(engine, worker_name, worker_facts(loaded, report, every, minimum), book, every=every,
-                          minimum=minimum)
+        sampler = Sampler(engine, worker_name, worker_facts(loaded, report, sampling.every, sampling.minimum),
+                          sampling.book, every=sampling.every, minimum=sampling.minimum, within_s=sampling.within_s)
     return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,
                         self_check=report, sampler=sampler, captures=captures)
 

@@ -33,6 +33,7 @@ from layertap.transport.celery_app import make_celery
 from layertap.worker.extractor import build_processor
 from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.job.pipeline import JobProcessor
+from layertap.worker.job.sampling import SamplingPlan
 from layertap.worker.model.loading import LoadedModel, load_model
 from layertap.worker.ops.cpu_threads import set_cpu_threads
 from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
@@ -80,7 +81,8 @@ def run_worker(settings: Settings) -> int:
                                 writer_threads=ws.writer_threads, prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, images_root=settings.images_root, on_fatal=worker.on_fatal,
                                 tower_graphs=ws.tower_graphs, prefix_sharing=ws.prefix_sharing,
-                                sampling=(LedgerSamples(client, PUBLISH_GIVE_UP_S), ws.sample_every, ws.sample_min)
+                                sampling=SamplingPlan(LedgerSamples(client, PUBLISH_GIVE_UP_S), ws.sample_every,
+                                                      ws.sample_min, ws.sample_within_s)
                                 if ws.sample_every or ws.sample_min else None,
                                 captures=LedgerCaptures(client) if ws.reuse else None)
     log_image_chats(loaded, settings.images_root)

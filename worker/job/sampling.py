@@ -74,6 +74,16 @@ class SampleBook(Protocol):
         """The row could not be measured: no longer waiting, and not sampled."""
 
 
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Which rows a worker samples and where it keeps them (the worker's ``sample_*`` settings)."""
+
+    book: SampleBook
+    every: int
+    minimum: int
+    within_s: float = MEASURE_WITHIN_S
+
+
 @dataclass
 class _Waiting:
     """A sampled row whose file is written, waiting for its alone forward (``reference``)."""
