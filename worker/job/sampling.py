@@ -46,7 +46,7 @@ from layertap.worker.engine.errors import EngineStopped
 from layertap.worker.engine.output_dtype import recorded_name
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.engine.self_check import HALF_TOLERANCE, TOLERANCE, CheckReport, relative_error_per_layer
-from layertap.worker.model.alone import alone_states
+from layertap.worker.model.alone import start_alone_states
 from layertap.worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class Sampler:
         self.book.waiting(job.run, job.job_id or "", self.worker)
         try:
             reference = self.engine.call_when_idle(
-                partial(alone_states, self.engine.loaded, request.token_ids, request.layer_ids), self.within_s)
+                partial(start_alone_states, self.engine.loaded, request.token_ids, request.layer_ids), self.within_s)
         except EngineStopped:
             self._dropped(job, "the engine is stopping")
             return
@@ -215,7 +215,7 @@ class Sampler:
         """Compare a waiting row with its alone forward and record it (a failed alone forward: dropped)."""
         job, request, loaded = waiting.job, waiting.request, self.engine.loaded
         try:
-            reference = waiting.reference.result()
+            reference = waiting.reference.result().result()  # the engine's call, then the copy to the host
         except Exception as exc:  # out of memory alone, a stopping engine: the row stays unmeasured
             self._dropped(job, f"{type(exc).__name__}: {exc}")
             return

@@ -8,11 +8,15 @@ user's ``model(input_ids)`` runs. Hooks read vLLM's convention
 (``layertap.protocol.layers``): id ``i < L`` is the input of decoder layer ``i``, id ``L`` the output of
 the last one. Nothing of the engine's batching, layouts or capture buffers is used. Run it on the
 engine thread (``Engine.call``): it switches the attention implementation for its forward.
+:func:`start_alone_states` never waits for the device: the states come back through pinned host
+memory, and :meth:`AloneStates.result` (any thread) waits for them, so the engine thread goes on
+launching batches while the row runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,14 +25,28 @@ from layertap.worker.model.loading import LoadedModel
 from layertap.worker.model.modes import transformers_attention
 
 
-def alone_states(loaded: LoadedModel, token_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
-    """``[T, len(layer_ids), *per_token]`` in the compute dtype, on the host: ``token_ids`` (int64 ``[T]``)
-    run alone; ``layer_ids`` resolved (``0..L``), in the order wanted."""
+@dataclass
+class AloneStates:
+    """States on their way to the host: ready once ``done`` (a CUDA event; None on the CPU) is."""
+
+    states: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def result(self) -> torch.Tensor:
+        """``[T, len(layer_ids), *per_token]`` in the compute dtype, on the host (waits for the copy)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.states
+
+
+def start_alone_states(loaded: LoadedModel, token_ids: torch.Tensor, layer_ids: Sequence[int]) -> AloneStates:
+    """``token_ids`` (int64 ``[T]``) run alone, their states at ``layer_ids`` (resolved, ``0..L``, in
+    the order wanted) copied to the host as they are computed, without waiting for the device."""
     stream, last = loaded.capture.stream, loaded.num_layers
     caught: dict[int, torch.Tensor] = {}
 
     def keep(index: int, hidden: torch.Tensor) -> None:
-        caught[index] = stream.tokens(hidden).to("cpu", copy=True)
+        caught[index] = stream.tokens(hidden).clone()
 
     def pre_hook(index: int):
         return lambda module, args, kwargs: keep(index, block_input(args, kwargs))
@@ -46,4 +64,16 @@ def alone_states(loaded: LoadedModel, token_ids: torch.Tensor, layer_ids: Sequen
     finally:
         for handle in handles:
             handle.remove()
-    return torch.stack([caught[index] for index in layer_ids], dim=1)
+    states = torch.stack([caught[index] for index in layer_ids], dim=1)
+    if states.device.type != "cuda":
+        return AloneStates(states, None)
+    host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+    host.copy_(states, non_blocking=True)  # the device copy may be freed now: its stream reuses it after the copy
+    done = torch.cuda.Event()
+    done.record()
+    return AloneStates(host, done)
+
+
+def alone_states(loaded: LoadedModel, token_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    """``[T, len(layer_ids), *per_token]`` in the compute dtype, on the host: :func:`start_alone_states`, waited for."""
+    return start_alone_states(loaded, token_ids, layer_ids).result()
