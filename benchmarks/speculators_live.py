@@ -19,15 +19,21 @@ every row is computed):
    (speculators' own reader of local files);
 4. the run's files removed; ``live``: the same rows as a speculators data folder naming the jobs of
    run ``live``, read through the ``layertap`` backend while the worker extracts them on the same
-   GPU: row 0's job is sent when the trainer starts (it checks the layers on the first file), the
-   others once speculators logs that its epoch started; each file removed once handed over.
+   GPU: the rows of the trainer's first batch are sent when it starts (it checks the layers on a
+   file of the run), the others once its first step is logged (its compile done, so the extraction
+   runs beside training steps, not beside the compile), in the order its sampler takes them
+   (speculators' own ``MultipackDistributedBatchSamplerV2``, seed 0; the validation rows last);
+   each file removed once handed over.
 
 Each trainer runs one epoch (``--epochs 1``) with the same seed, so both see the same batches in
 the same order. Its steps are read from speculators' own per-step metrics (``--log-freq 1``: the
 tokens of the step and its time): samples/s is the train split's rows over the time of the steps
 after ``--warmup-steps`` (rows counted as tokens over the split's mean row length), also given over
-all steps. The extraction rate while training is the live run's tokens over the time from its
-bulk submission to its last result.
+all steps. Each step's time splits into waiting for the DataLoader (speculators' ``queue_ms``: the
+trainer starved of rows) and computing (forward, backward, optimizer: slower when the worker shares
+the GPU). The extraction rate while training is the live run's bulk tokens over the time from its
+bulk submission to its last result; the live steps logged in that time are reported on their own.
+The report checks that each step trained the tokens of the batch predicted for it.
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER_MODE = "trainer"  # argv[1] of this script's own trainer process
+ORDER_MODE = "order"  # argv[1] of the process that prints the trainer's batches
 EPOCH_STARTED = "Training epoch 1/1 started"
+TRAIN_RATIO = 0.9  # speculators' --train-data-ratio default: the first 90% of the rows train, the rest validate
 
 
 # -- the trainer process ---------------------------------------------------------------------------
@@ -63,7 +71,9 @@ class StepRecorder(logging.Handler):
         if record.name == "speculators.metrics" and isinstance(msg, dict) and isinstance(msg.get("profile"), dict):
             profile = msg["profile"]
             line = {"t": record.created, "step": msg.get("global_step"),
-                    "tokens": round(profile["tokens_per_s"] * profile["step_ms"] / 1000), "step_ms": profile["step_ms"]}
+                    "tokens": round(profile["tokens_per_s"] * profile["step_ms"] / 1000), "step_ms": profile["step_ms"],
+                    "queue_ms": profile["queue_ms"],
+                    "compute_ms": profile["fwd_ms"] + profile["bwd_ms"] + profile["opt_ms"]}
         elif record.name == "speculators" and "epoch" in record.getMessage():
             line = {"t": record.created, "event": record.getMessage()}
         else:
@@ -93,6 +103,20 @@ def trainer_main(args: list[str]) -> None:
 
     sys.argv = ["speculators", "train", *args]
     app()
+
+
+def order_main(data: str, total_seq_len: int, seed: int) -> None:
+    """Prints, as JSON, the train split's batches (row indices) in the order speculators' trainer takes them in
+    its first epoch: its own sampler over its own split of ``data`` (``ArrowDataset``'s lengths)."""
+    sys.path.pop(0)
+    from speculators.train.data import ArrowDataset
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    rows = ArrowDataset(datapath=data, max_len=total_seq_len, train_ratio=TRAIN_RATIO, split="train")
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=rows.approx_lengths,
+                                                 num_replicas=1, rank=0, seed=seed)
+    sampler.set_epoch(0)
+    print(json.dumps([[int(index) for index in batch] for batch in sampler]))
 
 
 # -- the measuring process -------------------------------------------------------------------------
@@ -139,7 +163,8 @@ def redis_and_worker(args: argparse.Namespace, layers: list[int], env: dict[str,
     env["LAYERTAP_REDIS_URL"] = server.url
     log = open(args.work / "worker.log", "w")
     worker = subprocess.Popen(layertap_argv(
-        "worker", "--model", args.model, "--name", args.name, "--node-name", f"spec-{os.getpid()}@{socket.gethostname()}",
+        "worker", "--model", args.model, "--name", args.name,
+        "--node-name", f"spec-{os.getpid()}@{socket.gethostname()}",
         "--device", args.device, "--dtype", args.dtype, "--layers", ",".join(map(str, layers)), "--token-budget",
         str(args.token_budget), "--loglevel", "WARNING"), env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -187,17 +212,17 @@ def trainer_argv(args: argparse.Namespace, verifier: Path, data: Path, save: Pat
     return argv + args.trainer_arg
 
 
-def train(argv: list[str], env: dict[str, str], steps: Path, log: Path, on_epoch_started: Any = None) -> float:
-    """Run one trainer to its end (raises on failure); ``on_epoch_started()`` once its epoch starts.
-    Returns the wall seconds of the whole process."""
+def train(argv: list[str], env: dict[str, str], steps: Path, log: Path, on_first_step: Any = None) -> float:
+    """Run one trainer to its end (raises on failure); ``on_first_step()`` once its first step is logged (its
+    compile done). Returns the wall seconds of the whole process."""
     started = time.perf_counter()
     with open(log, "w") as out:
         trainer = subprocess.Popen(argv, env={**env, "STEPS_LOG": str(steps), "COLUMNS": "200"}, stdout=out,
                                    stderr=subprocess.STDOUT, cwd=steps.parent)
-        told = on_epoch_started is None
+        told = on_first_step is None
         while trainer.poll() is None:
-            if not told and steps.exists() and EPOCH_STARTED in steps.read_text():
-                on_epoch_started()
+            if not told and steps.exists() and '"step": 0,' in steps.read_text():
+                on_first_step()
                 told = True
             time.sleep(0.05)
     if trainer.returncode != 0:
@@ -205,8 +230,13 @@ def train(argv: list[str], env: dict[str, str], steps: Path, log: Path, on_epoch
     return time.perf_counter() - started
 
 
+def step_lines(steps: Path) -> list[dict[str, Any]]:
+    return [line for line in map(json.loads, steps.read_text().splitlines()) if "step" in line]
+
+
 def step_rates(steps: Path, warmup: int, train_rows: int, train_tokens: int) -> dict[str, Any]:
-    """samples/s and tokens/s of the train steps (all; after ``warmup`` steps) from speculators' metrics."""
+    """samples/s and tokens/s of the train steps (all; after ``warmup`` steps) from speculators' metrics, and
+    where their time went: waiting for the DataLoader (``queue_ms``) or computing (forward, backward, optimizer)."""
     lines = [json.loads(line) for line in steps.read_text().splitlines()]
     epoch = next(line["t"] for line in lines if line.get("event") == EPOCH_STARTED)
     train = [line for line in lines if "step" in line]
@@ -217,11 +247,33 @@ def step_rates(steps: Path, warmup: int, train_rows: int, train_tokens: int) -> 
         seconds = train[-1]["t"] - since
         tokens = sum(line["tokens"] for line in train[first:])
         return {"steps": len(train) - first, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "samples_per_s": tokens / mean_row / seconds}
+                "samples_per_s": tokens / mean_row / seconds,
+                "waiting_for_data_s": sum(line["queue_ms"] for line in train[first:]) / 1000,
+                "computing_s": sum(line["compute_ms"] for line in train[first:]) / 1000}
 
     return {"steps": len(train), "logged_tokens": sum(line["tokens"] for line in train), "train_rows": train_rows,
             "train_tokens": train_tokens, "all_steps": window(0), "after_warmup": window(min(warmup, len(train) - 1)),
             "median_step_ms": sorted(line["step_ms"] for line in train)[len(train) // 2]}
+
+
+def check_order(steps: Path, order: list[list[int]], lengths: list[int]) -> bool:
+    """Whether each step trained the tokens of the batch ``order`` predicts for it (a row's length less the one
+    token speculators' shift drops), so the live rows were sent in the order the trainer took them."""
+    tokens = [line["tokens"] for line in step_lines(steps)]
+    return tokens == [sum(lengths[index] - 1 for index in batch) for batch in order]
+
+
+def overlap(steps: Path, since: float, until: float) -> dict[str, Any]:
+    """The train steps logged from ``since`` (the bulk submission) to ``until`` (the last result): those that ran
+    while the worker extracted, their tokens/s and their time waiting for data."""
+    during = [line for line in step_lines(steps) if since <= line["t"] <= until]
+    if not during:
+        return {"steps": 0}
+    seconds = during[-1]["t"] - since
+    return {"steps": len(during), "first_step": during[0]["step"], "last_step": during[-1]["step"],
+            "seconds": seconds, "tokens_per_s": sum(line["tokens"] for line in during) / seconds,
+            "waiting_for_data_s": sum(line["queue_ms"] for line in during) / 1000,
+            "computing_s": sum(line["compute_ms"] for line in during) / 1000}
 
 
 def main() -> None:
@@ -236,10 +288,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--min-len", type=int, default=32)
     parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--total-seq-len", type=int, default=8192, help="speculators' --total-seq-len")
-    parser.add_argument("--num-workers", type=int, default=8, help="speculators' --num-workers")
-    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="speculators' --draft-vocab-size")
-    parser.add_argument("--hidden-states-dtype", default="bfloat16", help="speculators' --hidden-states-dtype")
+    parser.add_argument("--total-seq-len", type=int, default=None,
+                        help="speculators' --total-seq-len (default: 8192; 512 on the CPU)")
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="speculators' --num-workers (default: 8; 2 on the CPU)")
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="speculators' --draft-vocab-size (default: 32000; 256 on the CPU)")
+    parser.add_argument("--hidden-states-dtype", default=None,
+                        help="speculators' --hidden-states-dtype (default: bfloat16; float32 on the CPU, where "
+                             "bf16 matmuls are slow)")
     parser.add_argument("--loss-implementation", default="eager",
                         help="speculators' --loss-implementation (its default, fused, failed under torch.compile "
                              "with torch 2.11.0 on an H200: benchmarks/h200-2026-12-06-issues-46-37)")
@@ -257,14 +314,18 @@ def main() -> None:
     from layertap.worker.model.shapes import SHAPE_PREFIX, shape_config
 
     args.device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device == "cpu":
-        args.draft_vocab_size = min(args.draft_vocab_size, 256)
+    cpu = args.device == "cpu"  # the smoke run: small steps in float32, so it ends in minutes on 2 cores
+    for name, on_gpu, on_cpu in (("total_seq_len", 8192, 512), ("num_workers", 8, 2), ("draft_vocab_size", 32000, 256),
+                                 ("hidden_states_dtype", "bfloat16", "float32")):
+        if getattr(args, name) is None:
+            setattr(args, name, on_cpu if cpu else on_gpu)
     config = shape_config(args.model.removeprefix(SHAPE_PREFIX))
     layers = args.layers or eagle3_layer_ids(config.num_hidden_layers)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     args.storage, args.name = args.work / "runs", "spec-verifier"
-    env = {**os.environ, "LAYERTAP_STORAGE_ROOT": str(args.storage), "LAYERTAP_WORKER__COMPILE": str(args.compile).lower(),
+    env = {**os.environ, "LAYERTAP_STORAGE_ROOT": str(args.storage),
+           "LAYERTAP_WORKER__COMPILE": str(args.compile).lower(),
            "LAYERTAP_WORKER__REUSE": "false", "PYTHONUNBUFFERED": "1"}
     report: dict[str, Any] = {"model": args.model, "device": args.device, "layers": layers, "rows": args.rows,
                               "min_len": args.min_len, "max_len": args.max_len, "compile": args.compile,
@@ -299,30 +360,43 @@ def main() -> None:
         datasets.load_from_disk(str(export)).select_columns(["input_ids", "loss_mask", "seq_len", "job_id"]) \
             .save_to_disk(str(live))
         shutil.copy(export / "token_freq.pt", live / "token_freq.pt")
+        order = json.loads(subprocess.run([args.trainer_python, str(Path(__file__).resolve()), ORDER_MODE, str(live),
+                                           str(args.total_seq_len), "0"], env=env, check=True, capture_output=True,
+                                          text=True).stdout)
+        taken = [index for batch in order for index in batch]
+        if sorted(taken) != list(range(split)):
+            raise RuntimeError(f"the trainer's batches do not take each of the {split} train rows once")
 
         files_steps = args.work / "files-steps.jsonl"
         wall_s = train(trainer_argv(args, verifier, export, args.work / "ckpt-files", layers,
                                     ["--hidden-states-backend", "file"]),
                        env, files_steps, args.work / "trainer-files.log")
         report["files"] = {**step_rates(files_steps, args.warmup_steps, split, train_tokens), "process_s": wall_s}
+        lengths = [len(job["token_ids"]) for job in jobs]
+        report["batches_as_predicted"] = check_order(files_steps, order, lengths)
         shutil.rmtree(export / "hidden_states")
         shutil.rmtree(args.storage / "files")
 
         live_steps, bulk = args.work / "live-steps.jsonl", {}
 
+        first = [jobs[index] for index in order[0]]  # its first step's rows (the layer check reads one of them)
+        rest = [jobs[index] for index in taken[len(first):]] + jobs[split:]  # in the trainer's order, then val
+
         def send_the_rest() -> None:
             bulk["wall"] = time.time()
-            submit(client, args, "live", jobs[1:], layers)
+            submit(client, args, "live", rest, layers)
             client.seal("live")
 
-        submit(client, args, "live", jobs[:1], layers)  # the trainer checks the layers on the run's first file
+        submit(client, args, "live", first, layers)
         wall_s = train(trainer_argv(args, verifier, live, args.work / "ckpt-live", layers,
                                     ["--hidden-states-backend", "layertap", "--layertap-run", "live",
                                      "--layertap-delete-after", "true"]),
                        env, live_steps, args.work / "trainer-live.log", send_the_rest)
         report["live"] = {**step_rates(live_steps, args.warmup_steps, split, train_tokens), "process_s": wall_s}
-        results = client.wait("live", [job["job_id"] for job in jobs[1:]], timeout=60)
+        results = client.wait("live", [job["job_id"] for job in rest], timeout=60)
         report["extraction_while_training"] = extraction(results, bulk["wall"])
+        last_result = max(result.finished_at for result in results.values())
+        report["live"]["while_extracting"] = overlap(live_steps, bulk["wall"], last_result)
         report["live_files_left"] = sum(1 for path in (args.storage / "live").rglob("*.safetensors"))
     for mode in ("files", "live"):
         for name in ("trainer-" + mode + ".log", mode + "-steps.jsonl"):
@@ -333,7 +407,8 @@ def main() -> None:
                                            / report["files"]["all_steps"]["samples_per_s"])
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"{args.model} on {report.get('gpu', args.device)}; {args.rows} rows, {report['tokens']} tokens, layers {layers}"
+    print(f"{args.model} on {report.get('gpu', args.device)}; {args.rows} rows, {report['tokens']} tokens, "
+          f"layers {layers}"
           f" (worker compile {args.compile}); trainer: eagle3, total-seq-len {args.total_seq_len}, "
           f"{args.num_workers} loader workers, draft vocab {args.draft_vocab_size}")
     alone = report["extraction_alone"]
@@ -343,15 +418,25 @@ def main() -> None:
         print(f"{mode:5}: {part['steps']} steps; after {args.warmup_steps} warm-up steps "
               f"{part['after_warmup']['samples_per_s']:.1f} samples/s, {part['after_warmup']['tokens_per_s']:,.0f} "
               f"tokens/s; all steps {part['all_steps']['samples_per_s']:.1f} samples/s "
-              f"({part['all_steps']['seconds']:.1f} s); median step {part['median_step_ms']:.0f} ms")
+              f"({part['all_steps']['seconds']:.1f} s); median step {part['median_step_ms']:.0f} ms; after warm-up "
+              f"{part['after_warmup']['waiting_for_data_s']:.2f} s waiting for data, "
+              f"{part['after_warmup']['computing_s']:.2f} s computing")
+    during = report["live"]["while_extracting"]
+    if during["steps"]:
+        print(f"live steps while the worker extracted: {during['steps']} (steps {during['first_step']}-"
+              f"{during['last_step']}), {during['tokens_per_s']:,.0f} tokens/s, {during['waiting_for_data_s']:.2f} s "
+              f"waiting for data, {during['computing_s']:.2f} s computing")
     during = report["extraction_while_training"]
     print(f"live/files samples/s: {ratio:.3f} after warm-up, {report['live_over_files_all_steps']:.3f} over all steps; "
           f"extraction while training {during['tokens_per_s']:,.0f} tokens/s ({during['seconds']:.1f} s from the "
-          f"bulk submission to the last result); {report['live_files_left']} live files left")
+          f"bulk submission to the last result); {report['live_files_left']} live files left; batches as predicted: "
+          f"{report['batches_as_predicted']}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == TRAINER_MODE:
         trainer_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == ORDER_MODE:
+        order_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         main()
