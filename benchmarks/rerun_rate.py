@@ -9,18 +9,23 @@ One model loaded once, the worker's own job processor in this process (``certifi
 harness: bundles of ``--bundle`` jobs, ``--callers`` at once). The run is computed once (its
 forwards, device seconds and tokens/s), then sent again as the same run (same job ids): the
 worker's batch counter and busy time (what its heartbeat reports) over the re-run, its rows/s and
-bytes/s. The storage's read rate over the same files, on ``--callers`` threads: the raw bytes
-(plain reads), and layertap's reader (``load_hidden_states``, checksums verified).
+bytes/s, and the process's CPU seconds per row (``cpu_us_per_row``: all threads, user and system).
+The storage's read rate over the same files, on ``--callers`` threads: the raw bytes (plain reads),
+the check a disk answer makes (``Storage.verify``: header, identity, every tensor's CRC-32), and
+layertap's reader (``load_hidden_states``, checksums verified).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +34,11 @@ from certificate_cost import answered_part, model_and_layers, run_rows  # noqa: 
 
 from layertap.producer.files.reader import load_hidden_states  # noqa: E402
 from layertap.settings import Limits  # noqa: E402
+from layertap.storage.base import Storage  # noqa: E402
 from layertap.worker.bench.measure import dir_bytes  # noqa: E402
 from layertap.worker.bench.prompts import random_prompts  # noqa: E402
 from layertap.worker.extractor import build_processor  # noqa: E402
+from layertap.worker.job.writer import EXAMINE_THREADS  # noqa: E402
 
 CHUNK = 16 << 20
 
@@ -49,6 +56,26 @@ def read_layertap(path: Path) -> int:
     """``path`` through layertap's reader, checksums verified; the file's size."""
     load_hidden_states(path, verify=True)
     return path.stat().st_size
+
+
+def read_verified(storage: Storage, path: Path) -> int:
+    """``path``'s check as a disk answer makes it (``Storage.verify`` in ``storage``); the file's size."""
+    storage.verify(str(path), shared=False)
+    return path.stat().st_size
+
+
+def cpu_seconds() -> float:
+    """This process's CPU seconds so far, all threads, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def rerun_part(processor: Any, prompts: list[list[int]], layers: list[int], run_bytes: int,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """``answered_part`` of the run sent again, with the CPU it took per row."""
+    cpu = cpu_seconds()
+    part = answered_part(processor, prompts, "run", {"layers": layers}, run_bytes, args)
+    return {**part, "cpu_us_per_row": (cpu_seconds() - cpu) / part["rows"] * 1e6}
 
 
 def read_rate(files: list[Path], read: Any, threads: int) -> dict[str, float]:
@@ -80,7 +107,8 @@ def main() -> None:
     prompts = random_prompts(args.rows, args.min_len, args.max_len, loaded.vocab_size, seed=46)
     report: dict[str, Any] = {"model": args.model, "device": str(loaded.device), "dtype": str(loaded.dtype),
                               "rows": args.rows, "tokens": sum(map(len, prompts)), "layers": layers,
-                              "callers": args.callers, "bundle": args.bundle}
+                              "callers": args.callers, "bundle": args.bundle, "cores": os.cpu_count(),
+                              "examine_threads": EXAMINE_THREADS}
     try:
         processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
         busy, batches = processor.engine.busy_seconds(), processor.engine.stats.batches
@@ -91,10 +119,11 @@ def main() -> None:
                                "rows_per_s": len(results) / seconds, "bytes": run_bytes,
                                "forwards": processor.engine.stats.batches - batches,
                                "device_s": processor.engine.busy_seconds() - busy}
-        report["rerun"] = answered_part(processor, prompts, "run", {"layers": layers}, run_bytes, args)
+        report["rerun"] = rerun_part(processor, prompts, layers, run_bytes, args)
         report["read_raw"] = read_rate(files, read_raw, args.callers)
+        report["read_verified"] = read_rate(files, partial(read_verified, processor.storage), args.callers)
         report["read_layertap"] = read_rate(files, read_layertap, args.callers)
-        report["rerun_again"] = answered_part(processor, prompts, "run", {"layers": layers}, run_bytes, args)
+        report["rerun_again"] = rerun_part(processor, prompts, layers, run_bytes, args)
     finally:
         processor.close()
         shutil.rmtree(storage, ignore_errors=True)
@@ -102,14 +131,16 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=1))
     first = report["first_run"]
     print(f"{report['model']} on {report['device']} ({report['dtype']}), {args.rows} rows, {report['tokens']} tokens, "
-          f"layers {layers}, {first['bytes'] / 1e9:.2f} GB of files")
+          f"layers {layers}, {first['bytes'] / 1e9:.2f} GB of files ({first['bytes'] / args.rows / 1e6:.2f} MB a row); "
+          f"{report['cores']} cores, {report['examine_threads']} examiner threads")
     print(f"first run: {first['forwards']} forwards, {first['device_s']:.2f} device s, {first['tokens_per_s']:,.0f} "
           f"tokens/s, {first['rows_per_s']:,.0f} rows/s")
     for name in ("rerun", "rerun_again"):
         part = report[name]
         print(f"{name}: {part['forwards']} forwards, {part['device_s']:.3f} device s, {part['rows_per_s']:,.0f} rows/s, "
-              f"{part['read_bytes_per_s'] / 1e9:.2f} GB/s; {part['from_disk']} of {part['rows']} from disk")
-    for name in ("read_raw", "read_layertap"):
+              f"{part['read_bytes_per_s'] / 1e9:.2f} GB/s, {part['cpu_us_per_row']:,.0f} CPU us a row; "
+              f"{part['from_disk']} of {part['rows']} from disk")
+    for name in ("read_raw", "read_verified", "read_layertap"):
         part = report[name]
         print(f"{name} ({args.callers} threads): {part['rows_per_s']:,.0f} rows/s, {part['bytes_per_s'] / 1e9:.2f} GB/s")
 

@@ -39,6 +39,7 @@ and the bounds are checked before the JSON is parsed or a size multiplied out; v
 from __future__ import annotations
 
 import json
+import queue
 import re
 import struct
 import zlib
@@ -89,7 +90,12 @@ _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": n
 #: Bytes per element of each safetensors dtype name (a header naming another is refused).
 _ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
                "U16": 2, "U8": 1, "BOOL": 1, FLOAT8: 1, "F8_E5M2": 1}
-_CHUNK = 16 * 1024 * 1024
+#: Bytes read and checksummed at a time, into a reused block (:func:`_block`) that stays in a
+#: core's cache between the read and the CRC.
+READ_BLOCK = 1 << 20
+#: Read blocks not in use: one is taken per file being checked and given back, so there are as
+#: many as files were ever checked at once.
+_FREE_BLOCKS: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
 _MAX_HEADER = 100 * 1024 * 1024
 #: A header is an object of tensor entries (each an object with two lists) and string metadata: 3
 #: levels, 3 arrays and objects per tensor; the JSON in its metadata strings (layers, checksums) 1 level.
@@ -270,6 +276,12 @@ def parse_header(handle: BinaryIO, path: str | Path = "", *, name: str | Path | 
     """Parse the safetensors header at the start of ``handle`` (the file at ``path``, ``file_size``
     bytes: by default its end; ``name``: what errors call it, by default ``path``). Every length,
     size and offset is checked against the file's size. Raises :class:`FileFormatError`."""
+    return _parse_header(handle, path, name, file_size)[0]
+
+
+def _parse_header(handle: BinaryIO, path: str | Path, name: str | Path | None,
+                  file_size: int | None) -> tuple[FileHeader, dict[str, Any]]:
+    """:func:`parse_header`, and the metadata's JSON fields as it parsed them (:func:`_check_metadata`)."""
     label = path if name is None else name
     if file_size is None:
         file_size = handle.seek(0, 2)
@@ -297,14 +309,17 @@ def parse_header(handle: BinaryIO, path: str | Path = "", *, name: str | Path | 
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FileFormatError(f"{label}: header metadata is not an object of strings")
     _check_entries(label, header, 8 + header_len, file_size)
-    _check_metadata(label, metadata, header)
-    return FileHeader(Path(path), header, dict(metadata), 8 + header_len)
+    fields = _check_metadata(label, metadata, header)
+    return FileHeader(Path(path), header, dict(metadata), 8 + header_len), fields
 
 
 def _bounded_json(path: str | Path, text: str, what: str) -> Any:
     """``text`` (``what`` of the file at ``path``) parsed as JSON, after its nesting and its number of
     arrays and objects are checked against what a layertap header can hold (strings not counted):
     no deep recursion, no huge structure built. Raises :class:`FileFormatError`."""
+    opening = text.count("[") + text.count("{")
+    if opening <= _MAX_JSON_DEPTH and opening + text.count("]") + text.count("}") <= _MAX_JSON_BRACKETS:
+        return _loads(path, text, what)  # too few brackets anywhere (strings included) to break a bound
     brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
     level = 0
     for bracket in brackets[:_MAX_JSON_BRACKETS + 1]:
@@ -315,6 +330,10 @@ def _bounded_json(path: str | Path, text: str, what: str) -> Any:
     if len(brackets) > _MAX_JSON_BRACKETS:
         raise FileFormatError(f"{path}: {what} has {len(brackets)} brackets, more than the {_MAX_JSON_BRACKETS} "
                               "a layertap header can (corrupt file?)")
+    return _loads(path, text, what)
+
+
+def _loads(path: str | Path, text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:  # not JSON, or a number of more digits than Python converts
@@ -377,25 +396,28 @@ def _is_decimal(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS
 
 
-def _check_metadata(path: str | Path, meta: dict[str, str], header: dict[str, Any]) -> None:
-    """The typed metadata entries parse (where present), and the header checksum matches (where recorded)."""
+def _check_metadata(path: str | Path, meta: dict[str, str], header: dict[str, Any]) -> dict[str, Any]:
+    """The typed metadata entries parse (where present), and the header checksum matches (where recorded);
+    the JSON entries parsed (``layers``, ``checksums``: those present)."""
     recorded = meta.get(MetaKey.HEADER_CHECKSUM)
     if recorded is not None:
         found = header_checksum(meta, {name: info["shape"] for name, info in header.items()})
         if found != recorded:
             raise FileFormatError(f"{path}: header checksum mismatch (expected {recorded}, found {found}): "
                                   "its metadata or shapes were changed")
+    fields: dict[str, Any] = {}
     if MetaKey.LAYERS in meta:
-        layers = _json_field(path, meta, MetaKey.LAYERS)
+        layers = fields[MetaKey.LAYERS] = _json_field(path, meta, MetaKey.LAYERS)
         if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
             raise FileFormatError(f"{path}: header metadata 'layers' is not a JSON list of layer ids")
     for key in (MetaKey.NUM_LAYERS, MetaKey.TOPK, MetaKey.RESIDUAL_COPIES):
         if key in meta and not _is_decimal(meta[key]):
             raise FileFormatError(f"{path}: header metadata {key!r} is not a number ({meta[key][:40]!r})")
     if MetaKey.CHECKSUMS in meta:
-        sums = _json_field(path, meta, MetaKey.CHECKSUMS)
+        sums = fields[MetaKey.CHECKSUMS] = _json_field(path, meta, MetaKey.CHECKSUMS)
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
             raise FileFormatError(f"{path}: header metadata 'checksums' is not a JSON object of checksums")
+    return fields
 
 
 def _json_field(path: str | Path, meta: dict[str, str], key: str) -> Any:
@@ -449,33 +471,55 @@ def verify_stream(handle: BinaryIO, path: str | Path, file_size: int, *, checksu
                   name: str | Path | None = None) -> FileHeader:
     """:func:`verify_file` on an open, seekable binary ``handle`` of ``file_size`` bytes (a local
     file or an object store's ranged reader) of the file at ``path``; ``name`` (by default
-    ``path``) is what errors call it."""
+    ``path``) is what errors call it. Each tensor's bytes are read (``readinto``) into a reused
+    block and checksummed there, a block at a time."""
     handle.seek(0)
-    parsed = parse_header(handle, path, name=name, file_size=file_size)
+    parsed, fields = _parse_header(handle, path, name, file_size)
     path = path if name is None else name
     header, meta, data_start = parsed.tensors, parsed.metadata, parsed.data_start
     if meta.get(MetaKey.FORMAT) != FORMAT_NAME:
         raise FileFormatError(f"{path}: not a layertap file (header metadata has no format={FORMAT_NAME!r})")
     _check_required(path, meta)
-    _check_shapes(path, header, meta)
-    recorded = _recorded_checksums(path, meta)
-    for name, info in header.items():
-        begin, end = info["data_offsets"]  # within the file (parse_header)
-        expected = recorded.get(name)
-        if expected is None:
-            raise FileFormatError(f"{path}: no checksum recorded for tensor {name!r}")
-        if not checksums:
-            continue
-        handle.seek(data_start + begin)
-        crc, left = 0, end - begin
-        while left:
-            chunk = handle.read(min(_CHUNK, left))
-            if not chunk:
-                raise FileFormatError(f"{path}: tensor {name!r} is truncated")
-            crc = zlib.crc32(chunk, crc)
-            left -= len(chunk)
-        _check_crc(path, name, expected, crc)
+    _check_shapes(path, header, meta, fields[MetaKey.LAYERS])
+    recorded = fields[MetaKey.CHECKSUMS]  # present and typed (checked before)
+    block = _block() if checksums else None
+    try:
+        at = data_start
+        for name, info in header.items():
+            begin, end = info["data_offsets"]  # within the file (parse_header)
+            expected = recorded.get(name)
+            if expected is None:
+                raise FileFormatError(f"{path}: no checksum recorded for tensor {name!r}")
+            if block is None:
+                continue
+            if at != data_start + begin:
+                at = handle.seek(data_start + begin)
+            _check_crc(path, name, expected, _crc_of(handle, block, end - begin, path, name))
+            at += end - begin
+    finally:
+        if block is not None:
+            _FREE_BLOCKS.put(block)
     return parsed
+
+
+def _block() -> memoryview:
+    """A read block of :data:`READ_BLOCK` bytes; give it back to :data:`_FREE_BLOCKS` when done."""
+    try:
+        return _FREE_BLOCKS.get_nowait()
+    except queue.Empty:
+        return memoryview(bytearray(READ_BLOCK))
+
+
+def _crc_of(handle: BinaryIO, block: memoryview, size: int, path: str | Path, name: str) -> int:
+    """The CRC-32 of the next ``size`` bytes of ``handle`` (tensor ``name``), read through ``block``."""
+    crc, left = 0, size
+    while left:
+        count = handle.readinto(block[:min(left, len(block))])
+        if not count:
+            raise FileFormatError(f"{path}: tensor {name!r} is truncated")
+        crc = zlib.crc32(block[:count], crc)
+        left -= count
+    return crc
 
 
 def check_checksums(path: str | Path, meta: dict[str, str], tensor_bytes: dict[str, Any]) -> None:
@@ -514,7 +558,8 @@ def _check_crc(path: str | Path, name: str, expected: str, crc: int) -> None:
         )
 
 
-def _check_shapes(path: str | Path, header: dict[str, Any], meta: dict[str, str]) -> None:
+def _check_shapes(path: str | Path, header: dict[str, Any], meta: dict[str, str], layers: list[int]) -> None:
+    """The tensors' shapes and dtypes agree with each other and with the header's ``layers`` (parsed)."""
     for name in REQUIRED_TENSORS:
         if name not in header:
             raise FileFormatError(f"{path}: tensor {name!r} is missing")
@@ -531,7 +576,6 @@ def _check_shapes(path: str | Path, header: dict[str, Any], meta: dict[str, str]
                               f"{f'{copies} copies, ' if copies else ''}hidden]")
     if len(tokens) != 1 or tokens[0] != hidden[0]:
         raise FileFormatError(f"{path}: token_ids has shape {tokens} but hidden_states has {hidden[0]} tokens")
-    layers = json.loads(meta[MetaKey.LAYERS])  # present and typed (checked before)
     if len(layers) != hidden[1]:
         raise FileFormatError(
             f"{path}: header lists {len(layers)} layers {layers} but hidden_states has {hidden[1]}"

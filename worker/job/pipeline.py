@@ -67,7 +67,7 @@ from layertap.worker.job.errors import JobError
 from layertap.worker.job.reuse import CaptureIndex, NonFinite, computed_options, derived_tensors, find_capture
 from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
-from layertap.worker.job.writer import FileTaken, OnDisk, examine, write_job_file
+from layertap.worker.job.writer import Existing, FileTaken, OnDisk, examine_many, write_job_file
 from layertap.worker.model.fixes import fixes_of
 from layertap.worker.model.vision.inputs import image_features_note
 from layertap.worker.model.loading import LoadedModel
@@ -138,6 +138,16 @@ class _Target:
 
     path: str
     identity: dict[str, str]
+
+
+@dataclass
+class _Located:
+    """A job for this worker's model: where its file is, the identity metadata (``fileformat.IDENTITY_KEYS``
+    and ``content_id``) that file has when it is this job's, and the job's ``spec()``."""
+
+    path: str
+    identity: dict[str, str]
+    spec: dict[str, Any]
 
 
 @dataclass
@@ -247,8 +257,7 @@ class JobProcessor:
         results: list[Result | None] = [None] * len(jobs)
         targets: list[tuple[int, _Target]] = []
         queued = _queued(submitted_at)
-        for index, job in enumerate(jobs):
-            checked = self._guarded(job, queued, attempts[index], partial(self._check, job, queued, attempts[index]))
+        for index, checked in enumerate(self._check_all(jobs, queued, attempts)):
             if isinstance(checked, _Target):
                 targets.append((index, checked))
             else:
@@ -338,31 +347,51 @@ class JobProcessor:
         """The error result of a valid job refused before it runs."""
         return self._error(job.job_id, job.run, exc, Timings(), job=job)  # type: ignore[arg-type]
 
-    def _check(self, job: Job, queued: float | None, attempt: int | None) -> Result | _Target:
-        """A job's answer from disk (a redelivery), or where its file is to go."""
+    def _check_all(self, jobs: list[Job], queued: float | None, attempts: list[int | None]) -> list[Result | _Target]:
+        """Each job's answer from disk (a redelivery), or where its file is to go, in order. The jobs'
+        files are examined side by side (``writer.examine_many``); the rest runs on this thread."""
+        located = [self._guarded(job, queued, attempts[index], partial(self._locate, job))
+                   for index, job in enumerate(jobs)]
+        found = [(index, where) for index, where in enumerate(located) if isinstance(where, _Located)]
+        verdicts = examine_many([(where.path, where.identity[MetaKey.SPEC_HASH], where.identity[MetaKey.CONTENT_ID])
+                                 for _, where in found], self.storage)
+        for (index, where), verdict in zip(found, verdicts):
+            located[index] = self._guarded(jobs[index], queued, attempts[index],
+                                           partial(self._check, jobs[index], where, verdict, queued, attempts[index]))
+        return located  # type: ignore[return-value]
+
+    def _locate(self, job: Job) -> _Located:
+        """Where a job of this worker's model has its file, and the identity that file has when it is this job's."""
         if job.model != self.loaded.name:
             raise JobError(ErrorType.unknown_model,
                            f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
-        path = self.storage.locate(job.run, job.job_id)  # type: ignore[arg-type]
-        identity = self._identity(job)
-        existing = examine(path, identity[MetaKey.SPEC_HASH], identity[MetaKey.CONTENT_ID], self.storage)
+        spec = job.spec()
+        return _Located(self.storage.locate(job.run, job.job_id), self._identity(job, spec), spec)  # type: ignore[arg-type]
+
+    def _check(self, job: Job, where: _Located, verdict: Future, queued: float | None,
+               attempt: int | None) -> Result | _Target:
+        """A job's answer from disk (a redelivery), or where its file is to go; ``verdict``: what
+        ``writer.examine`` found at ``where``."""
+        path, identity = where.path, where.identity
+        existing: Existing = verdict.result()
         if existing.state is OnDisk.taken and not job.replace:
             raise _conflict(job, path)
         if existing.state is OnDisk.matches:
             return self._from_disk(job, path, existing.header, queued, attempt)  # type: ignore[arg-type]
+        identity = {**identity, MetaKey.CAPTURE_KEY: capture_key(where.spec, identity)}
         if self.captures is not None:
             answered = self._from_capture(job, path, identity, queued, attempt)
             if answered is not None:
                 return answered
         return _Target(path, identity)
 
-    def _identity(self, job: Job) -> dict[str, str]:
-        """What decides the bytes of ``job``'s file on this worker (``fileformat.IDENTITY_KEYS``),
-        with its ``content_id``. Raises :class:`JobError` for layers the model lacks."""
+    def _identity(self, job: Job, spec: dict[str, Any]) -> dict[str, str]:
+        """What decides the bytes of ``job``'s file on this worker (``fileformat.IDENTITY_KEYS``;
+        ``spec``: ``job.spec()``), with its ``content_id``. Raises :class:`JobError` for layers the model lacks."""
         loaded = self.loaded
         identity = {
             MetaKey.FORMAT_VERSION: ff.FORMAT_VERSION,
-            MetaKey.SPEC_HASH: job.spec_hash(),
+            MetaKey.SPEC_HASH: content_hash(spec),  # job.spec_hash()
             MetaKey.MODEL_SOURCE: loaded.source,
             MetaKey.MODEL_REVISION: loaded.revision or "",
             MetaKey.WEIGHTS_FINGERPRINT: loaded.weights_fingerprint,
@@ -375,8 +404,7 @@ class JobProcessor:
         }
         if self._fixes:  # fixes that changed this model's files (only where any: ``model.fixes``)
             identity[MetaKey.COMPUTE_FIXES] = self._fixes
-        return {**identity, MetaKey.CAPTURE_KEY: capture_key(job.spec(), identity),
-                MetaKey.CONTENT_ID: ff.content_id(identity)}
+        return {**identity, MetaKey.CONTENT_ID: ff.content_id(identity)}
 
     def _start(self, job: Job, target: _Target) -> _Started:
         """What the engine is to run for a checked job (tokenized here, on the caller's thread)."""
@@ -439,7 +467,8 @@ class JobProcessor:
         result = self._ok(job, path, header.tensors[ff.TOKEN_IDS]["shape"][0], ff.layers_of(header),
                           header.metadata[MetaKey.DTYPE], Timings(queued=queued), attempt,
                           header.metadata[MetaKey.SPEC_HASH])
-        return result.model_copy(update={"cached": True})
+        result.cached = True
+        return result
 
     def _from_capture(self, job: Job, path: str, identity: dict[str, str], queued: float | None,
                       attempt: int | None) -> Result | None:

@@ -17,6 +17,9 @@ A file at its address is therefore always complete, on every backend.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -29,6 +32,11 @@ from layertap.storage.base import Storage
 from layertap.storage.registry import storage_at
 
 log = logging.getLogger(__name__)
+
+#: Threads that examine the files of one call side by side (:func:`examine_many`), shared by all
+#: calls: one per core, the calling thread being one of them. Their reads and CRC-32s run outside the GIL.
+EXAMINE_THREADS = max(1, (os.cpu_count() or 1) - 1)
+_EXAMINERS = ThreadPoolExecutor(max_workers=EXAMINE_THREADS, thread_name_prefix="layertap-examine")
 
 
 class OnDisk(str, Enum):
@@ -71,6 +79,29 @@ def examine(path: str | Path, spec_hash: str, content_id: str, storage: Storage 
     if header.metadata.get(MetaKey.CONTENT_ID) != content_id:
         return Existing(OnDisk.stale, header)
     return Existing(OnDisk.matches, header)
+
+
+def examine_many(requests: Sequence[tuple[str, str, str]], storage: Storage) -> list[Future]:
+    """:func:`examine` of each ``(path, spec_hash, content_id)`` in ``storage``, in runs of
+    consecutive requests side by side on the examiner threads and this one; returns when all are
+    done. Each future holds its :class:`Existing`, or what :func:`examine` raised for it alone."""
+    verdicts: list[Future] = [Future() for _ in requests]
+    runs = max(1, min(len(requests), EXAMINE_THREADS + 1))
+    bounds = [len(requests) * run // runs for run in range(runs + 1)]
+    spread = [_EXAMINERS.submit(_examine_run, requests, verdicts, storage, start, end)
+              for start, end in zip(bounds[1:-1], bounds[2:])]
+    _examine_run(requests, verdicts, storage, bounds[0], bounds[1])
+    wait(spread)
+    return verdicts
+
+
+def _examine_run(requests: Sequence[tuple[str, str, str]], verdicts: list[Future], storage: Storage,
+                 start: int, end: int) -> None:
+    for index in range(start, end):
+        try:
+            verdicts[index].set_result(examine(*requests[index], storage))
+        except Exception as exc:  # a fault of this file's check alone: its job's error
+            verdicts[index].set_exception(exc)
 
 
 def write_job_file(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
