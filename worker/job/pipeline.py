@@ -366,7 +366,8 @@ class JobProcessor:
             raise JobError(ErrorType.unknown_model,
                            f"this worker serves model {self.loaded.name!r}, not {job.model!r}")
         spec = job.spec()
-        return _Located(self.storage.locate(job.run, job.job_id), self._identity(job, spec), spec)  # type: ignore[arg-type]
+        path = self.storage.locate(job.run, job.job_id)  # type: ignore[arg-type]
+        return _Located(path, self._identity(job, spec), spec)
 
     def _check(self, job: Job, where: _Located, verdict: Future, queued: float | None,
                attempt: int | None) -> Result | _Target:
