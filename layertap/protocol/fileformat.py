@@ -42,13 +42,13 @@ import json
 import queue
 import re
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
+from layertap.protocol.crc import crc32_of
 from layertap.protocol.dtypes import STORED_AS
 from layertap.protocol.naming import canonical_json, content_hash
 
@@ -210,8 +210,8 @@ class FileFormatError(ValueError):
 
 
 def crc32_hex(data: Any) -> str:
-    """CRC-32 of a bytes-like object, as 8 hex digits (zlib releases the GIL on large buffers)."""
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    """CRC-32 of a bytes-like object, as 8 hex digits (``crc``: the GIL is released on large buffers)."""
+    return f"{crc32_of(data):08x}"
 
 
 def content_id(metadata: dict[str, str]) -> str:
@@ -517,7 +517,7 @@ def _crc_of(handle: BinaryIO, block: memoryview, size: int, path: str | Path, na
         count = handle.readinto(block[:min(left, len(block))])
         if not count:
             raise FileFormatError(f"{path}: tensor {name!r} is truncated")
-        crc = zlib.crc32(block[:count], crc)
+        crc = crc32_of(block[:count], crc)
         left -= count
     return crc
 
@@ -527,7 +527,7 @@ def check_checksums(path: str | Path, meta: dict[str, str], tensor_bytes: dict[s
     that ``meta`` (from :func:`verify_file`) records for it; raises :class:`FileFormatError`."""
     recorded = _recorded_checksums(path, meta)
     for name, data in tensor_bytes.items():
-        _check_crc(path, name, recorded.get(name, ""), zlib.crc32(data))
+        _check_crc(path, name, recorded.get(name, ""), crc32_of(data))
 
 
 def _recorded_checksums(path: str | Path, meta: dict[str, str]) -> dict[str, str]:
