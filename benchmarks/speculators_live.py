@@ -4,6 +4,7 @@ while it trains.
 
     python benchmarks/speculators_live.py --model shape:qwen3-8b --compile --rows 512 --min-len 128 \\
         --max-len 2047 --work /dev/shm/spec-live --out speculators-live.json
+    python benchmarks/speculators_live.py --device cuda:0 --trainer-gpu 1 ...   # the trainers on a second GPU of the host
     python benchmarks/speculators_live.py          # a CPU smoke run: shape:qwen3-tiny, 48 rows
 
 Needs speculators 0.9 and hs-connectors 0.9 importable beside layertap (``layertap[speculators]``).
@@ -318,6 +319,8 @@ def main() -> None:
                              "with torch 2.11.0 on an H200: benchmarks/h200-2026-12-06-issues-46-37)")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--trainer-arg", action="append", default=[], help="one more speculators train argument")
+    parser.add_argument("--trainer-gpu", default=None,
+                        help="the trainers' GPU (CUDA_VISIBLE_DEVICES), another than the worker's --device on the same host")
     parser.add_argument("--trainer-python", default=sys.executable,
                         help="the python that runs speculators (default: this one)")
     parser.add_argument("--work", type=Path, default=Path("speculators-live-work"), help="a folder, emptied first")
@@ -397,9 +400,10 @@ def main() -> None:
             raise RuntimeError(f"the trainer's batches do not take each of the {split} train rows once")
 
         files_steps = args.work / "files-steps.jsonl"
+        trainer_env = env if args.trainer_gpu is None else {**env, "CUDA_VISIBLE_DEVICES": args.trainer_gpu}
         wall_s = train(trainer_argv(args, verifier, export, args.work / "ckpt-files", layers,
                                     ["--hidden-states-backend", "file"]),
-                       env, files_steps, args.work / "trainer-files.log")
+                       trainer_env, files_steps, args.work / "trainer-files.log")
         report["files"] = {**step_rates(files_steps, args.warmup_steps, split, train_tokens), "process_s": wall_s}
         report["batches_as_predicted"] = check_order(files_steps, order, lengths)
         save()
@@ -421,7 +425,7 @@ def main() -> None:
         wall_s = train(trainer_argv(args, verifier, live, args.work / "ckpt-live", layers,
                                     ["--hidden-states-backend", "layertap", "--layertap-run", "live",
                                      "--layertap-delete-after", "true"]),
-                       env, live_steps, args.work / "trainer-live.log", send_the_rest)
+                       trainer_env, live_steps, args.work / "trainer-live.log", send_the_rest)
         report["live"] = {**step_rates(live_steps, args.warmup_steps, split, train_tokens), "process_s": wall_s}
         results = client.wait("live", [job["job_id"] for job in rest], timeout=60)
         report["extraction_while_training"] = extraction(results, bulk["wall"])
