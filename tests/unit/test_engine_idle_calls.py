@@ -23,12 +23,12 @@ def engine(tiny_models):
 
 
 def _order_after_gate(engine: Engine, idle_within_s: float, hurry: bool = False) -> list[str]:
-    """With the engine thread held in a call, queue idle work, then two one-job batches; let go and
+    """With the engine thread held in earlier idle work, queue idle work, then two one-job batches; let go and
     return the order the work ran in."""
     order: list[str] = []
     engine.on_batch = lambda jobs, tokens: order.append("batch")
     gate, held = threading.Event(), threading.Event()
-    engine.call(lambda: (held.set(), gate.wait(30)))
+    engine.call_when_idle(lambda: (held.set(), gate.wait(30)), 0)
     assert held.wait(30)
     idle = engine.call_when_idle(lambda: order.append("idle"), idle_within_s)
     slices = [future for future in engine.submit_many([EngineRequest(torch.arange(1, 9), [1]) for _ in range(2)])]
@@ -54,7 +54,7 @@ def test_idle_work_runs_before_the_engine_stops(tiny_models):
     loaded = load_model(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu")
     engine = Engine(loaded, token_budget=64)
     gate = threading.Event()
-    engine.call(lambda: gate.wait(30))
+    engine.call_when_idle(lambda: gate.wait(30), 0)
     idle = engine.call_when_idle(lambda: "measured", 3600)
     stopper = threading.Thread(target=engine.stop)
     stopper.start()

@@ -32,10 +32,10 @@ message's attempts only then); the place is left when the first block ends.
 (:class:`AdmissionClosed`) and to later ones; what is queued still runs. So a worker holds at
 most ``MAX_PREPARING`` messages beyond those whose jobs are queued here or later.
 
-Other work that needs the model outside a batch goes to the engine thread too: :meth:`Engine.call`
-runs before the next batch is formed; :meth:`Engine.call_when_idle` (a run's sampled row, run alone)
-runs once no batch work is queued, or before the next batch once its time is up, so it holds up
-no batch while work keeps coming. Both run before the engine stops.
+Other work that needs the model outside a batch goes to the engine thread too
+(:meth:`Engine.call_when_idle`: a run's sampled row, run alone): it runs once no batch work is
+queued, or before the next batch once its time is up, so it holds up no batch while work keeps
+coming; and before the engine stops.
 
 Out of memory on a batch splits it in halves and retries; a single request that still
 does not fit fails with :class:`~layertap.worker.engine.errors.OutOfMemory`. The engine raises only
@@ -106,7 +106,6 @@ class Engine:
         self._places: set[int] = set()  # threads holding a place (preparing()); at most MAX_PREPARING
         self._admitting = True  # False once close_admission() was called
         self._together: deque[list[EngineRequest]] = deque()  # batches asked for as they are
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # work for this thread between batches
         self._idle_calls: deque[tuple[Callable[[], Any], Future, float]] = deque()  # (work, future, due) when idle
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # the engine thread waits here for work
@@ -147,19 +146,6 @@ class Engine:
                 self._pending_tokens += sum(request.num_tokens for request in requests)
             self._cond.notify()
         return [request.future for request in requests]
-
-    def call(self, work: Callable[[], Any]) -> Future:
-        """Run ``work()`` on the engine thread, which owns the model, before the next batch (work that
-        uses the model outside a batch: a sampled row run alone); its future holds what it returns or
-        raises. Raises :class:`EngineStopped` once the engine is stopping."""
-        future: Future = Future()
-        with self._cond:
-            if self._stopping:
-                raise EngineStopped("the engine is shutting down")
-            self._calls.append((work, future))
-            self._cond.notify()
-        self._staging.wake()  # the engine thread may be waiting for a free host buffer
-        return future
 
     def call_when_idle(self, work: Callable[[], Any], within_s: float) -> Future:
         """Run ``work()`` on the engine thread once no batch work is queued, or before the next batch
@@ -302,9 +288,8 @@ class Engine:
         with self._cond:
             self.fatal, self._stopping = exc, True
             pending = [*self._pending, *(request for batch in self._together for request in batch)]
-            calls = [*self._calls, *((work, future) for work, future, _ in self._idle_calls)]
-            self._pending, self._together, self._calls, self._pending_tokens = deque(), deque(), deque(), 0
-            self._idle_calls = deque()
+            calls = [(work, future) for work, future, _ in self._idle_calls]
+            self._pending, self._together, self._idle_calls, self._pending_tokens = deque(), deque(), deque(), 0
             self._room.notify_all()
         for request in pending:
             request.future.set_exception(DeviceFault(f"device fault on this worker: {exc}"))
@@ -315,7 +300,7 @@ class Engine:
 
     def _idle_work_due(self) -> bool:
         """Whether :meth:`call_when_idle` work is to run now: no batch work is queued, or the oldest
-        is due."""
+        is due (also read without the lock, under the host buffers' own: a hint to look again)."""
         try:
             due = self._idle_calls[0][2]
         except IndexError:
@@ -323,16 +308,13 @@ class Engine:
         return not self._pending and not self._together or due <= time.monotonic()
 
     def _run_calls(self) -> None:
-        """Run the queued :meth:`call` work, in order, then the :meth:`call_when_idle` work that is to
-        run now (a device fault in one is the engine's)."""
+        """Run the :meth:`call_when_idle` work that is to run now, in order (a device fault in one is
+        the engine's)."""
         while True:
             with self._cond:
-                if self._calls:
-                    work, future = self._calls.popleft()
-                elif self._idle_work_due():
-                    work, future, _ = self._idle_calls.popleft()
-                else:
+                if not self._idle_work_due():
                     return
+                work, future, _ = self._idle_calls.popleft()
             try:
                 future.set_result(work())
             except Exception as exc:
@@ -342,15 +324,14 @@ class Engine:
 
     def _next_batch(self) -> list[EngineRequest] | None:
         """The next batch, formed once a host buffer is free for it (None: stopped, nothing queued;
-        empty: only :meth:`call` work is queued)."""
+        empty: only :meth:`call_when_idle` work is queued)."""
         with self._cond:
-            while (not self._pending and not self._together and not self._calls and not self._idle_calls
-                   and not self._stopping):
+            while not self._pending and not self._together and not self._idle_calls and not self._stopping:
                 self._cond.wait()
             if not self._pending and not self._together:
-                return [] if self._calls or self._idle_calls else None
+                return [] if self._idle_calls else None
         waited = time.perf_counter()
-        while not self._staging.wait_free(self._calls_due):  # call work runs while writers are behind
+        while not self._staging.wait_free(self._idle_work_due):  # call work runs while writers are behind
             self._run_calls()
         self.stats.buffer_wait_s += time.perf_counter() - waited
         with self._cond:
@@ -378,11 +359,6 @@ class Engine:
             self._pending_tokens -= sum(request.num_tokens for request in batch)
             self._room.notify_all()
             return batch
-
-    def _calls_due(self) -> bool:
-        """Whether call work waits (read without the lock, under the host buffers' own: a hint that
-        makes the engine look again)."""
-        return bool(self._calls) or self._idle_work_due()
 
     def _policy(self, images: bool) -> BatchPolicy:
         """The policy of a batch of text jobs, or of chats with images (their layout, the same limits)."""

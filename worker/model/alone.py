@@ -7,7 +7,7 @@ through all of its layers, eagerly (layers the engine compiled run their eager c
 user's ``model(input_ids)`` runs. Hooks read vLLM's convention
 (``layertap.protocol.layers``): id ``i < L`` is the input of decoder layer ``i``, id ``L`` the output of
 the last one. Nothing of the engine's batching, layouts or capture buffers is used. Run it on the
-engine thread (``Engine.call``): it switches the attention implementation for its forward.
+engine thread (``Engine.call_when_idle``): it switches the attention implementation for its forward.
 :func:`start_alone_states` never waits for the device: the states come back through pinned host
 memory, and :meth:`AloneStates.result` (any thread) waits for them, so the engine thread goes on
 launching batches while the row runs.
