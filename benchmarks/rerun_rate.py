@@ -3,6 +3,7 @@ against the storage's own read rate over the same files.
 
     python benchmarks/rerun_rate.py --model shape:qwen3-8b --device cuda --dtype bfloat16 --rows 10000 \\
         --min-len 16 --max-len 128 --storage /dev/shm/rerun --out rerun.json
+    python benchmarks/rerun_rate.py --cold --storage /var/tmp/rerun ...   # files read from the disk, not memory
     python benchmarks/rerun_rate.py          # a CPU smoke run: shape:qwen3-tiny, 256 rows
 
 One model loaded once, the worker's own job processor in this process (``certificate_cost``'s
@@ -13,12 +14,18 @@ bytes/s, and the process's CPU seconds per row (``cpu_us_per_row``: all threads,
 The storage's read rate over the same files, on ``--callers`` threads: the raw bytes (plain reads),
 the check a disk answer makes (``Storage.verify``: header, identity, every tensor's CRC-32), and
 layertap's reader (``load_hidden_states``, checksums verified).
+
+``--cold``: before each measured pass every file is written back and dropped from the page cache
+(``posix_fadvise(DONTNEED)``), so the pass reads the storage itself, not memory; each pass reports
+the share of the files' pages that were cached when it began (``mincore``), to show the drop held.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -64,26 +71,79 @@ def read_verified(storage: Storage, path: Path) -> int:
     return path.stat().st_size
 
 
+def drop_cached(files: list[Path]) -> None:
+    """Write every file back to the storage and drop its pages from the page cache."""
+    os.sync()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def cached_share(files: list[Path]) -> float:
+    """The share of the files' pages in the page cache now (``mincore`` over a read-only mapping)."""
+    page, cached, total = mmap.PAGESIZE, 0, 0
+    for path in files:
+        size = path.stat().st_size
+        if not size:
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if address in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of {path}")
+            pages = (size + page - 1) // page
+            vector = ctypes.create_string_buffer(pages)
+            try:
+                if _LIBC.mincore(address, size, vector) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {path}")
+            finally:
+                _LIBC.munmap(address, size)
+            cached += sum(byte & 1 for byte in vector.raw)
+            total += pages
+        finally:
+            os.close(fd)
+    return cached / total if total else 0.0
+
+
 def cpu_seconds() -> float:
     """This process's CPU seconds so far, all threads, user and system."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
 
+def cache_state(files: list[Path], cold: bool) -> dict[str, float]:
+    """With ``cold``, the files dropped from the page cache; the share of their pages cached now."""
+    if cold:
+        drop_cached(files)
+    return {"cached_share_at_start": cached_share(files)}
+
+
 def rerun_part(processor: Any, prompts: list[list[int]], layers: list[int], run_bytes: int,
-               args: argparse.Namespace) -> dict[str, Any]:
+               args: argparse.Namespace, files: list[Path]) -> dict[str, Any]:
     """``answered_part`` of the run sent again, with the CPU it took per row."""
+    cache = cache_state(files, args.cold)
     cpu = cpu_seconds()
     part = answered_part(processor, prompts, "run", {"layers": layers}, run_bytes, args)
-    return {**part, "cpu_us_per_row": (cpu_seconds() - cpu) / part["rows"] * 1e6}
+    return {**part, **cache, "cpu_us_per_row": (cpu_seconds() - cpu) / part["rows"] * 1e6}
 
 
-def read_rate(files: list[Path], read: Any, threads: int) -> dict[str, float]:
+def read_rate(files: list[Path], read: Any, threads: int, cold: bool) -> dict[str, float]:
+    cache = cache_state(files, cold)
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(read, files))
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "bytes_per_s": total / seconds, "rows_per_s": len(files) / seconds}
+    return {"seconds": seconds, "bytes_per_s": total / seconds, "rows_per_s": len(files) / seconds, **cache}
 
 
 def main() -> None:
@@ -97,6 +157,8 @@ def main() -> None:
                         help="default: 4 layers spread over the model, ending with L")
     parser.add_argument("--storage", default="rerun-bench-files", help="a folder, emptied first and last")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the files from the page cache before each measured pass (reads the storage)")
     args = parser.parse_args()
 
     loaded, layers = model_and_layers(args, args.layers)
@@ -108,7 +170,7 @@ def main() -> None:
     report: dict[str, Any] = {"model": args.model, "device": str(loaded.device), "dtype": str(loaded.dtype),
                               "rows": args.rows, "tokens": sum(map(len, prompts)), "layers": layers,
                               "callers": args.callers, "bundle": args.bundle, "cores": os.cpu_count(),
-                              "examine_threads": EXAMINE_THREADS}
+                              "examine_threads": EXAMINE_THREADS, "cold": args.cold}
     try:
         processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
         busy, batches = processor.engine.busy_seconds(), processor.engine.stats.batches
@@ -119,11 +181,11 @@ def main() -> None:
                                "rows_per_s": len(results) / seconds, "bytes": run_bytes,
                                "forwards": processor.engine.stats.batches - batches,
                                "device_s": processor.engine.busy_seconds() - busy}
-        report["rerun"] = rerun_part(processor, prompts, layers, run_bytes, args)
-        report["read_raw"] = read_rate(files, read_raw, args.callers)
-        report["read_verified"] = read_rate(files, partial(read_verified, processor.storage), args.callers)
-        report["read_layertap"] = read_rate(files, read_layertap, args.callers)
-        report["rerun_again"] = rerun_part(processor, prompts, layers, run_bytes, args)
+        report["rerun"] = rerun_part(processor, prompts, layers, run_bytes, args, files)
+        report["read_raw"] = read_rate(files, read_raw, args.callers, args.cold)
+        report["read_verified"] = read_rate(files, partial(read_verified, processor.storage), args.callers, args.cold)
+        report["read_layertap"] = read_rate(files, read_layertap, args.callers, args.cold)
+        report["rerun_again"] = rerun_part(processor, prompts, layers, run_bytes, args, files)
     finally:
         processor.close()
         shutil.rmtree(storage, ignore_errors=True)
@@ -139,10 +201,11 @@ def main() -> None:
         part = report[name]
         print(f"{name}: {part['forwards']} forwards, {part['device_s']:.3f} device s, {part['rows_per_s']:,.0f} rows/s, "
               f"{part['read_bytes_per_s'] / 1e9:.2f} GB/s, {part['cpu_us_per_row']:,.0f} CPU us a row; "
-              f"{part['from_disk']} of {part['rows']} from disk")
+              f"{part['from_disk']} of {part['rows']} from disk; {part['cached_share_at_start']:.0%} cached at start")
     for name in ("read_raw", "read_verified", "read_layertap"):
         part = report[name]
-        print(f"{name} ({args.callers} threads): {part['rows_per_s']:,.0f} rows/s, {part['bytes_per_s'] / 1e9:.2f} GB/s")
+        print(f"{name} ({args.callers} threads): {part['rows_per_s']:,.0f} rows/s, {part['bytes_per_s'] / 1e9:.2f} GB/s; "
+              f"{part['cached_share_at_start']:.0%} cached at start")
 
 
 if __name__ == "__main__":
