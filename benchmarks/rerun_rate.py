@@ -10,10 +10,14 @@ One model loaded once, the worker's own job processor in this process (``certifi
 harness: bundles of ``--bundle`` jobs, ``--callers`` at once). The run is computed once (its
 forwards, device seconds and tokens/s), then sent again as the same run (same job ids): the
 worker's batch counter and busy time (what its heartbeat reports) over the re-run, its rows/s and
-bytes/s, and the process's CPU seconds per row (``cpu_us_per_row``: all threads, user and system).
+bytes/s, and the process's CPU seconds per row (``cpu_us_per_row``: all threads, user and system;
+not the helper processes').
 The storage's read rate over the same files, on ``--callers`` threads: the raw bytes (plain reads),
 the check a disk answer makes (``Storage.verify``: header, identity, every tensor's CRC-32), and
 layertap's reader (``load_hidden_states``, checksums verified).
+
+``--examine-processes N`` (default: one per core but one) also runs the re-run twice with the files
+checked in N helper processes (the worker's ``examine_processes``) instead of threads; 0: not.
 
 ``--cold``: before each measured pass every file is written back and dropped from the page cache
 (``posix_fadvise(DONTNEED)``), so the pass reads the storage itself, not memory; each pass reports
@@ -45,7 +49,7 @@ from layertap.storage.base import Storage  # noqa: E402
 from layertap.worker.bench.measure import dir_bytes  # noqa: E402
 from layertap.worker.bench.prompts import random_prompts  # noqa: E402
 from layertap.worker.extractor import build_processor  # noqa: E402
-from layertap.worker.job.writer import EXAMINE_THREADS  # noqa: E402
+from layertap.worker.job.examiners import EXAMINE_THREADS, Examiners  # noqa: E402
 
 CHUNK = 16 << 20
 
@@ -157,6 +161,8 @@ def main() -> None:
                         help="default: 4 layers spread over the model, ending with L")
     parser.add_argument("--storage", default="rerun-bench-files", help="a folder, emptied first and last")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument("--examine-processes", type=int, default=EXAMINE_THREADS,
+                        help="also re-run with the files checked in this many helper processes (0: not)")
     parser.add_argument("--cold", action="store_true",
                         help="drop the files from the page cache before each measured pass (reads the storage)")
     args = parser.parse_args()
@@ -170,7 +176,8 @@ def main() -> None:
     report: dict[str, Any] = {"model": args.model, "device": str(loaded.device), "dtype": str(loaded.dtype),
                               "rows": args.rows, "tokens": sum(map(len, prompts)), "layers": layers,
                               "callers": args.callers, "bundle": args.bundle, "cores": os.cpu_count(),
-                              "examine_threads": EXAMINE_THREADS, "cold": args.cold}
+                              "examine_threads": EXAMINE_THREADS, "examine_processes": args.examine_processes,
+                              "cold": args.cold}
     try:
         processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
         busy, batches = processor.engine.busy_seconds(), processor.engine.stats.batches
@@ -186,6 +193,11 @@ def main() -> None:
         report["read_verified"] = read_rate(files, partial(read_verified, processor.storage), args.callers, args.cold)
         report["read_layertap"] = read_rate(files, read_layertap, args.callers, args.cold)
         report["rerun_again"] = rerun_part(processor, prompts, layers, run_bytes, args, files)
+        if args.examine_processes:
+            processor.examiners = Examiners(args.examine_processes)
+            processor.examiners.examine_many([(str(files[0]), "", "")], processor.storage)  # the helpers started
+            for name in ("rerun_processes", "rerun_processes_again"):
+                report[name] = rerun_part(processor, prompts, layers, run_bytes, args, files)
     finally:
         processor.close()
         shutil.rmtree(storage, ignore_errors=True)
@@ -194,10 +206,12 @@ def main() -> None:
     first = report["first_run"]
     print(f"{report['model']} on {report['device']} ({report['dtype']}), {args.rows} rows, {report['tokens']} tokens, "
           f"layers {layers}, {first['bytes'] / 1e9:.2f} GB of files ({first['bytes'] / args.rows / 1e6:.2f} MB a row); "
-          f"{report['cores']} cores, {report['examine_threads']} examiner threads")
+          f"{report['cores']} cores, {report['examine_threads']} examiner threads, {args.examine_processes} helper processes")
     print(f"first run: {first['forwards']} forwards, {first['device_s']:.2f} device s, {first['tokens_per_s']:,.0f} "
           f"tokens/s, {first['rows_per_s']:,.0f} rows/s")
-    for name in ("rerun", "rerun_again"):
+    for name in ("rerun", "rerun_again", "rerun_processes", "rerun_processes_again"):
+        if name not in report:
+            continue
         part = report[name]
         print(f"{name}: {part['forwards']} forwards, {part['device_s']:.3f} device s, {part['rows_per_s']:,.0f} rows/s, "
               f"{part['read_bytes_per_s'] / 1e9:.2f} GB/s, {part['cpu_us_per_row']:,.0f} CPU us a row; "

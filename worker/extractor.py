@@ -24,6 +24,7 @@ from layertap.storage.registry import storage_for
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.scheduler import MAX_PADDING
 from layertap.worker.engine.self_check import check_prefix_sharing, check_with_fallback
+from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.reuse import CaptureIndex
@@ -44,8 +45,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     compile_layers: bool = False, images_root: Path | None = None,
                     on_fatal: Callable[[BaseException], None] | None = None,
                     tower_graphs: int = tower_graph_sizes, prefix_sharing: bool = True,
-                    sampling: SamplingPlan | None = None, captures: CaptureIndex | None = None
-                    ) -> JobProcessor:
+                    sampling: SamplingPlan | None = None, captures: CaptureIndex | None = None,
+                    examine_processes: int = 0) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
     The engine passes the batching self-check first (``layertap.worker.engine.self_check``), falling back
@@ -56,7 +57,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     ``prefix_sharing`` (and the load-time prefix check passed), a row that begins with a longer row
     of its batch is sliced from it (``layertap.worker.engine.prefix_share``). ``sampling``: the rows
     measured for the runs' certificates (``layertap.worker.job.sampling``;
-    None: none); ``captures``: the index jobs are answered from without a forward (``reuse``; None: none)."""
+    None: none); ``captures``: the index jobs are answered from without a forward (``reuse``; None: none);
+    ``examine_processes``: helper processes checking files on a local storage (``examiners``; 0: threads)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 
@@ -85,7 +87,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
         sampler = Sampler(engine, worker_name, worker_facts(loaded, report, sampling.every, sampling.minimum),
                           sampling.book, every=sampling.every, minimum=sampling.minimum, within_s=sampling.within_s)
     return JobProcessor(loaded, engine, preparer, storage_for(storage_root), worker_name, writer_threads,
-                        self_check=report, sampler=sampler, captures=captures)
+                        self_check=report, sampler=sampler, captures=captures,
+                        examiners=Examiners(examine_processes))
 
 
 class Extractor:

@@ -84,7 +84,8 @@ def run_worker(settings: Settings) -> int:
                                 sampling=SamplingPlan(LedgerSamples(client, PUBLISH_GIVE_UP_S), ws.sample_every,
                                                       ws.sample_min, ws.sample_within_s)
                                 if ws.sample_every or ws.sample_min else None,
-                                captures=LedgerCaptures(client) if ws.reuse else None)
+                                captures=LedgerCaptures(client) if ws.reuse else None,
+                                examine_processes=ws.examine_processes)
     log_image_chats(loaded, settings.images_root)
     metrics = WorkerMetrics(processor.engine, labels(worker.node, loaded), storage)
     publisher = ResultPublisher(client, sinks=build_sinks(ws.result_sinks, SinkContext(worker.node, metrics)))

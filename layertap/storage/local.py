@@ -3,7 +3,7 @@
 Writing (:meth:`LocalStorage.lock` + :meth:`LocalStorage.write`), as vLLM's readers expect:
 
 1. open ``<file>.lock`` (created if missing) and take an exclusive ``flock`` (``locking``);
-2. the writer checks what is at the final name (``layertap.worker.job.writer.examine``);
+2. the writer checks what is at the final name (``layertap.storage.examine``);
 3. write ``.<name>.<host>-<pid>.<random>.tmp`` in the same folder, fsync it, ``rename`` it over
    the final name, fsync the folder;
 4. release the lock (the lock file stays).

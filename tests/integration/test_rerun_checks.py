@@ -1,5 +1,5 @@
 """A re-run's disk answers (issue 46): the files of one call are examined side by side
-(``writer.examine_many``), every tensor's checksum read block by block; a damaged file among them
+(``examiners.Examiners``), every tensor's checksum read block by block; a damaged file among them
 is found and computed again, the others are answered from disk. Real models, real files, real damage."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 from layertap.protocol import fileformat as ff
 from layertap.protocol.schema import Job
-from layertap.worker.job.writer import EXAMINE_THREADS, write_job_file
+from layertap.worker.job.examiners import EXAMINE_THREADS
+from layertap.worker.job.writer import write_job_file
 from tests.integration.test_file_identity import assert_same_tensors, tensors_of
 
 MODEL = "tiny-qwen3"

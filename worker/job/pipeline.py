@@ -67,7 +67,9 @@ from layertap.worker.job.errors import JobError
 from layertap.worker.job.reuse import CaptureIndex, NonFinite, computed_options, derived_tensors, find_capture
 from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
-from layertap.worker.job.writer import Existing, FileTaken, OnDisk, examine_many, write_job_file
+from layertap.storage.examine import Existing, OnDisk
+from layertap.worker.job.examiners import Examiners
+from layertap.worker.job.writer import FileTaken, write_job_file
 from layertap.worker.model.fixes import fixes_of
 from layertap.worker.model.vision.inputs import image_features_note
 from layertap.worker.model.loading import LoadedModel
@@ -167,13 +169,16 @@ class JobProcessor:
 
     def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage: Storage,
                  worker_name: str, writer_threads: int = 8, self_check: CheckReport | None = None,
-                 sampler: Sampler | None = None, captures: CaptureIndex | None = None):
+                 sampler: Sampler | None = None, captures: CaptureIndex | None = None,
+                 examiners: Examiners | None = None):
         """``storage``: where files go (the worker's own root: paths never come from jobs).
         ``writer_threads``: files written at once, over all calls (each job's check, write and
         result run on one of them). ``sampler``: measures a sample of the computed rows (none:
-        no sampling); ``captures``: where files are noted to answer later jobs (none: no reuse)."""
+        no sampling); ``captures``: where files are noted to answer later jobs (none: no reuse);
+        ``examiners``: what checks the files already at the jobs' names (default: threads)."""
         self.loaded = loaded
         self.sampler, self.captures = sampler, captures
+        self.examiners = examiners or Examiners()
         self.self_check = self_check  # the engine's batching self-check, passed before any job
         self.engine = engine
         self.preparer = preparer
@@ -205,6 +210,7 @@ class JobProcessor:
         self.engine.stop()
         self._writers.shutdown(wait=True)
         self._preparers.shutdown(wait=True)
+        self.examiners.close()
 
     def awaiting_engine(self) -> int:
         """Jobs submitted to the engine whose batch has not come back yet (the watchdog reads it)."""
@@ -349,12 +355,13 @@ class JobProcessor:
 
     def _check_all(self, jobs: list[Job], queued: float | None, attempts: list[int | None]) -> list[Result | _Target]:
         """Each job's answer from disk (a redelivery), or where its file is to go, in order. The jobs'
-        files are examined side by side (``writer.examine_many``); the rest runs on this thread."""
+        files are examined side by side (``examiners``); the rest runs on this thread."""
         located = [self._guarded(job, queued, attempts[index], partial(self._locate, job))
                    for index, job in enumerate(jobs)]
         found = [(index, where) for index, where in enumerate(located) if isinstance(where, _Located)]
-        verdicts = examine_many([(where.path, where.identity[MetaKey.SPEC_HASH], where.identity[MetaKey.CONTENT_ID])
-                                 for _, where in found], self.storage)
+        verdicts = self.examiners.examine_many(
+            [(where.path, where.identity[MetaKey.SPEC_HASH], where.identity[MetaKey.CONTENT_ID]) for _, where in found],
+            self.storage)
         for (index, where), verdict in zip(found, verdicts):
             located[index] = self._guarded(jobs[index], queued, attempts[index],
                                            partial(self._check, jobs[index], where, verdict, queued, attempts[index]))
@@ -372,7 +379,7 @@ class JobProcessor:
     def _check(self, job: Job, where: _Located, verdict: Future, queued: float | None,
                attempt: int | None) -> Result | _Target:
         """A job's answer from disk (a redelivery), or where its file is to go; ``verdict``: what
-        ``writer.examine`` found at ``where``."""
+        ``storage.examine.examine`` found at ``where``."""
         path, identity = where.path, where.identity
         existing: Existing = verdict.result()
         if existing.state is OnDisk.taken and not job.replace:

@@ -1,0 +1,85 @@
+"""A re-run's disk answers checked in helper processes (``examiners.Examiners`` with processes, the
+worker's ``examine_processes``): the same verdicts as threads, a damaged file found and computed
+again, and a helper process killed mid-run costs no verdict. Real models, real files, real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from layertap.protocol import fileformat as ff
+from layertap.protocol.schema import Job
+from layertap.storage.examine import OnDisk
+from layertap.worker.job.examiners import FILES_PER_TASK, Examiners
+from tests.integration.test_file_identity import assert_same_tensors, tensors_of
+from tests.integration.test_rerun_checks import MODEL, flip_byte_in
+
+ROWS = 2 * FILES_PER_TASK + 3  # several tasks per call, the last one short
+
+
+@pytest.fixture()
+def finished_run(tiny_models, tmp_path):
+    """An extractor whose files check in 2 helper processes, and the jobs of a finished run of it."""
+    from layertap.worker import Extractor
+
+    extractor = Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu", storage_root=str(tmp_path))
+    extractor.processor.examiners = Examiners(processes=2)
+    try:
+        jobs = [Job.model_validate(extractor.job(f"row {index} of a finished run", "rerun")) for index in range(ROWS)]
+        first = extractor.processor.process_many(jobs)
+        assert all(result.ok and not result.cached for result in first)
+        yield extractor, jobs, first
+    finally:
+        extractor.close()
+
+
+def test_files_checked_in_helper_processes_answer_a_rerun_and_a_damaged_one_is_computed_again(finished_run):
+    extractor, jobs, first = finished_run
+    damaged = ROWS - 2  # in the last task
+    expected = tensors_of(first[damaged].path)
+    flip_byte_in(first[damaged].path, ff.HIDDEN_STATES, 0.5)
+    again = extractor.processor.process_many(jobs)
+    assert all(result.ok for result in again)
+    assert [result.cached for result in again] == [index != damaged for index in range(ROWS)]
+    assert [(r.path, r.num_tokens, r.layers, r.dtype, r.spec_hash) for r in again] == [
+        (r.path, r.num_tokens, r.layers, r.dtype, r.spec_hash) for r in first]
+    assert_same_tensors(again[damaged].path, expected)
+
+
+def test_helper_processes_give_the_verdicts_threads_give(finished_run):
+    extractor, jobs, first = finished_run
+    storage = extractor.processor.storage
+    identity = ff.read_file_header(first[0].path).metadata
+    requests = [(result.path, identity[ff.MetaKey.SPEC_HASH] if index == 0 else "another job",
+                 identity[ff.MetaKey.CONTENT_ID]) for index, result in enumerate(first)]
+    requests.append((str(storage.locate("rerun", "never-written")), "x", "y"))
+    flip_byte_in(first[3].path, ff.TOKEN_IDS, 0.0)
+    in_processes = [future.result() for future in Examiners(processes=2).examine_many(requests, storage)]
+    on_threads = [future.result() for future in Examiners().examine_many(requests, storage)]
+    assert in_processes == on_threads
+    assert [verdict.state for verdict in in_processes] == (
+        [OnDisk.matches, OnDisk.taken, OnDisk.taken, OnDisk.damaged] + [OnDisk.taken] * (ROWS - 4) + [OnDisk.missing])
+    assert "checksum mismatch in tensor 'token_ids'" in in_processes[3].reason
+
+
+def test_a_helper_process_killed_mid_call_costs_no_verdict(finished_run):
+    """The one helper process held still (SIGSTOP) while a re-run waits on it, then killed (SIGKILL,
+    as the kernel's OOM killer would): every job of the call still gets its answer from disk, the
+    files left unchecked being examined on threads, and the next call starts a new helper."""
+    extractor, jobs, _ = finished_run
+    examiners = extractor.processor.examiners = Examiners(processes=1)
+    extractor.processor.process_many(jobs[:1])  # the helper process is started
+    [helper] = list(examiners._pool._processes)  # noqa: SLF001 (the test stops and kills the real process)
+    os.kill(helper, signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as caller:
+        rerun = caller.submit(extractor.processor.process_many, jobs)
+        time.sleep(1)  # the call waits on the stopped helper (or, if later, finds the pool broken)
+        os.kill(helper, signal.SIGKILL)
+        again = rerun.result(timeout=120)
+    assert all(result.ok and result.cached for result in again)
+    assert all(result.ok and result.cached for result in extractor.processor.process_many(jobs))
+    assert helper not in examiners._pool._processes  # noqa: SLF001
