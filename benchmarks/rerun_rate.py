@@ -194,8 +194,8 @@ def main() -> None:
         report["read_layertap"] = read_rate(files, read_layertap, args.callers, args.cold)
         report["rerun_again"] = rerun_part(processor, prompts, layers, run_bytes, args, files)
         if args.examine_processes:
+            processor.examiners.close()
             processor.examiners = Examiners(args.examine_processes)
-            processor.examiners.examine_many([(str(files[0]), "", "")], processor.storage)  # the helpers started
             for name in ("rerun_processes", "rerun_processes_again"):
                 report[name] = rerun_part(processor, prompts, layers, run_bytes, args, files)
     finally:

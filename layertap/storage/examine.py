@@ -1,14 +1,17 @@
 """What is at a job's final name against what the job would write there (step 2 of the file-level
 protocol in ``layertap.worker.job.writer``), and the same for many files of one local folder in a
-helper process, JSON in and out (:func:`examine_local_json`). Torch-free: helper processes that
-import only this start in milliseconds."""
+helper process (``python -m layertap.storage.examine``: a JSON request per line on stdin, the JSON
+verdicts per line on stdout; :func:`examine_local_json`). Torch-free: a helper starts in a fraction
+of a second."""
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TextIO
 
 from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey
 from layertap.storage.base import Storage
@@ -89,3 +92,15 @@ def _to_json(existing: Existing) -> dict:
     return {"state": existing.state.value, "reason": existing.reason,
             "header": None if header is None else {"path": str(header.path), "tensors": header.tensors,
                                                    "metadata": header.metadata, "data_start": header.data_start}}
+
+
+def serve(requests: TextIO, answers: TextIO) -> None:
+    """A helper process's loop: :func:`examine_local_json` of each line of ``requests``, its answer a
+    line of ``answers``, until ``requests`` ends."""
+    for line in requests:
+        answers.write(examine_local_json(line) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.stdin, sys.stdout)

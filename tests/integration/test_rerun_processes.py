@@ -1,20 +1,24 @@
 """A re-run's disk answers checked in helper processes (``examiners.Examiners`` with processes, the
 worker's ``examine_processes``): the same verdicts as threads, a damaged file found and computed
-again, and a helper process killed mid-run costs no verdict. Real models, real files, real processes."""
+again, a helper process killed mid-call costs no verdict, and helpers that cannot start leave the
+files to threads. Real models, real files, real processes."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 
 from layertap.protocol import fileformat as ff
 from layertap.protocol.schema import Job
 from layertap.storage.examine import OnDisk
-from layertap.worker.job.examiners import FILES_PER_TASK, Examiners
+from layertap.worker.job import examiners as examiners_module
+from layertap.worker.job.examiners import FILES_PER_TASK, HELPER, Examiners
 from tests.integration.test_file_identity import assert_same_tensors, tensors_of
 from tests.integration.test_rerun_checks import MODEL, flip_byte_in
 
@@ -27,6 +31,7 @@ def finished_run(tiny_models, tmp_path):
     from layertap.worker import Extractor
 
     extractor = Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu", storage_root=str(tmp_path))
+    extractor.processor.examiners.close()
     extractor.processor.examiners = Examiners(processes=2)
     try:
         jobs = [Job.model_validate(extractor.job(f"row {index} of a finished run", "rerun")) for index in range(ROWS)]
@@ -48,6 +53,7 @@ def test_files_checked_in_helper_processes_answer_a_rerun_and_a_damaged_one_is_c
     assert [(r.path, r.num_tokens, r.layers, r.dtype, r.spec_hash) for r in again] == [
         (r.path, r.num_tokens, r.layers, r.dtype, r.spec_hash) for r in first]
     assert_same_tensors(again[damaged].path, expected)
+    assert helper_pids()  # checked in helpers, not on threads
 
 
 def test_helper_processes_give_the_verdicts_threads_give(finished_run):
@@ -58,12 +64,18 @@ def test_helper_processes_give_the_verdicts_threads_give(finished_run):
                  identity[ff.MetaKey.CONTENT_ID]) for index, result in enumerate(first)]
     requests.append((str(storage.locate("rerun", "never-written")), "x", "y"))
     flip_byte_in(first[3].path, ff.TOKEN_IDS, 0.0)
-    in_processes = [future.result() for future in Examiners(processes=2).examine_many(requests, storage)]
+    in_processes = [future.result() for future in extractor.processor.examiners.examine_many(requests, storage)]
     on_threads = [future.result() for future in Examiners().examine_many(requests, storage)]
+    assert helper_pids()
     assert in_processes == on_threads
     assert [verdict.state for verdict in in_processes] == (
         [OnDisk.matches, OnDisk.taken, OnDisk.taken, OnDisk.damaged] + [OnDisk.taken] * (ROWS - 4) + [OnDisk.missing])
     assert "checksum mismatch in tensor 'token_ids'" in in_processes[3].reason
+
+
+def helper_pids() -> set[int]:
+    """The helper processes (``python -m layertap.storage.examine``) this process started."""
+    return {child.pid for child in psutil.Process().children() if HELPER[1:] == child.cmdline()[1:]}
 
 
 def test_a_helper_process_killed_mid_call_costs_no_verdict(finished_run):
@@ -71,15 +83,28 @@ def test_a_helper_process_killed_mid_call_costs_no_verdict(finished_run):
     as the kernel's OOM killer would): every job of the call still gets its answer from disk, the
     files left unchecked being examined on threads, and the next call starts a new helper."""
     extractor, jobs, _ = finished_run
-    examiners = extractor.processor.examiners = Examiners(processes=1)
+    extractor.processor.examiners.close()
+    extractor.processor.examiners = Examiners(processes=1)
     extractor.processor.process_many(jobs[:1])  # the helper process is started
-    [helper] = list(examiners._pool._processes)  # noqa: SLF001 (the test stops and kills the real process)
+    [helper] = helper_pids()
     os.kill(helper, signal.SIGSTOP)
     with ThreadPoolExecutor(1) as caller:
         rerun = caller.submit(extractor.processor.process_many, jobs)
-        time.sleep(1)  # the call waits on the stopped helper (or, if later, finds the pool broken)
+        time.sleep(1)  # the call waits on the stopped helper (or, if it comes later, finds it gone)
         os.kill(helper, signal.SIGKILL)
         again = rerun.result(timeout=120)
     assert all(result.ok and result.cached for result in again)
     assert all(result.ok and result.cached for result in extractor.processor.process_many(jobs))
-    assert helper not in examiners._pool._processes  # noqa: SLF001
+    assert len(helper_pids() - {helper}) == 1  # a new helper answered the last call
+
+
+def test_helpers_that_cannot_start_leave_every_file_to_threads(finished_run, monkeypatch, caplog):
+    """A helper command that fails at once (its module missing, say): the files are examined on
+    threads, this call and the next, and it is logged once."""
+    extractor, jobs, _ = finished_run
+    monkeypatch.setattr(examiners_module, "HELPER", [sys.executable, "-m", "layertap.no_such_module"])
+    extractor.processor.examiners.close()
+    extractor.processor.examiners = Examiners(processes=2)
+    for _ in range(2):
+        assert all(result.ok and result.cached for result in extractor.processor.process_many(jobs))
+    assert [record.levelname for record in caplog.records if "cannot run here" in record.getMessage()] == ["ERROR"]

@@ -2,24 +2,26 @@
 re-run's disk answers need: on threads, or, for a local storage and ``processes`` > 0, in that many
 helper processes, so the checks' Python (header parsing, identity) runs outside this process's GIL.
 
-The helper processes start lazily, from a ``forkserver`` that imports only the torch-free
-``layertap.storage.examine`` (never a fork of the worker, its threads or its CUDA context); they get
-and give JSON. If one dies, the call's files still missing a verdict are examined on threads and
-the next call starts a new set."""
+A helper process is ``python -m layertap.storage.examine`` (torch-free; never a fork of the worker,
+its threads or its CUDA context), given the files of a task as a JSON line and answering a JSON
+line. The helpers start with the first call that needs them. A helper that dies fails only its
+task: those files are examined on threads, and the next task starts a new helper; helpers that
+cannot start at all leave every call to threads (logged once)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
+import queue
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from layertap.storage.base import Storage
-from layertap.storage.examine import examine, examine_local_json, verdict_from_json
+from layertap.storage.examine import examine, verdict_from_json
 from layertap.storage.local import LocalStorage
 
 log = logging.getLogger(__name__)
@@ -28,11 +30,16 @@ log = logging.getLogger(__name__)
 #: calling thread being one of them. Their reads and CRC-32s run outside the GIL.
 EXAMINE_THREADS = max(1, (os.cpu_count() or 1) - 1)
 _THREADS = ThreadPoolExecutor(max_workers=EXAMINE_THREADS, thread_name_prefix="layertap-examine")
-#: Files one helper process is given at a time (a call's files are spread over the processes in
-#: runs of at most this many, so a few slow files do not hold one process's whole share).
+#: Files one helper process is given at a time (a call's files are spread over the helpers in runs
+#: of at most this many, so a few slow files do not hold one helper's whole share).
 FILES_PER_TASK = 16
+HELPER = [sys.executable, "-m", "layertap.storage.examine"]
 
 Request = tuple[str, str, str]  # (path, spec_hash, content_id)
+
+
+class HelperGone(RuntimeError):
+    """A helper process ended before it answered a task."""
 
 
 class Examiners:
@@ -41,45 +48,54 @@ class Examiners:
 
     def __init__(self, processes: int = 0):
         self.processes = processes
-        self._pool: ProcessPoolExecutor | None = None
+        self._tasks: queue.Queue[tuple[str, Future] | None] = queue.Queue()
+        self._feeders: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._unavailable = False
 
     def examine_many(self, requests: Sequence[Request], storage: Storage) -> list[Future]:
         """``examine`` of each ``(path, spec_hash, content_id)`` in ``storage``; returns when all are
         done. Each future holds its ``Existing``, or what its check raised for it alone."""
         verdicts: list[Future] = [Future() for _ in requests]
-        left = range(len(requests))
-        if self.processes > 0 and isinstance(storage, LocalStorage) and requests:
-            left = self._in_processes(requests, verdicts, str(storage.root))
+        left: Sequence[int] = range(len(requests))
+        if requests and isinstance(storage, LocalStorage) and self._started():
+            left = self._in_helpers(requests, verdicts, str(storage.root))
         if left:
             _on_threads([requests[index] for index in left], [verdicts[index] for index in left], storage)
         return verdicts
 
     def close(self) -> None:
-        """Stop the helper processes (a later call starts new ones)."""
+        """Stop the helper processes (each ends its task first)."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            feeders, self._feeders = self._feeders, []
+        for _ in feeders:
+            self._tasks.put(None)
+        for feeder in feeders:
+            feeder.join()
 
-    def _in_processes(self, requests: Sequence[Request], verdicts: list[Future], root: str) -> list[int]:
-        """Examine ``requests`` in the helper processes; the indices of those left without a verdict
-        (the pool broke)."""
-        pool = self._started()
-        starts = range(0, len(requests), FILES_PER_TASK)
-        tasks = {}
-        try:
-            for start in starts:
-                payload = json.dumps({"root": root, "files": list(requests[start:start + FILES_PER_TASK])})
-                tasks[start] = pool.submit(examine_local_json, payload)
-        except BrokenProcessPool:
-            pass
-        wait(tasks.values())
+    def _started(self) -> bool:
+        """Whether helper processes examine files (started now if not yet)."""
+        with self._lock:
+            if self.processes <= 0 or self._unavailable:
+                return False
+            if not self._feeders:
+                self._feeders = [threading.Thread(target=self._feed, name=f"layertap-examine-helper-{index}",
+                                                  daemon=True) for index in range(self.processes)]
+                for feeder in self._feeders:
+                    feeder.start()
+            return True
+
+    def _in_helpers(self, requests: Sequence[Request], verdicts: list[Future], root: str) -> list[int]:
+        """Examine ``requests`` in the helper processes; the indices of those a helper did not answer."""
+        tasks = []
+        for start in range(0, len(requests), FILES_PER_TASK):
+            task: Future = Future()
+            self._tasks.put((json.dumps({"root": root, "files": list(requests[start:start + FILES_PER_TASK])}), task))
+            tasks.append((range(start, min(start + FILES_PER_TASK, len(requests))), task))
+        wait([task for _, task in tasks])
         left: list[int] = []
-        for start in starts:
-            indices = range(start, min(start + FILES_PER_TASK, len(requests)))
-            task = tasks.get(start)
-            if task is None or isinstance(task.exception(), BrokenProcessPool):
+        for indices, task in tasks:
+            if task.exception() is not None:
                 left.extend(indices)
                 continue
             for index, verdict in zip(indices, json.loads(task.result())):
@@ -88,23 +104,70 @@ class Examiners:
                 except Exception as exc:
                     verdicts[index].set_exception(exc)
         if left:
-            log.warning("a helper process examining files stopped; %d files examined on threads instead", len(left))
-            self._discard(pool)
+            log.warning("helper processes did not answer for %d files (%s); they were examined on threads",
+                        len(left), next(task.exception() for _, task in tasks if task.exception() is not None))
         return left
 
-    def _started(self) -> ProcessPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                context = multiprocessing.get_context("forkserver")
-                context.set_forkserver_preload(["layertap.storage.examine"])
-                self._pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=context)
-            return self._pool
+    def _feed(self) -> None:
+        """One helper's thread: hand it tasks in turn, a new helper after one ended; once helpers are
+        found unable to run, every task it takes fails at once (its files go to threads)."""
+        helper: subprocess.Popen | None = None
+        answered = False
+        try:
+            while (item := self._tasks.get()) is not None:
+                payload, task = item
+                if self._unavailable:
+                    task.set_exception(HelperGone("helper processes cannot run here"))
+                    continue
+                try:
+                    if helper is None:
+                        helper = _start_helper()
+                    task.set_result(_ask(helper, payload))
+                    answered = True
+                except (OSError, HelperGone) as exc:
+                    task.set_exception(HelperGone(f"a helper process ended: {exc}"))
+                    if helper is not None:
+                        _stop(helper)
+                    helper = None
+                    if not answered:  # none of this thread's helpers ever answered: they cannot run here
+                        self._give_up(exc)
+        finally:
+            if helper is not None:
+                _stop(helper)
 
-    def _discard(self, pool: ProcessPoolExecutor) -> None:
+    def _give_up(self, exc: BaseException) -> None:
         with self._lock:
-            if self._pool is pool:
-                self._pool = None
-        pool.shutdown(wait=False, cancel_futures=True)
+            if self._unavailable:
+                return
+            self._unavailable = True
+        log.error("helper processes to examine files cannot run here (%s: %s); files are examined on threads",
+                  type(exc).__name__, exc)
+
+
+def _start_helper() -> subprocess.Popen:
+    """A helper process importing what this process imports (its ``sys.path``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    return subprocess.Popen(HELPER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+                            encoding="utf-8")
+
+
+def _ask(helper: subprocess.Popen, payload: str) -> str:
+    """``payload``'s answer from ``helper``; raises :class:`HelperGone` if it ended."""
+    helper.stdin.write(payload + "\n")  # type: ignore[union-attr]
+    helper.stdin.flush()  # type: ignore[union-attr]
+    answer = helper.stdout.readline()  # type: ignore[union-attr]
+    if not answer:
+        raise HelperGone(f"exit code {helper.wait()}")
+    return answer
+
+
+def _stop(helper: subprocess.Popen) -> None:
+    try:
+        helper.stdin.close()  # type: ignore[union-attr]
+        helper.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        helper.kill()
+        helper.wait()
 
 
 def _on_threads(requests: Sequence[Request], verdicts: list[Future], storage: Storage) -> None:
