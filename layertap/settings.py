@@ -78,9 +78,9 @@ class WorkerSettings(BaseModel):
     sample_min: int = Field(default=8, ge=0)
     # seconds a sampled row waits for an idle engine before it is measured between two batches (its result is not held)
     sample_within_s: float = Field(default=MEASURE_WITHIN_S, ge=0)
-    # helper processes that check a call's files on a local storage before answering from them (a re-run):
-    # 0 = threads of the worker's own process (layertap.worker.job.examiners)
-    examine_processes: int = Field(default=0, ge=0)
+    # helper processes that check the files already at a call's jobs' names on a local storage before
+    # answering from them (a re-run); None = one per core but one, 0 = threads only (layertap.worker.job.examiners)
+    examine_processes: int | None = Field(default=None, ge=0)
     reuse: bool = True  # answer a job from a file of its capture holding its layers, with no forward (worker.job.reuse)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off
     tower_graphs: int = Field(default=64, ge=0)  # (layertap.worker.model.vision.tower_graphs.SIZES)

@@ -46,7 +46,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     on_fatal: Callable[[BaseException], None] | None = None,
                     tower_graphs: int = tower_graph_sizes, prefix_sharing: bool = True,
                     sampling: SamplingPlan | None = None, captures: CaptureIndex | None = None,
-                    examine_processes: int = 0) -> JobProcessor:
+                    examine_processes: int | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
     files go to ``storage_root`` (a folder, a URL such as ``s3://bucket/prefix``, or a Storage).
     The engine passes the batching self-check first (``layertap.worker.engine.self_check``), falling back
@@ -58,7 +58,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     of its batch is sliced from it (``layertap.worker.engine.prefix_share``). ``sampling``: the rows
     measured for the runs' certificates (``layertap.worker.job.sampling``;
     None: none); ``captures``: the index jobs are answered from without a forward (``reuse``; None: none);
-    ``examine_processes``: helper processes checking files on a local storage (``examiners``; 0: threads)."""
+    ``examine_processes``: helper processes checking files on a local storage (``examiners``;
+    None: one per core but one; 0: threads)."""
     preparer = Preparer(loaded, layers if layers is not None else eagle3_layer_ids(loaded.num_layers), limits,
                         images_root)
 

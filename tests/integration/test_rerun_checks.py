@@ -1,5 +1,5 @@
 """A re-run's disk answers (issue 46): the files of one call are examined side by side
-(``examiners.Examiners``), every tensor's checksum read block by block; a damaged file among them
+on threads (``examiners.Examiners``), every tensor's checksum read block by block; a damaged file among them
 is found and computed again, the others are answered from disk. Real models, real files, real damage."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from layertap.protocol import fileformat as ff
 from layertap.protocol.schema import Job
-from layertap.worker.job.examiners import EXAMINE_THREADS
+from layertap.worker.job.examiners import EXAMINE_THREADS, Examiners
 from layertap.worker.job.writer import write_job_file
 from tests.integration.test_file_identity import assert_same_tensors, tensors_of
 
@@ -32,6 +32,7 @@ def test_a_damaged_tensor_in_one_file_of_a_bundle_is_computed_again_and_the_othe
 
     count = 2 * (EXAMINE_THREADS + 1) + 1  # more files than examiner threads: several at once on each
     with Extractor(str(tiny_models["qwen3"]), name=MODEL, device="cpu", storage_root=str(tmp_path)) as extractor:
+        extractor.processor.examiners = Examiners(processes=0)  # threads (helper processes: test_rerun_processes)
         jobs = [Job.model_validate(extractor.job(f"row {index} of a finished run", "rerun")) for index in range(count)]
         first = extractor.processor.process_many(jobs)
         assert all(result.ok and not result.cached for result in first)

@@ -1,12 +1,14 @@
 """The files of one call examined side by side (``layertap.storage.examine.examine`` on each), as a
-re-run's disk answers need: on threads, or, for a local storage and ``processes`` > 0, in that many
-helper processes, so the checks' Python (header parsing, identity) runs outside this process's GIL.
+re-run's disk answers need: on threads, or, for the files that exist on a local storage, in helper
+processes, so the checks' Python (header parsing, identity) runs outside this process's GIL (on an
+H100 host's 16 cores, 3.6x the threads' rate for 2.35 MB files in memory, BENCHMARKS.md).
 
 A helper process is ``python -m layertap.storage.examine`` (torch-free; never a fork of the worker,
 its threads or its CUDA context), given the files of a task as a JSON line and answering a JSON
 line. The helpers start with the first call that needs them. A helper that dies fails only its
 task: those files are examined on threads, and the next task starts a new helper; helpers that
-cannot start at all leave every call to threads (logged once)."""
+cannot start at all leave every call to threads (logged once). Files not there (a first run's jobs)
+never reach a helper: no helper starts until a call finds files to check."""
 
 from __future__ import annotations
 
@@ -44,10 +46,10 @@ class HelperGone(RuntimeError):
 
 class Examiners:
     """Examines many files at once; thread-safe. ``processes``: helper processes for a local storage
-    (0: threads only)."""
+    (0: threads only; None: one per core but one)."""
 
-    def __init__(self, processes: int = 0):
-        self.processes = processes
+    def __init__(self, processes: int | None = None):
+        self.processes = EXAMINE_THREADS if processes is None else processes
         self._tasks: queue.Queue[tuple[str, Future] | None] = queue.Queue()
         self._feeders: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -57,9 +59,13 @@ class Examiners:
         """``examine`` of each ``(path, spec_hash, content_id)`` in ``storage``; returns when all are
         done. Each future holds its ``Existing``, or what its check raised for it alone."""
         verdicts: list[Future] = [Future() for _ in requests]
-        left: Sequence[int] = range(len(requests))
-        if requests and isinstance(storage, LocalStorage) and self._started():
-            left = self._in_helpers(requests, verdicts, str(storage.root))
+        left: list[int] = list(range(len(requests)))
+        if isinstance(storage, LocalStorage) and self.processes > 0:
+            there = [index for index in left if os.path.exists(requests[index][0])]
+            if there and self._started():
+                left = sorted(set(left) - set(there))
+                left += self._in_helpers([requests[index] for index in there], [verdicts[index] for index in there],
+                                         str(storage.root), there)
         if left:
             _on_threads([requests[index] for index in left], [verdicts[index] for index in left], storage)
         return verdicts
@@ -76,7 +82,7 @@ class Examiners:
     def _started(self) -> bool:
         """Whether helper processes examine files (started now if not yet)."""
         with self._lock:
-            if self.processes <= 0 or self._unavailable:
+            if self._unavailable:
                 return False
             if not self._feeders:
                 self._feeders = [threading.Thread(target=self._feed, name=f"layertap-examine-helper-{index}",
@@ -85,8 +91,10 @@ class Examiners:
                     feeder.start()
             return True
 
-    def _in_helpers(self, requests: Sequence[Request], verdicts: list[Future], root: str) -> list[int]:
-        """Examine ``requests`` in the helper processes; the indices of those a helper did not answer."""
+    def _in_helpers(self, requests: Sequence[Request], verdicts: list[Future], root: str,
+                    numbers: list[int]) -> list[int]:
+        """Examine ``requests`` in the helper processes; of ``numbers`` (the requests' own), those a
+        helper did not answer."""
         tasks = []
         for start in range(0, len(requests), FILES_PER_TASK):
             task: Future = Future()
@@ -96,7 +104,7 @@ class Examiners:
         left: list[int] = []
         for indices, task in tasks:
             if task.exception() is not None:
-                left.extend(indices)
+                left.extend(numbers[index] for index in indices)
                 continue
             for index, verdict in zip(indices, json.loads(task.result())):
                 try:
@@ -140,7 +148,7 @@ class Examiners:
             if self._unavailable:
                 return
             self._unavailable = True
-        log.error("helper processes to examine files cannot run here (%s: %s); files are examined on threads",
+        log.warning("helper processes to examine files cannot run here (%s: %s); files are examined on threads",
                   type(exc).__name__, exc)
 
 
