@@ -12,7 +12,8 @@ forwards, device seconds and tokens/s), then sent again as the same run (same jo
 worker's batch counter and busy time (what its heartbeat reports) over the re-run, its rows/s and
 bytes/s, and the process's CPU seconds per row (``cpu_us_per_row``: all threads, user and system;
 not the helper processes').
-The storage's read rate over the same files, on ``--callers`` threads: the raw bytes (plain reads),
+The storage's read rate over the same files, on ``--read-threads`` threads (default: one per core):
+the raw bytes (plain reads),
 the check a disk answer makes (``Storage.verify``: header, identity, every tensor's CRC-32), and
 layertap's reader (``load_hidden_states``, checksums verified).
 
@@ -163,6 +164,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--examine-processes", type=int, default=EXAMINE_THREADS,
                         help="also re-run with the files checked in this many helper processes (0: not)")
+    parser.add_argument("--read-threads", type=int, default=os.cpu_count() or 1,
+                        help="threads of the plain reads and checks the re-run is compared with")
     parser.add_argument("--cold", action="store_true",
                         help="drop the files from the page cache before each measured pass (reads the storage)")
     args = parser.parse_args()
@@ -171,12 +174,14 @@ def main() -> None:
     storage = Path(args.storage)
     shutil.rmtree(storage, ignore_errors=True)
     processor = build_processor(loaded, storage_root=storage, worker_name="bench", layers=None, limits=Limits(),
-                                token_budget=args.token_budget, compile_layers=args.compile)
+                                token_budget=args.token_budget, compile_layers=args.compile,
+                                examine_processes=0)  # threads first; helper processes after
     prompts = random_prompts(args.rows, args.min_len, args.max_len, loaded.vocab_size, seed=46)
     report: dict[str, Any] = {"model": args.model, "device": str(loaded.device), "dtype": str(loaded.dtype),
                               "rows": args.rows, "tokens": sum(map(len, prompts)), "layers": layers,
                               "callers": args.callers, "bundle": args.bundle, "cores": os.cpu_count(),
                               "examine_threads": EXAMINE_THREADS, "examine_processes": args.examine_processes,
+                              "read_threads": args.read_threads,
                               "cold": args.cold}
     try:
         processor.engine.warm_up(full_batch=loaded.device.type == "cuda")
@@ -189,9 +194,10 @@ def main() -> None:
                                "forwards": processor.engine.stats.batches - batches,
                                "device_s": processor.engine.busy_seconds() - busy}
         report["rerun"] = rerun_part(processor, prompts, layers, run_bytes, args, files)
-        report["read_raw"] = read_rate(files, read_raw, args.callers, args.cold)
-        report["read_verified"] = read_rate(files, partial(read_verified, processor.storage), args.callers, args.cold)
-        report["read_layertap"] = read_rate(files, read_layertap, args.callers, args.cold)
+        report["read_raw"] = read_rate(files, read_raw, args.read_threads, args.cold)
+        report["read_verified"] = read_rate(files, partial(read_verified, processor.storage), args.read_threads,
+                                            args.cold)
+        report["read_layertap"] = read_rate(files, read_layertap, args.read_threads, args.cold)
         report["rerun_again"] = rerun_part(processor, prompts, layers, run_bytes, args, files)
         if args.examine_processes:
             processor.examiners.close()
@@ -218,7 +224,7 @@ def main() -> None:
               f"{part['from_disk']} of {part['rows']} from disk; {part['cached_share_at_start']:.0%} cached at start")
     for name in ("read_raw", "read_verified", "read_layertap"):
         part = report[name]
-        print(f"{name} ({args.callers} threads): {part['rows_per_s']:,.0f} rows/s, {part['bytes_per_s'] / 1e9:.2f} GB/s; "
+        print(f"{name} ({args.read_threads} threads): {part['rows_per_s']:,.0f} rows/s, {part['bytes_per_s'] / 1e9:.2f} GB/s; "
               f"{part['cached_share_at_start']:.0%} cached at start")
 
 
