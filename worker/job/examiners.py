@@ -1,7 +1,7 @@
 """The files of one call examined side by side (``layertap.storage.examine.examine`` on each), as a
 re-run's disk answers need: on threads, or, for the files that exist on a local storage, in helper
 processes, so the checks' Python (header parsing, identity) runs outside this process's GIL (on an
-H100 host's 16 cores, 3.6x the threads' rate for 2.35 MB files in memory, BENCHMARKS.md).
+H100 host's 16 cores, 2.7-3.0x the threads' rate for 2.35 MB files in memory, BENCHMARKS.md).
 
 A helper process is ``python -m layertap.storage.examine`` (torch-free; never a fork of the worker,
 its threads or its CUDA context), given the files of a task as a JSON line and answering a JSON
@@ -71,7 +71,8 @@ class Examiners:
         return verdicts
 
     def close(self) -> None:
-        """Stop the helper processes (each ends its task first)."""
+        """Stop the helper processes (each ends its task first); call it with no call in flight. A
+        later call starts new ones."""
         with self._lock:
             feeders, self._feeders = self._feeders, []
         for _ in feeders:
@@ -132,8 +133,8 @@ class Examiners:
                         helper = _start_helper()
                     task.set_result(_ask(helper, payload))
                     answered = True
-                except (OSError, HelperGone) as exc:
-                    task.set_exception(HelperGone(f"a helper process ended: {exc}"))
+                except Exception as exc:  # never leave a task unanswered: its files go to threads
+                    task.set_exception(HelperGone(f"a helper process failed: {type(exc).__name__}: {exc}"))
                     if helper is not None:
                         _stop(helper)
                     helper = None
@@ -149,7 +150,7 @@ class Examiners:
                 return
             self._unavailable = True
         log.warning("helper processes to examine files cannot run here (%s: %s); files are examined on threads",
-                  type(exc).__name__, exc)
+                    type(exc).__name__, exc)
 
 
 def _start_helper() -> subprocess.Popen:
