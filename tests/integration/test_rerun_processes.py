@@ -1,7 +1,7 @@
 """A re-run's disk answers checked in helper processes (``examiners.Examiners`` with processes, the
 worker's ``examine_processes``): the same verdicts as threads, a damaged file found and computed
-again, a helper process killed mid-call costs no verdict, and helpers that cannot start leave the
-files to threads. Real models, real files, real processes."""
+again, a helper process killed mid-call costs no verdict, helpers that cannot start leave the files
+to threads, and a worker's helpers end with it. Real models, real files, real processes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from layertap.worker.job import examiners as examiners_module
 from layertap.worker.job.examiners import FILES_PER_TASK, HELPER, Examiners
 from tests.integration.test_file_identity import assert_same_tensors, tensors_of
 from tests.integration.test_rerun_checks import MODEL, flip_byte_in
+from tests.support.jobs import make_job, wait_for
 
 ROWS = 2 * FILES_PER_TASK + 3  # several tasks per call, the last one short
 
@@ -108,3 +109,29 @@ def test_helpers_that_cannot_start_leave_every_file_to_threads(finished_run, mon
     for _ in range(2):
         assert all(result.ok and result.cached for result in extractor.processor.process_many(jobs))
     assert [record.levelname for record in caplog.records if "cannot run here" in record.getMessage()] == ["WARNING"]
+
+
+def test_a_workers_helper_processes_end_with_it(make_worker, private_client, run_name):
+    """A real worker re-running a run checks its files in helper processes; SIGKILL the worker alone
+    (not its process group, as a crash of that process would): its helpers end too (their requests
+    end), none is left behind."""
+    client = private_client
+    worker = make_worker("helpers@localhost")
+    jobs = [make_job(run_name, f"row {index} of a run sent twice") for index in range(2 * FILES_PER_TASK)]
+    ids = [client.submit(job).job_id for job in jobs]
+    assert all(result.ok for result in client.wait(run_name, ids, timeout=120).values())
+    for job in jobs:
+        client.submit(job)
+    worker_process = psutil.Process(worker.process.pid)
+
+    def helpers() -> list[psutil.Process]:
+        return [child for child in worker_process.children() if child.cmdline()[1:] == HELPER[1:]]
+
+    wait_for(lambda: len([r for r in client.results(run_name) if r.cached]) == len(jobs), 120,
+             "every job answered again from its file")
+    started = helpers()
+    assert started
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.process.wait()
+    wait_for(lambda: all(not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE for helper in started),
+             60, "the helper processes end")

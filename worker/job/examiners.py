@@ -61,7 +61,7 @@ class Examiners:
         verdicts: list[Future] = [Future() for _ in requests]
         left: list[int] = list(range(len(requests)))
         if isinstance(storage, LocalStorage) and self.processes > 0:
-            there = [index for index in left if os.path.exists(requests[index][0])]
+            there = [index for index in left if storage.exists(requests[index][0])]
             if there and self._started():
                 left = sorted(set(left) - set(there))
                 left += self._in_helpers([requests[index] for index in there], [verdicts[index] for index in there],
