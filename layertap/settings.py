@@ -79,7 +79,8 @@ class WorkerSettings(BaseModel):
     # seconds a sampled row waits for an idle engine before it is measured between two batches (its result is not held)
     sample_within_s: float = Field(default=MEASURE_WITHIN_S, ge=0)
     # helper processes that check the files already at a call's jobs' names on a local storage before
-    # answering from them (a re-run); None = one per core but one, 0 = threads only (layertap.worker.job.examiners)
+    # answering from them (a re-run); None = one per core but one (shared out between the workers of a
+    # supervisor, --gpus), 0 = threads only (layertap.worker.job.examiners)
     examine_processes: int | None = Field(default=None, ge=0)
     reuse: bool = True  # answer a job from a file of its capture holding its layers, with no forward (worker.job.reuse)
     # image sizes whose grid vision tower (Qwen-VL style) runs as a CUDA graph in batched image forwards (GPU); 0 = off

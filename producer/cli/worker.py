@@ -87,6 +87,7 @@ def worker(
 def supervise(settings: Settings) -> int:
     """Run one child worker per GPU group; children read the same settings from the environment."""
     from layertap.worker.ops.logs import configure_logging
+    from layertap.worker.job.examiners import helpers_per_worker
     from layertap.worker.ops.supervisor import SIGKILL_GRACE_S, Supervisor, visible_gpus
 
     ws = settings.worker
@@ -94,12 +95,15 @@ def supervise(settings: Settings) -> int:
     env = {f"LAYERTAP_WORKER__{key.upper()}": json.dumps(value) if not isinstance(value, str) else value
            for key, value in ws.model_dump(mode="json", exclude={"gpus", "node_name", "model"}).items()
            if value is not None}
+    gpus = visible_gpus(ws.gpus or "all")
+    if ws.examine_processes is None:  # the host's cores shared out between its workers
+        env["LAYERTAP_WORKER__EXAMINE_PROCESSES"] = str(helpers_per_worker(max(1, len(gpus) // ws.gpus_per_worker)))
     env["LAYERTAP_STORAGE_ROOT"] = str(settings.storage_root)
     if settings.redis_url:
         env["LAYERTAP_REDIS_URL"] = settings.redis_url
     os.environ.update(env)
     device = ["--device", "cuda"] if ws.device == "auto" else []
-    supervisor = Supervisor(["--model", str(ws.model), *device], visible_gpus(ws.gpus or "all"), ws.gpus_per_worker,
+    supervisor = Supervisor(["--model", str(ws.model), *device], gpus, ws.gpus_per_worker,
                             metrics_port=ws.metrics_port,
                             kill_after_s=ws.shutdown_deadline_s(settings.limits.max_tokens) + SIGKILL_GRACE_S,
                             on_exit=exit_recorder(settings))

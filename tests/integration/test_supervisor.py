@@ -97,7 +97,10 @@ def test_one_worker_per_device_restarted_and_stopped(supervisor_factory, client,
     workers = [p for p in psutil.Process(supervisor.pid).children(recursive=True) if "worker" in p.cmdline()]
     assert sorted(p.pid for p in workers) == sorted(info["pid"] for info in infos.values())
     for index, node in enumerate(nodes):
-        assert psutil.Process(infos[node]["pid"]).environ()["CUDA_VISIBLE_DEVICES"] == str(index)
+        environ = psutil.Process(infos[node]["pid"]).environ()
+        assert environ["CUDA_VISIBLE_DEVICES"] == str(index)
+        # the host's cores but one shared out: the two workers' helper processes together fit them
+        assert environ["LAYERTAP_WORKER__EXAMINE_PROCESSES"] == str(max(1, ((os.cpu_count() or 1) - 1) // 2))
         assert infos[node]["gpus"] == str(index) and infos[node]["model"] == MODEL
         assert infos[node]["metrics_port"] == port + index
         with urllib.request.urlopen(f"http://127.0.0.1:{port + index}/metrics", timeout=10) as response:

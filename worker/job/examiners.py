@@ -31,6 +31,14 @@ log = logging.getLogger(__name__)
 #: Threads that examine the files of one call side by side, shared by all calls: one per core, the
 #: calling thread being one of them. Their reads and CRC-32s run outside the GIL.
 EXAMINE_THREADS = max(1, (os.cpu_count() or 1) - 1)
+
+
+def helpers_per_worker(workers: int) -> int:
+    """The default helper processes of each of ``workers`` workers on this host: the cores but one,
+    shared out (at least one each)."""
+    return max(1, EXAMINE_THREADS // workers)
+
+
 _THREADS = ThreadPoolExecutor(max_workers=EXAMINE_THREADS, thread_name_prefix="layertap-examine")
 #: Files one helper process is given at a time (a call's files are spread over the helpers in runs
 #: of at most this many, so a few slow files do not hold one helper's whole share).
@@ -49,7 +57,7 @@ class Examiners:
     (0: threads only; None: one per core but one)."""
 
     def __init__(self, processes: int | None = None):
-        self.processes = EXAMINE_THREADS if processes is None else processes
+        self.processes = helpers_per_worker(1) if processes is None else processes
         self._tasks: queue.Queue[tuple[str, Future] | None] = queue.Queue()
         self._feeders: list[threading.Thread] = []
         self._lock = threading.Lock()
