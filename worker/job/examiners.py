@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from layertap.storage.base import Storage
-from layertap.storage.examine import examine, verdict_from_json
+from layertap.storage.examine import Existing, OnDisk, examine, verdict_from_json
 from layertap.storage.local import LocalStorage
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,12 @@ class Examiners:
         done. Each future holds its ``Existing``, or what its check raised for it alone."""
         verdicts: list[Future] = [Future() for _ in requests]
         left: list[int] = list(range(len(requests)))
-        if isinstance(storage, LocalStorage) and self.processes > 0:
+        if isinstance(storage, LocalStorage) and self.processes > 0 and self._started():
             there = [index for index in left if storage.exists(requests[index][0])]
-            if there and self._started():
-                left = sorted(set(left) - set(there))
-                left += self._in_helpers([requests[index] for index in there], [verdicts[index] for index in there],
-                                         str(storage.root), there)
+            for index in sorted(set(left) - set(there)):  # a file that appears later is examined again under its lock
+                verdicts[index].set_result(Existing(OnDisk.missing))
+            left = self._in_helpers([requests[index] for index in there], [verdicts[index] for index in there],
+                                    str(storage.root), there) if there else []
         if left:
             _on_threads([requests[index] for index in left], [verdicts[index] for index in left], storage)
         return verdicts

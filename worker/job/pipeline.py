@@ -57,6 +57,7 @@ from layertap.protocol.schema import (
     refuse_oversize,
 )
 from layertap.storage.base import Storage
+from layertap.storage.examine import Existing, OnDisk
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.errors import BatchFailed, DeviceFault, EngineError, EngineStopped, OutOfMemory
 from layertap.worker.engine.output_dtype import recorded_name, resolve_output_dtype
@@ -64,11 +65,10 @@ from layertap.worker.engine.records import Captured, EngineRequest
 from layertap.worker.engine.self_check import CheckReport
 from layertap.worker.engine.teacher import dense_topk
 from layertap.worker.job.errors import JobError
+from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.reuse import CaptureIndex, NonFinite, computed_options, derived_tensors, find_capture
 from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
-from layertap.storage.examine import Existing, OnDisk
-from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.writer import FileTaken, write_job_file
 from layertap.worker.model.fixes import fixes_of
 from layertap.worker.model.vision.inputs import image_features_note
@@ -175,7 +175,8 @@ class JobProcessor:
         ``writer_threads``: files written at once, over all calls (each job's check, write and
         result run on one of them). ``sampler``: measures a sample of the computed rows (none:
         no sampling); ``captures``: where files are noted to answer later jobs (none: no reuse);
-        ``examiners``: what checks the files already at the jobs' names (default: threads)."""
+        ``examiners``: what checks the files already at the jobs' names (default: helper processes
+        for a local storage, ``examiners.Examiners``)."""
         self.loaded = loaded
         self.sampler, self.captures = sampler, captures
         self.examiners = examiners or Examiners()
