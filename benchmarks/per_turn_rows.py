@@ -1,12 +1,15 @@
 """Per-turn training rows with and without prefix sharing (issue 47, item 1), in one process.
 
 Row ``k`` of a conversation is the conversation through its assistant turn ``k`` (as speculators
-writes them), rows in turn order. The engine in-process (``JobProcessor`` on task threads, files
-written, as ``layertap bench``'s part c) runs the same rows with prefix sharing off and on;
-baselines in the same call: plain transformers in length-sorted padded batches of 8 (part p) and a
-bf16 8192^3 matmul. Tokens/s count every row's full length.
+writes them). The engine in-process (``JobProcessor`` on task threads, files written, as ``layertap
+bench``'s part c) runs the same rows: with neither in-batch sharing nor the prefix cache (``off``),
+then with sharing alone and with the prefix cache, the rows sent all at once in turn order, all at
+once shuffled, or a turn at a time (``waves``: each row in a later batch than its prefix). Baselines
+in the same call: plain transformers in length-sorted padded batches of 8 (part p) and a bf16
+8192^3 matmul. Each pass's files are compared with ``off``'s (and ``off``'s with plain
+transformers'). Tokens/s count every row's full length.
 
-    python benchmarks/per_turn_rows.py --model shape:llama3-8b --device cuda --dtype bfloat16 \\
+    python benchmarks/per_turn_rows.py --model shape:llama3-8b --device cuda --dtype bfloat16 --compile \\
         --conversations 150 --folder /dev/shm/layertap-turns --out turns.json
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from layertap.settings import Limits
+from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.bench.measure import matmul_rate, sync, useful_flops
 from layertap.worker.bench.parts import run_plain_batched
 from layertap.worker.engine.self_check import relative_error_per_layer
@@ -44,21 +49,46 @@ def per_turn_rows(conversations: int, vocab: int, seed: int) -> list[list[int]]:
     return rows
 
 
-def run(processor, rows: list[list[int]], layers: list[int], run_name: str, sharing: bool) -> dict:
+def arrivals(rows: list[list[int]], order: str, seed: int) -> list[list[int]]:
+    """Row indices in the waves they are sent in, each wave after the one before is answered:
+    ``turns`` all at once in turn order, ``shuffled`` all at once in random order, ``waves`` each
+    turn of every conversation after the turn before (every row in a later batch than its prefix)."""
+    indices = list(range(len(rows)))
+    if order == "turns":
+        return [indices]
+    if order == "shuffled":
+        random.Random(seed).shuffle(indices)
+        return [indices]
+    return [indices[turn::TURNS] for turn in range(TURNS)]
+
+
+def run(processor, rows: list[list[int]], layers: list[int], run_name: str, sharing: bool, cache_bytes: int,
+        order: str, seed: int) -> dict:
+    """One pass over ``rows`` (``arrivals`` order) with in-batch sharing on or off and a fresh prefix
+    cache of ``cache_bytes`` (0: none)."""
     engine = processor.engine
     engine.prefix_sharing = sharing
+    engine.prefix_cache = PrefixCache(cache_bytes) if cache_bytes else None
     jobs = [{"model": processor.loaded.name, "run": run_name, "job_id": f"r{i}", "token_ids": ids, "layers": layers}
             for i, ids in enumerate(rows)]
-    computed, shared = engine.stats.tokens, engine.stats.shared_tokens
+    computed, shared, cached = engine.stats.tokens, engine.stats.shared_tokens, engine.stats.cached_tokens
     sync(processor.loaded.device)
     start = time.perf_counter()
+    results = [None] * len(rows)
     with ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(processor.process, jobs))
+        for wave in arrivals(rows, order, seed):
+            for index, result in zip(wave, pool.map(processor.process, [jobs[index] for index in wave])):
+                results[index] = result
     seconds = time.perf_counter() - start
     tokens = sum(map(len, rows))
-    return {"sharing": sharing, "seconds": seconds, "row_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "computed_tokens": engine.stats.tokens - computed, "shared_tokens": engine.stats.shared_tokens - shared,
-            "errors": sum(not result.ok for result in results), "paths": [result.path for result in results]}
+    report = {"sharing": sharing, "cache_bytes": cache_bytes, "order": order, "seconds": seconds,
+              "row_tokens": tokens, "tokens_per_s": tokens / seconds,
+              "computed_tokens": engine.stats.tokens - computed, "shared_tokens": engine.stats.shared_tokens - shared,
+              "cached_tokens": engine.stats.cached_tokens - cached,
+              "prefix_cache_peak_bytes": 0 if engine.prefix_cache is None else engine.prefix_cache.held_bytes,
+              "errors": sum(not result.ok for result in results), "paths": [result.path for result in results]}
+    engine.prefix_cache = None
+    return report
 
 
 def max_difference(paths_a: list[str], paths_b: list[str]) -> float:
@@ -82,6 +112,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the decoder layers, as a worker's --compile")
     args = parser.parse_args()
     folder = Path(args.folder)
     shutil.rmtree(folder, ignore_errors=True)
@@ -94,19 +126,33 @@ def main() -> None:
                     "flops_per_row_token": useful_flops(loaded, layers, list(map(len, rows))) / sum(map(len, rows))}
     plain = run_plain_batched(loaded, rows, layers, folder / "plain")
     report["plain_padded_tokens_per_s"] = plain.tokens / plain.seconds
-    shutil.rmtree(folder / "plain", ignore_errors=True)
+    plain_paths = [str(folder / "plain" / f"{index}.safetensors") for index in range(len(rows))]
     processor = build_processor(loaded, storage_root=folder, worker_name="turns", layers=layers, limits=Limits(),
-                                token_budget=args.budget)
+                                token_budget=args.budget, compile_layers=args.compile)
     try:
-        processor.engine.warm_up()
+        processor.engine.warm_up(full_batch=True)
         report["prefix_check_passed"] = processor.engine.prefix_sharing
-        off = run(processor, rows, layers, "off", sharing=False)
-        on = run(processor, rows, layers, "on", sharing=True)
+        report["prefix_cache_check_passed"] = processor.engine.prefix_cache is not None
+        cache_bytes = processor.engine.prefix_cache.budget_bytes if processor.engine.prefix_cache else 0
+        report["prefix_cache_budget_bytes"] = cache_bytes
+        passes = [("on", True, 0, "turns"), ("cache-turns", True, cache_bytes, "turns"),
+                  ("cache-shuffled", True, cache_bytes, "shuffled"), ("shared-waves", True, 0, "waves"),
+                  ("cache-waves", True, cache_bytes, "waves")]
+        off = run(processor, rows, layers, "off", False, 0, "turns", args.seed)
+        off_paths = off.pop("paths")
+        report["max_relative_error_plain_vs_off"] = max_difference(plain_paths, off_paths)
+        shutil.rmtree(folder / "plain", ignore_errors=True)
+        report["off"] = off
+        for name, sharing, budget, order in passes:
+            measured = run(processor, rows, layers, name, sharing, budget, order, args.seed)
+            measured["max_relative_error_vs_off"] = max_difference(off_paths, measured["paths"])
+            for path in measured.pop("paths"):
+                Path(path).unlink()
+            measured["speedup_vs_off"] = measured["tokens_per_s"] / off["tokens_per_s"]
+            report[name] = measured
+            print(json.dumps({name: measured}), flush=True)
     finally:
         processor.engine.stop()
-    report["max_relative_error_on_vs_off"] = max_difference(off.pop("paths"), on.pop("paths"))
-    report["off"], report["on"] = off, on
-    report["speedup"] = on["tokens_per_s"] / off["tokens_per_s"]
     shutil.rmtree(folder, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

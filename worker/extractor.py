@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from layertap.protocol.images import with_image_digests
 from layertap.protocol.layers import eagle3_layer_ids
 from layertap.protocol.schema import Job, Result
@@ -23,7 +25,9 @@ from layertap.storage.base import Storage
 from layertap.storage.registry import storage_for
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.scheduler import MAX_PADDING
-from layertap.worker.engine.self_check import check_prefix_sharing, check_with_fallback
+from layertap.worker.engine.prefix_cache import PrefixCache
+from layertap.worker.engine.prefix_keys import cache_refusal
+from layertap.worker.engine.self_check import check_prefix_cache, check_prefix_sharing, check_with_fallback
 from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
@@ -37,6 +41,33 @@ from layertap.worker.model.vision.tower_graphs import SIZES as tower_graph_sizes
 log = logging.getLogger(__name__)
 
 
+#: The prefix cache's share of the device memory free at load, where no size is set.
+PREFIX_CACHE_SHARE = 0.25
+#: ... and its size on the CPU, where no size is set.
+PREFIX_CACHE_CPU_BYTES = 1 << 30
+
+
+def _prefix_cache(engine: Engine, mib: int | None) -> PrefixCache | None:
+    """The engine's prefix cache of ``mib`` MiB (None: :data:`PREFIX_CACHE_SHARE` of the free device
+    memory), or None where the model is not one it serves (logged: why)."""
+    loaded = engine.loaded
+    refusal = cache_refusal(loaded.model, loaded.layers, loaded.batching.name, loaded.split is not None)
+    if refusal is None:
+        if mib is not None:
+            budget = mib << 20
+        elif loaded.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(loaded.device)[0] * PREFIX_CACHE_SHARE)
+        else:
+            budget = PREFIX_CACHE_CPU_BYTES
+        refusal = check_prefix_cache(engine, budget)
+    if refusal is not None:
+        log.info("%s: rows are computed whole, not over cached prefixes: %s", loaded.architecture, refusal)
+        return None
+    log.info("%s: rows are computed past their longest prefix cached on the device (up to %.0f MiB)",
+             loaded.architecture, budget / (1 << 20))
+    return PrefixCache(budget)
+
+
 def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, worker_name: str,
                     layers: list[int] | None, limits: Limits, token_budget: int, max_batch_jobs: int = 256,
                     batch_wait_s: float = 0.002,
@@ -45,6 +76,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                     compile_layers: bool = False, images_root: Path | None = None,
                     on_fatal: Callable[[BaseException], None] | None = None,
                     tower_graphs: int = tower_graph_sizes, prefix_sharing: bool = True,
+                    prefix_cache_mib: int | None = None,
                     sampling: SamplingPlan | None = None, captures: CaptureIndex | None = None,
                     examine_processes: int | None = None) -> JobProcessor:
     """Engine + tokenizer + writer for one loaded model (shared by the worker and the Extractor);
@@ -55,7 +87,11 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     theirs (``layertap.worker.job.image_check``: one per forward where batched ones differ), and
     a batched grid tower on a GPU its CUDA graphs, for up to ``tower_graphs`` image sizes. With
     ``prefix_sharing`` (and the load-time prefix check passed), a row that begins with a longer row
-    of its batch is sliced from it (``layertap.worker.engine.prefix_share``). ``sampling``: the rows
+    of its batch is sliced from it (``layertap.worker.engine.prefix_share``); with ``prefix_cache_mib``
+    (None: a quarter of the device memory free at load; 0: off) of device memory, a row computes only
+    its tokens past its longest prefix an earlier batch computed, on the models
+    ``prefix_keys.cache_refusal`` admits that pass ``self_check.check_prefix_cache``
+    (``layertap.worker.engine.prefix_cache``). ``sampling``: the rows
     measured for the runs' certificates (``layertap.worker.job.sampling``;
     None: none); ``captures``: the index jobs are answered from without a forward (``reuse``; None: none);
     ``examine_processes``: helper processes checking files on a local storage (``examiners``;
@@ -76,6 +112,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
             log.warning("%s: rows that begin with another row are computed on their own: %s", loaded.architecture,
                         unshared)
         engine.prefix_sharing = unshared is None
+    if prefix_cache_mib != 0:
+        engine.prefix_cache = _prefix_cache(engine, prefix_cache_mib)
     check_image_batching(engine, preparer)
     use_tower_graphs(loaded, tower_graphs)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
@@ -99,18 +137,19 @@ class Extractor:
                  dtype: str = "auto", name: str | None = None, storage_root: str | Path = "layertap-data",
                  token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None,
                  batching: str = "auto", batch_wait_ms: float = 2.0, images_root: str | Path | None = None,
-                 stages: int = 0):
+                 stages: int = 0, prefix_cache_mib: int | None = None):
         """``batch_wait_ms``: how long the engine waits for more jobs before it runs a batch
         that is not full (as the worker's setting). ``images_root``: where image paths in
         chats are read (``settings.images_root``). ``stages``: the model split over layers
-        (as the worker's ``split_stages``; 0: one stage per visible GPU for ``device`` ``cuda``)."""
+        (as the worker's ``split_stages``; 0: one stage per visible GPU for ``device`` ``cuda``).
+        ``prefix_cache_mib``: as the worker's setting (None: its default; 0: off)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
             model, name=name, device=device, dtype=dtype, batching=batching, stages=stages,
             token_budget=token_budget, captured_layers=len(layers) if layers else None)
         self.processor = build_processor(self.loaded, storage_root=storage_root,
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
                                          layers=layers, limits=limits or Limits(), token_budget=token_budget,
-                                         batch_wait_s=batch_wait_ms / 1000,
+                                         batch_wait_s=batch_wait_ms / 1000, prefix_cache_mib=prefix_cache_mib,
                                          images_root=None if images_root is None else Path(images_root))
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="layertap-job")
 

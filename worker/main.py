@@ -81,6 +81,7 @@ def run_worker(settings: Settings) -> int:
                                 writer_threads=ws.writer_threads, prepare_ahead=ws.prepare_ahead_batches,
                                 compile_layers=ws.compile, images_root=settings.images_root, on_fatal=worker.on_fatal,
                                 tower_graphs=ws.tower_graphs, prefix_sharing=ws.prefix_sharing,
+                                prefix_cache_mib=ws.prefix_cache_mib,
                                 sampling=SamplingPlan(LedgerSamples(client, PUBLISH_GIVE_UP_S), ws.sample_every,
                                                       ws.sample_min, ws.sample_within_s)
                                 if ws.sample_every or ws.sample_min else None,

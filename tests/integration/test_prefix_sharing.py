@@ -8,33 +8,16 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol.schema import Job
 from layertap.storage.registry import storage_for
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
-from tests.support.reference import block_input_states
 from tests.support.tiny_configs import build_tiny_type
+from tests.support.turns import conversations, worst_error
 
 TOLERANCE = 1e-5
 TURNS = (13, 29, 44, 60)  # a row per assistant turn: the conversation through it
-
-
-def conversations(count: int, seed: int = 0) -> list[list[list[int]]]:
-    generator = torch.Generator().manual_seed(seed)
-    chats = [torch.randint(3, 120, (max(TURNS),), generator=generator).tolist() for _ in range(count)]
-    return [[chat[:length] for length in TURNS] for chat in chats]
-
-
-def worst_error(model_dir: str, rows: list[list[int]], paths: list[str], layers: list[int]) -> float:
-    worst = 0.0
-    for ids, path in zip(rows, paths):
-        got = load_hidden_states(path)["hidden_states"].double().flatten(2)
-        reference = block_input_states(model_dir, ids, layers).double().flatten(2)
-        worst = max(worst, float(((got - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)).max()))
-    return worst
 
 
 @pytest.mark.parametrize(("model_type", "order"), [("qwen3", "turns"), ("qwen3", "shuffled"), ("qwen3_next", "turns")])
@@ -42,7 +25,7 @@ def test_a_bundle_of_per_turn_rows_computes_each_conversation_once(model_type, o
     model_dir = str(build_tiny_type(model_type, tmp_path / "model"))
     loaded = load_model(model_dir, name=model_type, device="cpu", dtype="float32")
     layers = list(range(loaded.num_layers + 1))
-    rows = [row for family in conversations(4) for row in family]
+    rows = [row for family in conversations(4, TURNS) for row in family]
     if order == "shuffled":
         random.Random(0).shuffle(rows)
     with Extractor(loaded, layers=layers, batch_wait_ms=300) as extractor:
@@ -61,7 +44,7 @@ def test_a_model_whose_prefix_states_depend_on_the_row_shares_nothing(tmp_path, 
     model_dir = str(build_tiny_type("deepseek_v4", tmp_path / "model"))
     loaded = load_model(model_dir, name="v4", device="cpu", dtype="float32")
     layers = [0, loaded.num_layers]
-    rows = conversations(1)[0]
+    rows = conversations(1, TURNS)[0]
     with Extractor(loaded, layers=layers) as extractor:
         assert not extractor.processor.engine.prefix_sharing
         results = extractor.extract(rows, tmp_path / "files", run="turns")

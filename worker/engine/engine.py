@@ -62,6 +62,7 @@ from layertap.worker.engine.errors import AdmissionClosed, BatchFailed, DeviceFa
 from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
 from layertap.worker.engine.inputs import batch_policy
 from layertap.worker.engine.layout import place_jobs
+from layertap.worker.engine.prefix_cache import PrefixCache, batch_needs
 from layertap.worker.engine.prefix_share import family_batch, plan_sharing, with_served
 from layertap.worker.engine.records import EngineRequest, EngineStats, JobSlice
 from layertap.worker.engine.runner import BatchRunner, image_layout, is_device_fatal
@@ -100,6 +101,9 @@ class Engine:
         #: Serve a row that begins with a longer row of its batch from that row (``prefix_share``);
         #: set once the model passed ``self_check.check_prefix_sharing``.
         self.prefix_sharing = False
+        #: Compute only the tokens of a row past its longest prefix an earlier batch computed
+        #: (``prefix_cache``); set once the model passed ``self_check.check_prefix_cache``.
+        self.prefix_cache: PrefixCache | None = None
         self._cuda = loaded.device.type == "cuda"
         self._pending: deque[EngineRequest] = deque()
         self._pending_tokens = 0
@@ -252,7 +256,8 @@ class Engine:
     def snapshot(self) -> dict[str, float]:
         """Counters for monitoring (JSON-ready); does not wait for the device."""
         return {"batches": self.stats.batches, "jobs": self.stats.jobs, "tokens": self.stats.tokens,
-                "shared_tokens": self.stats.shared_tokens,
+                "shared_tokens": self.stats.shared_tokens, "cached_tokens": self.stats.cached_tokens,
+                "prefix_cache_bytes": 0 if self.prefix_cache is None else self.prefix_cache.held_bytes,
                 "busy_s": round(self.busy_seconds(wait=False), 6), "oom_splits": self.stats.oom_splits,
                 "run_s": round(self.stats.run_s, 6), "run_cpu_s": round(self.stats.run_cpu_s, 6),
                 "buffer_wait_s": round(self.stats.buffer_wait_s, 6),
@@ -381,13 +386,25 @@ class Engine:
     def _run_or_split(self, batch: list[EngineRequest]) -> None:
         sources = plan_sharing(batch) if self.prefix_sharing else {}
         computed = [index for index in range(len(batch)) if index not in sources]
+        ran_requests = [batch[index] for index in computed]
+        cache = self.prefix_cache if batch[0].model_inputs is None else None
+        prefixes = None if cache is None else cache.plan(ran_requests, batch_needs(ran_requests,
+                                                                                    self.loaded.num_layers))
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
-            ran = self._runner.run([batch[index] for index in computed])
+            ran = self._runner.run(ran_requests, prefixes)
         except torch.OutOfMemoryError:
             ran = None  # handled below, once the traceback (and the activations it holds) is gone
         self.stats.run_s += time.perf_counter() - wall
         self.stats.run_cpu_s += time.thread_time() - cpu
+        if ran is None and cache is not None and len(cache):
+            prefixes = None
+            cache.clear()  # its room first: the batch may fit without it
+            self._release_cached_memory()
+            log.warning("out of memory on a batch of %d jobs; the prefix cache is emptied and the batch run again",
+                        len(batch))
+            self._run_or_split(batch)
+            return
         if ran is None:
             self._release_cached_memory()
             if len(computed) == 1:
@@ -404,15 +421,18 @@ class Engine:
             self._run_or_split(batch[:half])
             self._run_or_split(batch[half:])
             return
-        output, holders = ran
-        ran_requests = [batch[index] for index in computed]
+        output, holders, kept = ran
+        if kept is not None:
+            cache.add(kept)  # type: ignore[union-attr]
         places = place_jobs([r.num_tokens for r in ran_requests], [r.layer_ids for r in ran_requests],
                             [r.topk_row_count for r in ran_requests])
-        tokens = places[-1].end
+        cached_tokens = sum(use.length for use in prefixes or () if use is not None)
+        tokens = places[-1].end - cached_tokens
         self.stats.batches += 1
         self.stats.jobs += len(batch)
         self.stats.tokens += tokens
         self.stats.shared_tokens += sum(batch[index].num_tokens for index in sources)
+        self.stats.cached_tokens += cached_tokens
         slices = with_served(batch, sources, {
             index: JobSlice(output, place.start, place.end, place.slots, place.topk_rows, batch[index].topk,
                             batch[index].want_final, holders.release_handle())

@@ -169,8 +169,9 @@ class EngineStats:
     """Counters of finished batches (written by the engine thread only)."""
 
     batches: int = 0
-    tokens: int = 0  # computed (a row served from a longer row of its batch is not)
+    tokens: int = 0  # computed (a row served from a longer row of its batch is not, nor a cached prefix)
     shared_tokens: int = 0  # served from a longer row of the same batch instead of computed (``prefix_share``)
+    cached_tokens: int = 0  # first tokens of computed rows taken from an earlier batch (``prefix_cache``)
     jobs: int = 0
     oom_splits: int = 0
     #: The engine thread's wall and CPU seconds in its batches' runs (forward launched, copy-out

@@ -21,6 +21,8 @@ import torch
 from layertap.worker.engine.host_buffers import HostSlot, HostStaging
 from layertap.worker.engine.layout import layer_union
 from layertap.worker.engine.output_dtype import non_finite_rows, to_output
+from layertap.worker.engine.prefix_cache import CachedBatch, PrefixUse, batch_needs
+from layertap.worker.engine.prefix_keys import PrefixKeys
 from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
 from layertap.worker.engine.teacher import TeacherHead
 from layertap.worker.model.capture import StopForward
@@ -143,17 +145,28 @@ class BatchRunner:
         #: a model split over GPUs: the cast and copy-out go on its gather stream, after its captures (``layertap.worker.model.split``)
         self._gather = loaded.split.gather if loaded.split is not None else None
 
-    def run(self, batch: list[EngineRequest]) -> tuple[BatchOutput, Holders]:
-        """The batch's outputs (all requests share its ``output_dtype``) and who holds their
-        host buffer: one holder per request. Raises what the forward raises (out of memory
-        included); the host buffer is then free again."""
+    def run(self, batch: list[EngineRequest], prefixes: Sequence[PrefixUse | None] | None = None
+            ) -> tuple[BatchOutput, Holders, CachedBatch | None]:
+        """The batch's outputs (all requests share its ``output_dtype``), who holds their host
+        buffer (one holder per request) and, with ``prefixes`` (a packed text batch under the
+        prefix cache: each request's cached prefix or None), what the batch leaves for the cache.
+        Raises what the forward raises (out of memory included); the host buffer is then free again."""
         loaded, device = self.loaded, self.loaded.device
         images = batch[0].model_inputs is not None  # the engine's scheduler never mixes text and images
         layout = image_layout(loaded) if images else loaded.batching
-        inputs = layout.build_inputs([request.token_ids for request in batch], device, pad_to=self._pad_to)
         union = layer_union([request.layer_ids for request in batch])
         want_final = any(request.want_final for request in batch)
-        topk_rows, topk = self._topk_rows(batch, inputs.bounds)
+        keys = None
+        if prefixes is None:
+            inputs = layout.build_inputs([request.token_ids for request in batch], device, pad_to=self._pad_to)
+            bounds = inputs.bounds
+        else:
+            keys = PrefixKeys([request.num_tokens for request in batch], prefixes, device)
+            skipped = [0 if use is None else use.length for use in prefixes]
+            inputs = layout.build_inputs([request.token_ids[skip:] for request, skip in zip(batch, skipped)], device,
+                                         pad_to=self._pad_to, starts=skipped)
+            inputs.keys, bounds = keys, keys.key_bounds
+        topk_rows, topk = self._topk_rows(batch, bounds)
         if topk_rows is not None and self._cuda:
             topk_rows = topk_rows.pin_memory().to(device, non_blocking=True)
         output_dtype = batch[0].output_dtype
@@ -184,6 +197,9 @@ class BatchRunner:
                     self._gather.wait_stream(torch.cuda.current_stream(device))
                     if topk_rows is not None:
                         topk_rows.record_stream(self._gather)
+                if keys is not None:  # over the rows' whole lengths, the cached prefixes' states in front
+                    staging = keys.whole_states(staging, union)
+                    final = None if final is None else keys.whole(final, lambda source: source.final)
                 with torch.cuda.stream(self._gather):  # None (not split): no change of stream
                     hidden, hidden_scale = to_output(staging, output_dtype)
                     flags = non_finite_rows(staging, hidden)
@@ -201,7 +217,11 @@ class BatchRunner:
             self._staging.release(slot)
             raise
         output = BatchOutput(HostTensors(*host), ready=ready, started=started)  # type: ignore[arg-type]
-        return output, Holders(len(batch), free_slot)
+        kept = None
+        if keys is not None:
+            needs = batch_needs(batch, loaded.num_layers)
+            kept = keys.cached_batch([request.token_ids for request in batch], staging, union, final, needs)
+        return output, Holders(len(batch), free_slot), kept
 
     @staticmethod
     def _topk_rows(batch: list[EngineRequest], bounds: list[int]) -> tuple[torch.Tensor | None, int]:

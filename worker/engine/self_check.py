@@ -35,6 +35,7 @@ import torch
 
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.errors import EngineError
+from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.engine.probes import ProbePlan, plan_probes
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.model.batching import ModelRefused, fallback
@@ -170,6 +171,37 @@ def check_prefix_sharing(engine: Engine, seed: int = 1) -> str | None:
     if report.worst_relative_error <= report.tolerance:
         return None
     return f"a row's states differ from those of a longer row that begins with it ({report.describe()})"
+
+
+def check_prefix_cache(engine: Engine, budget_bytes: int, seed: int = 2) -> str | None:
+    """Whether a row computed over its cached prefix (``layertap.worker.engine.prefix_cache``: the
+    keys, values and states an earlier batch left) has the row's states alone: the self-check's
+    longest probe (at least 64 tokens) run alone, then its first half as a batch and the whole row
+    as the next one, every layer compared with the batching tolerance of the dtype. Leaves the
+    engine's cache off. None where they agree; else why not (then no row is computed over a
+    cached prefix)."""
+    loaded = engine.loaded
+    length = max(64, *probe_plan(loaded).lengths)
+    ids = torch.randint(0, loaded.vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+    layer_ids = list(range(loaded.num_layers + 1))
+    try:
+        with each_sequence_alone(loaded):
+            alone = captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0]
+        engine.prefix_cache = PrefixCache(budget_bytes)
+        served = engine.stats.cached_tokens
+        captured_states([engine.submit(EngineRequest(ids[:length // 2], layer_ids))])
+        over_prefix = captured_states([engine.submit(EngineRequest(ids, layer_ids))])[0]
+        served = engine.stats.cached_tokens - served
+    except EngineError as exc:
+        return f"its forward fails over a cached prefix ({exc})"
+    finally:
+        engine.prefix_cache = None
+    if served != length // 2:
+        return f"the check's row took {served} tokens from the cache, not its first {length // 2}"
+    report = worst_of([relative_error_per_layer(over_prefix, alone)], loaded.dtype)
+    if report.worst_relative_error <= report.tolerance:
+        return None
+    return f"a row computed over its cached prefix differs from the row alone ({report.describe()})"
 
 
 def check_with_fallback(loaded: LoadedModel, start_engine: Callable[[], Engine]) -> tuple[Engine, CheckReport]:

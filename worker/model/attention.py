@@ -23,6 +23,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,25 +38,37 @@ _state = threading.local()
 CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+class WholeRowKeys(Protocol):
+    """Each layer's keys and values over the packed rows' whole lengths, where the forward computes
+    only each row's last tokens (``layertap.worker.engine.prefix_keys``): row ``i``'s queries are its
+    last tokens, its keys ``key_bounds[i]:key_bounds[i + 1]``."""
+
+    key_bounds: list[int]
+    longest_key: int
+
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @contextlib.contextmanager
-def packed_sequences(bounds: list[int]) -> Iterator[None]:
-    """Within the block, forwards on this thread treat the row as sequences ``bounds[i]:bounds[i+1]``."""
-    _state.bounds, _state.cumulative = bounds, None
+def packed_sequences(bounds: list[int], keys: WholeRowKeys | None = None) -> Iterator[None]:
+    """Within the block, forwards on this thread treat the row as sequences ``bounds[i]:bounds[i+1]``
+    (each the last tokens of a longer row whose keys ``keys`` holds, where given)."""
+    _state.bounds, _state.keys, _state.cumulative = bounds, keys, {}
     try:
         yield
     finally:
-        _state.bounds = _state.cumulative = None
+        _state.bounds = _state.keys = _state.cumulative = None
 
 
 def _cumulative_lengths(bounds: list[int], device: torch.device) -> torch.Tensor:
     """``bounds`` as int32 on ``device``; inside :func:`packed_sequences` copied once per
     forward (every layer reuses it)."""
     cached = getattr(_state, "cumulative", None)
-    if cached is not None and cached.device == device:
-        return cached
+    if cached is not None and (id(bounds), device) in cached:
+        return cached[id(bounds), device]
     tensor = torch.tensor(bounds, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
-    if getattr(_state, "bounds", None) is bounds:
-        _state.cumulative = tensor
+    if cached is not None:  # the forward's own bounds: alive until the block ends
+        cached[id(bounds), device] = tensor
     return tensor
 
 
@@ -117,6 +130,9 @@ def packed_attention(
     total = query.shape[2]
     if bounds is None:
         bounds = [0, total]
+    keys = getattr(_state, "keys", None)
+    if keys is not None:
+        return _attend_whole_rows(module, query, key, value, bounds, keys, scaling, sliding_window), None
     if varlen_flash_usable(query) and value.shape[-1] == query.shape[-1]:  # MLA's value heads may be narrower
         longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
         if sliding_window is None or longest <= sliding_window:  # else per-prompt windowed masks
@@ -139,6 +155,40 @@ def _attend_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     output = torch.ops.aten._flash_attention_forward(q, k, v, cumulative, cumulative, longest, longest, 0.0, True,
                                                      False, scale=scaling)[0]
     return output[None]
+
+
+def _attend_whole_rows(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       bounds: list[int], keys: WholeRowKeys, scaling: float | None,
+                       sliding_window: int | None) -> torch.Tensor:
+    """Each row's queries (its last tokens) over its keys and values from its first token on
+    (causal, aligned at the row's end); returns ``[1, T, heads, dim]``."""
+    if sliding_window is not None and keys.longest_key > sliding_window:
+        raise UnsupportedAttention("sliding-window attention over cached prefixes is not supported")
+    whole_key, whole_value = keys.extend(module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if varlen_flash_usable(query) and value.shape[-1] == query.shape[-1]:
+        longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+        q = query[0].transpose(0, 1)
+        output = torch.ops.aten._flash_attention_forward(
+            q, whole_key, whole_value, _cumulative_lengths(bounds, query.device),
+            _cumulative_lengths(keys.key_bounds, query.device), longest, keys.longest_key, 0.0, True, False,
+            scale=scaling)[0]  # causal with fewer queries than keys: the mask is aligned at the end
+        return output[None]
+    gqa = query.shape[1] != whole_key.shape[1]
+    output = query.new_empty(1, query.shape[2], query.shape[1], whole_value.shape[-1])
+    backends = sdpa_kernel(CUDA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
+    with backends:
+        for (start, end), (key_start, key_end) in zip(zip(bounds[:-1], bounds[1:]),
+                                                      zip(keys.key_bounds[:-1], keys.key_bounds[1:])):
+            queries, known = end - start, key_end - key_start
+            mask = None
+            if queries != known:  # query j is the row's token known - queries + j
+                mask = torch.ones(queries, known, dtype=torch.bool, device=query.device).tril(known - queries)
+            part = F.scaled_dot_product_attention(
+                query[:, :, start:end], whole_key[key_start:key_end].transpose(0, 1)[None],
+                whole_value[key_start:key_end].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                scale=scaling, enable_gqa=gqa)
+            output[:, start:end] = part.transpose(1, 2)
+    return output
 
 
 def _attend_each(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,

@@ -54,8 +54,16 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
         self.token_rate.add(stats.tokens)
-        yield CounterMetricFamily("layertap_tokens", "Tokens run through the model (all batches).",
+        yield CounterMetricFamily("layertap_tokens", "Tokens computed by the model (all batches).",
                                   value=stats.tokens)
+        yield CounterMetricFamily("layertap_tokens_from_batch", "Row tokens served from a longer row of the same "
+                                  "batch instead of computed (worker.engine.prefix_share).", value=stats.shared_tokens)
+        yield CounterMetricFamily("layertap_tokens_from_cache", "Row tokens taken from a prefix an earlier "
+                                  "batch computed instead of computed (worker.engine.prefix_cache).",
+                                  value=stats.cached_tokens)
+        cache = self.engine.prefix_cache
+        yield GaugeMetricFamily("layertap_prefix_cache_bytes", "Device memory held by the prefix cache.",
+                                value=0 if cache is None else cache.held_bytes)
         yield CounterMetricFamily("layertap_batches", "Packed batches run.", value=stats.batches)
         yield CounterMetricFamily("layertap_busy_seconds", "Device seconds spent in batches.",
                                   value=self.engine.busy_seconds(wait=False))

@@ -25,6 +25,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
+from layertap.worker.model.attention import WholeRowKeys
+
 
 class BatchLimits(Protocol):
     """What a layout's :meth:`~BatchLayout.select` may spend (``layertap.worker.engine.scheduler.BatchPolicy``)."""
@@ -52,6 +54,7 @@ class BatchInputs:
     position_ids: torch.Tensor | None  # [1, total] restarting per job, or None (the model numbers them)
     rows: torch.Tensor | None  # int64 [total]: real tokens' flat positions in [B * T] (None: every position)
     bounds: list[int]  # job i's tokens are bounds[i]:bounds[i + 1] of the captured layout
+    keys: WholeRowKeys | None = None  # packed rows computed over cached prefixes: their keys (``attention``)
 
     @property
     def total(self) -> int:

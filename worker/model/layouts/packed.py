@@ -91,12 +91,16 @@ class Packed(BatchLayout):
         return chosen
 
     def build_inputs(self, token_ids: Sequence[torch.Tensor], device: torch.device, pad_to: int = 1,
-                     pad_id: int = 0) -> BatchInputs:
+                     pad_id: int = 0, starts: Sequence[int] | None = None) -> BatchInputs:
+        """``starts[i]``: the position of ``token_ids[i]``'s first token (the last tokens of a longer
+        row, the rest of whose keys the forward is given: ``BatchInputs.keys``); 0 where not given."""
+        starts = starts or [0] * len(token_ids)
         ids = torch.cat(list(token_ids))[None]
-        positions = torch.cat([torch.arange(int(job.shape[0]), dtype=torch.long) for job in token_ids])[None]
+        positions = torch.cat([torch.arange(start, start + int(job.shape[0]), dtype=torch.long)
+                               for start, job in zip(starts, token_ids)])[None]
         return BatchInputs(self, to_device(ids, device), to_device(positions, device), None, bounds_of(token_ids))
 
     @contextlib.contextmanager
     def forward_context(self, inputs: BatchInputs) -> Iterator[None]:
-        with packed_sequences(inputs.bounds):
+        with packed_sequences(inputs.bounds, inputs.keys):
             yield

@@ -1,0 +1,212 @@
+"""Rows computed over prefixes an earlier batch computed (issue 47, item 1): per-turn rows sent a turn
+at a time (each turn its own batch), in turn order and shuffled, compute only their tokens past the
+longest cached prefix, and every file equals plain transformers run on that row alone; the cache
+stays within its budget; it belongs to one engine (another model's rows never serve); a model outside
+the tested families, or with sliding windows, computes whole rows; two real workers serving one model
+share each from its own cache. Tiny random float32 models."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from layertap.producer.client.client import Client
+from layertap.producer.files.reader import load_hidden_states
+from layertap.protocol.schema import Job
+from layertap.settings import Settings
+from layertap.storage.registry import storage_for
+from layertap.worker.engine.prefix_cache import CHUNK, PrefixCache
+from layertap.worker.engine.prefix_keys import CACHED_TYPES
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.loading import load_model
+from tests.support.chat_server import free_port
+from tests.support.processes import WorkerProcess
+from tests.support.tiny_configs import build_tiny_type
+from tests.support.turns import conversations, worst_error
+
+TOLERANCE = 1e-5
+TURNS = (40, 90, 150, 200)  # a row per assistant turn: the conversation through it
+
+
+def run_bundles(extractor: Extractor, name: str, bundles: list[list[list[int]]], layers: list[int], folder,
+                on_bundle=None) -> tuple[list[list[int]], list[str], int, int]:
+    """Each bundle through the worker's processor after the one before (its own batches); the rows,
+    their files, and the tokens computed and taken from the cache meanwhile."""
+    processor, engine = extractor.processor.writing_to(storage_for(str(folder))), extractor.processor.engine
+    computed, cached = engine.stats.tokens, engine.stats.cached_tokens
+    rows, paths = [], []
+    for bundle in bundles:
+        results = processor.process_many([Job(model=name, run="turns", token_ids=ids, layers=layers) for ids in bundle])
+        assert all(result.ok for result in results), [result.error for result in results if not result.ok]
+        rows += bundle
+        paths += [result.path for result in results]
+        if on_bundle is not None:
+            on_bundle(engine)
+    return rows, paths, engine.stats.tokens - computed, engine.stats.cached_tokens - cached
+
+
+@pytest.mark.parametrize("model_type", sorted(CACHED_TYPES))
+def test_rows_sent_a_turn_at_a_time_compute_only_their_new_tokens(model_type, tmp_path):
+    model_dir = str(build_tiny_type(model_type, tmp_path / "model"))
+    loaded = load_model(model_dir, name=model_type, device="cpu", dtype="float32")
+    layers = list(range(loaded.num_layers + 1))
+    chats = conversations(3, TURNS)
+    turns = [[chat[turn] for chat in chats] for turn in range(len(TURNS))]
+    with Extractor(loaded, layers=layers) as extractor:
+        assert extractor.processor.engine.prefix_cache is not None, "the load-time cache check passed"
+        rows, paths, computed, cached = run_bundles(extractor, model_type, turns, layers, tmp_path / "files")
+    assert cached == len(chats) * sum(TURNS[:-1])  # each row took the row of the turn before it
+    assert computed == len(chats) * max(TURNS)
+    assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
+
+
+def test_shuffled_rows_one_per_bundle_take_the_longest_cached_prefix(tmp_path):
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = [0, 1, loaded.num_layers]
+    rows = [row for chat in conversations(4, TURNS, seed=1) for row in chat]
+    random.Random(0).shuffle(rows)
+    expected_cached = 0
+    for position, row in enumerate(rows):  # the longest first tokens any earlier row shares, but its last token
+        shared = max((next((i for i, (a, b) in enumerate(zip(row, other)) if a != b), min(len(row), len(other)))
+                      for other in rows[:position]), default=0)
+        shared = min(shared, len(row) - 1)
+        expected_cached += shared if shared >= CHUNK else 0
+    with Extractor(loaded, layers=layers) as extractor:
+        got_rows, paths, computed, cached = run_bundles(extractor, "qwen3", [[row] for row in rows], layers,
+                                                        tmp_path / "files")
+    assert cached == expected_cached and computed == sum(map(len, rows)) - cached
+    assert worst_error(model_dir, got_rows, paths, layers) <= TOLERANCE
+
+
+def test_a_row_sent_again_gets_the_same_file_bit_for_bit(tmp_path):
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = [0, 1, loaded.num_layers]
+    row = conversations(1, TURNS, seed=5)[0][-1]
+    with Extractor(loaded, layers=layers) as extractor:
+        _, (first,), _, _ = run_bundles(extractor, "qwen3", [[row]], layers, tmp_path / "first")
+        _, (again,), computed, cached = run_bundles(extractor, "qwen3", [[row]], layers, tmp_path / "again")
+    assert cached == len(row) - 1 and computed == 1
+    assert torch.equal(load_hidden_states(again)["hidden_states"], load_hidden_states(first)["hidden_states"])
+
+
+def test_the_cache_stays_within_its_budget_and_evicted_prefixes_are_computed(tmp_path):
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = list(range(loaded.num_layers + 1))
+    chats = conversations(6, TURNS, seed=2)
+    held: list[tuple[int, int]] = []
+    with Extractor(loaded, layers=layers) as extractor:
+        engine = extractor.processor.engine
+        config = loaded.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_token = 4 * (2 * loaded.num_layers * config.num_key_value_heads * head_dim  # keys and values, float32
+                         + len(layers) * config.hidden_size)  # states
+        budget = 250 * per_token  # a conversation's longest row and a little: it evicts the rows before it
+        engine.prefix_cache = PrefixCache(budget)
+        # a conversation's rows one at a time, the conversations one after another, then the first again
+        bundles = [[row] for chat in chats for row in chat] + [[chats[0][-1] + [5, 6, 7]]]
+        rows, paths, computed, cached = run_bundles(
+            extractor, "qwen3", bundles, layers, tmp_path / "files",
+            on_bundle=lambda engine: held.append((engine.prefix_cache.held_bytes, len(engine.prefix_cache))))
+    assert all(size <= budget for size, _ in held)
+    assert max(count for _, count in held) < len(bundles)  # batches were evicted
+    # within a conversation each row took the one before; the first conversation's longest row was evicted
+    assert cached == len(chats) * sum(TURNS[:-1])
+    assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
+
+
+def test_another_models_rows_never_serve(tmp_path):
+    first = str(build_tiny_type("qwen3", tmp_path / "first", seed=0))
+    second = str(build_tiny_type("qwen3", tmp_path / "second", seed=1))
+    layers = [0, 1, 2]
+    chat = conversations(1, TURNS, seed=3)[0]
+    with (Extractor(load_model(first, name="a", device="cpu", dtype="float32"), layers=layers) as one,
+          Extractor(load_model(second, name="b", device="cpu", dtype="float32"), layers=layers) as other):
+        run_bundles(one, "a", [[row] for row in chat], layers, tmp_path / "a")
+        rows, paths, computed, cached = run_bundles(other, "b", [[chat[-1]]], layers, tmp_path / "b")
+    assert cached == 0 and computed == max(TURNS)
+    assert worst_error(second, rows, paths, layers) <= TOLERANCE
+
+
+def with_sliding_windows(model_dir: Path, window: int) -> Path:
+    """The model at ``model_dir`` with every layer's attention a sliding window of ``window`` tokens."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config |= {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
+               "layer_types": ["sliding_attention"] * config["num_hidden_layers"]}
+    path.write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.mark.parametrize(("model_type", "reason"), [("qwen3-windowed", "sliding-window attention"),
+                                                    ("mistral", "not one the prefix cache is tested on"),
+                                                    ("gemma", "not one the prefix cache is tested on")])
+def test_models_it_does_not_serve_compute_whole_rows(model_type, reason, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="layertap.worker.extractor")
+    if model_type == "qwen3-windowed":
+        model_dir = str(with_sliding_windows(build_tiny_type("qwen3", tmp_path / "model"), 32))
+    else:
+        model_dir = str(build_tiny_type(model_type, tmp_path / "model"))
+    loaded = load_model(model_dir, name=model_type, device="cpu", dtype="float32")
+    layers = [0, loaded.num_layers]
+    chat = conversations(1, TURNS)[0]
+    with Extractor(loaded, layers=layers) as extractor:
+        assert extractor.processor.engine.prefix_cache is None
+        rows, paths, computed, cached = run_bundles(extractor, model_type, [[row] for row in chat], layers,
+                                                    tmp_path / "files")
+    assert cached == 0 and computed == sum(TURNS)
+    assert "rows are computed whole, not over cached prefixes" in caplog.text and reason in caplog.text
+    assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The worker's counters of tokens computed and served (``/metrics``)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    wanted = ("layertap_tokens_total", "layertap_tokens_from_cache_total", "layertap_tokens_from_batch_total")
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in wanted}
+
+
+def test_two_workers_of_one_model_each_share_from_their_own_cache(tiny_models, private_redis, tmp_path, run_name):
+    model_dir = tiny_models["qwen3"]
+    ports = [free_port(), free_port()]
+    workers = [WorkerProcess(model_dir, "tiny-qwen3", private_redis.url, tmp_path / "files",
+                             node=f"cache-{i}@localhost", env={"LAYERTAP_WORKER__METRICS_PORT": str(port)},
+                             log_path=tmp_path / f"w{i}.log")
+               for i, port in enumerate(ports)]
+    chats = conversations(4, TURNS, seed=4)
+    layers = [0, 2, 4]
+    try:
+        for worker in workers:
+            worker.start(wait=False)
+        for worker in workers:
+            worker.wait_ready()
+        before = [scrape(port) for port in ports]
+        rows, paths = [], []
+        with Client(Settings(redis_url=private_redis.url)) as client:
+            for turn in range(len(TURNS)):  # each turn after the last is answered: other batches, either worker
+                jobs = client.submit_many([Job(model="tiny-qwen3", run=run_name, token_ids=chat[turn], layers=layers)
+                                           for chat in chats])
+                results = client.wait(run_name, [job.job_id for job in jobs], timeout=120, raise_on_error=True)
+                rows += [chat[turn] for chat in chats]
+                paths += [results[job.job_id].path for job in jobs]
+        after = [scrape(port) for port in ports]
+    finally:
+        for worker in workers:
+            worker.stop()
+    delta = {name: sum(a[name] - b[name] for a, b in zip(after, before)) for name in after[0]}
+    # every row token was computed, or taken from a cache, or from a longer row of its batch
+    assert (delta["layertap_tokens_total"] + delta["layertap_tokens_from_cache_total"]
+            + delta["layertap_tokens_from_batch_total"]) == sum(map(len, rows))
+    # whichever two workers a conversation's four rows went to, at least TURNS[0] + TURNS[1] of its
+    # tokens were taken from the cache (least where the second row went elsewhere than the first and
+    # third, or the third elsewhere than the first two)
+    assert delta["layertap_tokens_from_cache_total"] >= len(chats) * (TURNS[0] + TURNS[1])
+    assert worst_error(str(model_dir), rows, paths, layers) <= TOLERANCE

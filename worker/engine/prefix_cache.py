@@ -1,0 +1,197 @@
+"""Rows that begin with tokens an earlier batch computed: only their new tokens are computed.
+
+A causal model's keys, values and states at a token depend only on the tokens up to it. So once a
+batch has run, its rows' attention keys and values (every layer it ran) and captured states stay on
+the device as a :class:`CachedBatch`, and a later row whose first ``p`` tokens equal a cached row's
+first ``p`` computes only its tokens from ``p`` on: its queries attend to the cached keys and values
+of those ``p`` tokens and its own (``layertap.worker.engine.prefix_keys``), and its file's first
+``p`` positions are the cached states. Per-turn training rows that arrive in different batches (in
+turn order, shuffled, in other bundles) are such rows; so is a job sent again.
+
+Invariants:
+
+* the cache belongs to one engine, so to one loaded model, compute dtype and revision; rows match
+  on their token ids alone (a template changes the ids);
+* a row uses a cached prefix only where the cached batch captured every layer of the using batch
+  (and its final states where the using batch wants them) and ran at least as many decoder layers;
+  it always computes at least its last token, and a row whose every token is cached keeps the
+  cached states of that one too (the same tokens give the same file);
+* the cache holds at most ``budget_bytes`` of device memory; the least recently used batches go
+  first, and a batch larger than the budget is not kept;
+* rows are found by chained hashes of their first :data:`CHUNK`-token blocks, then compared token
+  by token, so a hash collision can only cost a match, never give a wrong one.
+
+Pure bookkeeping: the device work is in ``prefix_keys`` and the runner.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from layertap.worker.engine.records import EngineRequest
+
+#: Tokens per block of the index: a row is found when it shares at least this many first tokens.
+CHUNK = 16
+
+
+@dataclass(eq=False)
+class CachedBatch:
+    """One finished batch's keys, values and captured states for its rows, on the device.
+
+    ``keys[i]``/``values[i]``: ``[T, kv_heads, head_dim]`` of decoder layer ``i`` (every layer it
+    ran), ``states``: ``[T, len(layer_ids), ...]`` in the compute dtype, ``final``: ``[T, H]`` or
+    None, all over the batch's rows laid end to end (``rows``: each row's token ids and start)."""
+
+    keys: dict[int, torch.Tensor]
+    values: dict[int, torch.Tensor]
+    states: torch.Tensor
+    layer_ids: tuple[int, ...]
+    final: torch.Tensor | None
+    layers_run: int  # decoder layers the forward ran (0..layers_run-1)
+    rows: list[tuple[np.ndarray, int]]  # (token ids int64, start)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        tensors = [*self.keys.values(), *self.values.values(), self.states]
+        if self.final is not None:
+            tensors.append(self.final)
+        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+    def serves(self, needs: BatchNeeds) -> bool:
+        """Whether a batch with ``needs`` can take prefixes from this one."""
+        return (self.layers_run >= needs.layers_run and set(needs.layer_ids) <= set(self.layer_ids)
+                and (self.final is not None or not needs.final))
+
+
+@dataclass(frozen=True)
+class BatchNeeds:
+    """What a batch's forward must read from a cached batch: its layer union, whether it wants
+    final states, how many decoder layers it runs."""
+
+    layer_ids: tuple[int, ...]
+    final: bool
+    layers_run: int
+
+
+@dataclass(frozen=True)
+class PrefixUse:
+    """A row's first ``length`` tokens, taken from ``source``'s row that starts at ``start``: their
+    keys and values, and the states of its first ``served`` (``length``, or the whole row where the
+    cached row holds all of its tokens: a row sent again gets the same states, bit for bit)."""
+
+    source: CachedBatch
+    start: int
+    length: int
+    served: int
+
+
+def batch_needs(requests: Sequence[EngineRequest], num_layers: int) -> BatchNeeds:
+    """What a batch of ``requests`` reads from a cached batch (``num_layers``: the model's decoder
+    layers): the forward stops before the highest wanted layer below ``num_layers``, unless a
+    request wants final states or top-k (``layertap.worker.model.capture``)."""
+    union = tuple(sorted(set().union(*(request.layer_ids for request in requests))))
+    final = any(request.want_final or request.topk for request in requests)
+    return BatchNeeds(union, final, num_layers if final else min(max(union), num_layers))
+
+
+def may_use_prefix(request: EngineRequest) -> bool:
+    """Rows whose other outputs need no computed prefix: no images, no teacher top-k."""
+    return request.model_inputs is None and not request.topk
+
+
+def _chunk_keys(tokens: np.ndarray) -> Iterator[tuple[int, int]]:
+    """``(chained hash, tokens covered)`` of each whole :data:`CHUNK`-token block, in order."""
+    chained = 0
+    for end in range(CHUNK, len(tokens) + 1, CHUNK):
+        chained = hash((chained, tokens[end - CHUNK:end].tobytes()))
+        yield chained, end
+
+
+def _common_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    length = min(len(a), len(b))
+    differ = np.flatnonzero(a[:length] != b[:length])
+    return int(differ[0]) if differ.size else length
+
+
+class PrefixCache:
+    """Finished batches' keys, values and states, least recently used first out, within
+    ``budget_bytes``. Used on the engine thread; :attr:`held_bytes` may be read from any."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._batches: OrderedDict[int, tuple[CachedBatch, list[int]]] = OrderedDict()  # id -> (batch, its keys)
+        self._index: dict[int, tuple[CachedBatch, int]] = {}  # chained hash -> (batch, row)
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def plan(self, requests: Sequence[EngineRequest], needs: BatchNeeds) -> list[PrefixUse | None]:
+        """Each request's longest cached prefix that a batch with ``needs`` can use (None: none)."""
+        uses = []
+        for request in requests:
+            use = self._match(request, needs) if may_use_prefix(request) and request.num_tokens > CHUNK else None
+            if use is not None:
+                self._batches.move_to_end(id(use.source))
+            uses.append(use)
+        return uses
+
+    def _match(self, request: EngineRequest, needs: BatchNeeds) -> PrefixUse | None:
+        tokens = request.token_ids.numpy()
+        found = None
+        for key, _covered in _chunk_keys(tokens[:request.num_tokens - 1]):
+            entry = self._index.get(key)
+            if entry is None:
+                break
+            found = entry
+        if found is None:
+            return None
+        source, row = found
+        if not source.serves(needs):
+            return None
+        cached, start = source.rows[row]
+        common = _common_length(tokens, cached)
+        length = min(common, request.num_tokens - 1)  # its last token is computed, whatever is cached
+        return PrefixUse(source, start, length, common) if length >= CHUNK else None
+
+    def add(self, batch: CachedBatch) -> None:
+        """Keep ``batch`` (its rows found from now on), dropping the least recently used beyond the budget."""
+        if batch.nbytes > self.budget_bytes:
+            return
+        keys = []
+        for row, (tokens, _start) in enumerate(batch.rows):
+            for key, _covered in _chunk_keys(tokens):
+                self._index[key] = (batch, row)
+                keys.append(key)
+        with self._lock:
+            self._batches[id(batch)] = (batch, keys)
+            self._held += batch.nbytes
+        while self._held > self.budget_bytes:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        _, (batch, keys) = next(iter(self._batches.items()))
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is not None and entry[0] is batch:
+                del self._index[key]
+        with self._lock:
+            del self._batches[id(batch)]
+            self._held -= batch.nbytes
+
+    def clear(self) -> None:
+        """Drop everything (out of memory: the forward that follows needs the room)."""
+        while self._batches:
+            self._evict_oldest()
