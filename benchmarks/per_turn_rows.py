@@ -7,7 +7,8 @@ then with sharing alone and with the prefix cache, the rows sent all at once in 
 once shuffled, or a turn at a time (``waves``: each row in a later batch than its prefix). Baselines
 in the same call: plain transformers in length-sorted padded batches of 8 (part p) and a bf16
 8192^3 matmul. Each pass's files are compared with ``off``'s (and ``off``'s with plain
-transformers'). Tokens/s count every row's full length.
+transformers'). With ``--plain-prompts N``, then N random prompts (128-2,047 tokens, nothing to
+share) with the prefix cache off and on, twice. Tokens/s count every row's full length.
 
     python benchmarks/per_turn_rows.py --model shape:llama3-8b --device cuda --dtype bfloat16 --compile \\
         --conversations 150 --folder /dev/shm/layertap-turns --out turns.json
@@ -30,6 +31,7 @@ from layertap.settings import Limits
 from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.bench.measure import matmul_rate, sync, useful_flops
 from layertap.worker.bench.parts import run_plain_batched
+from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.engine.self_check import relative_error_per_layer
 from layertap.worker.extractor import build_processor
 from layertap.worker.model.loading import load_model
@@ -73,6 +75,7 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
             for i, ids in enumerate(rows)]
     computed, shared, cached = engine.stats.tokens, engine.stats.shared_tokens, engine.stats.cached_tokens
     sync(processor.loaded.device)
+    busy = engine.busy_seconds()
     start = time.perf_counter()
     results = [None] * len(rows)
     with ThreadPoolExecutor(64) as pool:
@@ -82,6 +85,7 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
     seconds = time.perf_counter() - start
     tokens = sum(map(len, rows))
     report = {"sharing": sharing, "cache_bytes": cache_bytes, "order": order, "seconds": seconds,
+              "device_busy_s": engine.busy_seconds() - busy,
               "row_tokens": tokens, "tokens_per_s": tokens / seconds,
               "computed_tokens": engine.stats.tokens - computed, "shared_tokens": engine.stats.shared_tokens - shared,
               "cached_tokens": engine.stats.cached_tokens - cached,
@@ -91,10 +95,15 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
     return report
 
 
+#: Rows whose files are compared between passes (every ``len(rows) // COMPARED``-th).
+COMPARED = 90
+
+
 def max_difference(paths_a: list[str], paths_b: list[str]) -> float:
-    """The largest per-layer relative error between two runs' files of the same rows."""
+    """The largest per-layer relative error between two runs' files of the same rows (:data:`COMPARED` of them)."""
     worst = 0.0
-    for a, b in zip(paths_a, paths_b):
+    step = max(1, len(paths_a) // COMPARED)
+    for a, b in list(zip(paths_a, paths_b))[::step]:
         with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
             worst = max(worst, float(relative_error_per_layer(fa.get_tensor("hidden_states"),
                                                              fb.get_tensor("hidden_states")).max()))
@@ -112,6 +121,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plain-prompts", type=int, default=0,
+                        help="then this many random prompts of 128-2,047 tokens with the prefix cache off and on")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder layers, as a worker's --compile")
     args = parser.parse_args()
@@ -136,8 +147,7 @@ def main() -> None:
         cache_bytes = processor.engine.prefix_cache.budget_bytes if processor.engine.prefix_cache else 0
         report["prefix_cache_budget_bytes"] = cache_bytes
         passes = [("on", True, 0, "turns"), ("cache-turns", True, cache_bytes, "turns"),
-                  ("cache-shuffled", True, cache_bytes, "shuffled"), ("shared-waves", True, 0, "waves"),
-                  ("cache-waves", True, cache_bytes, "waves")]
+                  ("cache-shuffled", True, cache_bytes, "shuffled"), ("cache-waves", True, cache_bytes, "waves")]
         off = run(processor, rows, layers, "off", False, 0, "turns", args.seed)
         off_paths = off.pop("paths")
         report["max_relative_error_plain_vs_off"] = max_difference(plain_paths, off_paths)
@@ -151,6 +161,17 @@ def main() -> None:
             measured["speedup_vs_off"] = measured["tokens_per_s"] / off["tokens_per_s"]
             report[name] = measured
             print(json.dumps({name: measured}), flush=True)
+        for path in off_paths:
+            Path(path).unlink()
+        if args.plain_prompts:  # the cache on prompts that share nothing: what it costs where it serves nothing
+            prompts = random_prompts(args.plain_prompts, 128, 2047, loaded.vocab_size, args.seed + 1)
+            for name, budget in (("plain-cache-off", 0), ("plain-cache-on", cache_bytes),
+                                 ("plain-cache-off-again", 0), ("plain-cache-on-again", cache_bytes)):
+                measured = run(processor, prompts, layers, name, True, budget, "turns", args.seed)
+                for path in measured.pop("paths"):
+                    Path(path).unlink()
+                report[name] = measured
+                print(json.dumps({name: measured}), flush=True)
     finally:
         processor.engine.stop()
     shutil.rmtree(folder, ignore_errors=True)

@@ -74,7 +74,7 @@ class WorkerSettings(BaseModel):
     prefix_sharing: bool = True  # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
     # device memory (MiB) for earlier batches' keys, values and states: a row computes only its tokens past its
     # longest prefix held there (worker.engine.prefix_cache; tested families, after a load-time check);
-    # None = a quarter of the device memory free at load (1 GiB on the CPU), 0 = off
+    # None = 40% of the device memory free at load (1 GiB on the CPU), 0 = off; out of memory halves it
     prefix_cache_mib: int | None = Field(default=None, ge=0)
     # a run's certificate: 1 in sample_every computed rows (0: none), and the first sample_min of each run, are
     # computed again alone and measured (layertap.worker.job.sampling); a row over its bound fails its run's certificate

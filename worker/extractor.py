@@ -41,8 +41,9 @@ from layertap.worker.model.vision.tower_graphs import SIZES as tower_graph_sizes
 log = logging.getLogger(__name__)
 
 
-#: The prefix cache's share of the device memory free at load, where no size is set.
-PREFIX_CACHE_SHARE = 0.25
+#: The prefix cache's share of the device memory free at load (torch's cached blocks counted free),
+#: where no size is set.
+PREFIX_CACHE_SHARE = 0.4
 #: ... and its size on the CPU, where no size is set.
 PREFIX_CACHE_CPU_BYTES = 1 << 30
 
@@ -56,7 +57,9 @@ def _prefix_cache(engine: Engine, mib: int | None) -> PrefixCache | None:
         if mib is not None:
             budget = mib << 20
         elif loaded.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(loaded.device)[0] * PREFIX_CACHE_SHARE)
+            free = (torch.cuda.mem_get_info(loaded.device)[0] + torch.cuda.memory_reserved(loaded.device)
+                    - torch.cuda.memory_allocated(loaded.device))
+            budget = int(free * PREFIX_CACHE_SHARE)
         else:
             budget = PREFIX_CACHE_CPU_BYTES
         refusal = check_prefix_cache(engine, budget)
@@ -88,7 +91,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     a batched grid tower on a GPU its CUDA graphs, for up to ``tower_graphs`` image sizes. With
     ``prefix_sharing`` (and the load-time prefix check passed), a row that begins with a longer row
     of its batch is sliced from it (``layertap.worker.engine.prefix_share``); with ``prefix_cache_mib``
-    (None: a quarter of the device memory free at load; 0: off) of device memory, a row computes only
+    (None: 40% of the device memory free at load; 0: off) of device memory, a row computes only
     its tokens past its longest prefix an earlier batch computed, on the models
     ``prefix_keys.cache_refusal`` admits that pass ``self_check.check_prefix_cache``
     (``layertap.worker.engine.prefix_cache``). ``sampling``: the rows

@@ -58,11 +58,14 @@ def test_rows_sent_a_turn_at_a_time_compute_only_their_new_tokens(model_type, tm
     layers = list(range(loaded.num_layers + 1))
     chats = conversations(3, TURNS)
     turns = [[chat[turn] for chat in chats] for turn in range(len(TURNS))]
+    held = []
     with Extractor(loaded, layers=layers) as extractor:
         assert extractor.processor.engine.prefix_cache is not None, "the load-time cache check passed"
-        rows, paths, computed, cached = run_bundles(extractor, model_type, turns, layers, tmp_path / "files")
+        rows, paths, computed, cached = run_bundles(extractor, model_type, turns, layers, tmp_path / "files",
+                                                    on_bundle=lambda engine: held.append(len(engine.prefix_cache)))
     assert cached == len(chats) * sum(TURNS[:-1])  # each row took the row of the turn before it
     assert computed == len(chats) * max(TURNS)
+    assert held == [1] * len(TURNS)  # each turn's batch holds the turn before whole: that one is dropped
     assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
 
 
@@ -118,7 +121,8 @@ def test_the_cache_stays_within_its_budget_and_evicted_prefixes_are_computed(tmp
             on_bundle=lambda engine: held.append((engine.prefix_cache.held_bytes, len(engine.prefix_cache))))
     assert all(size <= budget for size, _ in held)
     assert max(count for _, count in held) < len(bundles)  # batches were evicted
-    # within a conversation each row took the one before; the first conversation's longest row was evicted
+    # within a conversation each row took the one before (then dropped); the first conversation's longest
+    # row went for the rows after it, least recently used
     assert cached == len(chats) * sum(TURNS[:-1])
     assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
 

@@ -398,11 +398,10 @@ class Engine:
         self.stats.run_s += time.perf_counter() - wall
         self.stats.run_cpu_s += time.thread_time() - cpu
         if ran is None and cache is not None and len(cache):
-            prefixes = None
-            cache.clear()  # its room first: the batch may fit without it
+            cache.shrink()  # its room first: the batch may fit without it
             self._release_cached_memory()
-            log.warning("out of memory on a batch of %d jobs; the prefix cache is emptied and the batch run again",
-                        len(batch))
+            log.warning("out of memory on a batch of %d jobs; the prefix cache is emptied, its budget halved to "
+                        "%d MiB, and the batch run again", len(batch), cache.budget_bytes >> 20)
             self._run_or_split(batch)
             return
         if ran is None:
@@ -423,7 +422,7 @@ class Engine:
             return
         output, holders, kept = ran
         if kept is not None:
-            cache.add(kept)  # type: ignore[union-attr]
+            cache.add(kept, prefixes)  # type: ignore[union-attr,arg-type]
         places = place_jobs([r.num_tokens for r in ran_requests], [r.layer_ids for r in ran_requests],
                             [r.topk_row_count for r in ran_requests])
         cached_tokens = sum(use.length for use in prefixes or () if use is not None)

@@ -16,8 +16,10 @@ Invariants:
   (and its final states where the using batch wants them) and ran at least as many decoder layers;
   it always computes at least its last token, and a row whose every token is cached keeps the
   cached states of that one too (the same tokens give the same file);
-* the cache holds at most ``budget_bytes`` of device memory; the least recently used batches go
-  first, and a batch larger than the budget is not kept;
+* the cache holds at most ``budget_bytes`` of device memory; a cached row that a later row holds
+  whole (the turn before it) is no longer found, a batch with none of its rows left found goes,
+  and beyond the budget the least recently used batches go; a batch larger than the budget is not
+  kept; out of memory empties the cache and halves its budget;
 * rows are found by chained hashes of their first :data:`CHUNK`-token blocks, then compared token
   by token, so a hash collision can only cost a match, never give a wrong one.
 
@@ -56,8 +58,10 @@ class CachedBatch:
     layers_run: int  # decoder layers the forward ran (0..layers_run-1)
     rows: list[tuple[np.ndarray, int]]  # (token ids int64, start)
     nbytes: int = field(init=False)
+    live: set[int] = field(init=False)  # rows no later cached row holds whole
 
     def __post_init__(self) -> None:
+        self.live = set(range(len(self.rows)))
         tensors = [*self.keys.values(), *self.values.values(), self.states]
         if self.final is not None:
             tensors.append(self.final)
@@ -86,9 +90,18 @@ class PrefixUse:
     cached row holds all of its tokens: a row sent again gets the same states, bit for bit)."""
 
     source: CachedBatch
-    start: int
+    row: int  # of ``source.rows``
     length: int
     served: int
+
+    @property
+    def start(self) -> int:
+        return self.source.rows[self.row][1]
+
+    @property
+    def covers_source(self) -> bool:
+        """Whether the source row is all of this row's first tokens (the new row holds it whole)."""
+        return self.served == len(self.source.rows[self.row][0])
 
 
 def batch_needs(requests: Sequence[EngineRequest], num_layers: int) -> BatchNeeds:
@@ -161,17 +174,27 @@ class PrefixCache:
         source, row = found
         if not source.serves(needs):
             return None
-        cached, start = source.rows[row]
-        common = _common_length(tokens, cached)
+        common = _common_length(tokens, source.rows[row][0])
         length = min(common, request.num_tokens - 1)  # its last token is computed, whatever is cached
-        return PrefixUse(source, start, length, common) if length >= CHUNK else None
+        return PrefixUse(source, row, length, common) if length >= CHUNK else None
 
-    def add(self, batch: CachedBatch) -> None:
-        """Keep ``batch`` (its rows found from now on), dropping the least recently used beyond the budget."""
+    def add(self, batch: CachedBatch, uses: Sequence[PrefixUse | None]) -> None:
+        """Keep ``batch``, which ran with ``uses`` (its rows' prefixes, in order): its rows are found
+        from now on, but those whose every token was cached; a cached row that one of its rows
+        holds whole is no longer found there, and a cached batch with no such row left is dropped;
+        then the least recently used go while beyond the budget."""
+        for use in uses:
+            if use is not None and use.covers_source:
+                use.source.live.discard(use.row)
+                if not use.source.live and id(use.source) in self._batches:
+                    self._evict(use.source)
         if batch.nbytes > self.budget_bytes:
             return
         keys = []
-        for row, (tokens, _start) in enumerate(batch.rows):
+        for row, ((tokens, _start), use) in enumerate(zip(batch.rows, uses)):
+            if use is not None and use.served == len(tokens):  # its source holds it whole
+                batch.live.discard(row)
+                continue
             for key, _covered in _chunk_keys(tokens):
                 self._index[key] = (batch, row)
                 keys.append(key)
@@ -179,10 +202,15 @@ class PrefixCache:
             self._batches[id(batch)] = (batch, keys)
             self._held += batch.nbytes
         while self._held > self.budget_bytes:
-            self._evict_oldest()
+            self._evict(next(iter(self._batches.values()))[0])
 
-    def _evict_oldest(self) -> None:
-        _, (batch, keys) = next(iter(self._batches.items()))
+    def shrink(self) -> None:
+        """Drop everything and halve the budget (out of memory: the forward needs the room)."""
+        self.clear()
+        self.budget_bytes //= 2
+
+    def _evict(self, batch: CachedBatch) -> None:
+        _, keys = self._batches[id(batch)]
         for key in keys:
             entry = self._index.get(key)
             if entry is not None and entry[0] is batch:
@@ -192,6 +220,6 @@ class PrefixCache:
             self._held -= batch.nbytes
 
     def clear(self) -> None:
-        """Drop everything (out of memory: the forward that follows needs the room)."""
+        """Drop everything."""
         while self._batches:
-            self._evict_oldest()
+            self._evict(next(iter(self._batches.values()))[0])
