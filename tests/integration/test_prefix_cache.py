@@ -88,6 +88,36 @@ def test_shuffled_rows_one_per_bundle_take_the_longest_cached_prefix(tmp_path):
     assert worst_error(model_dir, got_rows, paths, layers) <= TOLERANCE
 
 
+def test_final_states_and_other_output_dtypes_over_a_cached_prefix(tmp_path):
+    """Rows asking for their final states (after the norm) and float16 or bfloat16 files, a turn at a
+    time: the same files as with the cache off, within the float32 tolerance before the cast."""
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = [1, loaded.num_layers]
+    chats = conversations(2, TURNS, seed=6)
+    bundles = [[chat[turn] for chat in chats] for turn in range(len(TURNS))]
+    files = {}
+    for cache_mib in (None, 0):
+        with Extractor(loaded, layers=layers, prefix_cache_mib=cache_mib) as extractor:
+            processor = extractor.processor.writing_to(storage_for(str(tmp_path / f"files-{cache_mib}")))
+            cached = extractor.processor.engine.stats.cached_tokens
+            for dtype in ("float32", "float16", "bfloat16"):
+                for bundle in bundles:
+                    results = processor.process_many([Job(model="qwen3", run=dtype, token_ids=ids, layers=layers,
+                                                          final_hidden_states=True, dtype=dtype) for ids in bundle])
+                    assert all(result.ok for result in results)
+                    files.setdefault(cache_mib, []).extend(load_hidden_states(result.path) for result in results)
+            cached = extractor.processor.engine.stats.cached_tokens - cached
+        assert (cached > 0) == (cache_mib is None)
+    for with_cache, without in zip(files[None], files[0]):
+        for name in ("hidden_states", "final_hidden_states"):
+            assert with_cache[name].dtype == without[name].dtype and with_cache[name].shape == without[name].shape
+            got, expected = with_cache[name].double(), without[name].double()
+            # a 16-bit ulp is at most 2^-8 of a value: two roundings of values 1e-5 apart
+            tolerance = 1e-5 if with_cache[name].dtype == torch.float32 else 1e-2
+            assert float((got - expected).norm() / expected.norm()) <= tolerance, name
+
+
 def test_a_row_sent_again_gets_the_same_file_bit_for_bit(tmp_path):
     model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
     loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")

@@ -387,7 +387,8 @@ class Engine:
         sources = plan_sharing(batch) if self.prefix_sharing else {}
         computed = [index for index in range(len(batch)) if index not in sources]
         ran_requests = [batch[index] for index in computed]
-        cache = self.prefix_cache if batch[0].model_inputs is None else None
+        # text in packed rows only (a check's reference runs one sequence per forward meanwhile)
+        cache = self.prefix_cache if batch[0].model_inputs is None and self.loaded.batching.name == "packed" else None
         prefixes = None if cache is None else cache.plan(ran_requests, batch_needs(ran_requests,
                                                                                     self.loaded.num_layers))
         wall, cpu = time.perf_counter(), time.thread_time()
