@@ -13,6 +13,21 @@ is timed with CUDA events (warm-up, median of ``--iters`` calls) and reported as
 TFLOP/s (causal: 4 * sum(len^2) / 2 * heads * dim), beside a bf16 8192^3 matmul measured in
 the same process. Prints JSON (and writes it to ``--out`` if given). A kernel that is not
 installed or fails is reported with its error, not skipped silently.
+
+    python benchmarks/attention_kernels.py --packings [--slots 256] [--fixed-max 16384] [--out FILE]
+
+runs instead the graph-reuse study for cuDNN frontend's THD op, whose graph cache is keyed on the
+number of sequences and the max lengths (not on the token count). Six packings of about
+``--tokens`` query tokens (19 lognormal prompts; ~170 short ones; a few long; one prompt; normal
+prompts mixed with 1-20-token ones; and rows whose queries are the last part of a longer key row,
+``cu_seqlens_q != cu_seqlens_kv``, causal aligned bottom-right as the prefix cache does) are each run
+through aten's flash call and three cuDNN variants: ``exact`` (the packing's own count and max
+lengths, one graph per packing), ``fixed`` (cumulative lengths padded to ``--slots`` sequences with
+zero-length ones, max lengths ``--fixed-max``, bottom-right causal for every packing: equal q and kv
+lengths make it the same mask as top-left) and ``fixed_slots_pow2_max`` (``--slots`` sequences, max
+lengths rounded up to a power of two). Per packing and variant: whether the call built a graph, the
+first call's wall time, the median of ``--iters`` calls after, errors against aten (called with both
+cumulative lengths, which aligns causal bottom-right) and against an fp32 reference.
 """
 
 from __future__ import annotations
@@ -99,6 +114,26 @@ def fp32_reference(q, k, v, bounds, scale) -> torch.Tensor:
     return out
 
 
+def fp32_reference_ragged(q, k, v, q_bounds, kv_bounds, scale) -> torch.Tensor:
+    """Causal attention of each row alone in fp32 (math), the diagonal aligned at the bottom right:
+    query ``i`` of a row with ``m`` queries and ``n`` keys sees keys ``0 .. i + n - m``."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for (q0, q1), (k0, k1) in zip(itertools.pairwise(q_bounds), itertools.pairwise(kv_bounds), strict=True):
+        m, n = q1 - q0, k1 - k0
+        qi = q[q0:q1].float().transpose(0, 1)[None]
+        ki = k[k0:k1].float().repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        vi = v[k0:k1].float().repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        mask = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)
+        step = max(1, min(q.shape[1], (1 << 29) // max(1, m * n)))  # heads per chunk: scores under ~2 GiB
+        for h in range(0, q.shape[1], step):
+            with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+                oi = F.scaled_dot_product_attention(qi[:, h:h + step], ki[:, h:h + step], vi[:, h:h + step],
+                                                    attn_mask=mask, scale=scale)
+            out[q0:q1, h:h + step] = oi[0].transpose(0, 1)
+    return out
+
+
 def version_of(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -175,6 +210,190 @@ def candidates(q, k, v, cu, longest, scale, group) -> list[tuple[str, Callable[[
     ]
 
 
+def study_packings(tokens: int, seed: int) -> list[tuple[str, list[int], list[int]]]:
+    """(name, query lengths, key lengths) of the study's six packings, each about ``tokens`` queries."""
+    rng = random.Random(seed)
+    packings = []
+    lengths = draw_lengths(tokens, 128, 2047, seed)
+    packings.append((f"lognormal_{len(lengths)}_prompts", lengths, lengths))
+    short: list[int] = []
+    while sum(short) + 160 <= tokens:
+        short.append(rng.randint(32, 160))
+    if sum(short) < tokens:
+        short.append(tokens - sum(short))
+    packings.append((f"short_{len(short)}_prompts", short, short))
+    few = [8192, 4096, 2048, 1024, 512, 256, 256]
+    packings.append(("few_long_7_prompts", few, few))
+    packings.append(("one_prompt", [tokens], [tokens]))
+    tiny = [rng.randint(1, 20) for _ in range(8)]
+    mixed = draw_lengths(tokens - sum(tiny), 128, 2047, seed + 1)
+    for length in tiny:
+        mixed.insert(rng.randrange(len(mixed) + 1), length)
+    packings.append((f"tiny_mixed_{len(mixed)}_prompts", mixed, mixed))
+    new = draw_lengths(tokens, 64, 1500, seed + 2)
+    prefixes = [0 if rng.random() < 0.2 else rng.randint(1, 4000) for _ in new]
+    packings.append((f"prefix_bottom_right_{len(new)}_rows", new, [n + p for n, p in zip(new, prefixes, strict=True)]))
+    return packings
+
+
+def bounds_of(lengths: list[int]) -> list[int]:
+    return list(itertools.accumulate(lengths, initial=0))
+
+
+def next_pow2(n: int, low: int = 128) -> int:
+    return max(low, 1 << (n - 1).bit_length())
+
+
+def cudnn_study(args) -> dict:
+    """The graph-reuse study (see the module docstring)."""
+    from cudnn.frost.buffers import cutedsl_state
+    from cudnn.sdpa.fwd import torch_op
+    from cudnn.sdpa.fwd.torch_op import sdpa
+
+    device = torch.device("cuda")
+    scale = 1.0 / math.sqrt(args.dim)
+    properties = torch.cuda.get_device_properties(device)
+    report: dict = {
+        "device": properties.name, "capability": list(torch.cuda.get_device_capability(device)),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "packages": {name: version_of(name) for name in
+                     ("nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cutlass-dsl")},
+        "cutedsl_state": str(cutedsl_state()),
+        "heads": args.heads, "kv_heads": args.kv_heads, "dim": args.dim,
+        "slots": args.slots, "fixed_max": args.fixed_max,
+        "timing": f"first call: wall time (graph build when one is built); then CUDA events, {args.warmup} "
+                  f"warm-up calls, median of {args.iters}; wall_per_call_ms: {args.iters} back-to-back calls / "
+                  f"{args.iters} (host-bound if above median_ms)",
+        "matmul_bf16": matmul_tflops(args.matmul),
+    }
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as handle:
+                handle.write(json.dumps(report, indent=2) + "\n")
+
+    def graph_count() -> int:
+        return len(torch_op._graph_cache)
+
+    # Handle creation and library loading, apart from any graph build measured below.
+    tiny = torch.randn(4, args.heads, args.dim, device=device, dtype=torch.bfloat16)
+    tiny_kv = torch.randn(4, args.kv_heads, args.dim, device=device, dtype=torch.bfloat16)
+    tiny_cu = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    try:
+        _, init_ms = first_call(lambda: sdpa(tiny, tiny_kv, tiny_kv, scale=scale, is_causal=True,
+                                             cu_seqlens_q=tiny_cu, cu_seqlens_kv=tiny_cu, max_seqlen_q=4,
+                                             max_seqlen_kv=4))
+        report["cudnn_init_and_4_token_graph_ms"] = round(init_ms, 3)
+    except Exception as error:  # noqa: BLE001
+        report["cudnn_init_and_4_token_graph_ms"] = f"{type(error).__name__}: {str(error)[:300]}"
+    report["packings"] = []
+    save()
+
+    def wall_per_call(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - start) * 1e3 / args.iters, 4)
+
+    def measure(call, baseline, reference) -> tuple[dict, torch.Tensor]:
+        before = graph_count()
+        out, first_ms = first_call(call)
+        baseline = out if baseline is None else baseline
+        entry = {"graph_built": graph_count() > before, "first_call_ms": round(first_ms, 3),
+                 "vs_aten_flash": compare(out[:baseline.shape[0]], baseline),
+                 "vs_fp32_reference": compare(out[:baseline.shape[0]], reference),
+                 "finite": bool(torch.isfinite(out).all())}
+        entry.update(cuda_time(call, args.warmup, args.iters))
+        entry["wall_per_call_ms"] = wall_per_call(call)
+        return entry, out
+
+    with torch.no_grad():
+        for index, (name, q_lengths, kv_lengths) in enumerate(study_packings(args.tokens, args.seed)):
+            qb, kb = bounds_of(q_lengths), bounds_of(kv_lengths)
+            same = q_lengths == kv_lengths
+            generator = torch.Generator(device=device).manual_seed(args.seed + index)
+            q = torch.randn(qb[-1], args.heads, args.dim, device=device, dtype=torch.bfloat16, generator=generator)
+            k = torch.randn(kb[-1], args.kv_heads, args.dim, device=device, dtype=torch.bfloat16, generator=generator)
+            v = torch.randn(kb[-1], args.kv_heads, args.dim, device=device, dtype=torch.bfloat16, generator=generator)
+            cu_q = torch.tensor(qb, dtype=torch.int32, device=device)
+            cu_kv = torch.tensor(kb, dtype=torch.int32, device=device)
+            max_q, max_kv = max(q_lengths), max(kv_lengths)
+            flops = 4 * sum(m * (n - m) + m * m / 2 for m, n in zip(q_lengths, kv_lengths, strict=True)) \
+                * args.heads * args.dim
+            entry: dict = {"name": name, "rows": len(q_lengths), "q_tokens": qb[-1], "kv_tokens": kb[-1],
+                           "max_q": max_q, "max_kv": max_kv, "q_lengths": q_lengths,
+                           "useful_tflop_per_call": round(flops / 1e12, 4)}
+            if not same:
+                entry["kv_lengths"] = kv_lengths
+            report["packings"].append(entry)
+            reference = fp32_reference_ragged(q, k, v, qb, kb, scale)
+
+            def aten():
+                return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_kv, max_q, max_kv, 0.0, True, False,
+                                                                scale=scale)[0]
+            entry["aten_flash"], baseline = measure(aten, None, reference)
+            entry["aten_flash"].pop("graph_built")
+
+            def padded(cu: torch.Tensor) -> torch.Tensor:
+                # The engine would fill a preallocated (slots + 1) buffer; built here untimed.
+                return torch.cat([cu, cu[-1:].expand(args.slots + 1 - cu.numel())])
+
+            cu_q_pad, cu_kv_pad = padded(cu_q), padded(cu_kv)
+            variants = {
+                "cudnn_exact": (cu_q, cu_kv, max_q, max_kv, not same),
+                "cudnn_fixed": (cu_q_pad, cu_kv_pad, args.fixed_max, args.fixed_max, True),
+                "cudnn_fixed_slots_pow2_max": (cu_q_pad, cu_kv_pad, next_pow2(max_q), next_pow2(max_kv), True),
+            }
+            for variant, (cq, ckv, mq, mkv, bottom_right) in variants.items():
+                def call(cq=cq, ckv=ckv, mq=mq, mkv=mkv, bottom_right=bottom_right):
+                    return sdpa(q, k, v, scale=scale, is_causal=True, causal_bottom_right=bottom_right,
+                                cu_seqlens_q=cq, cu_seqlens_kv=ckv, max_seqlen_q=mq, max_seqlen_kv=mkv)
+                try:
+                    result, _ = measure(call, baseline, reference)
+                    result.update({"sequences": cq.numel() - 1, "max_seqlen_q": mq, "max_seqlen_kv": mkv,
+                                   "bottom_right": bottom_right})
+                except Exception as error:  # noqa: BLE001
+                    result = {"error": f"{type(error).__name__}: {str(error)[:600]}",
+                              "where": traceback.format_exc().strip().splitlines()[-3:]}
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception as sync_error:  # noqa: BLE001
+                        result["cuda_state"] = f"{type(sync_error).__name__}: {str(sync_error)[:200]}"
+                entry[variant] = result
+            if "error" in entry["cudnn_fixed"] and "cuda_state" not in entry["cudnn_fixed"]:
+                # Zero-length sequences refused: pad with one-token sequences over spare rows instead.
+                spare = args.slots + 1 - cu_q.numel()
+                q1, k1, v1 = (torch.cat([t, t.new_zeros(spare, *t.shape[1:])]) for t in (q, k, v))
+                steps = torch.arange(1, spare + 1, dtype=torch.int32, device=device)
+                cq, ckv = torch.cat([cu_q, cu_q[-1] + steps]), torch.cat([cu_kv, cu_kv[-1] + steps])
+
+                def call():
+                    return sdpa(q1, k1, v1, scale=scale, is_causal=True, causal_bottom_right=True, cu_seqlens_q=cq,
+                                cu_seqlens_kv=ckv, max_seqlen_q=args.fixed_max, max_seqlen_kv=args.fixed_max)
+                variants["cudnn_fixed_one_token_padding"] = None
+                try:
+                    entry["cudnn_fixed_one_token_padding"], _ = measure(call, baseline, reference)
+                except Exception as error:  # noqa: BLE001
+                    entry["cudnn_fixed_one_token_padding"] = {"error": f"{type(error).__name__}: {str(error)[:600]}"}
+            base_ms = entry["aten_flash"]["median_ms"]
+            for variant in ("aten_flash", *variants):
+                if "median_ms" in entry[variant]:
+                    entry[variant]["useful_tflops"] = round(flops / (entry[variant]["median_ms"] * 1e-3) / 1e12, 1)
+                    entry[variant]["speedup_vs_aten_flash"] = round(base_ms / entry[variant]["median_ms"], 3)
+            print(json.dumps({key: value for key, value in entry.items() if "lengths" not in key}), flush=True)
+            del q, k, v, reference, baseline
+            save()
+    report["graphs_cached"] = graph_count()
+    try:
+        report["graph_cache_keys"] = [str(key[1:]) for key in torch_op._graph_cache]
+    except Exception as error:  # noqa: BLE001
+        report["graph_cache_keys"] = f"{type(error).__name__}: {error}"
+    save()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -189,7 +408,13 @@ def main() -> None:
     parser.add_argument("--matmul", type=int, default=8192)
     parser.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     parser.add_argument("--out", default="")
+    parser.add_argument("--packings", action="store_true", help="run the cuDNN graph-reuse study instead")
+    parser.add_argument("--slots", type=int, default=256, help="--packings: sequences every fixed graph declares")
+    parser.add_argument("--fixed-max", type=int, default=16384, help="--packings: the fixed graph's max lengths")
     args = parser.parse_args()
+    if args.packings:
+        print(json.dumps(cudnn_study(args), indent=2))
+        return
 
     device = torch.device("cuda")
     lengths = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
