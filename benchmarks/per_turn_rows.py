@@ -8,7 +8,9 @@ once shuffled, or a turn at a time (``waves``: each row in a later batch than it
 in the same call: plain transformers in length-sorted padded batches of 8 (part p) and a bf16
 8192^3 matmul. Each pass's files are compared with ``off``'s (and ``off``'s with plain
 transformers'). With ``--plain-prompts N``, then N random prompts (128-2,047 tokens, nothing to
-share) with the prefix cache off and on, twice. Tokens/s count every row's full length.
+share) with the prefix cache off and on, twice. With ``--kernels flash,cudnn,...``, the passes
+run once per name with packed attention on that kernel (``worker.attention_kernel``), each
+round's files compared with the first round's no-sharing files. Tokens/s count every row's full length.
 
     python benchmarks/per_turn_rows.py --model shape:llama3-8b --device cuda --dtype bfloat16 --compile \\
         --conversations 150 --folder /dev/shm/layertap-turns --out turns.json
@@ -34,6 +36,7 @@ from layertap.worker.bench.parts import run_plain_batched
 from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.engine.self_check import relative_error_per_layer
 from layertap.worker.extractor import build_processor
+from layertap.worker.model.attention import attention_kernel, use_varlen_kernel
 from layertap.worker.model.loading import load_model
 
 TURNS = 3
@@ -123,6 +126,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--plain-prompts", type=int, default=0,
                         help="then this many random prompts of 128-2,047 tokens with the prefix cache off and on")
+    parser.add_argument("--kernels", default="flash",
+                        help="packed attention's kernel for each round of passes, e.g. flash,cudnn,flash,cudnn")
+    parser.add_argument("--passes", default="", help="which sharing passes to run (default: all)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder layers, as a worker's --compile")
     args = parser.parse_args()
@@ -140,38 +146,55 @@ def main() -> None:
     plain_paths = [str(folder / "plain" / f"{index}.safetensors") for index in range(len(rows))]
     processor = build_processor(loaded, storage_root=folder, worker_name="turns", layers=layers, limits=Limits(),
                                 token_budget=args.budget, compile_layers=args.compile)
+    kernels = args.kernels.split(",")
     try:
         processor.engine.warm_up(full_batch=True)
         report["prefix_check_passed"] = processor.engine.prefix_sharing
         report["prefix_cache_check_passed"] = processor.engine.prefix_cache is not None
         cache_bytes = processor.engine.prefix_cache.budget_bytes if processor.engine.prefix_cache else 0
         report["prefix_cache_budget_bytes"] = cache_bytes
-        passes = [("on", True, 0, "turns"), ("cache-turns", True, cache_bytes, "turns"),
-                  ("cache-shuffled", True, cache_bytes, "shuffled"), ("cache-waves", True, cache_bytes, "waves")]
-        off = run(processor, rows, layers, "off", False, 0, "turns", args.seed)
-        off_paths = off.pop("paths")
-        report["max_relative_error_plain_vs_off"] = max_difference(plain_paths, off_paths)
-        shutil.rmtree(folder / "plain", ignore_errors=True)
-        report["off"] = off
-        for name, sharing, budget, order in passes:
-            measured = run(processor, rows, layers, name, sharing, budget, order, args.seed)
-            measured["max_relative_error_vs_off"] = max_difference(off_paths, measured["paths"])
-            for path in measured.pop("paths"):
-                Path(path).unlink()
-            measured["speedup_vs_off"] = measured["tokens_per_s"] / off["tokens_per_s"]
-            report[name] = measured
-            print(json.dumps({name: measured}), flush=True)
-        for path in off_paths:
-            Path(path).unlink()
-        if args.plain_prompts:  # the cache on prompts that share nothing: what it costs where it serves nothing
-            prompts = random_prompts(args.plain_prompts, 128, 2047, loaded.vocab_size, args.seed + 1)
-            for name, budget in (("plain-cache-off", 0), ("plain-cache-on", cache_bytes),
-                                 ("plain-cache-off-again", 0), ("plain-cache-on-again", cache_bytes)):
-                measured = run(processor, prompts, layers, name, True, budget, "turns", args.seed)
+        passes = {"on": (True, 0, "turns"), "cache-turns": (True, cache_bytes, "turns"),
+                  "cache-shuffled": (True, cache_bytes, "shuffled"), "cache-waves": (True, cache_bytes, "waves")}
+        wanted = args.passes.split(",") if args.passes else list(passes)
+        reference: list[str] = []  # the first round's no-sharing files: every pass is compared with them
+        prompts = random_prompts(args.plain_prompts, 128, 2047, loaded.vocab_size, args.seed + 1)
+        for round_index, kernel in enumerate(kernels):
+            label = "" if len(kernels) == 1 else f"{kernel}-{round_index}-"
+            if kernel != attention_kernel():
+                use_varlen_kernel(kernel)
+                processor.engine.warm_up(full_batch=True)  # the kernel's own first calls (cuDNN: its graphs)
+            off = run(processor, rows, layers, label + "off", False, 0, "turns", args.seed)
+            if not reference:
+                reference = off.pop("paths")
+                report["max_relative_error_plain_vs_off"] = max_difference(plain_paths, reference)
+                shutil.rmtree(folder / "plain", ignore_errors=True)
+            else:
+                off["max_relative_error_vs_off"] = max_difference(reference, off["paths"])
+                for path in off.pop("paths"):
+                    Path(path).unlink()
+            report[label + "off"] = off
+            print(json.dumps({label + "off": off}), flush=True)
+            for name in wanted:
+                sharing, budget, order = passes[name]
+                measured = run(processor, rows, layers, label + name, sharing, budget, order, args.seed)
+                measured["max_relative_error_vs_off"] = max_difference(reference, measured["paths"])
                 for path in measured.pop("paths"):
                     Path(path).unlink()
-                report[name] = measured
-                print(json.dumps({name: measured}), flush=True)
+                measured["speedup_vs_off"] = measured["tokens_per_s"] / off["tokens_per_s"]
+                report[label + name] = measured
+                print(json.dumps({label + name: measured}), flush=True)
+            if args.plain_prompts:  # the cache on prompts that share nothing: what it costs where it serves nothing
+                plain_passes = (("plain-cache-off", 0), ("plain-cache-on", cache_bytes), ("plain-cache-off-again", 0),
+                                ("plain-cache-on-again", cache_bytes)) if len(kernels) == 1 else \
+                    (("plain-cache-on", cache_bytes),)
+                for name, budget in plain_passes:
+                    measured = run(processor, prompts, layers, label + name, True, budget, "turns", args.seed)
+                    for path in measured.pop("paths"):
+                        Path(path).unlink()
+                    report[label + name] = measured
+                    print(json.dumps({label + name: measured}), flush=True)
+        for path in reference:
+            Path(path).unlink()
     finally:
         processor.engine.stop()
     shutil.rmtree(folder, ignore_errors=True)

@@ -16,7 +16,7 @@ EXTRA_OF = {
     "torch": "worker", "transformers": "worker", "tokenizers": "worker", "jinja2": "worker",
     "prometheus_client": "worker", "pythonjsonlogger": "worker",
     "datasets": "data", "pyarrow": "data", "ijson": "data",
-    "matplotlib": "plots",
+    "matplotlib": "plots", "cudnn": "cudnn",
 }
 #: What ``layertap worker``, ``make-tiny-model``, ``demo`` and ``bench`` load.
 WORKER_MODULES = ("torch", "transformers")

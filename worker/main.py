@@ -34,6 +34,7 @@ from layertap.worker.extractor import build_processor
 from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.sampling import SamplingPlan
+from layertap.worker.model.attention import use_varlen_kernel
 from layertap.worker.model.loading import LoadedModel, load_model
 from layertap.worker.ops.cpu_threads import set_cpu_threads
 from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
@@ -73,6 +74,7 @@ def run_worker(settings: Settings) -> int:
     worker = Worker(settings, ws.node_name or default_node_name())
     storage = swept(settings.storage())  # a local root is made absolute: published paths are absolute
     report_phase(LOADING)
+    use_varlen_kernel(ws.attention_kernel)
     loaded = load(settings)
     processor = build_processor(loaded, storage_root=storage, worker_name=worker.node, layers=ws.layers,
                                 limits=settings.limits, token_budget=ws.token_budget,

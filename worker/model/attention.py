@@ -9,10 +9,10 @@ what we want. Two ways to attend, both exact (no padding, no quadratic mask, no 
 sees another):
 
 * on a GPU that runs flash attention (bf16/fp16, compute capability 8.0+), one
-  variable-length flash call per layer over the whole row, with the boundaries as
-  cumulative lengths (aten's ``_flash_attention_forward``, which
-  ``torch.nn.attention.varlen`` wraps in newer torch; called directly because it takes
-  grouped KV heads in every torch this project supports);
+  variable-length causal call per layer over the whole row, with the boundaries as
+  cumulative lengths: aten's ``_flash_attention_forward`` (which ``torch.nn.attention.varlen``
+  wraps in newer torch; called directly because it takes grouped KV heads in every torch this
+  project supports), or NVIDIA's cuDNN frontend (:func:`use_varlen_kernel`, ``cudnn_attention``);
 * otherwise causal SDPA on each prompt's own slice: the same kernel and the same numbers
   as running it alone.
 """
@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from layertap.worker.model import cudnn_attention
 
 ATTENTION_NAME = "layertap_packed"
 _state = threading.local()
@@ -70,6 +72,37 @@ def _cumulative_lengths(bounds: list[int], device: torch.device) -> torch.Tensor
     if cached is not None:  # the forward's own bounds: alive until the block ends
         cached[id(bounds), device] = tensor
     return tensor
+
+
+#: The variable-length kernels packed attention can call on a GPU (``worker.attention_kernel``):
+#: aten's flash attention (FlashAttention 2, in torch), or NVIDIA's cuDNN frontend (``cudnn_attention``).
+VARLEN_KERNELS = ("flash", "cudnn")
+_varlen_kernel = {"name": "flash"}
+
+
+def use_varlen_kernel(name: str) -> None:
+    """Make packed attention call ``name`` (of :data:`VARLEN_KERNELS`) on a GPU, for every model of
+    this process; ``cudnn`` raises :class:`~layertap.extras.MissingExtra` where its extra is missing."""
+    if name not in VARLEN_KERNELS:
+        raise ValueError(f"attention kernel {name!r} is not one of {', '.join(VARLEN_KERNELS)}")
+    if name == "cudnn":
+        cudnn_attention.require()
+    _varlen_kernel["name"] = name
+
+
+def attention_kernel() -> str:
+    """The kernel packed attention calls on a GPU (:func:`use_varlen_kernel`)."""
+    return _varlen_kernel["name"]
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cumulative_q: torch.Tensor,
+            cumulative_k: torch.Tensor, longest_q: int, longest_k: int, scale: float | None) -> torch.Tensor:
+    """Causal variable-length attention (``[T, heads, dim]`` each; the mask aligned at each sequence's
+    end) on the chosen kernel; returns ``[Tq, heads, dim]``."""
+    if _varlen_kernel["name"] == "cudnn":
+        return cudnn_attention.varlen(query, key, value, cumulative_q, cumulative_k, longest_q, longest_k, scale)
+    return torch.ops.aten._flash_attention_forward(query, key, value, cumulative_q, cumulative_k, longest_q, longest_k,
+                                                   0.0, True, False, scale=scale)[0]
 
 
 #: The dtypes the flash kernel takes.
@@ -152,9 +185,7 @@ def _attend_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     cumulative = _cumulative_lengths(bounds, query.device)
     # [1, H, T, D] -> [T, H, D]: a view (transformers made these by transposing [1, T, H, D]).
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))
-    output = torch.ops.aten._flash_attention_forward(q, k, v, cumulative, cumulative, longest, longest, 0.0, True,
-                                                     False, scale=scaling)[0]
-    return output[None]
+    return _varlen(q, k, v, cumulative, cumulative, longest, longest, scaling)[None]
 
 
 def _attend_whole_rows(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -167,12 +198,8 @@ def _attend_whole_rows(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     whole_key, whole_value = keys.extend(module.layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
     if varlen_flash_usable(query) and value.shape[-1] == query.shape[-1]:
         longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
-        q = query[0].transpose(0, 1)
-        output = torch.ops.aten._flash_attention_forward(
-            q, whole_key, whole_value, _cumulative_lengths(bounds, query.device),
-            _cumulative_lengths(keys.key_bounds, query.device), longest, keys.longest_key, 0.0, True, False,
-            scale=scaling)[0]  # causal with fewer queries than keys: the mask is aligned at the end
-        return output[None]
+        return _varlen(query[0].transpose(0, 1), whole_key, whole_value, _cumulative_lengths(bounds, query.device),
+                       _cumulative_lengths(keys.key_bounds, query.device), longest, keys.longest_key, scaling)[None]
     gqa = query.shape[1] != whole_key.shape[1]
     output = query.new_empty(1, query.shape[2], query.shape[1], whole_value.shape[-1])
     backends = sdpa_kernel(CUDA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
