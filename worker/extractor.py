@@ -26,7 +26,7 @@ from layertap.storage.registry import storage_for
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.scheduler import MAX_PADDING
 from layertap.worker.engine.prefix_cache import PrefixCache
-from layertap.worker.engine.prefix_keys import cache_refusal
+from layertap.worker.engine.prefix_keys import batch_bytes, cache_refusal
 from layertap.worker.engine.self_check import check_prefix_cache, check_prefix_sharing, check_with_fallback
 from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.image_check import check_image_batching
@@ -48,9 +48,11 @@ PREFIX_CACHE_SHARE = 0.4
 PREFIX_CACHE_CPU_BYTES = 1 << 30
 
 
-def _prefix_cache(engine: Engine, mib: int | None) -> PrefixCache | None:
+def _prefix_cache(engine: Engine, mib: int | None, layers: int) -> PrefixCache | None:
     """The engine's prefix cache of ``mib`` MiB (None: :data:`PREFIX_CACHE_SHARE` of the free device
-    memory), or None where the model is not one it serves (logged: why)."""
+    memory), or None where the model is not one it serves, or the budget holds fewer than two full
+    batches capturing ``layers`` layers (a forward that keeps its keys holds one batch's more while
+    it runs: on a card the weights nearly fill, that room is the batch's) (logged: why)."""
     loaded = engine.loaded
     refusal = cache_refusal(loaded.model, loaded.layers, loaded.batching.name, loaded.split is not None)
     if refusal is None:
@@ -62,6 +64,11 @@ def _prefix_cache(engine: Engine, mib: int | None) -> PrefixCache | None:
             budget = int(free * PREFIX_CACHE_SHARE)
         else:
             budget = PREFIX_CACHE_CPU_BYTES
+        batch = batch_bytes(loaded.model, loaded.num_layers, engine.token_budget, layers, loaded.dtype)
+        if budget < 2 * batch:
+            refusal = (f"{budget >> 20} MiB hold fewer than two full batches ({batch >> 20} MiB each: "
+                       "worker.prefix_cache_mib)")
+    if refusal is None:
         refusal = check_prefix_cache(engine, budget)
     if refusal is not None:
         log.info("%s: rows are computed whole, not over cached prefixes: %s", loaded.architecture, refusal)
@@ -116,7 +123,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                         unshared)
         engine.prefix_sharing = unshared is None
     if prefix_cache_mib != 0:
-        engine.prefix_cache = _prefix_cache(engine, prefix_cache_mib)
+        engine.prefix_cache = _prefix_cache(engine, prefix_cache_mib, len(preparer.default_layers))
     check_image_batching(engine, preparer)
     use_tower_graphs(loaded, tower_graphs)
     if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)

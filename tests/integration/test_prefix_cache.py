@@ -22,7 +22,7 @@ from layertap.protocol.schema import Job
 from layertap.settings import Settings
 from layertap.storage.registry import storage_for
 from layertap.worker.engine.prefix_cache import CHUNK, PrefixCache
-from layertap.worker.engine.prefix_keys import CACHED_TYPES
+from layertap.worker.engine.prefix_keys import CACHED_TYPES, batch_bytes
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
 from tests.support.chat_server import free_port
@@ -61,11 +61,15 @@ def test_rows_sent_a_turn_at_a_time_compute_only_their_new_tokens(model_type, tm
     held = []
     with Extractor(loaded, layers=layers) as extractor:
         assert extractor.processor.engine.prefix_cache is not None, "the load-time cache check passed"
-        rows, paths, computed, cached = run_bundles(extractor, model_type, turns, layers, tmp_path / "files",
-                                                    on_bundle=lambda engine: held.append(len(engine.prefix_cache)))
+        rows, paths, computed, cached = run_bundles(
+            extractor, model_type, turns, layers, tmp_path / "files",
+            on_bundle=lambda engine: held.append((len(engine.prefix_cache), engine.prefix_cache.held_bytes)))
     assert cached == len(chats) * sum(TURNS[:-1])  # each row took the row of the turn before it
     assert computed == len(chats) * max(TURNS)
-    assert held == [1] * len(TURNS)  # each turn's batch holds the turn before whole: that one is dropped
+    # each turn's batch holds the turn before whole (that one is dropped), and what the worker's
+    # budget check counts for it
+    assert held == [(1, batch_bytes(loaded.model, loaded.num_layers, len(chats) * length, len(layers), torch.float32))
+                    for length in TURNS]
     assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
 
 
@@ -199,6 +203,18 @@ def test_models_it_does_not_serve_compute_whole_rows(model_type, reason, tmp_pat
     assert cached == 0 and computed == sum(TURNS)
     assert "rows are computed whole, not over cached prefixes" in caplog.text and reason in caplog.text
     assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
+
+
+def test_a_budget_under_two_full_batches_turns_the_cache_off(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="layertap.worker.extractor")
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = [0, loaded.num_layers]
+    batch = batch_bytes(loaded.model, loaded.num_layers, 16384, len(layers), torch.float32)
+    for mib, served in (((2 * batch >> 20) - 1, False), (-(-2 * batch >> 20), True)):
+        with Extractor(loaded, layers=layers, prefix_cache_mib=mib) as extractor:
+            assert (extractor.processor.engine.prefix_cache is not None) == served
+    assert "hold fewer than two full batches" in caplog.text
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -49,6 +49,15 @@ def cache_refusal(model: nn.Module, layers: nn.ModuleList, layout_name: str, spl
     return None
 
 
+def batch_bytes(model: nn.Module, num_layers: int, tokens: int, layers: int, dtype: torch.dtype) -> int:
+    """What a cached batch of ``tokens`` tokens capturing ``layers`` layers holds (every layer's keys
+    and values, the states), for a model of :data:`CACHED_TYPES` (one key and value head size)."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * num_layers * config.num_key_value_heads * head_dim + layers * config.hidden_size
+    return tokens * per_token * dtype.itemsize
+
+
 def _ranges(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     """int64 positions of every ``(start, end)`` span, in order."""
     if not spans:
