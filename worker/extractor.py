@@ -75,7 +75,8 @@ def _prefix_cache(engine: Engine, mib: int | None, layers: int) -> PrefixCache |
         return None
     log.info("%s: rows are computed past their longest prefix cached on the device (up to %.0f MiB)",
              loaded.architecture, budget / (1 << 20))
-    return PrefixCache(budget)
+    return PrefixCache(budget, lambda tokens, layers: batch_bytes(loaded.model, loaded.num_layers, tokens, layers,
+                                                                  loaded.dtype))
 
 
 def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, worker_name: str,

@@ -205,6 +205,29 @@ def test_models_it_does_not_serve_compute_whole_rows(model_type, reason, tmp_pat
     assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
 
 
+def test_a_batch_over_half_the_budget_runs_as_without_the_cache(tmp_path):
+    """A batch whose keys and values would take over half the budget (one very long prompt) is not
+    kept, and runs the forward it runs with no cache; smaller batches after it are kept and serve."""
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = [0, loaded.num_layers]
+    chats = conversations(2, TURNS, seed=7)
+
+    def size(tokens: int, layer_count: int) -> int:
+        return batch_bytes(loaded.model, loaded.num_layers, tokens, layer_count, torch.float32)
+
+    held = []
+    with Extractor(loaded, layers=layers) as extractor:
+        extractor.processor.engine.prefix_cache = PrefixCache(2 * size(2 * TURNS[1], len(layers)), size)
+        bundles = [[chats[0][-1], chats[1][-1]], [chats[0][0], chats[1][0]], [chats[0][1], chats[1][1]]]
+        rows, paths, computed, cached = run_bundles(
+            extractor, "qwen3", bundles, layers, tmp_path / "files",
+            on_bundle=lambda engine: held.append(len(engine.prefix_cache)))
+    assert held == [0, 1, 1]  # 2 x 200 tokens: over half; 2 x 40: kept; 2 x 90 over 2 x 40: kept, the 40s dropped
+    assert cached == 2 * TURNS[0]
+    assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
+
+
 def test_a_budget_under_two_full_batches_turns_the_cache_off(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="layertap.worker.extractor")
     model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))

@@ -19,7 +19,9 @@ Invariants:
 * the cache holds at most ``budget_bytes`` of device memory; a cached row that a later row holds
   whole (the turn before it) is no longer found, a batch with none of its rows left found goes,
   and beyond the budget the least recently used batches go; a batch larger than the budget is not
-  kept; out of memory empties the cache and halves its budget;
+  kept, nor is one over half of it (:meth:`PrefixCache.keeps`: its forward holds every layer's keys
+  and values until it ends), which then runs as it would without the cache; out of memory empties
+  the cache and halves its budget;
 * rows are found by chained hashes of their first :data:`CHUNK`-token blocks, then compared token
   by token, so a hash collision can only cost a match, never give a wrong one.
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,10 +137,13 @@ def _common_length(a: np.ndarray, b: np.ndarray) -> int:
 
 class PrefixCache:
     """Finished batches' keys, values and states, least recently used first out, within
-    ``budget_bytes``. Used on the engine thread; :attr:`held_bytes` may be read from any."""
+    ``budget_bytes``. Used on the engine thread; :attr:`held_bytes` may be read from any.
+    ``batch_bytes(tokens, layers)``: what a batch of ``tokens`` tokens capturing ``layers`` layers
+    would hold (None: any batch is kept)."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, batch_bytes: Callable[[int, int], int] | None = None):
         self.budget_bytes = budget_bytes
+        self._batch_bytes = batch_bytes
         self._batches: OrderedDict[int, tuple[CachedBatch, list[int]]] = OrderedDict()  # id -> (batch, its keys)
         self._index: dict[int, tuple[CachedBatch, int]] = {}  # chained hash -> (batch, row)
         self._held = 0
@@ -150,6 +155,12 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._batches)
+
+    def keeps(self, tokens: int, layers: int) -> bool:
+        """Whether a batch of ``tokens`` tokens capturing ``layers`` layers is to be kept: at most half
+        the budget (its forward holds every layer's keys and values until it ends; a batch over that,
+        such as one 128k-token prompt, runs as it would without the cache)."""
+        return self._batch_bytes is None or 2 * self._batch_bytes(tokens, layers) <= self.budget_bytes
 
     def plan(self, requests: Sequence[EngineRequest], needs: BatchNeeds) -> list[PrefixUse | None]:
         """Each request's longest cached prefix that a batch with ``needs`` can use (None: none)."""

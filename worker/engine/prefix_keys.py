@@ -75,11 +75,15 @@ class PrefixKeys:
     ``lengths[i]`` is row ``i``'s whole length and ``uses[i]`` its cached prefix (None: none); the
     forward computes ``lengths[i] - uses[i].length`` tokens of it. Used on the engine thread."""
 
-    def __init__(self, lengths: Sequence[int], uses: Sequence[PrefixUse | None], device: torch.device):
+    def __init__(self, lengths: Sequence[int], uses: Sequence[PrefixUse | None], device: torch.device,
+                 keep: bool = True):
+        """``keep``: hold every layer's keys and values for :meth:`cached_batch` (else each is
+        dropped after its layer)."""
         self.key_bounds = [0]
         for length in lengths:
             self.key_bounds.append(self.key_bounds[-1] + length)
         self.longest_key = max(lengths)
+        self._keep = keep
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self._prefixed = any(use is not None for use in uses)
@@ -106,7 +110,8 @@ class PrefixKeys:
         if self._prefixed:
             key = self._whole(key, lambda source: source.keys[layer])
             value = self._whole(value, lambda source: source.values[layer])
-        self.keys[layer], self.values[layer] = key, value
+        if self._keep:
+            self.keys[layer], self.values[layer] = key, value
         return key, value
 
     def whole(self, computed: torch.Tensor, of_source: Callable[[CachedBatch], torch.Tensor]) -> torch.Tensor:

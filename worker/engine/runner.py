@@ -145,12 +145,13 @@ class BatchRunner:
         #: a model split over GPUs: the cast and copy-out go on its gather stream, after its captures (``layertap.worker.model.split``)
         self._gather = loaded.split.gather if loaded.split is not None else None
 
-    def run(self, batch: list[EngineRequest], prefixes: Sequence[PrefixUse | None] | None = None
-            ) -> tuple[BatchOutput, Holders, CachedBatch | None]:
+    def run(self, batch: list[EngineRequest], prefixes: Sequence[PrefixUse | None] | None = None,
+            keep: bool = False) -> tuple[BatchOutput, Holders, CachedBatch | None]:
         """The batch's outputs (all requests share its ``output_dtype``), who holds their host
         buffer (one holder per request) and, with ``prefixes`` (a packed text batch under the
-        prefix cache: each request's cached prefix or None), what the batch leaves for the cache.
-        Raises what the forward raises (out of memory included); the host buffer is then free again."""
+        prefix cache: each request's cached prefix or None) and ``keep``, what the batch leaves
+        for the cache. Raises what the forward raises (out of memory included); the host buffer
+        is then free again."""
         loaded, device = self.loaded, self.loaded.device
         images = batch[0].model_inputs is not None  # the engine's scheduler never mixes text and images
         layout = image_layout(loaded) if images else loaded.batching
@@ -161,7 +162,7 @@ class BatchRunner:
             inputs = layout.build_inputs([request.token_ids for request in batch], device, pad_to=self._pad_to)
             bounds = inputs.bounds
         else:
-            keys = PrefixKeys([request.num_tokens for request in batch], prefixes, device)
+            keys = PrefixKeys([request.num_tokens for request in batch], prefixes, device, keep)
             skipped = [0 if use is None else use.length for use in prefixes]
             inputs = layout.build_inputs([request.token_ids[skip:] for request, skip in zip(batch, skipped)], device,
                                          pad_to=self._pad_to, starts=skipped)
@@ -218,7 +219,7 @@ class BatchRunner:
             raise
         output = BatchOutput(HostTensors(*host), ready=ready, started=started)  # type: ignore[arg-type]
         kept = None
-        if keys is not None:
+        if keys is not None and keep:
             needs = batch_needs(batch, loaded.num_layers)
             kept = keys.cached_batch([request.token_ids for request in batch], staging, union, final, needs)
         return output, Holders(len(batch), free_slot), kept
