@@ -49,6 +49,19 @@ import torch
 import torch.nn.functional as F
 
 
+
+def failure(error: Exception) -> dict:
+    """A failed kernel call as a report entry: the error, where it was raised, and the device's
+    state after it (``cuda_state`` where the device failed too)."""
+    entry = {"error": f"{type(error).__name__}: {str(error)[:600]}",
+             "where": traceback.format_exc().strip().splitlines()[-3:]}
+    try:
+        torch.cuda.synchronize()
+    except Exception as sync_error:  # noqa: BLE001
+        entry["cuda_state"] = f"{type(sync_error).__name__}: {str(sync_error)[:200]}"
+    return entry
+
+
 def draw_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
     """Prompt lengths, lognormal-ish in ``[low, high]``, summing to about ``tokens``."""
     rng = random.Random(seed)
@@ -355,12 +368,7 @@ def cudnn_study(args) -> dict:
                     result.update({"sequences": cq.numel() - 1, "max_seqlen_q": mq, "max_seqlen_kv": mkv,
                                    "bottom_right": bottom_right})
                 except Exception as error:  # noqa: BLE001
-                    result = {"error": f"{type(error).__name__}: {str(error)[:600]}",
-                              "where": traceback.format_exc().strip().splitlines()[-3:]}
-                    try:
-                        torch.cuda.synchronize()
-                    except Exception as sync_error:  # noqa: BLE001
-                        result["cuda_state"] = f"{type(sync_error).__name__}: {str(sync_error)[:200]}"
+                    result = failure(error)
                 entry[variant] = result
             if "error" in entry["cudnn_fixed"] and "cuda_state" not in entry["cudnn_fixed"]:
                 # Zero-length sequences refused: pad with one-token sequences over spare rows instead.
@@ -471,12 +479,7 @@ def main() -> None:
                 entry["useful_tflops"] = round(flops / (entry["median_ms"] * 1e-3) / 1e12, 1)
                 entry["ok"] = True
             except Exception as error:  # noqa: BLE001
-                entry = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:600]}",
-                         "where": traceback.format_exc().strip().splitlines()[-3:]}
-                try:
-                    torch.cuda.synchronize()
-                except Exception as sync_error:  # noqa: BLE001
-                    entry["cuda_state"] = f"{type(sync_error).__name__}: {str(sync_error)[:200]}"
+                entry = {"ok": False, **failure(error)}
             results[name] = entry
             print(json.dumps({name: entry}), flush=True)
         report["candidates"] = results

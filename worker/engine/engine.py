@@ -389,12 +389,13 @@ class Engine:
         ran_requests = [batch[index] for index in computed]
         # text in packed rows only (a check's reference runs one sequence per forward meanwhile)
         cache = self.prefix_cache if batch[0].model_inputs is None and self.loaded.batching.name == "packed" else None
-        prefixes, keep = None, False
+        prefixes, keep = None, None
         if cache is not None:
             needs = batch_needs(ran_requests, self.loaded.num_layers)
             prefixes = cache.plan(ran_requests, needs)
-            keep = cache.keeps(sum(request.num_tokens for request in ran_requests), len(needs.layer_ids))
-            if not keep and not any(prefixes):
+            if cache.keeps(sum(request.num_tokens for request in ran_requests), len(needs.layer_ids)):
+                keep = needs
+            elif not any(prefixes):
                 prefixes = None  # nothing from the cache, nothing for it: the plain forward
         wall, cpu = time.perf_counter(), time.thread_time()
         try:

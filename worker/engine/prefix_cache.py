@@ -30,7 +30,6 @@ Pure bookkeeping: the device work is in ``prefix_keys`` and the runner.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from layertap.worker.engine.layout import layer_union
 from layertap.worker.engine.records import EngineRequest
 
 #: Tokens per block of the index: a row is found when it shares at least this many first tokens.
@@ -110,7 +110,7 @@ def batch_needs(requests: Sequence[EngineRequest], num_layers: int) -> BatchNeed
     """What a batch of ``requests`` reads from a cached batch (``num_layers``: the model's decoder
     layers): the forward stops before the highest wanted layer below ``num_layers``, unless a
     request wants final states or top-k (``layertap.worker.model.capture``)."""
-    union = tuple(sorted(set().union(*(request.layer_ids for request in requests))))
+    union = tuple(layer_union([request.layer_ids for request in requests]))
     final = any(request.want_final or request.topk for request in requests)
     return BatchNeeds(union, final, num_layers if final else min(max(union), num_layers))
 
@@ -120,12 +120,12 @@ def may_use_prefix(request: EngineRequest) -> bool:
     return request.model_inputs is None and not request.topk
 
 
-def _chunk_keys(tokens: np.ndarray) -> Iterator[tuple[int, int]]:
-    """``(chained hash, tokens covered)`` of each whole :data:`CHUNK`-token block, in order."""
+def _chunk_keys(tokens: np.ndarray) -> Iterator[int]:
+    """The chained hash of each whole :data:`CHUNK`-token block, in order."""
     chained = 0
     for end in range(CHUNK, len(tokens) + 1, CHUNK):
         chained = hash((chained, tokens[end - CHUNK:end].tobytes()))
-        yield chained, end
+        yield chained
 
 
 def _common_length(a: np.ndarray, b: np.ndarray) -> int:
@@ -137,7 +137,7 @@ def _common_length(a: np.ndarray, b: np.ndarray) -> int:
 
 class PrefixCache:
     """Finished batches' keys, values and states, least recently used first out, within
-    ``budget_bytes``. Used on the engine thread; :attr:`held_bytes` may be read from any.
+    ``budget_bytes``. Used on the engine thread; :attr:`held_bytes` and ``len`` may be read from any.
     ``batch_bytes(tokens, layers)``: what a batch of ``tokens`` tokens capturing ``layers`` layers
     would hold (None: any batch is kept)."""
 
@@ -147,7 +147,6 @@ class PrefixCache:
         self._batches: OrderedDict[int, tuple[CachedBatch, list[int]]] = OrderedDict()  # id -> (batch, its keys)
         self._index: dict[int, tuple[CachedBatch, int]] = {}  # chained hash -> (batch, row)
         self._held = 0
-        self._lock = threading.Lock()
 
     @property
     def held_bytes(self) -> int:
@@ -175,7 +174,7 @@ class PrefixCache:
     def _match(self, request: EngineRequest, needs: BatchNeeds) -> PrefixUse | None:
         tokens = request.token_ids.numpy()
         found = None
-        for key, _covered in _chunk_keys(tokens[:request.num_tokens - 1]):
+        for key in _chunk_keys(tokens[:request.num_tokens - 1]):
             entry = self._index.get(key)
             if entry is None:
                 break
@@ -206,12 +205,11 @@ class PrefixCache:
             if use is not None and use.served == len(tokens):  # its source holds it whole
                 batch.live.discard(row)
                 continue
-            for key, _covered in _chunk_keys(tokens):
+            for key in _chunk_keys(tokens):
                 self._index[key] = (batch, row)
                 keys.append(key)
-        with self._lock:
-            self._batches[id(batch)] = (batch, keys)
-            self._held += batch.nbytes
+        self._batches[id(batch)] = (batch, keys)
+        self._held += batch.nbytes
         while self._held > self.budget_bytes:
             self._evict(next(iter(self._batches.values()))[0])
 
@@ -226,9 +224,8 @@ class PrefixCache:
             entry = self._index.get(key)
             if entry is not None and entry[0] is batch:
                 del self._index[key]
-        with self._lock:
-            del self._batches[id(batch)]
-            self._held -= batch.nbytes
+        del self._batches[id(batch)]
+        self._held -= batch.nbytes
 
     def clear(self) -> None:
         """Drop everything."""

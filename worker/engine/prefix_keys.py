@@ -139,8 +139,9 @@ class PrefixKeys:
             whole.index_copy_(0, ours, of_source(source).index_select(0, theirs))
         return whole
 
-    def cached_batch(self, tokens: Sequence[torch.Tensor], states: torch.Tensor, layer_ids: Sequence[int],
-                     final: torch.Tensor | None, needs: BatchNeeds) -> CachedBatch:
-        """What this forward leaves for later rows (``states``/``final`` over the whole lengths)."""
+    def cached_batch(self, tokens: Sequence[torch.Tensor], states: torch.Tensor, final: torch.Tensor | None,
+                     needs: BatchNeeds) -> CachedBatch:
+        """What this forward (a batch with ``needs``) leaves for later rows (``states``/``final``
+        over the whole lengths)."""
         rows = [(ids.numpy(), start) for ids, start in zip(tokens, self.key_bounds)]
-        return CachedBatch(dict(self.keys), dict(self.values), states, tuple(layer_ids), final, needs.layers_run, rows)
+        return CachedBatch(dict(self.keys), dict(self.values), states, needs.layer_ids, final, needs.layers_run, rows)

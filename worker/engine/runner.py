@@ -21,7 +21,7 @@ import torch
 from layertap.worker.engine.host_buffers import HostSlot, HostStaging
 from layertap.worker.engine.layout import layer_union
 from layertap.worker.engine.output_dtype import non_finite_rows, to_output
-from layertap.worker.engine.prefix_cache import CachedBatch, PrefixUse, batch_needs
+from layertap.worker.engine.prefix_cache import BatchNeeds, CachedBatch, PrefixUse
 from layertap.worker.engine.prefix_keys import PrefixKeys
 from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
 from layertap.worker.engine.teacher import TeacherHead
@@ -146,12 +146,12 @@ class BatchRunner:
         self._gather = loaded.split.gather if loaded.split is not None else None
 
     def run(self, batch: list[EngineRequest], prefixes: Sequence[PrefixUse | None] | None = None,
-            keep: bool = False) -> tuple[BatchOutput, Holders, CachedBatch | None]:
+            keep: BatchNeeds | None = None) -> tuple[BatchOutput, Holders, CachedBatch | None]:
         """The batch's outputs (all requests share its ``output_dtype``), who holds their host
         buffer (one holder per request) and, with ``prefixes`` (a packed text batch under the
-        prefix cache: each request's cached prefix or None) and ``keep``, what the batch leaves
-        for the cache. Raises what the forward raises (out of memory included); the host buffer
-        is then free again."""
+        prefix cache: each request's cached prefix or None) and ``keep`` (the batch's needs, where
+        it is to be kept), what the batch leaves for the cache. Raises what the forward raises (out
+        of memory included); the host buffer is then free again."""
         loaded, device = self.loaded, self.loaded.device
         images = batch[0].model_inputs is not None  # the engine's scheduler never mixes text and images
         layout = image_layout(loaded) if images else loaded.batching
@@ -162,7 +162,7 @@ class BatchRunner:
             inputs = layout.build_inputs([request.token_ids for request in batch], device, pad_to=self._pad_to)
             bounds = inputs.bounds
         else:
-            keys = PrefixKeys([request.num_tokens for request in batch], prefixes, device, keep)
+            keys = PrefixKeys([request.num_tokens for request in batch], prefixes, device, keep is not None)
             skipped = [0 if use is None else use.length for use in prefixes]
             inputs = layout.build_inputs([request.token_ids[skip:] for request, skip in zip(batch, skipped)], device,
                                          pad_to=self._pad_to, starts=skipped)
@@ -219,9 +219,8 @@ class BatchRunner:
             raise
         output = BatchOutput(HostTensors(*host), ready=ready, started=started)  # type: ignore[arg-type]
         kept = None
-        if keys is not None and keep:
-            needs = batch_needs(batch, loaded.num_layers)
-            kept = keys.cached_batch([request.token_ids for request in batch], staging, union, final, needs)
+        if keys is not None and keep is not None:
+            kept = keys.cached_batch([request.token_ids for request in batch], staging, final, keep)
         return output, Holders(len(batch), free_slot), kept
 
     @staticmethod

@@ -200,34 +200,30 @@ def _attend_whole_rows(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
         return _varlen(query[0].transpose(0, 1), whole_key, whole_value, _cumulative_lengths(bounds, query.device),
                        _cumulative_lengths(keys.key_bounds, query.device), longest, keys.longest_key, scaling)[None]
-    gqa = query.shape[1] != whole_key.shape[1]
     output = query.new_empty(1, query.shape[2], query.shape[1], whole_value.shape[-1])
     backends = sdpa_kernel(CUDA_BACKENDS) if query.is_cuda else contextlib.nullcontext()
-    with backends:
-        for (start, end), (key_start, key_end) in zip(zip(bounds[:-1], bounds[1:]),
-                                                      zip(keys.key_bounds[:-1], keys.key_bounds[1:])):
-            queries, known = end - start, key_end - key_start
-            mask = None
-            if queries != known:  # query j is the row's token known - queries + j
-                mask = torch.ones(queries, known, dtype=torch.bool, device=query.device).tril(known - queries)
-            part = F.scaled_dot_product_attention(
-                query[:, :, start:end], whole_key[key_start:key_end].transpose(0, 1)[None],
-                whole_value[key_start:key_end].transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-                scale=scaling, enable_gqa=gqa)
-            output[:, start:end] = part.transpose(1, 2)
+    with backends:  # [T, H, D] -> [1, H, T, D]: views
+        _attend_each(query, whole_key.transpose(0, 1)[None], whole_value.transpose(0, 1)[None], output, bounds,
+                     scaling, None, query.shape[1] != whole_key.shape[1], keys.key_bounds)
     return output
 
 
 def _attend_each(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
-                 bounds: list[int], scaling: float | None, sliding_window: int | None, gqa: bool) -> None:
-    """Causal SDPA on each packed sequence's slice, written into ``output`` ``[1, T, heads, dim]``."""
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        length = end - start
+                 bounds: list[int], scaling: float | None, sliding_window: int | None, gqa: bool,
+                 key_bounds: list[int] | None = None) -> None:
+    """Causal SDPA on each packed sequence's slice, written into ``output`` ``[1, T, heads, dim]``;
+    with ``key_bounds``, sequence ``i``'s queries are the last of its keys ``key_bounds[i]:key_bounds[i + 1]``
+    (the mask aligned at its end)."""
+    key_bounds = key_bounds or bounds
+    for (start, end), (key_start, key_end) in zip(zip(bounds[:-1], bounds[1:]), zip(key_bounds[:-1], key_bounds[1:])):
+        queries, known = end - start, key_end - key_start
         mask = None
-        if sliding_window is not None and length > sliding_window:
-            mask = _sliding_mask(length, sliding_window, query.device)
+        if queries != known:  # query j is the sequence's token known - queries + j
+            mask = torch.ones(queries, known, dtype=torch.bool, device=query.device).tril(known - queries)
+        elif sliding_window is not None and known > sliding_window:
+            mask = _sliding_mask(known, sliding_window, query.device)
         part = F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+            query[:, :, start:end], key[:, :, key_start:key_end], value[:, :, key_start:key_end],
             attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa,
         )
         output[:, start:end] = part.transpose(1, 2)
