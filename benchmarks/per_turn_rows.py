@@ -67,13 +67,15 @@ def arrivals(rows: list[list[int]], order: str, seed: int) -> list[list[int]]:
     return [indices[turn::TURNS] for turn in range(TURNS)]
 
 
-def run(processor, rows: list[list[int]], layers: list[int], run_name: str, sharing: bool, cache_bytes: int,
-        order: str, seed: int) -> dict:
-    """One pass over ``rows`` (``arrivals`` order) with in-batch sharing on or off and a fresh prefix
-    cache of ``cache_bytes`` (0: none)."""
+def run(processor, rows: list[list[int]], layers: list[int], run_name: str, sharing: bool,
+        cache: PrefixCache | None, order: str, seed: int) -> dict:
+    """One pass over ``rows`` (``arrivals`` order) with in-batch sharing on or off and the worker's
+    prefix cache emptied first (None: no cache)."""
     engine = processor.engine
     engine.prefix_sharing = sharing
-    engine.prefix_cache = PrefixCache(cache_bytes) if cache_bytes else None
+    if cache is not None:
+        cache.clear()
+    engine.prefix_cache = cache
     jobs = [{"model": processor.loaded.name, "run": run_name, "job_id": f"r{i}", "token_ids": ids, "layers": layers}
             for i, ids in enumerate(rows)]
     computed, shared, cached = engine.stats.tokens, engine.stats.shared_tokens, engine.stats.cached_tokens
@@ -87,12 +89,13 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
                 results[index] = result
     seconds = time.perf_counter() - start
     tokens = sum(map(len, rows))
-    report = {"sharing": sharing, "cache_bytes": cache_bytes, "order": order, "seconds": seconds,
+    report = {"sharing": sharing, "cache_bytes": 0 if cache is None else cache.budget_bytes, "order": order,
+              "seconds": seconds,
               "device_busy_s": engine.busy_seconds() - busy,
               "row_tokens": tokens, "tokens_per_s": tokens / seconds,
               "computed_tokens": engine.stats.tokens - computed, "shared_tokens": engine.stats.shared_tokens - shared,
               "cached_tokens": engine.stats.cached_tokens - cached,
-              "prefix_cache_peak_bytes": 0 if engine.prefix_cache is None else engine.prefix_cache.held_bytes,
+              "prefix_cache_bytes_at_end": 0 if cache is None else cache.held_bytes,
               "errors": sum(not result.ok for result in results), "paths": [result.path for result in results]}
     engine.prefix_cache = None
     return report
@@ -151,10 +154,10 @@ def main() -> None:
         processor.engine.warm_up(full_batch=True)
         report["prefix_check_passed"] = processor.engine.prefix_sharing
         report["prefix_cache_check_passed"] = processor.engine.prefix_cache is not None
-        cache_bytes = processor.engine.prefix_cache.budget_bytes if processor.engine.prefix_cache else 0
-        report["prefix_cache_budget_bytes"] = cache_bytes
-        passes = {"on": (True, 0, "turns"), "cache-turns": (True, cache_bytes, "turns"),
-                  "cache-shuffled": (True, cache_bytes, "shuffled"), "cache-waves": (True, cache_bytes, "waves")}
+        cache = processor.engine.prefix_cache  # the worker's, as the load-time checks left it
+        report["prefix_cache_budget_bytes"] = 0 if cache is None else cache.budget_bytes
+        passes = {"on": (True, None, "turns"), "cache-turns": (True, cache, "turns"),
+                  "cache-shuffled": (True, cache, "shuffled"), "cache-waves": (True, cache, "waves")}
         wanted = args.passes.split(",") if args.passes else list(passes)
         reference: list[str] = []  # the first round's no-sharing files: every pass is compared with them
         prompts = random_prompts(args.plain_prompts, 128, 2047, loaded.vocab_size, args.seed + 1)
@@ -163,7 +166,7 @@ def main() -> None:
             if kernel != attention_kernel():
                 use_varlen_kernel(kernel)
                 processor.engine.warm_up(full_batch=True)  # the kernel's own first calls (cuDNN: its graphs)
-            off = run(processor, rows, layers, label + "off", False, 0, "turns", args.seed)
+            off = run(processor, rows, layers, label + "off", False, None, "turns", args.seed)
             if not reference:
                 reference = off.pop("paths")
                 report["max_relative_error_plain_vs_off"] = max_difference(plain_paths, reference)
@@ -175,8 +178,8 @@ def main() -> None:
             report[label + "off"] = off
             print(json.dumps({label + "off": off}), flush=True)
             for name in wanted:
-                sharing, budget, order = passes[name]
-                measured = run(processor, rows, layers, label + name, sharing, budget, order, args.seed)
+                sharing, pass_cache, order = passes[name]
+                measured = run(processor, rows, layers, label + name, sharing, pass_cache, order, args.seed)
                 measured["max_relative_error_vs_off"] = max_difference(reference, measured["paths"])
                 for path in measured.pop("paths"):
                     Path(path).unlink()
@@ -184,11 +187,10 @@ def main() -> None:
                 report[label + name] = measured
                 print(json.dumps({label + name: measured}), flush=True)
             if args.plain_prompts:  # the cache on prompts that share nothing: what it costs where it serves nothing
-                plain_passes = (("plain-cache-off", 0), ("plain-cache-on", cache_bytes), ("plain-cache-off-again", 0),
-                                ("plain-cache-on-again", cache_bytes)) if len(kernels) == 1 else \
-                    (("plain-cache-on", cache_bytes),)
-                for name, budget in plain_passes:
-                    measured = run(processor, prompts, layers, label + name, True, budget, "turns", args.seed)
+                plain_passes = (("plain-cache-off", None), ("plain-cache-on", cache), ("plain-cache-off-again", None),
+                                ("plain-cache-on-again", cache)) if len(kernels) == 1 else (("plain-cache-on", cache),)
+                for name, pass_cache in plain_passes:
+                    measured = run(processor, prompts, layers, label + name, True, pass_cache, "turns", args.seed)
                     for path in measured.pop("paths"):
                         Path(path).unlink()
                     report[label + name] = measured
