@@ -79,6 +79,7 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
     jobs = [{"model": processor.loaded.name, "run": run_name, "job_id": f"r{i}", "token_ids": ids, "layers": layers}
             for i, ids in enumerate(rows)]
     computed, shared, cached = engine.stats.tokens, engine.stats.shared_tokens, engine.stats.cached_tokens
+    batches = engine.stats.batches
     sync(processor.loaded.device)
     busy = engine.busy_seconds()
     start = time.perf_counter()
@@ -94,7 +95,7 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
               "device_busy_s": engine.busy_seconds() - busy,
               "row_tokens": tokens, "tokens_per_s": tokens / seconds,
               "computed_tokens": engine.stats.tokens - computed, "shared_tokens": engine.stats.shared_tokens - shared,
-              "cached_tokens": engine.stats.cached_tokens - cached,
+              "cached_tokens": engine.stats.cached_tokens - cached, "batches": engine.stats.batches - batches,
               "prefix_cache_bytes_at_end": 0 if cache is None else cache.held_bytes,
               "errors": sum(not result.ok for result in results), "paths": [result.path for result in results]}
     engine.prefix_cache = None
