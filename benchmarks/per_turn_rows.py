@@ -2,7 +2,8 @@
 
 Row ``k`` of a conversation is the conversation through its assistant turn ``k`` (as speculators
 writes them). The engine in-process (``JobProcessor`` on task threads, files written, as ``layertap
-bench``'s part c) runs the same rows: with neither in-batch sharing nor the prefix cache (``off``),
+bench``'s part c; the rows in messages of ``--bundle`` jobs, the client's default 64, on a worker's
+default 64 task threads) runs the same rows: with neither in-batch sharing nor the prefix cache (``off``),
 then with sharing alone and with the prefix cache, the rows sent all at once in turn order, all at
 once shuffled, or a turn at a time (``waves``: each row in a later batch than its prefix). Baselines
 in the same call: plain transformers in length-sorted padded batches of 8 (part p) and a bf16
@@ -29,7 +30,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from layertap.settings import Limits
+from layertap.protocol.schema import Job
+from layertap.settings import BundleSettings, Limits, WorkerSettings
 from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.bench.measure import matmul_rate, sync, useful_flops
 from layertap.worker.bench.parts import run_plain_batched
@@ -67,10 +69,26 @@ def arrivals(rows: list[list[int]], order: str, seed: int) -> list[list[int]]:
     return [indices[turn::TURNS] for turn in range(TURNS)]
 
 
+def bundled(indices: list[int], lengths: list[int], most_jobs: int) -> list[list[int]]:
+    """``indices`` in order, in messages as the client groups them: at most ``most_jobs`` jobs and
+    the client's ``max_tokens`` tokens each (a longer row alone)."""
+    most_tokens = BundleSettings().max_tokens
+    bundles: list[list[int]] = []
+    tokens = 0
+    for index, length in zip(indices, lengths):
+        if not bundles or len(bundles[-1]) >= most_jobs or tokens + length > most_tokens:
+            bundles.append([])
+            tokens = 0
+        bundles[-1].append(index)
+        tokens += length
+    return bundles
+
+
 def run(processor, rows: list[list[int]], layers: list[int], run_name: str, sharing: bool,
-        cache: PrefixCache | None, order: str, seed: int) -> dict:
-    """One pass over ``rows`` (``arrivals`` order) with in-batch sharing on or off and the worker's
-    prefix cache emptied first (None: no cache)."""
+        cache: PrefixCache | None, order: str, seed: int, bundle: int) -> dict:
+    """One pass over ``rows`` (``arrivals`` order, each wave in messages of ``bundle`` jobs, at most
+    :data:`CONCURRENCY` in flight, as a worker takes them) with in-batch sharing on or off and the
+    worker's prefix cache emptied first (None: no cache)."""
     engine = processor.engine
     engine.prefix_sharing = sharing
     if cache is not None:
@@ -84,10 +102,14 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
     busy = engine.busy_seconds()
     start = time.perf_counter()
     results = [None] * len(rows)
-    with ThreadPoolExecutor(64) as pool:
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
         for wave in arrivals(rows, order, seed):
-            for index, result in zip(wave, pool.map(processor.process, [jobs[index] for index in wave])):
-                results[index] = result
+            bundles = bundled(wave, [len(rows[index]) for index in wave], bundle)
+            answers = pool.map(lambda indices: processor.process_many([Job.model_validate(jobs[i]) for i in indices]),
+                               bundles)
+            for indices, answered in zip(bundles, answers):
+                for index, result in zip(indices, answered):
+                    results[index] = result
     seconds = time.perf_counter() - start
     tokens = sum(map(len, rows))
     report = {"sharing": sharing, "cache_bytes": 0 if cache is None else cache.budget_bytes, "order": order,
@@ -101,6 +123,9 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
     engine.prefix_cache = None
     return report
 
+
+#: Messages in flight at once: a worker's default ``concurrency``.
+CONCURRENCY = WorkerSettings().concurrency
 
 #: Rows whose files are compared between passes (every ``len(rows) // COMPARED``-th).
 COMPARED = 90
@@ -132,6 +157,8 @@ def main() -> None:
                         help="then this many random prompts of 128-2,047 tokens with the prefix cache off and on")
     parser.add_argument("--kernels", default="flash",
                         help="packed attention's kernel for each round of passes, e.g. flash,cudnn,flash,cudnn")
+    parser.add_argument("--bundle", type=int, default=BundleSettings().max_jobs,
+                        help="jobs per message (the client's default; 1: each row in its own message)")
     parser.add_argument("--passes", default="", help="which sharing passes to run (default: all)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder layers, as a worker's --compile")
@@ -167,7 +194,7 @@ def main() -> None:
             if kernel != attention_kernel():
                 use_varlen_kernel(kernel)
                 processor.engine.warm_up(full_batch=True)  # the kernel's own first calls (cuDNN: its graphs)
-            off = run(processor, rows, layers, label + "off", False, None, "turns", args.seed)
+            off = run(processor, rows, layers, label + "off", False, None, "turns", args.seed, args.bundle)
             if not reference:
                 reference = off.pop("paths")
                 report["max_relative_error_plain_vs_off"] = max_difference(plain_paths, reference)
@@ -180,7 +207,8 @@ def main() -> None:
             print(json.dumps({label + "off": off}), flush=True)
             for name in wanted:
                 sharing, pass_cache, order = passes[name]
-                measured = run(processor, rows, layers, label + name, sharing, pass_cache, order, args.seed)
+                measured = run(processor, rows, layers, label + name, sharing, pass_cache, order, args.seed,
+                               args.bundle)
                 measured["max_relative_error_vs_off"] = max_difference(reference, measured["paths"])
                 for path in measured.pop("paths"):
                     Path(path).unlink()
@@ -191,7 +219,8 @@ def main() -> None:
                 plain_passes = (("plain-cache-off", None), ("plain-cache-on", cache), ("plain-cache-off-again", None),
                                 ("plain-cache-on-again", cache)) if len(kernels) == 1 else (("plain-cache-on", cache),)
                 for name, pass_cache in plain_passes:
-                    measured = run(processor, prompts, layers, label + name, True, pass_cache, "turns", args.seed)
+                    measured = run(processor, prompts, layers, label + name, True, pass_cache, "turns", args.seed,
+                                   args.bundle)
                     for path in measured.pop("paths"):
                         Path(path).unlink()
                     report[label + name] = measured
