@@ -1,11 +1,13 @@
 # `make demo` and `make test` each set up .venv on a fresh machine, then run.
 # torch: with an NVIDIA driver present, a CUDA build from PyPI (torch>=2.4); without one,
 # torch==2.13.0 (on this project's build machines a CPU wheel on local disk, seconds to
-# install). Override with `make TORCH_SPEC='torch==2.x.y' ...`.
+# install). Override with `make TORCH_SPEC='torch==2.x.y' ...`. With a driver, the cudnn extra too
+# (NVIDIA's cuDNN frontend: packed attention's default kernel on Hopper cards).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
+EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'worker,dev,cudnn' || echo 'worker,dev')
 STAMP := $(VENV)/.layertap-installed
 PYTEST_ARGS ?=
 # `make test` runs the suite in pytest-xdist processes, each with its own Redis, workers and
@@ -22,7 +24,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[worker,dev]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: $(STAMP)

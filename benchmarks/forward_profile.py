@@ -9,7 +9,7 @@ batch against the matmul rate: useful FLOPs per token (``useful_flops``, as ``la
 over a bf16 8192^3 matmul measured in the same process. The batch is also timed without the
 profiler (best of 3), since the profiler's own CPU work can add idle.
 
-    python benchmarks/forward_profile.py --model shape:llama3-8b --compile --out profile.json
+    python benchmarks/forward_profile.py --model shape:llama3-8b --compile [--attention-kernel flash] --out profile.json
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
+from layertap.settings import WorkerSettings
 from layertap.worker.bench.measure import matmul_rate, on_own_thread, useful_flops
 from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.records import EngineRequest
+from layertap.worker.model.attention import VARLEN_KERNELS, resolved_kernel, use_varlen_kernel
 from layertap.worker.model.loading import load_model
 from layertap.worker.model.modes import compile_decoder_layers
 
@@ -80,8 +82,11 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decoder layers, as bench --compile")
+    parser.add_argument("--attention-kernel", default=WorkerSettings().attention_kernel, choices=VARLEN_KERNELS,
+                        help="packed attention's kernel (worker.attention_kernel)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    use_varlen_kernel(args.attention_kernel)
     loaded = load_model(args.model, name="profile", device=args.device, dtype="bfloat16")
     cuda = loaded.device.type == "cuda"
     layers = [int(layer) for layer in args.layers.split(",")]
@@ -139,6 +144,7 @@ def main() -> None:
     attention_flops = sum(2 * n * n * heads * head_dim for n in lengths) * max(layers)
     report = {
         "model": args.model, "compile": args.compile, "layers": layers,
+        "attention_kernel": resolved_kernel(loaded.device),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "tokens": tokens, "prompts": len(lengths), "lengths": lengths,
         "wall_s": wall, "wall_unprofiled_s": unprofiled, "tokens_per_s": tokens / unprofiled,

@@ -32,13 +32,13 @@ from safetensors import safe_open
 
 from layertap.protocol.schema import Job
 from layertap.settings import BundleSettings, Limits, WorkerSettings
-from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.bench.measure import matmul_rate, sync, useful_flops
 from layertap.worker.bench.parts import run_plain_batched
 from layertap.worker.bench.prompts import random_prompts
+from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.engine.self_check import relative_error_per_layer
 from layertap.worker.extractor import build_processor
-from layertap.worker.model.attention import attention_kernel, use_varlen_kernel
+from layertap.worker.model.attention import attention_kernel, resolved_kernel, use_varlen_kernel
 from layertap.worker.model.loading import load_model
 
 TURNS = 3
@@ -142,6 +142,11 @@ def max_difference(paths_a: list[str], paths_b: list[str]) -> float:
     return worst
 
 
+def kernels_named(names: str, device: torch.device) -> str:
+    """``--kernels`` with ``auto`` resolved for ``device`` (e.g. ``auto (cudnn)``)."""
+    return ",".join(f"{name} ({resolved_kernel(device)})" if name == "auto" else name for name in names.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="shape:llama3-8b")
@@ -155,7 +160,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--plain-prompts", type=int, default=0,
                         help="then this many random prompts of 128-2,047 tokens with the prefix cache off and on")
-    parser.add_argument("--kernels", default="flash",
+    parser.add_argument("--kernels", default=WorkerSettings().attention_kernel,
                         help="packed attention's kernel for each round of passes, e.g. flash,cudnn,flash,cudnn")
     parser.add_argument("--bundle", type=int, default=BundleSettings().max_jobs,
                         help="jobs per message (the client's default; 1: each row in its own message)")
@@ -174,6 +179,7 @@ def main() -> None:
                     "flops_per_row_token": useful_flops(loaded, layers, list(map(len, rows))) / sum(map(len, rows))}
     plain = run_plain_batched(loaded, rows, layers, folder / "plain")
     report["plain_padded_tokens_per_s"] = plain.tokens / plain.seconds
+    report["attention_kernel"] = kernels_named(args.kernels, loaded.device)
     plain_paths = [str(folder / "plain" / f"{index}.safetensors") for index in range(len(rows))]
     processor = build_processor(loaded, storage_root=folder, worker_name="turns", layers=layers, limits=Limits(),
                                 token_budget=args.budget, compile_layers=args.compile)

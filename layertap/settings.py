@@ -71,9 +71,9 @@ class WorkerSettings(BaseModel):
     prepare_ahead_batches: int = Field(default=2, ge=0)  # task threads prepare jobs while fewer batches are queued
     host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)
-    # packed attention's kernel on a GPU: flash (aten's FlashAttention 2) or cudnn (NVIDIA's cuDNN frontend,
-    # the cudnn extra; worker.model.cudnn_attention)
-    attention_kernel: Literal["flash", "cudnn"] = "flash"
+    # packed attention's kernel on a GPU: flash (aten's FlashAttention 2), cudnn (NVIDIA's cuDNN frontend, the
+    # cudnn extra; worker.model.cudnn_attention), or auto: cudnn on Hopper cards where the extra is installed
+    attention_kernel: Literal["auto", "flash", "cudnn"] = "auto"
     prefix_sharing: bool = True  # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
     # device memory (MiB) for earlier batches' keys, values and states: a row computes only its tokens past its
     # longest prefix held there (worker.engine.prefix_cache; tested families, after a load-time check);

@@ -1,27 +1,44 @@
-"""Choosing packed attention's GPU kernel: an unknown name is refused, and the cuDNN frontend without
-its extra says how to install it (the kernels themselves: ``tests/gpu/test_cudnn_attention.py``)."""
+"""Choosing packed attention's GPU kernel: an unknown name is refused, the cuDNN frontend without
+its extra says how to install it, ``auto`` (the default) is flash off Hopper or without the extra, and
+the frontend takes only the dtypes and head sizes its GPU test covers (the kernels themselves:
+``tests/gpu/test_cudnn_attention.py``)."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+import torch
 
 from layertap.extras import MissingExtra
+from layertap.settings import WorkerSettings
 from layertap.worker.model import attention, cudnn_attention
 
 
 def test_an_unknown_kernel_is_refused():
-    with pytest.raises(ValueError, match="not one of flash, cudnn"):
+    with pytest.raises(ValueError, match="not one of auto, flash, cudnn"):
         attention.use_varlen_kernel("fa9")
-    assert attention.attention_kernel() == "flash"
+    assert attention.attention_kernel() == "auto"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cudnn") is not None, reason="the cudnn extra is installed here")
 def test_cudnn_without_its_extra_names_the_extra():
     with pytest.raises(MissingExtra, match=r"pip install 'layertap\[cudnn\]'"):
         attention.use_varlen_kernel("cudnn")
-    assert attention.attention_kernel() == "flash"
+    assert attention.attention_kernel() == "auto"
+    assert attention.resolved_kernel(torch.device("cpu")) == "flash"
+
+
+def test_the_default_is_auto_and_resolves_to_flash_without_a_hopper_card():
+    assert WorkerSettings().attention_kernel == "auto" == attention.attention_kernel()
+    assert attention.resolved_kernel(torch.device("cpu")) == "flash"
+
+
+@pytest.mark.parametrize(("dtype", "head", "served"), [(torch.bfloat16, 128, True), (torch.float16, 64, True),
+                                                       (torch.bfloat16, 256, False), (torch.bfloat16, 96, False),
+                                                       (torch.float32, 128, False)])
+def test_the_frontend_takes_only_its_tested_dtypes_and_heads(dtype, head, served):
+    assert cudnn_attention.takes(torch.empty(4, 2, head, dtype=dtype)) is served
 
 
 @pytest.mark.parametrize(("value", "least", "bucket"), [(1, 256, 256), (256, 256, 256), (257, 256, 512),

@@ -12,7 +12,8 @@ sees another):
   variable-length causal call per layer over the whole row, with the boundaries as
   cumulative lengths: aten's ``_flash_attention_forward`` (which ``torch.nn.attention.varlen``
   wraps in newer torch; called directly because it takes grouped KV heads in every torch this
-  project supports), or NVIDIA's cuDNN frontend (:func:`use_varlen_kernel`, ``cudnn_attention``);
+  project supports), or NVIDIA's cuDNN frontend (:func:`use_varlen_kernel`, ``cudnn_attention``; by
+  default on Hopper cards where the ``cudnn`` extra is installed);
 * otherwise causal SDPA on each prompt's own slice: the same kernel and the same numbers
   as running it alone.
 """
@@ -75,9 +76,11 @@ def _cumulative_lengths(bounds: list[int], device: torch.device) -> torch.Tensor
 
 
 #: The variable-length kernels packed attention can call on a GPU (``worker.attention_kernel``):
-#: aten's flash attention (FlashAttention 2, in torch), or NVIDIA's cuDNN frontend (``cudnn_attention``).
-VARLEN_KERNELS = ("flash", "cudnn")
-_varlen_kernel = {"name": "flash"}
+#: aten's flash attention (FlashAttention 2, in torch), NVIDIA's cuDNN frontend (``cudnn_attention``),
+#: or ``auto``: the frontend on compute capability 9.x (Hopper, where it was measured faster) where its
+#: extra is installed, else flash. The frontend serves only the queries it ``takes``; flash the rest.
+VARLEN_KERNELS = ("auto", "flash", "cudnn")
+_varlen_kernel = {"name": "auto"}
 
 
 def use_varlen_kernel(name: str) -> None:
@@ -91,15 +94,28 @@ def use_varlen_kernel(name: str) -> None:
 
 
 def attention_kernel() -> str:
-    """The kernel packed attention calls on a GPU (:func:`use_varlen_kernel`)."""
+    """The kernel packed attention calls on a GPU, as set (:func:`use_varlen_kernel`; may be ``auto``)."""
     return _varlen_kernel["name"]
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_kernel(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and cudnn_attention.available():
+        return "cudnn"
+    return "flash"
+
+
+def resolved_kernel(device: torch.device) -> str:
+    """The kernel packed attention calls on ``device`` for queries the frontend takes (``auto`` resolved)."""
+    name = _varlen_kernel["name"]
+    return _auto_kernel(device) if name == "auto" else name
 
 
 def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cumulative_q: torch.Tensor,
             cumulative_k: torch.Tensor, longest_q: int, longest_k: int, scale: float | None) -> torch.Tensor:
     """Causal variable-length attention (``[T, heads, dim]`` each; the mask aligned at each sequence's
     end) on the chosen kernel; returns ``[Tq, heads, dim]``."""
-    if _varlen_kernel["name"] == "cudnn":
+    if resolved_kernel(query.device) == "cudnn" and cudnn_attention.takes(query):
         return cudnn_attention.varlen(query, key, value, cumulative_q, cumulative_k, longest_q, longest_k, scale)
     return torch.ops.aten._flash_attention_forward(query, key, value, cumulative_q, cumulative_k, longest_q, longest_k,
                                                    0.0, True, False, scale=scale)[0]

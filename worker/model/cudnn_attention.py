@@ -10,6 +10,9 @@ and serves every batch from them. The causal mask is aligned at each row's end (
 a row's last tokens, over its cached prefix: ``prefix_keys``); with as many queries as keys that
 is the usual mask. Measured exact against aten's flash kernel (bf16: relative error 5e-4 to 2e-3,
 the same distance from a float32 reference) in ``benchmarks/attention_kernels.py``.
+
+It serves only the queries :func:`takes` (the dtypes and head sizes ``tests/gpu/test_cudnn_attention.py``
+covers); packed attention calls aten's flash kernel for the rest.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import functools
 
 import torch
 
-from layertap.extras import need
+from layertap.extras import MissingExtra, need
 
 #: The fewest sequences a call is padded to (the worker's default ``max_batch_jobs``).
 MIN_SEQUENCES = 256
 #: The shortest longest-length a call is padded to.
 MIN_LENGTH = 2048
+#: The head sizes and dtypes it serves (those its GPU test covers).
+HEAD_SIZES = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _bucket(value: int, least: int) -> int:
@@ -41,6 +47,21 @@ def _sdpa():
 def require() -> None:
     """Raise :class:`~layertap.extras.MissingExtra` unless the frontend imports."""
     _sdpa()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the frontend imports here."""
+    try:
+        _sdpa()
+    except MissingExtra:
+        return False
+    return True
+
+
+def takes(query: torch.Tensor) -> bool:
+    """Whether it serves this query (``[T, heads, dim]``): a dtype and head size of its tests."""
+    return query.dtype in DTYPES and query.shape[-1] in HEAD_SIZES
 
 
 def _padded(cumulative: torch.Tensor, sequences: int) -> torch.Tensor:
