@@ -6,7 +6,6 @@ Jobs answered from disk never wait for a place."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import as_completed
 
 import pytest
 import torch
@@ -66,32 +65,6 @@ def test_a_caller_waits_while_two_budgets_are_queued_and_goes_in_once_a_batch_is
     caller.done()
     for future in futures:
         future.result(timeout=60).release()
-
-
-def _per_turn_rows(conversations: int) -> list[EngineRequest]:
-    """Each conversation's rows through its first, second and third turns (16, 32, 48 tokens)."""
-    rows = []
-    for conversation in range(conversations):
-        chat = torch.arange(1, 49) + 100 * conversation
-        rows += [EngineRequest(chat[:length], [1]) for length in (16, 32, 48)]
-    return rows
-
-
-@pytest.mark.parametrize("sharing", [True, False])
-def test_with_prefix_sharing_queued_rows_count_the_tokens_they_compute(engine, sharing):
-    """Two conversations' per-turn rows: 192 row tokens (three budgets), 96 to compute with sharing."""
-    engine, held = engine
-    engine.prefix_sharing = sharing
-    futures = engine.submit_many(_per_turn_rows(2))
-    caller = _Caller(engine)
-    assert caller.inside.wait(0.3 if not sharing else 10) == sharing, (
-        "a caller was held back by rows another queued row serves" if sharing
-        else "a caller went in while three token budgets were queued")
-    held.release()
-    for future in as_completed(futures, timeout=60):  # each batch's buffer returns once its slices do
-        future.result().release()
-    assert caller.inside.wait(30), "the caller still waits with nothing queued"
-    caller.done()
 
 
 def test_at_most_two_callers_prepare_at_once(engine):

@@ -21,10 +21,9 @@ the batch takes in every job that arrived meanwhile.
 
 Callers prepare work just ahead of the engine, in a *place* (:meth:`Engine.preparing`): at most
 :data:`MAX_PREPARING` places at once, and a place is given only while fewer than ``prepare_ahead``
-batches are queued, counted both ways: by token budgets (of tokens to compute: with prefix
-sharing a row counts only what it adds to the queued rows of its conversation, ``queued_tokens``)
-and by ``max_batch_jobs`` (0: no such limit). Preparing more at once gains nothing and costs the
-engine thread the GIL, which every torch call releases and takes back: with a burst of 3,000 jobs prepared on 47 task
+batches are queued, counted both ways: by token budgets and by ``max_batch_jobs`` (0: no such
+limit). Preparing more at once gains nothing and costs the engine thread the GIL, which
+every torch call releases and takes back: with a burst of 3,000 jobs prepared on 47 task
 threads at once, the first batch took 0.7-1.2 s to launch on an H200, its forward using 0.1 s
 of the engine thread's CPU. A caller may take its place earlier, before work it must not do
 unless its jobs are about to run (an outer ``preparing`` block: the worker's task counts a
@@ -65,7 +64,6 @@ from layertap.worker.engine.inputs import batch_policy
 from layertap.worker.engine.layout import place_jobs
 from layertap.worker.engine.prefix_cache import PrefixCache, batch_needs
 from layertap.worker.engine.prefix_share import family_batch, plan_sharing, with_served
-from layertap.worker.engine.queued_tokens import QueuedTokens
 from layertap.worker.engine.records import EngineRequest, EngineStats, JobSlice
 from layertap.worker.engine.runner import BatchRunner, image_layout, is_device_fatal
 from layertap.worker.engine.scheduler import MAX_PADDING, BatchPolicy
@@ -108,7 +106,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         self._cuda = loaded.device.type == "cuda"
         self._pending: deque[EngineRequest] = deque()
-        self._queued = QueuedTokens()  # what the queue will compute: the prepare-ahead and batch-full figure
+        self._pending_tokens = 0
         self._places: set[int] = set()  # threads holding a place (preparing()); at most MAX_PREPARING
         self._admitting = True  # False once close_admission() was called
         self._together: deque[list[EngineRequest]] = deque()  # batches asked for as they are
@@ -149,8 +147,7 @@ class Engine:
                 self._together.append(list(requests))
             else:
                 self._pending.extend(requests)
-                for request in requests:
-                    self._queued.add(request, self.prefix_sharing)
+                self._pending_tokens += sum(request.num_tokens for request in requests)
             self._cond.notify()
         return [request.future for request in requests]
 
@@ -222,7 +219,7 @@ class Engine:
             if me in self._places:  # an outer block of this thread holds it
                 return
             self._room.wait_for(lambda: self._stopping or not self._admitting or (
-                self._queued.total < limit and len(self._pending) < most_jobs
+                self._pending_tokens < limit and len(self._pending) < most_jobs
                 and len(self._places) < MAX_PREPARING))
             if not self._admitting and not self._stopping:
                 raise AdmissionClosed("this worker is shutting down and starts no more work")
@@ -297,8 +294,7 @@ class Engine:
             self.fatal, self._stopping = exc, True
             pending = [*self._pending, *(request for batch in self._together for request in batch)]
             calls = [(work, future) for work, future, _ in self._idle_calls]
-            self._pending, self._together, self._idle_calls = deque(), deque(), deque()
-            self._queued.clear()
+            self._pending, self._together, self._idle_calls, self._pending_tokens = deque(), deque(), deque(), 0
             self._room.notify_all()
         for request in pending:
             request.future.set_exception(DeviceFault(f"device fault on this worker: {exc}"))
@@ -347,7 +343,7 @@ class Engine:
             if self._together:
                 return self._take_together()
             deadline = time.monotonic() + self.batch_wait_s
-            while (not self.policy.is_full(self._queued.total, len(self._pending))
+            while (not self.policy.is_full(self._pending_tokens, len(self._pending))
                    and not self._stopping):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):
@@ -365,8 +361,7 @@ class Engine:
             taken = set(chosen)
             self._pending = deque(r for i, r in enumerate(pending) if i not in taken)
             batch = [pending[i] for i in chosen]
-            for request in batch:
-                self._queued.remove(request)
+            self._pending_tokens -= sum(request.num_tokens for request in batch)
             self._room.notify_all()
             return batch
 

@@ -24,8 +24,7 @@ from dataclasses import replace
 from layertap.worker.engine.records import EngineRequest, JobSlice
 
 
-def may_share(request: EngineRequest) -> bool:
-    """Whether a request may be sliced from, or serve, another row (no images, no teacher top-k)."""
+def _may_share(request: EngineRequest) -> bool:
     return request.model_inputs is None and not request.topk
 
 
@@ -39,7 +38,7 @@ def plan_sharing(requests: Sequence[EngineRequest]) -> dict[int, int]:
     longest request that begins with its tokens and may serve it (a source is never served itself;
     of requests with equal tokens the first is computed). Sorted by their token bytes, the rows that
     begin with a row follow it at once, so each row looks only at its own family."""
-    eligible = [index for index, request in enumerate(requests) if may_share(request)]
+    eligible = [index for index, request in enumerate(requests) if _may_share(request)]
     if len(eligible) < 2:
         return {}
     tokens = {index: requests[index].token_bytes for index in eligible}
