@@ -1,7 +1,7 @@
 """Packed attention on the cuDNN frontend (``worker.attention_kernel = cudnn``, or ``auto`` on Hopper)
 against aten's flash kernel on a real GPU, for each dtype and head size it serves: packed prompts, and
 queries that are the last tokens of longer key rows (the prefix cache's case, the mask aligned at each
-row's end), within bf16's rounding of each other; heads it does not take go to flash.
+row's end), within bf16's rounding of each other; heads and rows it does not take go to flash.
 
 Needs an NVIDIA GPU and ``nvidia-cudnn-frontend`` (``pip install 'layertap[cudnn]'``): skipped
 elsewhere (CI). Run it on a GPU machine with ``make test-gpu``."""
@@ -46,20 +46,21 @@ def test_cudnn_matches_flash(queries, keys, heads, kv_heads, head_size, dtype):
     q = torch.randn(sum(queries), heads, head_size, device="cuda", dtype=dtype, generator=generator)
     k, v = (torch.randn(sum(keys), kv_heads, head_size, device="cuda", dtype=dtype, generator=generator)
             for _ in "kv")
-    assert cudnn_attention.takes(q)
+    assert cudnn_attention.takes(q, max(keys))
     arguments = (q, k, v, bounds(queries), bounds(keys), max(queries), max(keys), head_size ** -0.5)
     expected, got = on_each_kernel(arguments)
     assert got.shape == expected.shape and bool(got.isfinite().all())
     assert float((got.float() - expected.float()).norm() / expected.float().norm()) < 1e-2
 
 
-def test_auto_is_cudnn_on_hopper_and_heads_it_does_not_take_go_to_flash():
+@pytest.mark.parametrize(("head_size", "lengths"), [(256, [300, 5, 700]), (128, [10, 16385])],
+                         ids=["head-256", "row-over-16384"])
+def test_auto_is_cudnn_on_hopper_and_what_it_does_not_take_goes_to_flash(head_size, lengths):
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert attention.resolved_kernel(torch.device("cuda", torch.cuda.current_device())) == (
         "cudnn" if hopper else "flash")
-    lengths = [300, 5, 700]
-    q = torch.randn(sum(lengths), 8, 256, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(lengths), 8, head_size, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
-    arguments = (q, k, v, bounds(lengths), bounds(lengths), max(lengths), max(lengths), 256 ** -0.5)
+    arguments = (q, k, v, bounds(lengths), bounds(lengths), max(lengths), max(lengths), head_size ** -0.5)
     expected, got = on_each_kernel(arguments)
     assert torch.equal(got, expected)  # the same kernel: flash

@@ -115,7 +115,7 @@ def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cumulat
             cumulative_k: torch.Tensor, longest_q: int, longest_k: int, scale: float | None) -> torch.Tensor:
     """Causal variable-length attention (``[T, heads, dim]`` each; the mask aligned at each sequence's
     end) on the chosen kernel; returns ``[Tq, heads, dim]``."""
-    if resolved_kernel(query.device) == "cudnn" and cudnn_attention.takes(query):
+    if resolved_kernel(query.device) == "cudnn" and cudnn_attention.takes(query, longest_k):
         return cudnn_attention.varlen(query, key, value, cumulative_q, cumulative_k, longest_q, longest_k, scale)
     return torch.ops.aten._flash_attention_forward(query, key, value, cumulative_q, cumulative_k, longest_q, longest_k,
                                                    0.0, True, False, scale=scale)[0]

@@ -12,7 +12,7 @@ is the usual mask. Measured exact against aten's flash kernel (bf16: relative er
 the same distance from a float32 reference) in ``benchmarks/attention_kernels.py``.
 
 It serves only the queries :func:`takes` (the dtypes and head sizes ``tests/gpu/test_cudnn_attention.py``
-covers); packed attention calls aten's flash kernel for the rest.
+covers, rows up to the longest measured); packed attention calls aten's flash kernel for the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ MIN_LENGTH = 2048
 #: The head sizes and dtypes it serves (those its GPU test covers).
 HEAD_SIZES = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
+#: The longest row it serves (the longest measured, ``benchmarks/attention_kernels.py``); longer go to flash.
+MAX_LENGTH = 16384
 
 
 def _bucket(value: int, least: int) -> int:
@@ -59,9 +61,10 @@ def available() -> bool:
     return True
 
 
-def takes(query: torch.Tensor) -> bool:
-    """Whether it serves this query (``[T, heads, dim]``): a dtype and head size of its tests."""
-    return query.dtype in DTYPES and query.shape[-1] in HEAD_SIZES
+def takes(query: torch.Tensor, longest_key: int) -> bool:
+    """Whether it serves this query (``[T, heads, dim]``) over rows of at most ``longest_key`` keys:
+    a dtype and head size of its tests, no row over :data:`MAX_LENGTH`."""
+    return query.dtype in DTYPES and query.shape[-1] in HEAD_SIZES and longest_key <= MAX_LENGTH
 
 
 def _padded(cumulative: torch.Tensor, sequences: int) -> torch.Tensor:
