@@ -134,6 +134,14 @@ def test_a_row_sent_again_gets_the_same_file_bit_for_bit(tmp_path):
     assert torch.equal(load_hidden_states(again)["hidden_states"], load_hidden_states(first)["hidden_states"])
 
 
+def bytes_per_token(loaded, layers: list[int]) -> int:
+    """What the cache holds per token of a float32 model capturing ``layers``: every decoder layer's
+    keys and values, and the states."""
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 4 * (2 * loaded.num_layers * config.num_key_value_heads * head_dim + len(layers) * config.hidden_size)
+
+
 def test_the_cache_stays_within_its_budget_and_evicted_prefixes_are_computed(tmp_path):
     model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
     loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
@@ -142,11 +150,7 @@ def test_the_cache_stays_within_its_budget_and_evicted_prefixes_are_computed(tmp
     held: list[tuple[int, int]] = []
     with Extractor(loaded, layers=layers) as extractor:
         engine = extractor.processor.engine
-        config = loaded.model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        per_token = 4 * (2 * loaded.num_layers * config.num_key_value_heads * head_dim  # keys and values, float32
-                         + len(layers) * config.hidden_size)  # states
-        budget = 250 * per_token  # a conversation's longest row and a little: it evicts the rows before it
+        budget = 250 * bytes_per_token(loaded, layers)  # a conversation's longest row and a little: it evicts
         engine.prefix_cache = PrefixCache(budget)
         # a conversation's rows one at a time, the conversations one after another, then the first again
         bundles = [[row] for chat in chats for row in chat] + [[chats[0][-1] + [5, 6, 7]]]
@@ -158,6 +162,32 @@ def test_the_cache_stays_within_its_budget_and_evicted_prefixes_are_computed(tmp
     # within a conversation each row took the one before (then dropped); the first conversation's longest
     # row went for the rows after it, least recently used
     assert cached == len(chats) * sum(TURNS[:-1])
+    assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
+
+
+def test_a_turn_at_a_time_over_the_budget_keeps_most_prefixes_for_their_next_turn(tmp_path):
+    """Every conversation's row of one turn, each its own batch, then every row of the next turn: once
+    the conversations' latest rows outgrow the budget, the least recently used row is the one the next
+    row needs (least recently used alone would then serve no later turn). Once a row misses a prefix
+    the budget evicted, the cache evicts the newest batch that served nothing instead, so most rows
+    still find their turn before."""
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = list(range(loaded.num_layers + 1))
+    chats = conversations(8, TURNS, seed=3)
+    held: list[int] = []
+    with Extractor(loaded, layers=layers) as extractor:
+        engine = extractor.processor.engine
+        budget = len(chats) * TURNS[2] * 6 // 10 * bytes_per_token(loaded, layers)  # 0.6 of the third turn's rows
+        engine.prefix_cache = PrefixCache(budget)
+        bundles = [[chat[turn]] for turn in range(len(TURNS)) for chat in chats]
+        rows, paths, computed, cached = run_bundles(
+            extractor, "qwen3", bundles, layers, tmp_path / "files",
+            on_bundle=lambda engine: held.append(engine.prefix_cache.held_bytes))
+    assert all(size <= budget for size in held)
+    takeable = len(chats) * sum(TURNS[:-1])  # each row's turn before it
+    assert computed + cached == sum(map(len, rows))
+    assert cached > takeable / 2, f"{cached} of {takeable} prefix tokens taken"
     assert worst_error(model_dir, rows, paths, layers) <= TOLERANCE
 
 

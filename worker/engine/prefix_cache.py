@@ -18,7 +18,11 @@ Invariants:
   cached states of that one too (the same tokens give the same file);
 * the cache holds at most ``budget_bytes`` of device memory; a cached row that a later row holds
   whole (the turn before it) is no longer found, a batch with none of its rows left found goes,
-  and beyond the budget the least recently used batches go; a batch larger than the budget is not
+  and beyond the budget the least recently used batches go, except while rows lately missed a
+  prefix the budget evicted (a scan: every conversation's next turn comes after a round of all the
+  others', so the least recently used row is the next one needed): then the most recently kept batch
+  that has served no row goes, until a budget's worth of batches has been kept since the last
+  such miss (:meth:`PrefixCache._victim`); a batch larger than the budget is not
   kept, nor is one over half of it (:meth:`PrefixCache.keeps`: its forward holds every layer's keys
   and values until it ends), which then runs as it would without the cache; out of memory empties
   the cache and halves its budget;
@@ -42,6 +46,8 @@ from layertap.worker.engine.records import EngineRequest
 
 #: Tokens per block of the index: a row is found when it shares at least this many first tokens.
 CHUNK = 16
+#: How many index keys of rows the budget evicted are remembered (to tell that a later row missed one).
+GHOST_KEYS = 1 << 16
 
 
 @dataclass(eq=False)
@@ -61,6 +67,7 @@ class CachedBatch:
     rows: list[tuple[np.ndarray, int]]  # (token ids int64, start)
     nbytes: int = field(init=False)
     live: set[int] = field(init=False)  # rows no later cached row holds whole
+    served: bool = field(init=False, default=False)  # a later row took a prefix from it
 
     def __post_init__(self) -> None:
         self.live = set(range(len(self.rows)))
@@ -147,6 +154,9 @@ class PrefixCache:
         self._batches: OrderedDict[int, tuple[CachedBatch, list[int]]] = OrderedDict()  # id -> (batch, its keys)
         self._index: dict[int, tuple[CachedBatch, int]] = {}  # chained hash -> (batch, row)
         self._held = 0
+        self._ghosts: OrderedDict[int, None] = OrderedDict()  # keys of rows the budget evicted, oldest first
+        self._kept_bytes = 0  # of every batch kept so far
+        self._scan_until = 0  # of _kept_bytes: evict the newest unserved batch first until then
 
     @property
     def held_bytes(self) -> int:
@@ -168,6 +178,7 @@ class PrefixCache:
             use = self._match(request, needs) if may_use_prefix(request) and request.num_tokens > CHUNK else None
             if use is not None:
                 self._batches.move_to_end(id(use.source))
+                use.source.served = True
             uses.append(use)
         return uses
 
@@ -177,6 +188,8 @@ class PrefixCache:
         for key in _chunk_keys(tokens[:request.num_tokens - 1]):
             entry = self._index.get(key)
             if entry is None:
+                if key in self._ghosts:  # the budget evicted a row that held more of it
+                    self._scan_until = self._kept_bytes + self.budget_bytes
                 break
             found = entry
         if found is None:
@@ -210,24 +223,42 @@ class PrefixCache:
                 keys.append(key)
         self._batches[id(batch)] = (batch, keys)
         self._held += batch.nbytes
+        self._kept_bytes += batch.nbytes
         while self._held > self.budget_bytes:
-            self._evict(next(iter(self._batches.values()))[0])
+            self._evict(self._victim(), remember=True)
+
+    def _victim(self) -> CachedBatch:
+        """The batch to evict for room: the least recently used, but while rows lately missed a prefix
+        the budget evicted, the most recently kept that has served no row (the least recently used
+        is then the one the next rows need: each row's next turn comes after every other row's)."""
+        if self._kept_bytes < self._scan_until:
+            for batch, _ in reversed(self._batches.values()):
+                if not batch.served:
+                    return batch
+        return next(iter(self._batches.values()))[0]
 
     def shrink(self) -> None:
         """Drop everything and halve the budget (out of memory: the forward needs the room)."""
         self.clear()
         self.budget_bytes //= 2
 
-    def _evict(self, batch: CachedBatch) -> None:
+    def _evict(self, batch: CachedBatch, remember: bool = False) -> None:
+        """Drop ``batch``; with ``remember`` (the budget evicts it), keep its rows' keys as ghosts."""
         _, keys = self._batches[id(batch)]
         for key in keys:
             entry = self._index.get(key)
             if entry is not None and entry[0] is batch:
                 del self._index[key]
+                if remember:
+                    self._ghosts[key] = None
+        while len(self._ghosts) > GHOST_KEYS:
+            self._ghosts.popitem(last=False)
         del self._batches[id(batch)]
         self._held -= batch.nbytes
 
     def clear(self) -> None:
-        """Drop everything."""
+        """Drop everything, and forget what the budget evicted."""
         while self._batches:
             self._evict(next(iter(self._batches.values()))[0])
+        self._ghosts.clear()
+        self._scan_until = self._kept_bytes
