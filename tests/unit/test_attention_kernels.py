@@ -46,3 +46,19 @@ def test_the_frontend_takes_only_its_tested_dtypes_heads_and_lengths(dtype, head
                                                          (70000, 2048, 131072)])
 def test_calls_are_padded_to_few_graph_shapes(value, least, bucket):
     assert cudnn_attention._bucket(value, least) == bucket
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cudnn") is not None, reason="the cudnn extra is installed here")
+def test_a_frontend_that_fails_to_load_leaves_flash_and_says_why(tmp_path, monkeypatch, caplog):
+    """An installed frontend whose library does not load (here a package that raises as it imports)."""
+    (tmp_path / "cudnn").mkdir()
+    (tmp_path / "cudnn" / "__init__.py").write_text("raise OSError('libcudnn.so.9: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cudnn_attention.available.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not cudnn_attention.available()
+    finally:
+        cudnn_attention.available.cache_clear()
+        cudnn_attention._sdpa.cache_clear()
+    assert "libcudnn.so.9" in caplog.text and "aten's flash kernel" in caplog.text

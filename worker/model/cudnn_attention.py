@@ -18,10 +18,13 @@ covers, rows up to the longest measured); packed attention calls aten's flash ke
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from layertap.extras import MissingExtra, need
+
+log = logging.getLogger(__name__)
 
 #: The fewest sequences a call is padded to (the worker's default ``max_batch_jobs``).
 MIN_SEQUENCES = 256
@@ -53,10 +56,14 @@ def require() -> None:
 
 @functools.cache
 def available() -> bool:
-    """Whether the frontend imports here."""
+    """Whether the frontend imports here (one that is installed but fails to load is logged, once)."""
     try:
         _sdpa()
     except MissingExtra:
+        return False
+    except (OSError, RuntimeError) as exc:  # e.g. a cuDNN library that does not match torch's
+        log.warning("the cuDNN frontend is installed but does not load (%s: %s); packed attention uses "
+                    "aten's flash kernel", type(exc).__name__, exc)
         return False
     return True
 
