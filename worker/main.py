@@ -34,7 +34,7 @@ from layertap.worker.extractor import build_processor
 from layertap.worker.job.image_check import warm_up_images
 from layertap.worker.job.pipeline import JobProcessor
 from layertap.worker.job.sampling import SamplingPlan
-from layertap.worker.model.attention import use_varlen_kernel
+from layertap.worker.model.attention import resolved_kernel, use_varlen_kernel
 from layertap.worker.model.loading import LoadedModel, load_model
 from layertap.worker.ops.cpu_threads import set_cpu_threads
 from layertap.worker.ops.gc_freeze import freeze_long_lived_objects
@@ -90,6 +90,9 @@ def run_worker(settings: Settings) -> int:
                                 captures=LedgerCaptures(client) if ws.reuse else None,
                                 examine_processes=ws.examine_processes)
     log_image_chats(loaded, settings.images_root)
+    if loaded.device.type == "cuda":
+        log.info("packed attention's GPU kernel: %s (worker.attention_kernel = %s)", resolved_kernel(loaded.device),
+                 ws.attention_kernel)
     metrics = WorkerMetrics(processor.engine, labels(worker.node, loaded), storage)
     publisher = ResultPublisher(client, sinks=build_sinks(ws.result_sinks, SinkContext(worker.node, metrics)))
     app = serving(make_celery(settings), WorkerService(processor, publisher, settings.max_attempts,
