@@ -40,6 +40,7 @@ from tests.support.architectures import (
     build_tiny,
     check_layout,
 )
+from tests.support.extractors import batching_extractor
 from tests.support.processes import cli
 from tests.support.reference import block_input_states, reference_states
 from tests.support.tiny_configs import build_tiny_type, decoder_only_types
@@ -82,7 +83,7 @@ def test_batched_files_equal_each_prompt_alone(model_type, tmp_path, caplog):
     loaded = None
     try:
         loaded = load_model(model_dir, name=model_type, device="cpu", dtype="float32")
-        extractor = Extractor(loaded, layers=list(range(loaded.num_layers + 1)), batch_wait_ms=300)
+        extractor = batching_extractor(loaded, 300, layers=list(range(loaded.num_layers + 1)))
     except ModelRefused as refused:
         assert model_type in REFUSED, f"{model_type} refused: {refused}"
         assert REFUSED[model_type][0] in str(refused), str(refused)

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from layertap.producer.files.reader import load_hidden_states
 from tests.support.architectures import build_tiny
-from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
+from tests.support.extractors import batching_extractor
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40, 41, 42], [100, 7, 30, 9, 25, 17, 18, 19, 20])
 TOLERANCE = 1e-5
@@ -48,7 +48,7 @@ def test_grouped_experts_equal_the_eager_loop(name, tmp_path):
     loaded = load_model(model_dir, name=name, device="cpu", dtype="float32")
     assert loaded.experts == "grouped_mm"
     layers = list(range(loaded.num_layers + 1))
-    with Extractor(loaded, layers=layers, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layers) as extractor:
         results = extractor.extract([list(p) for p in PROMPTS], tmp_path / "files", run="experts")
     for ids, result in zip(PROMPTS, results):
         assert result.ok, result.error

@@ -13,6 +13,7 @@ from layertap.protocol.schema import Job
 from layertap.storage.registry import storage_for
 from layertap.worker.extractor import Extractor
 from layertap.worker.model.loading import load_model
+from tests.support.extractors import batching_extractor
 from tests.support.tiny_configs import build_tiny_type
 from tests.support.turns import conversations, worst_error
 
@@ -28,7 +29,7 @@ def test_a_bundle_of_per_turn_rows_computes_each_conversation_once(model_type, o
     rows = [row for family in conversations(4, TURNS) for row in family]
     if order == "shuffled":
         random.Random(0).shuffle(rows)
-    with Extractor(loaded, layers=layers, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layers) as extractor:
         engine = extractor.processor.engine
         assert engine.prefix_sharing, "the load-time prefix check passed"
         computed, shared = engine.stats.tokens, engine.stats.shared_tokens

@@ -18,6 +18,7 @@ import torch
 from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol.fileformat import MetaKey, metadata_of
 from tests.support.architectures import build_tiny
+from tests.support.extractors import batching_extractor
 from tests.support.quantized import (
     FORMATS,
     write_dequantized,
@@ -26,7 +27,6 @@ from tests.support.quantized import (
     write_quantized,
 )
 from tests.support.reference import block_input_states
-from layertap.worker.extractor import Extractor
 from layertap.worker.model.batching import ModelRefused
 from layertap.worker.model.loading import load_model
 from layertap.worker.model.quant.fp8 import QuantLinear
@@ -57,7 +57,7 @@ def errors_against_dequantized(loaded, dequantized, tmp_path, compute: str = "de
     """Serve ``PROMPTS`` batched; per prompt its header and its per-layer relative error against plain
     transformers on the ``dequantized`` twin, that prompt alone (every file must say ``compute``)."""
     layers = list(range(loaded.num_layers + 1))
-    with Extractor(loaded, layers=layers, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layers) as extractor:
         results = extractor.extract([list(p) for p in PROMPTS], tmp_path / "files", run="quantized")
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     out = []

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from layertap.worker.model.loading import load_model
+from tests.support.extractors import batching_extractor
 
 PROMPTS = [
     "hello the model is fast",
@@ -40,9 +41,7 @@ def assert_same_files(split, whole) -> None:
 def extract(loaded, out, runs):
     """Each run (layers, job fields) one batch of every prompt: the engine waits long enough for all
     of them (on the CPU a matmul's bits depend on how many rows it has, so both sides must batch alike)."""
-    from layertap.worker import Extractor
-
-    with Extractor(loaded, storage_root=out, batch_wait_ms=1000) as extractor:
+    with batching_extractor(loaded, 1000, storage_root=out) as extractor:
         return [tensors(extractor.extract(PROMPTS, out / str(index), layers=layers, **fields))
                 for index, (layers, fields) in enumerate(runs)]
 

@@ -29,6 +29,7 @@ from layertap.protocol.images import ImageError
 from layertap.protocol.schema import ErrorType
 from layertap.settings import Settings
 from layertap.storage.registry import storage_for
+from tests.support.extractors import batching_extractor
 from tests.support.vlm import (
     DEEPSEEK_FAMILIES,
     GLM_FAMILIES,
@@ -75,7 +76,7 @@ def test_token_id_jobs_on_a_vlm_checkpoint_equal_its_own_forward(family, tmp_pat
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randint(3, TEXT_VOCAB, (n,), generator=generator).tolist() for n in LENGTHS]
     batches: list[int] = []
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layer_ids) as extractor:
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         results = extractor.extract(inputs, tmp_path / "files", run="vlm-text")
     assert max(batches) >= 2, f"no two prompts were batched together: {batches}"
@@ -320,7 +321,7 @@ def test_image_chats_batched_together_equal_the_model_alone(family, tmp_path):
     chats = [image_chat({"type": "image_url", "image_url": {"url": url}}) for url in urls]
     text_chat = {"messages": [{"role": "user", "content": "why"}, {"role": "assistant", "content": "one two three"}]}
     batches: list[int] = []
-    with Extractor(str(model_dir), layers=[0, 1, 2], device="cpu", dtype="float32", batch_wait_ms=300) as extractor:
+    with batching_extractor(str(model_dir), 300, layers=[0, 1, 2], device="cpu", dtype="float32") as extractor:
         loaded = extractor.loaded
         assert loaded.processor is not None, loaded.processor_problem
         layout = loaded.image_batching
@@ -420,7 +421,7 @@ def test_llama4_image_inputs_batched_together_equal_the_model_alone(tmp_path):
     assert loaded.image_batching.name == "padded", loaded.image_batching.describe()
     layer_ids = [0, 1, 2]
     batches: list[int] = []
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layer_ids) as extractor:
         engine = extractor.processor.engine
         engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         requests = [EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs) for ids, inputs in prompts]
@@ -443,7 +444,7 @@ def engine_image_states(loaded, prompts: list, layer_ids: list[int]) -> tuple[li
     from layertap.worker.engine.records import EngineRequest
 
     batches: list[int] = []
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layer_ids) as extractor:
         engine = extractor.processor.engine
         engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         states = []
@@ -913,7 +914,7 @@ def test_kimi_k25_image_inputs_of_different_sizes_batched_together_equal_the_mod
     assert loaded.grid_tower is not None
     layer_ids = [0, 1, 2]
     batches: list[int] = []
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layer_ids) as extractor:
         engine = extractor.processor.engine
         engine.on_batch = lambda jobs, tokens: batches.append(jobs)
         requests = [EngineRequest(torch.tensor(ids), layer_ids, model_inputs=inputs) for ids, inputs in prompts]
@@ -1025,7 +1026,7 @@ def test_smolvlm_image_inputs_run_one_per_forward_and_equal_the_model_alone(tmp_
     layer_ids = [0, 1, 2]
     batches: list[int] = []
     url = "data:image/png;base64," + base64.b64encode(png_bytes(40, 24)).decode()
-    with Extractor(loaded, layers=layer_ids, batch_wait_ms=300) as extractor:
+    with batching_extractor(loaded, 300, layers=layer_ids) as extractor:
         refused = extractor.extract([image_chat({"type": "image_url", "image_url": {"url": url}})],
                                     tmp_path / "files", run="smolvlm")[0]
         engine = extractor.processor.engine

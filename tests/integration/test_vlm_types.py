@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from layertap.producer.files.reader import load_hidden_states
-from layertap.worker.extractor import Extractor
 from layertap.worker.model.batching import ModelRefused
 from layertap.worker.model.loading import load_model
 from tests.support.architectures import check_layout
+from tests.support.extractors import batching_extractor
 from tests.support.tiny_configs import build_tiny_vlm_type, image_text_types
 from tests.support.vlm import special_token_ids, text_reference_states
 from tests.support.vlm_types import FALLBACKS, NOT_BUILT, ONE_PER_BATCH, REFUSED, TEXT_THROUGH_DECODER
@@ -55,7 +55,7 @@ def test_token_id_jobs_on_every_vlm_type_equal_its_own_forward(model_type, tmp_p
     model_dir = str(build_tiny_vlm_type(model_type, tmp_path / "model"))
     try:
         loaded = load_model(model_dir, name=model_type, device="cpu", dtype="float32")
-        extractor = Extractor(loaded, layers=list(range(loaded.num_layers + 1)), batch_wait_ms=300)
+        extractor = batching_extractor(loaded, 300, layers=list(range(loaded.num_layers + 1)))
     except ModelRefused as refused:
         assert model_type in REFUSED, f"{model_type} refused: {refused}"
         assert REFUSED[model_type][0] in str(refused), str(refused)
