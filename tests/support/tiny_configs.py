@@ -44,7 +44,7 @@ SMALL: dict[str, Any] = {
     "attention_chunk_size": 8, "swa_head_dim": 8, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128, "laurel_rank": 4,
     "ple_embed_dim": 32, "hc_lowrank": 8, "loop_gate_rank": 4, "gated_norm_rank": 4,
-    "d_rel": 4, "rel_extent": 16, "unpadded_vocab_size": 128,
+    "d_rel": 4, "rel_extent": 16, "unpadded_vocab_size": 128, "encoder_hash_byte_group_vocab": 128,
     "image_size": 32, "patch_size": 8, "num_channels": 3, "projection_dim": 32, "vision_output_dim": 32,
     "num_key_value_heads": 2, "rotary_dim": 4, "n_shared_experts": 1, "n_groups": 1,
 }
