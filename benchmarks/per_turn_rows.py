@@ -32,7 +32,8 @@ from safetensors import safe_open
 
 from layertap.protocol.schema import Job
 from layertap.settings import BundleSettings, Limits, WorkerSettings
-from layertap.worker.bench.measure import matmul_rate, sync, useful_flops
+from layertap.worker.bench.card import CardSampler
+from layertap.worker.bench.measure import matmul_rate, sustained_matmul_rate, sync, useful_flops
 from layertap.worker.bench.parts import run_plain_batched
 from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.engine.prefix_cache import PrefixCache
@@ -85,10 +86,10 @@ def bundled(indices: list[int], lengths: list[int], most_jobs: int) -> list[list
 
 
 def run(processor, rows: list[list[int]], layers: list[int], run_name: str, sharing: bool,
-        cache: PrefixCache | None, order: str, seed: int, bundle: int) -> dict:
+        cache: PrefixCache | None, order: str, seed: int, bundle: int, card: CardSampler | None) -> dict:
     """One pass over ``rows`` (``arrivals`` order, each wave in messages of ``bundle`` jobs, at most
     :data:`CONCURRENCY` in flight, as a worker takes them) with in-batch sharing on or off and the
-    worker's prefix cache emptied first (None: no cache)."""
+    worker's prefix cache emptied first (None: no cache); ``card``'s clock and power while it ran."""
     engine = processor.engine
     engine.prefix_sharing = sharing
     if cache is not None:
@@ -119,7 +120,8 @@ def run(processor, rows: list[list[int]], layers: list[int], run_name: str, shar
               "computed_tokens": engine.stats.tokens - computed, "shared_tokens": engine.stats.shared_tokens - shared,
               "cached_tokens": engine.stats.cached_tokens - cached, "batches": engine.stats.batches - batches,
               "prefix_cache_bytes_at_end": 0 if cache is None else cache.held_bytes,
-              "errors": sum(not result.ok for result in results), "paths": [result.path for result in results]}
+              "errors": sum(not result.ok for result in results), "card": card and card.between(start, start + seconds),
+              "paths": [result.path for result in results]}
     engine.prefix_cache = None
     return report
 
@@ -174,10 +176,12 @@ def main() -> None:
     shutil.rmtree(folder, ignore_errors=True)
     loaded = load_model(args.model, name="turns", device=args.device, dtype=args.dtype)
     layers = [int(layer) for layer in args.layers.split(",")]
+    card = CardSampler(loaded.device.index or 0) if loaded.device.type == "cuda" else None
     rows = per_turn_rows(args.conversations, loaded.vocab_size, args.seed)
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name() if loaded.device.type == "cuda"
                     else "cpu", "rows": len(rows), "row_tokens": sum(map(len, rows)),
                     "matmul_flops": matmul_rate(loaded.device),
+                    "matmul_flops_sustained": sustained_matmul_rate(loaded.device),
                     "flops_per_row_token": useful_flops(loaded, layers, list(map(len, rows))) / sum(map(len, rows))}
     if args.padded_baseline:
         plain = run_plain_batched(loaded, rows, layers, folder / "plain")
@@ -203,7 +207,7 @@ def main() -> None:
             if kernel != attention_kernel():
                 use_varlen_kernel(kernel)
                 processor.engine.warm_up(full_batch=True)  # the kernel's own first calls (cuDNN: its graphs)
-            off = run(processor, rows, layers, label + "off", False, None, "turns", args.seed, args.bundle)
+            off = run(processor, rows, layers, label + "off", False, None, "turns", args.seed, args.bundle, card)
             if not reference:
                 reference = off.pop("paths")
                 if args.padded_baseline:
@@ -218,7 +222,7 @@ def main() -> None:
             for name in wanted:
                 sharing, pass_cache, order = passes[name]
                 measured = run(processor, rows, layers, label + name, sharing, pass_cache, order, args.seed,
-                               args.bundle)
+                               args.bundle, card)
                 measured["max_relative_error_vs_off"] = max_difference(reference, measured["paths"])
                 for path in measured.pop("paths"):
                     Path(path).unlink()
@@ -230,7 +234,7 @@ def main() -> None:
                                 ("plain-cache-on-again", cache)) if len(kernels) == 1 else (("plain-cache-on", cache),)
                 for name, pass_cache in plain_passes:
                     measured = run(processor, prompts, layers, label + name, True, pass_cache, "turns", args.seed,
-                                   args.bundle)
+                                   args.bundle, card)
                     for path in measured.pop("paths"):
                         Path(path).unlink()
                     report[label + name] = measured
@@ -239,6 +243,8 @@ def main() -> None:
             Path(path).unlink()
     finally:
         processor.engine.stop()
+        if card is not None:
+            card.stop()
     shutil.rmtree(folder, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

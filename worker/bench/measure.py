@@ -62,6 +62,27 @@ def matmul_rate(device: torch.device) -> float:
     return 2 * size**3 / median if median > 0 else 0.0  # 0.0: unknown (a clock too coarse to time it)
 
 
+def sustained_matmul_rate(device: torch.device, seconds: float = 2.0) -> float:
+    """The bf16 8192^3 matmul's FLOP/s over about ``seconds`` of calls back to back (median of
+    20-call spans): at a card's power limit its clock drops below the one a short burst
+    (:func:`matmul_rate`) runs at. 0.0 off a GPU."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    spans = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first.record()
+        for _ in range(20):
+            a @ b
+        last.record()
+        last.synchronize()
+        spans.append(first.elapsed_time(last) / 1000 / 20)
+    return 2 * 8192**3 / statistics.median(spans)
+
+
 def useful_flops(loaded: LoadedModel, layer_ids: list[int], lengths: list[int]) -> float:
     """FLOPs of the decoder layers up to the last wanted one: 2 x params per token + causal attention."""
     run = max(layer_ids)  # id m < L needs layers 0..m-1; id L needs all L
