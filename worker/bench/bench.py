@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from layertap.protocol.layers import eagle3_layer_ids, resolve_layer_ids
+from layertap.settings import WorkerSettings
 from layertap.worker.bench.config import BenchConfig, PartResult, check_shape_fits, claim_storage
 from layertap.worker.bench.exactness import compare, fp32_reference_errors
 from layertap.worker.bench.measure import matmul_rate, on_own_thread, useful_flops
@@ -43,6 +44,7 @@ from layertap.worker.bench.parts import memory_check, run_engine, run_forward_on
 from layertap.worker.bench.prompts import file_prompts, random_prompts
 from layertap.worker.bench.queue_part import run_queue
 from layertap.worker.bench.report import device_name, format_flops, format_table, software_versions
+from layertap.worker.model.attention import resolved_kernel, use_varlen_kernel
 from layertap.worker.model.devices import resolve_device
 from layertap.worker.model.loading import load_model
 from layertap.worker.model.modes import compile_decoder_layers
@@ -71,10 +73,13 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         prompts = random_prompts(cfg.prompts, cfg.min_len, cfg.max_len, loaded.vocab_size, cfg.seed)
     lengths = [len(p) for p in prompts]
     batching = loaded.batching.describe()
+    use_varlen_kernel(WorkerSettings().attention_kernel)  # (b) and (c) attend as (d)'s worker does
+    attention_kernel = resolved_kernel(loaded.device) if loaded.device.type == "cuda" else None
     rate = on_own_thread(loaded.device, matmul_rate, loaded.device)  # as (b) runs
     flops = useful_flops(loaded, layer_ids, lengths)
     log(f"model {cfg.model} ({loaded.num_layers} layers, {loaded.dtype}) on {loaded.device}; {len(prompts)} prompts, "
-        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {format_flops(rate)}; batching {batching}")
+        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {format_flops(rate)}; batching {batching}; "
+        f"attention kernel {attention_kernel}")
     parts: dict[str, PartResult] = {}
     exactness: dict[str, float] | None = None
     if "a" in cfg.parts:
@@ -121,7 +126,8 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     return {
         "config": asdict(cfg), "device": device_name(), "software": software_versions(),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "tokens": sum(lengths), "batching": batching,
-        "layer_ids": layer_ids, "matmul_tflops": rate / 1e12, "useful_gflop_per_token": flops / sum(lengths) / 1e9,
+        "attention_kernel": attention_kernel, "layer_ids": layer_ids, "matmul_tflops": rate / 1e12,
+        "useful_gflop_per_token": flops / sum(lengths) / 1e9,
         "parts": {key: asdict(part) for key, part in parts.items()}, "ratios": ratios,
         "exactness_vs_unbatched_hf": exactness, "memory": memory, "load": load,
     }
