@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from layertap.protocol.layers import eagle3_layer_ids, resolve_layer_ids
-from layertap.settings import WorkerSettings
+from layertap.settings import Settings
 from layertap.worker.bench.config import BenchConfig, PartResult, check_shape_fits, claim_storage
 from layertap.worker.bench.exactness import compare, fp32_reference_errors
 from layertap.worker.bench.measure import matmul_rate, on_own_thread, useful_flops
@@ -73,7 +73,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         prompts = random_prompts(cfg.prompts, cfg.min_len, cfg.max_len, loaded.vocab_size, cfg.seed)
     lengths = [len(p) for p in prompts]
     batching = loaded.batching.describe()
-    use_varlen_kernel(WorkerSettings().attention_kernel)  # (b) and (c) attend as (d)'s worker does
+    use_varlen_kernel(Settings().worker.attention_kernel)  # (b) and (c) attend as (d)'s worker does (LAYERTAP_ env)
     attention_kernel = resolved_kernel(loaded.device) if loaded.device.type == "cuda" else None
     rate = on_own_thread(loaded.device, matmul_rate, loaded.device)  # as (b) runs
     flops = useful_flops(loaded, layer_ids, lengths)
