@@ -53,8 +53,8 @@ def test_cudnn_matches_flash(queries, keys, heads, kv_heads, head_size, dtype):
     assert float((got.float() - expected.float()).norm() / expected.float().norm()) < 1e-2
 
 
-@pytest.mark.parametrize(("head_size", "lengths"), [(256, [300, 5, 700]), (128, [10, 16385])],
-                         ids=["head-256", "row-over-16384"])
+@pytest.mark.parametrize(("head_size", "lengths"), [(256, [300, 5, 700]), (128, [10, 16385]), (128, [128, 16, 511])],
+                         ids=["head-256", "row-over-16384", "rows-under-512"])
 def test_auto_is_cudnn_on_hopper_and_what_it_does_not_take_goes_to_flash(head_size, lengths):
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert attention.resolved_kernel(torch.device("cuda", torch.cuda.current_device())) == (

@@ -1,7 +1,7 @@
 """Choosing packed attention's GPU kernel: an unknown name is refused, the cuDNN frontend without
 its extra says how to install it, ``auto`` (the default) is flash off Hopper or without the extra, and
-the frontend takes only the dtypes and head sizes its GPU test covers and rows up to the longest
-measured (the kernels themselves: ``tests/gpu/test_cudnn_attention.py``)."""
+the frontend takes only the dtypes and head sizes its GPU test covers and a longest row from 512 tokens
+up to the longest measured (the kernels themselves: ``tests/gpu/test_cudnn_attention.py``)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ def test_the_default_is_auto_and_resolves_to_flash_without_a_hopper_card():
 
 
 @pytest.mark.parametrize(("dtype", "head", "longest", "served"), [
-    (torch.bfloat16, 128, 16384, True), (torch.float16, 64, 1, True), (torch.bfloat16, 256, 100, False),
-    (torch.bfloat16, 96, 100, False), (torch.float32, 128, 100, False), (torch.bfloat16, 128, 16385, False)])
+    (torch.bfloat16, 128, 16384, True), (torch.float16, 64, 512, True), (torch.bfloat16, 128, 511, False),
+    (torch.bfloat16, 256, 1000, False), (torch.bfloat16, 96, 1000, False), (torch.float32, 128, 1000, False),
+    (torch.bfloat16, 128, 16385, False)])
 def test_the_frontend_takes_only_its_tested_dtypes_heads_and_lengths(dtype, head, longest, served):
     assert cudnn_attention.takes(torch.empty(4, 2, head, dtype=dtype), longest) is served
 
