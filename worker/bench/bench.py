@@ -39,7 +39,7 @@ from layertap.protocol.layers import eagle3_layer_ids, resolve_layer_ids
 from layertap.settings import Settings
 from layertap.worker.bench.config import BenchConfig, PartResult, check_shape_fits, claim_storage
 from layertap.worker.bench.exactness import compare, fp32_reference_errors
-from layertap.worker.bench.measure import matmul_rate, on_own_thread, useful_flops
+from layertap.worker.bench.measure import matmul_rate, on_own_thread, sustained_matmul_rate, useful_flops
 from layertap.worker.bench.parts import memory_check, run_engine, run_forward_only, run_naive, run_plain_batched
 from layertap.worker.bench.prompts import file_prompts, random_prompts
 from layertap.worker.bench.queue_part import run_queue
@@ -76,9 +76,11 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     use_varlen_kernel(Settings().worker.attention_kernel)  # (b) and (c) attend as (d)'s worker does (LAYERTAP_ env)
     attention_kernel = resolved_kernel(loaded.device) if loaded.device.type == "cuda" else None
     rate = on_own_thread(loaded.device, matmul_rate, loaded.device)  # as (b) runs
+    sustained = on_own_thread(loaded.device, sustained_matmul_rate, loaded.device)
     flops = useful_flops(loaded, layer_ids, lengths)
     log(f"model {cfg.model} ({loaded.num_layers} layers, {loaded.dtype}) on {loaded.device}; {len(prompts)} prompts, "
-        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {format_flops(rate)}; batching {batching}; "
+        f"{sum(lengths)} tokens; layers {layer_ids}; matmul {format_flops(rate)}"
+        f"{f' (sustained {format_flops(sustained)})' if sustained else ''}; batching {batching}; "
         f"attention kernel {attention_kernel}")
     parts: dict[str, PartResult] = {}
     exactness: dict[str, float] | None = None
@@ -127,6 +129,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         "config": asdict(cfg), "device": device_name(), "software": software_versions(),
         "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts), "tokens": sum(lengths), "batching": batching,
         "attention_kernel": attention_kernel, "layer_ids": layer_ids, "matmul_tflops": rate / 1e12,
+        "matmul_tflops_sustained": sustained / 1e12,
         "useful_gflop_per_token": flops / sum(lengths) / 1e9,
         "parts": {key: asdict(part) for key, part in parts.items()}, "ratios": ratios,
         "exactness_vs_unbatched_hf": exactness, "memory": memory, "load": load,
