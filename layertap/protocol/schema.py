@@ -281,6 +281,18 @@ class Job(BaseModel):
         """Whether ``job_id`` is the content hash (:meth:`with_id`): then the id names the content."""
         return self.job_id == self.spec_hash()[:CONTENT_ID_CHARS]
 
+    def extends(self, earlier: Job) -> bool:
+        """Whether this job's input begins with all of ``earlier``'s, as a conversation's per-turn rows
+        do (row *k* + 1 is row *k* and one more exchange): its token ids, messages or prompt text, with
+        the same tools. A hint for keeping such rows in one message, so that one worker computes
+        their shared prefix once; whether their tokens share one is the chat template's to say."""
+        if earlier.token_ids is not None:
+            return self.token_ids is not None and self.token_ids[:len(earlier.token_ids)] == earlier.token_ids
+        if earlier.messages is not None:
+            return (self.messages is not None and self.tools == earlier.tools
+                    and self.messages[:len(earlier.messages)] == earlier.messages)
+        return self.prompt is not None and earlier.prompt is not None and self.prompt.startswith(earlier.prompt)
+
     def estimated_tokens(self) -> int:
         """The job's size in tokens, known before tokenizing: the token ids given, or the
         text's characters over :data:`CHARS_PER_TOKEN` (at least 1); capped by ``max_length``."""

@@ -1,11 +1,16 @@
 """Grouping jobs into bundles: several jobs of one model and run in one message.
 
-A bundle is sent when it holds ``max_jobs`` jobs, when one more job would take its
-estimated tokens (``Job.estimated_tokens``) past ``max_tokens``, when its oldest job has
-waited ``max_wait_s`` (a background thread), on :meth:`Bundler.flush` and on
-:meth:`Bundler.close`. A bundle of one job is sent as a plain job message. Each job keeps
+A bundle is sent when the next job finds it full (``max_jobs`` jobs, or ``max_tokens``
+estimated tokens: ``Job.estimated_tokens``; a full bundle of one job at once) or would take it
+past ``max_tokens``, when its oldest job has waited ``max_wait_s`` (a background thread), on
+:meth:`Bundler.flush` and on :meth:`Bundler.close`. A bundle of one job is sent as a plain job message. Each job keeps
 its own id, file, result and attempt count; the worker runs a bundle's jobs together and
 acknowledges the message once all have a final result (``layertap.worker.queue.handler``).
+
+Rows of one conversation sent turn by turn stay together: where the next job extends the
+bundle's last ones (``Job.extends``: a conversation's next per-turn row), those trailing rows
+are kept back and start the next bundle with it, unless they are the whole bundle or would not
+fit with it. So a conversation's rows reach one worker, which computes their shared prefix once.
 """
 
 from __future__ import annotations
@@ -39,6 +44,18 @@ class _Group:
     ids: set[str] = field(default_factory=set)
     tokens: int = 0
 
+    def add(self, job: Job, payload: dict[str, Any]) -> None:
+        self.jobs.append((job, payload))
+        self.ids.add(job.job_id or "")
+        self.tokens += job.estimated_tokens()
+
+    @classmethod
+    def of(cls, started: float, jobs: list[tuple[Job, dict[str, Any]]]) -> _Group:
+        group = cls(started)
+        for job, payload in jobs:
+            group.add(job, payload)
+        return group
+
 
 class Bundler:
     """Thread-safe; sends through its :class:`~layertap.producer.client.client.Client` (``Client.bundler()``).
@@ -67,22 +84,39 @@ class Bundler:
                 raise RuntimeError("this bundler is closed; take a new one from Client.bundler()")
             self._raise_failure()
             group = self._groups.get(key)
-            if group is not None and group.tokens + tokens > self.settings.max_tokens:
-                self._send([key])
+            if group is not None and (self._full(group) or group.tokens + tokens > self.settings.max_tokens):
+                kept = self._kept_back(group, job, tokens)
+                self._send([key], keep=kept)
                 self._raise_failure()  # this job is not taken; the bundle before it is kept
-                group = None
+                group = self._groups.get(key)
             if group is None:
                 group = self._groups[key] = _Group(time.monotonic())
-            group.jobs.append((job, payload))
-            group.ids.add(job.job_id or "")
-            group.tokens += tokens
-            if len(group.jobs) >= self.settings.max_jobs or group.tokens >= self.settings.max_tokens:
+            group.add(job, payload)
+            if self._full(group) and len(group.jobs) == 1:  # nothing of it could be kept back: send it now
                 self._send([key])
             elif self._thread is None:
                 self._thread = threading.Thread(target=self._send_late, name="layertap-bundler", daemon=True)
                 self._thread.start()
                 atexit.register(self.close)
         return job
+
+    def _full(self, group: _Group) -> bool:
+        return len(group.jobs) >= self.settings.max_jobs or group.tokens >= self.settings.max_tokens
+
+    def _kept_back(self, group: _Group, job: Job, tokens: int) -> int:
+        """How many of ``group``'s last jobs start the next bundle with ``job``: the rows that
+        ``job`` and each other extend (one conversation's), if they are not the whole bundle and
+        fit in one with it; else 0."""
+        run = 0
+        later = job
+        for earlier, _ in reversed(group.jobs):
+            if not later.extends(earlier):
+                break
+            run, later = run + 1, earlier
+        if run == 0 or run == len(group.jobs) or run + 1 > self.settings.max_jobs:
+            return 0
+        kept_tokens = sum(earlier.estimated_tokens() for earlier, _ in group.jobs[-run:])
+        return run if kept_tokens + tokens <= self.settings.max_tokens else 0
 
     def holds(self, run: str, job_id: str) -> bool:
         """Whether a job of ``run`` with ``job_id`` waits here, not sent yet."""
@@ -103,15 +137,23 @@ class Bundler:
             atexit.unregister(self.close)
         self.flush()
 
-    def _send(self, group_keys: list[tuple[str, str]]) -> None:
+    def _send(self, group_keys: list[tuple[str, str]], keep: int = 0) -> None:
+        """Send these bundles; with ``keep``, all but the last ``keep`` jobs of the one bundle named,
+        those staying as a new bundle of that key."""
         taken = [(key, self._groups.pop(key)) for key in group_keys if key in self._groups]
         if not taken:
             return
+        if keep:
+            (key, whole), = taken
+            self._groups[key] = _Group.of(time.monotonic(), whole.jobs[-keep:])
+            taken = [(key, _Group.of(whole.started, whole.jobs[:-keep]))]
         try:
             self.client.send([group.jobs for _, group in taken])
             self._failure = None
         except BaseException as exc:  # kept for the next try (a Ctrl-C too: close() still sends them)
             for key, group in taken:
+                if keep:  # put the bundle back whole, as it was before the split
+                    group = _Group.of(group.started, group.jobs + self._groups.pop(key).jobs)
                 self._groups.setdefault(key, group)
             if not isinstance(exc, (redis.exceptions.RedisError, OperationalError, OSError)):
                 raise

@@ -10,6 +10,7 @@ stream alone while every other job ends with exactly one ok result and a file.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -87,6 +88,75 @@ def test_bundler_groups_by_size_tokens_and_latency(private_client):
     assert message["headers"]["task"] == keys.EXTRACT_TASK  # a bundle of one is a plain job message
     assert message["headers"]["id"] == keys.task_id(run, lone.job_id)
     bundler.close()
+
+
+def _job_ids(message: dict) -> list[str]:
+    """The job ids a queued message carries, in order (its body as kombu stores it)."""
+    body = message["body"]
+    if message["properties"].get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args = json.loads(body)[0]
+    jobs = args[0] if message["headers"]["task"] == keys.EXTRACT_BUNDLE_TASK else [args[0]]
+    return [job["job_id"] for job in jobs]
+
+
+def per_turn_rows(conversations: int, kind: str) -> list[dict]:
+    """Each conversation's three per-turn rows in turn order (row k + 1 = row k and one more
+    exchange), ids ``c<conversation>-<turn>``: as token ids, chats or prompt text."""
+    rows = []
+    for c in range(conversations):
+        for turn in range(1, 4):
+            if kind == "token_ids":
+                row = {"token_ids": [100 * c + t for t in range(30 * turn)]}
+            elif kind == "messages":
+                row = {"messages": [{"role": role, "content": f"conversation {c} exchange {t} {role}"}
+                                    for t in range(turn) for role in ("user", "assistant")]}
+            else:
+                row = {"prompt": "".join(f"conversation {c} exchange {t}. " for t in range(turn))}
+            rows.append({**row, "job_id": f"c{c}-{turn}"})
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["token_ids", "messages", "prompt"])
+def test_a_conversations_rows_sent_turn_by_turn_stay_in_one_bundle(private_client, kind):
+    """Bundles of 4 jobs over conversations of 3 rows: without keeping a conversation's rows
+    together, 3 of 5 conversations would be split over two messages (two workers: the prefix
+    computed twice). Unrelated jobs still fill their bundles."""
+    model, run = "tiny-nobody-bundles", f"turns-{kind}"
+    with private_client.bundler(max_jobs=4, max_tokens=100_000, max_wait_s=60) as bundler:
+        with pytest.warns(NoWorkerWarning):
+            for row in per_turn_rows(5, kind):
+                bundler.add(row, model=model, run=run)
+            for index in range(6):
+                bundler.add({"prompt": f"an unrelated prompt {index}", "job_id": f"u{index}"}, model=model, run=run)
+    messages = [_job_ids(message) for message in _queued_messages(private_client, model)]
+    assert sorted(job_id for ids in messages for job_id in ids) == sorted(
+        [f"c{c}-{turn}" for c in range(5) for turn in range(1, 4)] + [f"u{index}" for index in range(6)])
+    assert all(len(ids) <= 4 for ids in messages)
+    by_conversation = {f"c{c}": [index for index, ids in enumerate(messages)
+                                 if any(job_id.startswith(f"c{c}-") for job_id in ids)] for c in range(5)}
+    assert all(len(found) == 1 for found in by_conversation.values()), (by_conversation, messages)
+    assert max(len(ids) for ids in messages) == 4  # unrelated jobs fill a bundle
+
+
+def test_rows_that_do_not_fit_one_bundle_are_split_as_before(private_client):
+    """A conversation longer than a bundle, or one whose kept rows and next row would pass
+    ``max_tokens``, is sent as bundles fill, never held back."""
+    model, run = "tiny-nobody-bundles", "long-conversation"
+    rows = [{"token_ids": list(range(10 * turn)), "job_id": f"t{turn}"} for turn in range(1, 7)]
+    with private_client.bundler(max_jobs=4, max_tokens=100_000, max_wait_s=60) as bundler:
+        with pytest.warns(NoWorkerWarning):
+            for row in rows:
+                bundler.add(row, model=model, run=run)
+    assert [_job_ids(m) for m in _queued_messages(private_client, model)] == [["t1", "t2", "t3", "t4"], ["t5", "t6"]]
+
+    private_client.redis.delete(keys.model_queue(model))
+    rows = [{"token_ids": [7] * 50, "job_id": "a"}, {"token_ids": list(range(60)), "job_id": "b1"},
+            {"token_ids": list(range(120)), "job_id": "b2"}]  # b1 and b2: 180 estimated tokens, over 160
+    with private_client.bundler(max_jobs=64, max_tokens=160, max_wait_s=60) as bundler:
+        for row in rows:
+            bundler.add(row, model=model, run=run + "-tokens")
+    assert [_job_ids(m) for m in _queued_messages(private_client, model)] == [["a", "b1"], ["b2"]]
 
 
 def test_bundle_of_good_and_bad_jobs_gives_one_result_per_job(workers, client, storage_root, run_name):

@@ -1,4 +1,5 @@
-"""The job-size measures bundles and limits use: estimated tokens and JSON bytes."""
+"""The job measures bundles and limits use: estimated tokens, JSON bytes, and whether one job's input
+extends another's (a conversation's next per-turn row)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,18 @@ def test_oversize_is_exact_at_the_limit():
     assert oversize(job, payload, size) is None
     assert oversize(job, payload, size - 1) == size
     assert oversize(job, payload, 10**9) is None
+
+
+def test_a_later_turns_row_extends_the_rows_before_it():
+    user, answer, more = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                          {"role": "user", "content": "and?"})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert Job(model="m", token_ids=[1, 2, 3]).extends(Job(model="m", token_ids=[1, 2]))
+    assert not Job(model="m", token_ids=[1, 2]).extends(Job(model="m", token_ids=[1, 2, 3]))
+    assert not Job(model="m", token_ids=[1, 3, 4]).extends(Job(model="m", token_ids=[1, 2]))
+    assert Job(model="m", messages=[user, answer, more]).extends(Job(model="m", messages=[user, answer]))
+    assert not Job(model="m", messages=[user, more]).extends(Job(model="m", messages=[user, answer]))
+    assert not Job(model="m", messages=[user, answer, more], tools=tools).extends(Job(model="m", messages=[user]))
+    assert Job(model="m", prompt="one. two.").extends(Job(model="m", prompt="one."))
+    assert not Job(model="m", prompt="one. two.").extends(Job(model="m", token_ids=[1]))
+    assert not Job(model="m", token_ids=[1, 2]).extends(Job(model="m", prompt="one."))
