@@ -71,8 +71,9 @@ def arrivals(rows: list[list[int]], order: str, seed: int) -> list[list[int]]:
 
 
 def bundled(indices: list[int], lengths: list[int], most_jobs: int) -> list[list[int]]:
-    """``indices`` in order, in messages as the client groups them: at most ``most_jobs`` jobs and
-    the client's ``max_tokens`` tokens each (a longer row alone)."""
+    """``indices`` in order, in messages of at most ``most_jobs`` jobs and the client's ``max_tokens``
+    tokens each (a longer row alone). The client also keeps a conversation's rows sent in turn order in
+    one message (``Job.extends``); that decides which worker gets them, and here one worker gets all."""
     most_tokens = BundleSettings().max_tokens
     bundles: list[list[int]] = []
     tokens = 0
