@@ -3,7 +3,8 @@ at a time (each turn its own batch), in turn order and shuffled, compute only th
 longest cached prefix, and every file equals plain transformers run on that row alone; the cache
 stays within its budget; it belongs to one engine (another model's rows never serve); a model outside
 the tested families, or with sliding windows, computes whole rows; two real workers serving one model
-share each from its own cache. Tiny random float32 models."""
+share each from its own cache, and the client's bundles keep a conversation's rows on one of them.
+Tiny random float32 models."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from layertap.producer.client.client import Client
 from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol.schema import Job
-from layertap.settings import Settings
+from layertap.settings import BundleSettings, Settings
 from layertap.storage.registry import storage_for
 from layertap.worker.engine.prefix_cache import CHUNK, PrefixCache
 from layertap.worker.engine.prefix_keys import CACHED_TYPES, batch_bytes
@@ -278,6 +279,9 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def test_two_workers_of_one_model_each_share_from_their_own_cache(tiny_models, private_redis, tmp_path, run_name):
+    """A turn at a time, each worker serves rows from its own cache; in turn order, the client's bundles
+    (5 jobs, conversations of 4 rows) keep each conversation's rows in one message, so whichever worker
+    takes it computes each conversation's tokens once."""
     model_dir = tiny_models["qwen3"]
     ports = [free_port(), free_port()]
     workers = [WorkerProcess(model_dir, "tiny-qwen3", private_redis.url, tmp_path / "files",
@@ -301,9 +305,21 @@ def test_two_workers_of_one_model_each_share_from_their_own_cache(tiny_models, p
                 rows += [chat[turn] for chat in chats]
                 paths += [results[job.job_id].path for job in jobs]
         after = [scrape(port) for port in ports]
+        in_order = conversations(6, TURNS, seed=5)
+        ordered_rows = [row for chat in in_order for row in chat]
+        with Client(Settings(redis_url=private_redis.url, bundle=BundleSettings(max_jobs=5))) as client:
+            jobs = client.submit_many([Job(model="tiny-qwen3", run=run_name + "-in-order", token_ids=row, layers=layers)
+                                       for row in ordered_rows])
+            results = client.wait(run_name + "-in-order", [job.job_id for job in jobs], timeout=120,
+                                  raise_on_error=True)
+        ordered_paths = [results[job.job_id].path for job in jobs]
+        in_order_after = [scrape(port) for port in ports]
     finally:
         for worker in workers:
             worker.stop()
+    computed = sum(a["layertap_tokens_total"] - b["layertap_tokens_total"] for a, b in zip(in_order_after, after))
+    assert computed == len(in_order) * TURNS[-1]  # each conversation's longest row, on one worker
+    assert worst_error(str(model_dir), ordered_rows, ordered_paths, layers) <= TOLERANCE
     delta = {name: sum(a[name] - b[name] for a, b in zip(after, before)) for name in after[0]}
     # every row token was computed, or taken from a cache, or from a longer row of its batch
     assert (delta["layertap_tokens_total"] + delta["layertap_tokens_from_cache_total"]
