@@ -202,7 +202,7 @@ class BundleSettings(BaseModel):
 
     max_jobs: int = Field(default=64, gt=0)  # jobs per bundle message; 1 sends every job in its own message
     max_tokens: int = Field(default=32768, gt=0)  # estimated tokens per bundle (``Job.estimated_tokens``)
-    max_wait_s: float = Field(default=0.05, gt=0)  # the longest a job waits in a bundle that is not full
+    max_wait_s: float = Field(default=0.05, gt=0)  # the longest a job waits in a bundle (full: till the next job)
 
 
 class Settings(BaseSettings):
