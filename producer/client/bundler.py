@@ -44,16 +44,17 @@ class _Group:
     ids: set[str] = field(default_factory=set)
     tokens: int = 0
 
-    def add(self, job: Job, payload: dict[str, Any]) -> None:
+    def add(self, job: Job, payload: dict[str, Any], tokens: int) -> None:
+        """Take ``job``, whose estimated tokens are ``tokens``."""
         self.jobs.append((job, payload))
         self.ids.add(job.job_id or "")
-        self.tokens += job.estimated_tokens()
+        self.tokens += tokens
 
     @classmethod
     def of(cls, started: float, jobs: list[tuple[Job, dict[str, Any]]]) -> _Group:
         group = cls(started)
         for job, payload in jobs:
-            group.add(job, payload)
+            group.add(job, payload, job.estimated_tokens())
         return group
 
 
@@ -91,7 +92,7 @@ class Bundler:
                 group = self._groups.get(key)
             if group is None:
                 group = self._groups[key] = _Group(time.monotonic())
-            group.add(job, payload)
+            group.add(job, payload, tokens)
             if self._full(group) and len(group.jobs) == 1:  # nothing of it could be kept back: send it now
                 self._send([key])
             elif self._thread is None:
