@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--no-padded-baseline", dest="padded_baseline", action="store_false",
                         help="skip plain transformers' padded batches (an A/B of the engine alone)")
     parser.add_argument("--passes", default="", help="which sharing passes to run (default: all)")
+    parser.add_argument("--prefix-cache-mib", type=int, default=None,
+                        help="the prefix cache's budget (worker.prefix_cache_mib; default: the worker's)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder layers, as a worker's --compile")
     args = parser.parse_args()
@@ -190,7 +192,8 @@ def main() -> None:
     report["attention_kernel"] = kernels_named(args.kernels, loaded.device)
     plain_paths = [str(folder / "plain" / f"{index}.safetensors") for index in range(len(rows))]
     processor = build_processor(loaded, storage_root=folder, worker_name="turns", layers=layers, limits=Limits(),
-                                token_budget=args.budget, compile_layers=args.compile)
+                                token_budget=args.budget, compile_layers=args.compile,
+                                prefix_cache_mib=args.prefix_cache_mib)
     kernels = args.kernels.split(",")
     try:
         processor.engine.warm_up(full_batch=True)

@@ -16,20 +16,22 @@ Invariants:
   (and its final states where the using batch wants them) and ran at least as many decoder layers;
   it always computes at least its last token, and a row whose every token is cached keeps the
   cached states of that one too (the same tokens give the same file);
-* the cache holds at most ``budget_bytes`` of device memory; a cached row that a later row holds
-  whole (the turn before it) is no longer found, a batch with none of its rows left found goes,
-  and beyond the budget the least recently used batches go, except while rows lately missed a
-  prefix the budget evicted (a scan: every conversation's next turn comes after a round of all the
-  others', so the least recently used row is the next one needed): then the most recently kept batch
-  that has served no row goes, until a budget's worth of batches has been kept since the last
-  such miss (:meth:`PrefixCache._victim`); a batch larger than the budget is not
-  kept, nor is one over half of it (:meth:`PrefixCache.keeps`: its forward holds every layer's keys
-  and values until it ends), which then runs as it would without the cache; out of memory empties
-  the cache and halves its budget;
+* the cache holds at most ``budget_bytes`` of device memory; a cached row that a later kept row
+  holds whole (the turn before it) is no longer found, a batch with none of its rows left found goes,
+  one with at most half of its tokens left found keeps only those (a device copy: rows held whole
+  elsewhere take no room; shuffled rows leave many such batches), and beyond the budget the least
+  recently used batches go, except while rows lately missed a prefix the budget evicted (a scan:
+  every conversation's next turn comes after a round of all the others', so the least recently used
+  row is the next one needed): then the most recently kept batch that has served no row goes, until
+  a budget's worth of batches has been kept since the last such miss (:meth:`PrefixCache._victim`);
+  a batch larger than the budget is not kept, nor is one over half of it (:meth:`PrefixCache.keeps`:
+  its forward holds every layer's keys and values until it ends), which then runs as it would
+  without the cache; out of memory empties the cache and halves its budget;
 * rows are found by chained hashes of their first :data:`CHUNK`-token blocks, then compared token
   by token, so a hash collision can only cost a match, never give a wrong one.
 
-Pure bookkeeping: the device work is in ``prefix_keys`` and the runner.
+Bookkeeping, and the copy that compacts a batch: the forward's device work is in ``prefix_keys`` and
+the runner.
 """
 
 from __future__ import annotations
@@ -75,6 +77,34 @@ class CachedBatch:
         if self.final is not None:
             tensors.append(self.final)
         self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(tokens) for tokens, _ in self.rows)
+
+    def live_tokens(self) -> int:
+        return sum(len(self.rows[row][0]) for row in self.live)
+
+    def compact(self) -> dict[int, int]:
+        """Keep only the live rows' keys, values and states (copies on the device, in row order);
+        returns each kept row's new number by its old one."""
+        kept = sorted(self.live)
+        device = self.states.device
+        positions = torch.cat([torch.arange(start, start + len(tokens), dtype=torch.long)
+                               for tokens, start in (self.rows[row] for row in kept)]).to(device)
+        keys = {layer: key.index_select(0, positions) for layer, key in self.keys.items()}
+        values = {layer: value.index_select(0, positions) for layer, value in self.values.items()}
+        states = self.states.index_select(0, positions)
+        final = None if self.final is None else self.final.index_select(0, positions)
+        self.keys, self.values, self.states, self.final = keys, values, states, final  # unchanged if a copy failed
+        rows, start = [], 0
+        for row in kept:
+            tokens = self.rows[row][0]
+            rows.append((tokens, start))
+            start += len(tokens)
+        self.rows = rows
+        self.__post_init__()
+        return {old: new for new, old in enumerate(kept)}
 
     def serves(self, needs: BatchNeeds) -> bool:
         """Whether a batch with ``needs`` can take prefixes from this one."""
@@ -206,13 +236,20 @@ class PrefixCache:
         from now on, but those whose every token was cached; a cached row that one of its rows
         holds whole is no longer found there, and a cached batch with no such row left is dropped;
         then the least recently used go while beyond the budget."""
+        if batch.nbytes > self.budget_bytes:
+            return
+        held_whole = {}
         for use in uses:
             if use is not None and use.covers_source:
                 use.source.live.discard(use.row)
-                if not use.source.live and id(use.source) in self._batches:
-                    self._evict(use.source)
-        if batch.nbytes > self.budget_bytes:
-            return
+                held_whole[id(use.source)] = use.source
+        for source in held_whole.values():
+            if id(source) not in self._batches:
+                continue
+            if not source.live:
+                self._evict(source)
+            elif 2 * source.live_tokens() <= source.tokens:
+                self._compact(source)
         keys = []
         for row, ((tokens, _start), use) in enumerate(zip(batch.rows, uses)):
             if use is not None and use.served == len(tokens):  # its source holds it whole
@@ -226,6 +263,28 @@ class PrefixCache:
         self._kept_bytes += batch.nbytes
         while self._held > self.budget_bytes:
             self._evict(self._victim(), remember=True)
+
+    def _compact(self, batch: CachedBatch) -> None:
+        """Keep only ``batch``'s live rows (:meth:`CachedBatch.compact`), found where they were."""
+        before = batch.nbytes
+        try:
+            renumbered = batch.compact()
+        except torch.OutOfMemoryError:  # no room for the copy: the batch goes instead
+            self._evict(batch, remember=True)
+            return
+        self._held -= before - batch.nbytes
+        _, keys = self._batches[id(batch)]
+        kept = []
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is None or entry[0] is not batch:
+                continue
+            if entry[1] in renumbered:
+                self._index[key] = (batch, renumbered[entry[1]])
+                kept.append(key)
+            else:
+                del self._index[key]
+        self._batches[id(batch)] = (batch, kept)  # its place in the eviction order unchanged
 
     def _victim(self) -> CachedBatch:
         """The batch to evict for room: the least recently used, but while rows lately missed a prefix
