@@ -90,8 +90,8 @@ class CachedBatch:
         returns each kept row's new number by its old one."""
         kept = sorted(self.live)
         device = self.states.device
-        positions = torch.cat([torch.arange(start, start + len(tokens), dtype=torch.long)
-                               for tokens, start in (self.rows[row] for row in kept)]).to(device)
+        positions = torch.cat([torch.arange(start, start + len(tokens), dtype=torch.long, device=device)
+                               for tokens, start in (self.rows[row] for row in kept)])  # made there: no host sync
         keys = {layer: key.index_select(0, positions) for layer, key in self.keys.items()}
         values = {layer: value.index_select(0, positions) for layer, value in self.values.items()}
         states = self.states.index_select(0, positions)
