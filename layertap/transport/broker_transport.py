@@ -65,10 +65,11 @@ never had it (``docs/operations.md``, "Redis Sentinel", has the measured cases).
 option ``replicas_to_wait`` (``settings.redis_wait_replicas``) a send returns only once that
 many replicas hold the message: ``WAIT`` on the connection that pushed it, so also everything
 the sender wrote before it, as the ledger's record of the message. A send whose primary is lost
-or demoted meanwhile raises (the connection fails), and the sender sends it again. A send that
-no replica confirms within ``CONFIRM_GIVE_UP_S`` (none in reach: lost, or a failover left none)
-is logged and goes on unconfirmed, and the channel sends without waiting for
-``UNCONFIRMED_PAUSE_S``, so a missing replica slows sending, not stops it.
+or demoted meanwhile raises (the connection fails, or Redis unblocks the ``WAIT`` as it turns
+into a replica), and the sender sends it again. A send no replica confirms (none in reach: lost,
+or a failover left none) waits, logged every ``CONFIRM_LOG_EVERY_S``, and is never taken as sent
+unconfirmed: a primary without a replica can be demoted by a later failover (a flapping one, or a
+partition that heals) and drop everything it took, the ledger's records included.
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ TRANSPORT_PATH = f"{__name__}:Transport"
 SENTINEL_TRANSPORT_PATH = f"{__name__}:SentinelTransport"
 log = logging.getLogger(__name__)
 REFUSED_FETCH_PAUSE_S = 1.0  # a fetch refused by a Redis that refuses writes waits this long, then tries again
-WAIT_TIMEOUT_MS = 1000  # one WAIT for a send's replicas, repeated up to CONFIRM_GIVE_UP_S
-CONFIRM_GIVE_UP_S = 10.0  # a send no replica confirmed this long goes on unconfirmed
-UNCONFIRMED_PAUSE_S = 60.0  # after an unconfirmed send, sends do not wait for this long
+WAIT_TIMEOUT_MS = 1000  # one WAIT for a send's replicas, repeated until they hold it
+CONFIRM_LOG_EVERY_S = 10.0  # a send still unconfirmed is logged this often
+#: Replies to a ``WAIT`` whose primary turned replica: unblocked as it turned, or refused on a replica.
+DEMOTED_REPLIES = ("UNBLOCKED", "WAIT cannot be used with replica")
 
 
 _held_messages: Callable[[], set[str]] = set
@@ -158,7 +160,6 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
     from_transport_options = kombu_redis.Channel.from_transport_options + ("replicas_to_wait",)
     replicas_to_wait = 0  # a send returns once this many replicas hold the message (module doc)
-    _unconfirmed_at = -UNCONFIRMED_PAUSE_S  # monotonic time of the last send no replica confirmed
     _shared_client: redis.Redis | None = None
     _fetching: str | None = None  # the queue a BLMOVE was sent for
     _fetched: tuple[str, bytes] | None = None  # (in-flight list, raw message) delivered, not yet recorded
@@ -224,8 +225,7 @@ class Channel(kombu_redis.Channel):
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         """kombu's send; with ``replicas_to_wait``, confirmed by that many replicas (module doc)."""
-        if (not self.replicas_to_wait or "_publish_batch" in kwargs
-                or time.monotonic() - self._unconfirmed_at < UNCONFIRMED_PAUSE_S):
+        if not self.replicas_to_wait or "_publish_batch" in kwargs:
             self._push(queue, message, **kwargs)
             return
         with self.conn_or_acquire() as shared:
@@ -233,15 +233,10 @@ class Channel(kombu_redis.Channel):
             try:
                 self._pinned = pinned  # the push and the WAITs go over one connection
                 self._push(queue, message, **kwargs)
-                confirmed = self._confirm(pinned)
+                self._confirm(pinned, queue)
             finally:
                 self._pinned = None
                 pinned.close()
-        if confirmed < self.replicas_to_wait:
-            self._unconfirmed_at = time.monotonic()
-            log.warning("a message to %s is confirmed by %d of %d replica(s) after %.0fs: sent unconfirmed; "
-                        "sends do not wait for replicas for %.0fs", queue, confirmed, self.replicas_to_wait,
-                        CONFIRM_GIVE_UP_S, UNCONFIRMED_PAUSE_S)
 
     def _push(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         """kombu's push, through :meth:`conn_or_acquire`; a message that carries its pending record
@@ -258,14 +253,26 @@ class Channel(kombu_redis.Channel):
         with self.conn_or_acquire() as client:
             Ledger(client, give_up_s=0).push_recorded(key, dumps(message), task_id, record)  # the sender retries
 
-    def _confirm(self, client: redis.Redis) -> int:
-        """How many replicas hold what ``client`` wrote: ``WAIT`` until ``replicas_to_wait`` do or
-        ``CONFIRM_GIVE_UP_S`` passed. Raises as the connection fails (a primary lost or demoted)."""
-        give_up_at = time.monotonic() + CONFIRM_GIVE_UP_S
-        while (confirmed := client.wait(self.replicas_to_wait, WAIT_TIMEOUT_MS)) < self.replicas_to_wait:
-            if time.monotonic() >= give_up_at:
-                break
-        return confirmed
+    def _confirm(self, client: redis.Redis, queue: str) -> None:
+        """``WAIT`` until ``replicas_to_wait`` replicas hold what ``client`` wrote to ``queue``, logging
+        every :data:`CONFIRM_LOG_EVERY_S`. Raises as the connection fails (a primary lost or demoted)."""
+        started = log_at = time.monotonic()
+        while (confirmed := self._wait(client)) < self.replicas_to_wait:
+            if time.monotonic() - log_at >= CONFIRM_LOG_EVERY_S:
+                log_at = time.monotonic()
+                log.warning("a message to %s is confirmed by %d of %d replica(s) after %.0fs: waiting for a "
+                            "replica (a send is sent once one holds it)", queue, confirmed, self.replicas_to_wait,
+                            log_at - started)
+
+    def _wait(self, client: redis.Redis) -> int:
+        """One ``WAIT``; a primary turned replica meanwhile (Redis unblocks the ``WAIT``, or refuses it
+        on a replica) raises ConnectionError, as a lost primary does: the sender sends again."""
+        try:
+            return client.wait(self.replicas_to_wait, WAIT_TIMEOUT_MS)
+        except redis.exceptions.ResponseError as exc:
+            if str(exc).startswith(DEMOTED_REPLIES):
+                raise redis.exceptions.ConnectionError(f"the primary became a replica during a send: {exc}") from exc
+            raise
 
     def _drop_fetched(self, inflight: str, raw: bytes) -> None:
         with self.conn_or_acquire() as client:
