@@ -217,7 +217,7 @@ class Settings(BaseSettings):
     )
 
     redis_url: str | None = None  # None: localhost for worker/client, an embedded server for the demo
-    # a send returns once this many replicas hold its message (WAIT, up to 10 s: see
+    # a send returns once this many replicas hold its message (WAIT, as long as it takes: see
     # layertap.transport.broker_transport); None: 1 with a sentinel:// URL, else 0
     redis_wait_replicas: int | None = Field(default=None, ge=0)
     # where files go: a folder (made absolute by the worker) or an object store URL (s3://bucket/prefix)
