@@ -257,14 +257,14 @@ class Channel(kombu_redis.Channel):
         """``WAIT`` until ``replicas_to_wait`` replicas hold what ``client`` wrote to ``queue``, logging
         every :data:`CONFIRM_LOG_EVERY_S`. Raises as the connection fails (a primary lost or demoted)."""
         started = log_at = time.monotonic()
-        while (confirmed := self._wait(client)) < self.replicas_to_wait:
+        while (confirmed := self._wait_once(client)) < self.replicas_to_wait:
             if time.monotonic() - log_at >= CONFIRM_LOG_EVERY_S:
                 log_at = time.monotonic()
                 log.warning("a message to %s is confirmed by %d of %d replica(s) after %.0fs: waiting for a "
                             "replica (a send is sent once one holds it)", queue, confirmed, self.replicas_to_wait,
                             log_at - started)
 
-    def _wait(self, client: redis.Redis) -> int:
+    def _wait_once(self, client: redis.Redis) -> int:
         """One ``WAIT``; a primary turned replica meanwhile (Redis unblocks the ``WAIT``, or refuses it
         on a replica) raises ConnectionError, as a lost primary does: the sender sends again."""
         try:

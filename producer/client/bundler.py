@@ -43,19 +43,29 @@ class _Group:
     jobs: list[tuple[Job, dict[str, Any]]] = field(default_factory=list)
     ids: set[str] = field(default_factory=set)
     tokens: int = 0
+    sizes: list[int] = field(default_factory=list)  # each job's estimated tokens, in order
 
     def add(self, job: Job, payload: dict[str, Any], tokens: int) -> None:
         """Take ``job``, whose estimated tokens are ``tokens``."""
         self.jobs.append((job, payload))
         self.ids.add(job.job_id or "")
         self.tokens += tokens
+        self.sizes.append(tokens)
 
-    @classmethod
-    def of(cls, started: float, jobs: list[tuple[Job, dict[str, Any]]]) -> _Group:
-        group = cls(started)
-        for job, payload in jobs:
-            group.add(job, payload, job.estimated_tokens())
-        return group
+    def split(self, keep: int, now: float) -> tuple[_Group, _Group]:
+        """Its jobs but the last ``keep`` (started when it did), and those last ones (started ``now``)."""
+        head, tail = _Group(self.started), _Group(now)
+        for index, ((job, payload), size) in enumerate(zip(self.jobs, self.sizes)):
+            (head if index < len(self.jobs) - keep else tail).add(job, payload, size)
+        return head, tail
+
+    def joined(self, later: _Group) -> _Group:
+        """Its jobs, then ``later``'s, as one group started when it did (a split undone)."""
+        whole = _Group(self.started)
+        for group in (self, later):
+            for (job, payload), size in zip(group.jobs, group.sizes):
+                whole.add(job, payload, size)
+        return whole
 
 
 class Bundler:
@@ -116,8 +126,7 @@ class Bundler:
             run, later = run + 1, earlier
         if run == 0 or run == len(group.jobs) or run + 1 > self.settings.max_jobs:
             return 0
-        kept_tokens = sum(earlier.estimated_tokens() for earlier, _ in group.jobs[-run:])
-        return run if kept_tokens + tokens <= self.settings.max_tokens else 0
+        return run if sum(group.sizes[-run:]) + tokens <= self.settings.max_tokens else 0
 
     def holds(self, run: str, job_id: str) -> bool:
         """Whether a job of ``run`` with ``job_id`` waits here, not sent yet."""
@@ -146,15 +155,15 @@ class Bundler:
             return
         if keep:
             (key, whole), = taken
-            self._groups[key] = _Group.of(time.monotonic(), whole.jobs[-keep:])
-            taken = [(key, _Group.of(whole.started, whole.jobs[:-keep]))]
+            sent, self._groups[key] = whole.split(keep, time.monotonic())
+            taken = [(key, sent)]
         try:
             self.client.send([group.jobs for _, group in taken])
             self._failure = None
         except BaseException as exc:  # kept for the next try (a Ctrl-C too: close() still sends them)
             for key, group in taken:
                 if keep:  # put the bundle back whole, as it was before the split
-                    group = _Group.of(group.started, group.jobs + self._groups.pop(key).jobs)
+                    group = group.joined(self._groups.pop(key))
                 self._groups.setdefault(key, group)
             if not isinstance(exc, (redis.exceptions.RedisError, OperationalError, OSError)):
                 raise

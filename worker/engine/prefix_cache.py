@@ -234,8 +234,9 @@ class PrefixCache:
     def add(self, batch: CachedBatch, uses: Sequence[PrefixUse | None]) -> None:
         """Keep ``batch``, which ran with ``uses`` (its rows' prefixes, in order): its rows are found
         from now on, but those whose every token was cached; a cached row that one of its rows
-        holds whole is no longer found there, and a cached batch with no such row left is dropped;
-        then the least recently used go while beyond the budget."""
+        holds whole is no longer found there, a cached batch with no such row left is dropped and
+        one with at most half of its tokens left keeps only those; then the least recently used go
+        while beyond the budget. A batch over the budget is not kept and changes nothing."""
         if batch.nbytes > self.budget_bytes:
             return
         held_whole = {}
