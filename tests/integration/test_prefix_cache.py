@@ -307,7 +307,10 @@ def test_two_workers_of_one_model_each_share_from_their_own_cache(tiny_models, p
         after = [scrape(port) for port in ports]
         in_order = conversations(6, TURNS, seed=5)
         ordered_rows = [row for chat in in_order for row in chat]
-        with Client(Settings(redis_url=private_redis.url, bundle=BundleSettings(max_jobs=5))) as client:
+        # max_wait_s long: the bundles are cut by the keep-together rule alone, not by a busy machine's
+        # 50 ms timer (which sends whatever a bundle holds, as the test_bundles cases pin it too)
+        bundles = BundleSettings(max_jobs=5, max_wait_s=60)
+        with Client(Settings(redis_url=private_redis.url, bundle=bundles)) as client:
             jobs = client.submit_many([Job(model="tiny-qwen3", run=run_name + "-in-order", token_ids=row, layers=layers)
                                        for row in ordered_rows])
             results = client.wait(run_name + "-in-order", [job.job_id for job in jobs], timeout=120,
