@@ -1,24 +1,23 @@
 """What was sent, and the pending ledger the reconciler reads.
 
-Before sending, each job's latest send time goes to its run's submitted hash
-(:func:`record_sent`). Each message has one pending record, written in the same step as the
-push that queues it (:func:`push_recorded`, from the broker transport, for a message that
-carries its record in the ``keys.PENDING_HEADER`` header): a record never exists for a message
-that was not queued, however long Redis refuses the push, so the reconciler never ends a message
-that is still on its way. A record (``keys.PENDING_HASH``: JSON with the queue, the send time
-and, for a bundle, its job ids, with the run of each job not of the task id's run;
+Before sending, each job's latest send time goes to its run's submitted hash (:func:`record_sent`),
+and again with the push where a failover dropped it. Each message has one pending record, written in
+the same step as the push that queues it (:func:`push_recorded`, from the broker transport, for a
+message that carries its record in the ``keys.PENDING_HEADER`` header): a record never exists for a
+message that was not queued, however long Redis refuses the push, so the reconciler never ends a
+message that is still on its way. A record (``keys.PENDING_HASH``: JSON with the queue, the send
+time and, for a bundle, its job ids, with the run of each job not of the task id's run;
 ``keys.pending_sent_zset``: the send time by queue) lets the reconciler
-(``layertap.worker.queue.reconciler``) find a message lost between the queue and a worker: it
-puts the message back from its queue's in-flight list (:func:`restore_inflight`), or, where the
-message is nowhere, gives each of its jobs a final result (``results.end_lost_message``). No
-copy of the message's body is kept. The Client's messages carry one record each (one job, or a
-bundle of jobs), a worker's one per half of a bundle it splits; the worker that publishes the
-message's last final result removes it in the same transaction (``results.publish``). A record
-covers a job only while the job was not sent again after it: the record is written with each
-job's latest send time in the run's submitted hash, so a record older than that time is stale
-for the job (the job's newer message has its own record), and a record whose message is gone
-never ends a job that has a final result or was sent again, nor a message that is still queued,
-in flight or held.
+(``layertap.worker.queue.reconciler``) find a message lost between the queue and a worker: it puts
+the message back from its queue's in-flight list (:func:`restore_inflight`), or, where the message
+is nowhere, gives each of its jobs a final result (``results.end_lost_message``). No copy of the
+message's body is kept. The Client's messages carry one record each (one job, or a bundle of jobs),
+a worker's one per half of a bundle it splits; the worker that publishes the message's last final
+result removes it in the same transaction (``results.publish``). A record covers a job only while
+the job was not sent again after it: the record is written with each job's latest send time in the
+run's submitted hash, so a record older than that time is stale for the job (the job's newer message
+has its own record), and a record whose message is gone never ends a job that has a final result or
+was sent again, nor a message that is still queued, in flight or held.
 """
 
 from __future__ import annotations
@@ -99,10 +98,16 @@ def record_pending(pipe: Pipeline, queue: str, task_id: str, now: float,
 def push_recorded(client: redis.Redis, queue_key: str, body: str, task_id: str, record: str) -> None:
     """Queue a message (``LPUSH body`` onto ``queue_key``) with its pending ``record``, in one step
     (``push_recorded.lua``): both or neither, so a record never outlives a push that Redis
-    refused. The record's send-time member is the push time on the server's clock."""
-    queue = json.loads(record)["queue"]
-    run_lua(client, "push_recorded", [queue_key, keys.PENDING_HASH, keys.pending_sent_zset(queue),
-                                      keys.PENDING_QUEUES_SET], [task_id, record, body, queue])
+    refused. The record's send-time member is the push time on the server's clock. Each job's
+    send time goes to its run's submitted hash in the same step where the hash has none
+    (:func:`record_sent` wrote it first, maybe on a primary a failover dropped since): a queued
+    job always counts in its run's total."""
+    parsed = json.loads(record)
+    jobs = message_jobs(task_id, parsed) or []
+    run_lua(client, "push_recorded",
+            [queue_key, keys.PENDING_HASH, keys.pending_sent_zset(parsed["queue"]), keys.PENDING_QUEUES_SET,
+             *(keys.run_submitted_hash(run) for run, _ in jobs)],
+            [task_id, record, body, parsed["queue"], parsed["submitted_at"], *(job_id for _, job_id in jobs)])
 
 
 def clear_pending(pipe: Pipeline, queue: str | None, task_id: str) -> None:
