@@ -22,11 +22,10 @@ from layertap.producer.dev.sentinel_set import SentinelSet
 from layertap.protocol import keys
 from layertap.settings import Settings
 from layertap.transport.celery_app import replicas_to_wait
+from tests.integration.test_send_confirmed import PAST_THE_OLD_GIVE_UP_S
 from tests.support.jobs import make_job
 
 RUN = "flap"
-#: Longer than the 10 s after which sends used to go on unconfirmed.
-PAST_THE_OLD_GIVE_UP_S = 13.0
 
 
 def test_a_failover_there_and_back_loses_no_send_reported_sent(tmp_path):

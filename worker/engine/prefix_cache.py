@@ -103,7 +103,7 @@ class CachedBatch:
             rows.append((tokens, start))
             start += len(tokens)
         self.rows = rows
-        self.__post_init__()
+        self.__post_init__()  # every kept row live again; nbytes of the copies
         return {old: new for new, old in enumerate(kept)}
 
     def serves(self, needs: BatchNeeds) -> bool:
