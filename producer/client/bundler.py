@@ -44,19 +44,23 @@ class _Group:
     ids: set[str] = field(default_factory=set)
     tokens: int = 0
     sizes: list[int] = field(default_factory=list)  # each job's estimated tokens, in order
+    reopen: dict[str, str] = field(default_factory=dict)  # job id -> group, of jobs sent again (Client.send)
 
-    def add(self, job: Job, payload: dict[str, Any], tokens: int) -> None:
-        """Take ``job``, whose estimated tokens are ``tokens``."""
+    def add(self, job: Job, payload: dict[str, Any], tokens: int, reopen_group: str | None = None) -> None:
+        """Take ``job``, whose estimated tokens are ``tokens`` (sent again for ``reopen_group``, if given)."""
         self.jobs.append((job, payload))
         self.ids.add(job.job_id or "")
         self.tokens += tokens
         self.sizes.append(tokens)
+        if reopen_group is not None:
+            self.reopen[job.job_id or ""] = reopen_group
 
     def split(self, keep: int, now: float) -> tuple[_Group, _Group]:
         """Its jobs but the last ``keep`` (started when it did), and those last ones (started ``now``)."""
         head, tail = _Group(self.started), _Group(now)
         for index, ((job, payload), size) in enumerate(zip(self.jobs, self.sizes)):
-            (head if index < len(self.jobs) - keep else tail).add(job, payload, size)
+            (head if index < len(self.jobs) - keep else tail).add(job, payload, size,
+                                                                   self.reopen.get(job.job_id or ""))
         return head, tail
 
     def joined(self, later: _Group) -> _Group:
@@ -64,7 +68,7 @@ class _Group:
         whole = _Group(self.started)
         for group in (self, later):
             for (job, payload), size in zip(group.jobs, group.sizes):
-                whole.add(job, payload, size)
+                whole.add(job, payload, size, group.reopen.get(job.job_id or ""))
         return whole
 
 
@@ -85,8 +89,10 @@ class Bundler:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def add(self, job: Job | Mapping[str, Any], **fields: Any) -> Job:
-        """Validate ``job`` (as ``Client.submit`` does) and put it in its bundle; returns it with its id."""
+    def add(self, job: Job | Mapping[str, Any], *, reopen_group: str | None = None, **fields: Any) -> Job:
+        """Validate ``job`` (as ``Client.submit`` does) and put it in its bundle; returns it with its id.
+        ``reopen_group``: the job was sent before, and its message's push clears its old status and
+        its consumption by this consumer group (``Client.send``'s ``reopen``)."""
         job, payload = self.client.prepare(job, check=self.check, **fields)
         tokens = job.estimated_tokens()
         key = (job.model, job.run)
@@ -102,7 +108,7 @@ class Bundler:
                 group = self._groups.get(key)
             if group is None:
                 group = self._groups[key] = _Group(time.monotonic())
-            group.add(job, payload, tokens)
+            group.add(job, payload, tokens, reopen_group)
             if self._full(group) and len(group.jobs) == 1:  # nothing of it could be kept back: send it now
                 self._send([key])
             elif self._thread is None:
@@ -158,7 +164,9 @@ class Bundler:
             sent, self._groups[key] = whole.split(keep, time.monotonic())
             taken = [(key, sent)]
         try:
-            self.client.send([group.jobs for _, group in taken])
+            self.client.send([group.jobs for _, group in taken],
+                             {(key[1], job_id): reopened for key, group in taken
+                              for job_id, reopened in group.reopen.items()})
             self._failure = None
         except BaseException as exc:  # kept for the next try (a Ctrl-C too: close() still sends them)
             for key, group in taken:

@@ -111,13 +111,16 @@ class Client:
                               "(LAYERTAP_LIMITS__MAX_JOB_BYTES)")
         return job, payload
 
-    def send(self, messages: list[list[tuple[Job, dict[str, Any]]]]) -> None:
+    def send(self, messages: list[list[tuple[Job, dict[str, Any]]]],
+             reopen: Mapping[tuple[str, str], str] | None = None) -> None:
         """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
         (each job's latest send time: a pending record older than it no longer covers the job,
         ``layertap.transport.ledger``) is written first, in one round trip; each message's
-        pending record goes in the transaction that queues it."""
-        now = time.time()
+        pending record goes in the transaction that queues it. ``reopen``: ``(run, job id)`` ->
+        consumer group of jobs sent again, whose old status and consumption by that group the
+        step that queues the message clears."""
+        now, reopen = time.time(), reopen or {}
         sends, sent = [], []
         for jobs in messages:
             first = jobs[0][0]
@@ -128,7 +131,8 @@ class Client:
                 args = [[payload for _, payload in jobs]]
             queue = keys.model_queue(first.model)
             pairs = [(job.run, job.job_id or "") for job, _ in jobs]
-            record = pending_record(queue, task_id, now, pairs if len(jobs) > 1 else None)
+            record = pending_record(queue, task_id, now, pairs if len(jobs) > 1 else None,
+                                    {job_id: reopen[run, job_id] for run, job_id in pairs if (run, job_id) in reopen})
             sends.append((task, args, {"submitted_at": now}, queue, task_id, record))
             sent.append(SentMessage(queue, task_id, pairs, len(jobs) > 1))
         self.ledger.record_sent(sent, now)

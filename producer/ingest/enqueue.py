@@ -5,7 +5,8 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
 
 * **resume**: a job whose result in the run's status hash is ``ok`` is skipped, so
   re-running the same command after an interruption sends only what is not done yet;
-  a job with an ``error`` result is sent again (its status entry is cleared first);
+  a job with an ``error`` result is sent again (its status entry, and its consumption by the
+  enqueue's ``group``, are cleared in the step that queues its message: ``Client.send``'s ``reopen``);
 * **other content**: a job sent under its own id whose ok result holds other content than the
   row asks (other options or input, ``layertap.producer.ingest.existing``) is never "already ok":
   by :class:`OnChange`, it is refused (``changed``, not sent), kept (``kept``) or sent with
@@ -275,10 +276,9 @@ class Enqueuer:
     def _submit(self, item: Planned, *, reopen: bool, replace: bool = False) -> tuple[Outcome, Planned | BadRow]:
         job = item.job
         self.limiter.acquire(job.run)
-        if reopen:  # sent before: clear its old (error, or replaced ok) status; sending marks it sent by this enqueue
-            self.client.ledger.reopen(job.run, job.job_id or "", self.group)
-        try:
-            self.bundler.add(job.model_copy(update={"replace": True}) if replace else job)
+        try:  # sent before: its push clears its old (error, or replaced ok) status and this group's consumption
+            self.bundler.add(job.model_copy(update={"replace": True}) if replace else job,
+                             reopen_group=self.group if reopen else None)
         except (JobTooLarge, LayerIdError, ImageError) as exc:  # an image changed since its row was read
             return Outcome.bad, BadRow(item.where, str(exc))
         return (Outcome.replaced if replace else Outcome.submitted), item

@@ -1,8 +1,9 @@
 """The pending ledger on a second run (issue 22, items 5 and 14; issue 45, item 1): a message
 whose send Redis refused at ``maxmemory`` leaves no pending record (the record goes in the step
 that queues the message), and its jobs sent again by a re-run of ``layertap enqueue`` end ok and
-never ``lost``; a lost bundle holding jobs of several runs ends each job in its own run. Real
-Redis, real worker."""
+never ``lost``; the jobs a message sends again lose their old results in the step that queues it,
+once; a lost bundle holding jobs of several runs ends each job in its own run. Real Redis, real
+worker."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from layertap.producer.ingest.enqueue import Enqueuer, Planned
 from layertap.protocol import keys
 from layertap.protocol.schema import ErrorType, Job, Status
 from layertap.settings import BundleSettings, Settings
-from layertap.transport.ledger import record_pending
+from layertap.transport.ledger import Ledger, pending_record, record_pending
 from layertap.transport.redis_conn import refuses_writes
 from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
 from tests.support.processes import cli
@@ -108,3 +109,31 @@ def test_a_lost_bundle_of_several_runs_ends_each_job_in_its_own_run(private_redi
             assert client.redis.xlen(keys.results_stream(run)) == len(mine)
         assert client.redis.hlen(keys.PENDING_HASH) == 0
         raw.close()
+
+
+def test_a_message_that_sends_jobs_again_clears_their_old_results_when_first_queued(private_redis, run_name):
+    """The record's ``reopen`` (``layertap enqueue`` sending errored jobs again) clears, in the push
+    that queues the message, each such job's status and its consumption by the named group, and
+    nothing of the message's other jobs or of other groups; a second push of the same message (a
+    worker's retry, which keeps its record) clears nothing, so a result published in between stays."""
+    raw = redis.Redis.from_url(private_redis.url, decode_responses=True)
+    status, consumed, other = (keys.run_status_hash(run_name), keys.run_consumed_hash(run_name, "trainer"),
+                               keys.run_consumed_hash(run_name, "evaluator"))
+    raw.hset(status, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error"})
+    raw.hset(consumed, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error"})
+    raw.hset(other, mapping={"failed-1": "error"})
+    queue = keys.model_queue("tiny-nobody")
+    task_id = keys.bundle_task_id(run_name, "again")
+    pairs = [(run_name, job_id) for job_id in ("failed-1", "kept-ok", "failed-2")]
+    record = pending_record(queue, task_id, 5.0, pairs, {"failed-1": "trainer", "failed-2": "trainer"})
+    ledger = Ledger(raw, give_up_s=0)
+    ledger.push_recorded(queue, "{}", task_id, record)
+    assert raw.hgetall(status) == {"kept-ok": "ok"}
+    assert raw.hgetall(consumed) == {"kept-ok": "ok"}
+    assert raw.hgetall(other) == {"failed-1": "error"}  # another group's consumption is its own
+    assert raw.hgetall(keys.run_submitted_hash(run_name)) == {job_id: "5.0" for _, job_id in pairs}
+    raw.hset(status, "failed-1", "ok")  # its new result, published before the message is pushed again
+    ledger.push_recorded(queue, "{}", task_id, record)
+    assert raw.hgetall(status) == {"kept-ok": "ok", "failed-1": "ok"}
+    assert raw.llen(queue) == 2
+    raw.close()

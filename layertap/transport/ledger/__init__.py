@@ -64,7 +64,6 @@ class Ledger:
 
     # what was sent (``pending``)
     record_sent = _waited(pending.record_sent)
-    reopen = _waited(pending.reopen)
     seal = _waited(pending.seal)
     push_recorded = _waited(pending.push_recorded)
     is_pending = _waited(pending.is_pending)

@@ -1,7 +1,8 @@
 """What was sent, and the pending ledger the reconciler reads.
 
 Before sending, each job's latest send time goes to its run's submitted hash (:func:`record_sent`),
-and again with the push where a failover dropped it. Each message has one pending record, written in
+and again with the push where a failover dropped it; a job sent again by an enqueue loses its old
+result's status and consumption with the push (the record's ``reopen``). Each message has one pending record, written in
 the same step as the push that queues it (:func:`push_recorded`, from the broker transport, for a
 message that carries its record in the ``keys.PENDING_HEADER`` header): a record never exists for a
 message that was not queued, however long Redis refuses the push, so the reconciler never ends a
@@ -53,14 +54,6 @@ def record_sent(client: redis.Redis, messages: Sequence[SentMessage], now: float
     pipe.execute()
 
 
-def reopen(client: redis.Redis, run: str, job_id: str, group: str) -> None:
-    """A job sent again: clear its old (error) status and its consumption by ``group``, in one transaction."""
-    pipe = client.pipeline(transaction=True)
-    pipe.hdel(keys.run_status_hash(run), job_id)
-    pipe.hdel(keys.run_consumed_hash(run, group), job_id)
-    pipe.execute()
-
-
 def seal(client: redis.Redis, run: str, sealed: bool = True) -> None:
     """Mark ``run`` fed whole (a streaming consumer stops only on a sealed run), or still being fed."""
     key = keys.run_sealed_key(run)
@@ -70,10 +63,12 @@ def seal(client: redis.Redis, run: str, sealed: bool = True) -> None:
         client.delete(key)
 
 
-def pending_record(queue: str, task_id: str, now: float, bundle_jobs: Sequence[tuple[str, str]] | None = None) -> str:
+def pending_record(queue: str, task_id: str, now: float, bundle_jobs: Sequence[tuple[str, str]] | None = None,
+                   reopen: Mapping[str, str] | None = None) -> str:
     """The JSON record of message ``task_id`` sent to ``queue`` at ``now`` (a bundle's: with the
     ``(run, job id)`` of each of its jobs; runs other than the task id's are kept per job, so a
-    lost bundle's results go to each job's own run)."""
+    lost bundle's results go to each job's own run). ``reopen``: job id -> consumer group, for
+    jobs sent again whose old result the push clears (:func:`push_recorded`)."""
     record: dict[str, Any] = {"queue": queue, "submitted_at": now}
     if bundle_jobs is not None:
         own_run = task_id.partition(":")[0]
@@ -81,6 +76,8 @@ def pending_record(queue: str, task_id: str, now: float, bundle_jobs: Sequence[t
         other_runs = {job_id: run for run, job_id in bundle_jobs if run != own_run}
         if other_runs:
             record["runs"] = other_runs
+    if reopen:
+        record["reopen"] = dict(reopen)
     return json.dumps(record)
 
 
@@ -101,13 +98,21 @@ def push_recorded(client: redis.Redis, queue_key: str, body: str, task_id: str, 
     refused. The record's send-time member is the push time on the server's clock. Each job's
     send time goes to its run's submitted hash in the same step where the hash has none
     (:func:`record_sent` wrote it first, maybe on a primary a failover dropped since): a queued
-    job always counts in its run's total."""
+    job always counts in its run's total. On the message's first push (no record of it yet), each
+    job the record reopens (sent again by an enqueue) loses its old status and its group's
+    consumption in the same step: a job whose new message is queued is never final with its old
+    result, whichever primary took the message; a later push of it (a retry) clears nothing."""
     parsed = json.loads(record)
     jobs = message_jobs(task_id, parsed) or []
+    reopen = parsed.get("reopen") or {}
+    reopened = [(run, job_id, reopen[job_id]) for run, job_id in jobs if job_id in reopen]
     run_lua(client, "push_recorded",
             [queue_key, keys.PENDING_HASH, keys.pending_sent_zset(parsed["queue"]), keys.PENDING_QUEUES_SET,
-             *(keys.run_submitted_hash(run) for run, _ in jobs)],
-            [task_id, record, body, parsed["queue"], parsed["submitted_at"], *(job_id for _, job_id in jobs)])
+             *(keys.run_submitted_hash(run) for run, _ in jobs),
+             *(key for run, _, group in reopened
+               for key in (keys.run_status_hash(run), keys.run_consumed_hash(run, group)))],
+            [task_id, record, body, parsed["queue"], parsed["submitted_at"], len(jobs),
+             *(job_id for _, job_id in jobs), *(job_id for _, job_id, _ in reopened)])
 
 
 def clear_pending(pipe: Pipeline, queue: str | None, task_id: str) -> None:

@@ -2,17 +2,28 @@
 -- (the queue), the record ARGV[2] of task ARGV[1] into KEYS[2], its queue's member in KEYS[3]
 -- scored by the server's clock now (the push time: a queue is in push order, so a message sent
 -- before the queue's head has left it, whatever its sender's clock said), the queue ARGV[4] in
--- KEYS[4]; then, for each job of the message, its send time ARGV[5] under its id ARGV[5 + j] in
--- its run's submitted hash KEYS[4 + j] where that hash has none (the sender wrote it before
+-- KEYS[4]. Then, for each of the message's ARGV[6] jobs (ids ARGV[7..]), its send time ARGV[5]
+-- in its run's submitted hash KEYS[4 + j] where that hash has none (the sender wrote it before
 -- sending, on a primary a failover may since have dropped): wherever the message is, the job
--- counts in its run's total. The first write is the record: at maxmemory Redis refuses it and
--- nothing is applied.
+-- counts in its run's total. Last, on the message's first push (its record was not there yet),
+-- each job sent again by an enqueue (the ids after the n jobs') loses its old result's status in
+-- its status hash and its consumption in its group's consumed hash (the key pair after the
+-- submitted hashes): the job is not final until its new result lands, on whichever primary the
+-- message is. A push of a message whose record is there (a worker's retry of it, a send made
+-- again whose first push landed) clears nothing: results published since are its own. The first
+-- write is the record: at maxmemory Redis refuses it and nothing is applied.
 local now = redis.call('TIME')
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local first_push = redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) == 1
 redis.call('ZADD', KEYS[3], tonumber(now[1]) + tonumber(now[2]) / 1000000, ARGV[1])
 redis.call('SADD', KEYS[4], ARGV[4])
-for job = 1, #KEYS - 4 do
-  redis.call('HSETNX', KEYS[4 + job], ARGV[5 + job], ARGV[5])
+local jobs = tonumber(ARGV[6])
+for job = 1, jobs do
+  redis.call('HSETNX', KEYS[4 + job], ARGV[6 + job], ARGV[5])
+end
+for reopened = 1, first_push and #ARGV - 6 - jobs or 0 do
+  local at = 4 + jobs + 2 * reopened
+  redis.call('HDEL', KEYS[at - 1], ARGV[6 + jobs + reopened])
+  redis.call('HDEL', KEYS[at], ARGV[6 + jobs + reopened])
 end
 redis.call('LPUSH', KEYS[1], ARGV[3])
 return 1
