@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from layertap.worker.model.loading import LoadedModel
+from layertap.worker.model.quant.mxfp4 import BLOCKS_SUFFIX
 
 T = TypeVar("T")
 
@@ -83,11 +85,50 @@ def sustained_matmul_rate(device: torch.device, seconds: float = 2.0) -> float:
     return 2 * 8192**3 / statistics.median(spans)
 
 
+#: Config fields naming a mixture's experts, and how many of them each token meets (families differ).
+EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+ACTIVE_EXPERTS_FIELDS = ("num_experts_per_tok", "experts_per_token")
+
+
+def _first_field(config: Any, names: tuple[str, ...]) -> int | None:
+    found = next((getattr(config, name) for name in names if isinstance(getattr(config, name, None), int)), None)
+    return found if found else None
+
+
+def weights_met(layer: torch.nn.Module, experts: int | None, active: int | None) -> float:
+    """Weights one token multiplies in ``layer``: its parameters, and the quantized weights the
+    loader keeps as buffers (e4m3: one a byte; MXFP4 ``*_blocks``: two a byte; their scales are not
+    weights); a mixture's stacked experts (a tensor whose first dimension is ``experts``) count at
+    ``active`` of ``experts``, as do the modules of a list of experts (``experts.<i>``)."""
+    share = active / experts if experts and active else 1.0
+    total = 0.0
+    for name, module in layer.named_modules():
+        in_expert_list = bool(re.search(r"(^|\.)experts\.\d+(\.|$)", name))
+        for tensor_name, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is None:
+                continue
+            if tensor_name in module._buffers:
+                if tensor.dtype == torch.float8_e4m3fn:
+                    count = float(tensor.numel())
+                elif tensor_name.endswith(BLOCKS_SUFFIX):
+                    count = 2.0 * tensor.numel()
+                else:  # scales, rotary tables
+                    continue
+            else:
+                count = float(tensor.numel())
+            stacked = experts is not None and tensor.dim() >= 3 and tensor.shape[0] == experts
+            total += count * (share if stacked or in_expert_list else 1.0)
+    return total
+
+
 def useful_flops(loaded: LoadedModel, layer_ids: list[int], lengths: list[int]) -> float:
-    """FLOPs of the decoder layers up to the last wanted one: 2 x params per token + causal attention."""
+    """FLOPs of the decoder layers up to the last wanted one: 2 x the weights a token meets
+    (:func:`weights_met`: quantized weights at their logical size, a mixture's active experts
+    only) per token + causal attention."""
     run = max(layer_ids)  # id m < L needs layers 0..m-1; id L needs all L
-    params = sum(p.numel() for layer in list(loaded.layers)[:run] for p in layer.parameters())
     config = loaded.model.config.get_text_config()
+    experts, active = _first_field(config, EXPERTS_FIELDS), _first_field(config, ACTIVE_EXPERTS_FIELDS)
+    params = sum(weights_met(layer, experts, active) for layer in list(loaded.layers)[:run])
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     head_dim = getattr(config, "head_dim", None) or loaded.hidden_size // heads
     attention = sum(2 * n * n * heads * head_dim for n in lengths) * run
