@@ -288,7 +288,7 @@ def main() -> None:
         refuse_errors("d text", parts["d text"])
         print(f"  d text: {parts['d text'].tokens / parts['d text'].seconds:,.0f} tokens/s", flush=True)
     for part in parts.values():
-        part.tokens_per_s = part.tokens / part.seconds
+        part.fill_rates()
     speed = {key: part.tokens_per_s for key, part in parts.items()}
     report = {
         "date": time.strftime("%Y-%m-%d"), "device": device_name(), "software": software_versions(),

@@ -117,9 +117,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         shutil.rmtree(storage / "d", ignore_errors=True)
         log(f"  {parts['d'].name}: {parts['d'].tokens / parts['d'].seconds:,.0f} tokens/s")
     for part in parts.values():
-        part.tokens_per_s = part.tokens / part.seconds
-        part.gb_per_s = part.bytes_written / part.seconds / 1e9
-        part.mfu = flops / part.seconds / rate if rate > 0 else None  # no measured rate: no MFU
+        part.fill_rates(flops, rate)
     ratios = {}
     speed = {key: part.tokens_per_s for key, part in parts.items()}
     for top, bottom in (("c", "a"), ("d", "a"), ("d", "p"), ("d", "b"), ("c", "b")):

@@ -54,6 +54,13 @@ class PartResult:
     errors: int = 0
     notes: dict[str, Any] = field(default_factory=dict)
 
+    def fill_rates(self, flops: float | None = None, matmul_rate: float = 0.0) -> None:
+        """Set the rates from the counts: tokens/s and GB/s written; with the part's useful ``flops``
+        and a measured ``matmul_rate`` (FLOP/s), its MFU (none without a rate)."""
+        self.tokens_per_s = self.tokens / self.seconds
+        self.gb_per_s = self.bytes_written / self.seconds / 1e9
+        self.mfu = flops / self.seconds / matmul_rate if flops is not None and matmul_rate > 0 else None
+
 
 #: A file the bench leaves in its storage folder: the folder is the bench's to empty.
 BENCH_MARKER = ".layertap-bench"
