@@ -38,7 +38,10 @@ def flap_during(cluster: SentinelSet, send: Callable[[], None], returned: Callab
     a thread, and once it has waited past the old give-up (``returned()`` must still be False: no
     replica holds what it sent), stop R, restart P from its append-only file and let the sentinels
     fail over back to P; R, resumed, becomes P's replica and drops what it took. Returns once
-    ``send`` has finished."""
+    ``send`` has finished. (The sentinels list P as R's replica from the first failover on; P,
+    restarted as a primary from its file and answering again before R is found down, is the replica
+    they select and promote, before they would have converted it: Redis 7.0.15's sentinel logs,
+    ``+selected-slave`` for P about 1.5 s after its restart, ``+convert-to-slave`` only for R.)"""
     old = cluster.kill_primary()
     promoted = cluster.wait_failover(old.port)  # alone now: no replica to confirm a send
     sending = threading.Thread(target=send, daemon=True)
