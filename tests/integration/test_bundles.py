@@ -139,6 +139,30 @@ def test_a_conversations_rows_sent_turn_by_turn_stay_in_one_bundle(private_clien
     assert max(len(ids) for ids in messages) == 4  # unrelated jobs fill a bundle
 
 
+def test_each_message_names_the_jobs_it_sends_again_through_kept_back_rows(private_client):
+    """Jobs added with ``reopen_group`` (an enqueue sending them again) are named, with their group,
+    in the pending record of the message that carries them and of no other, also where a
+    conversation's rows were kept back to start the next bundle (the bundle split) and for a
+    bundle of one job (a plain message)."""
+    model, run = "tiny-nobody-bundles", "reopened"
+    again = {"c0-2": "trainer", "c1-1": "trainer", "c1-3": "evaluator", "c2-3": "trainer"}
+    with private_client.bundler(max_jobs=4, max_tokens=100_000, max_wait_s=60) as bundler:
+        with pytest.warns(NoWorkerWarning):
+            for row in per_turn_rows(3, "token_ids"):
+                bundler.add(row, model=model, run=run, reopen_group=again.get(row["job_id"]))
+            bundler.flush()
+            bundler.add({"prompt": "alone", "job_id": "solo"}, model=model, run=run, reopen_group="trainer")
+    messages = _queued_messages(private_client, model)
+    named: dict[str, str] = {}
+    for message in messages:
+        record = json.loads(private_client.redis.hget(keys.PENDING_HASH, message["headers"]["id"]))
+        reopen = record.get("reopen", {})
+        assert set(reopen) <= set(_job_ids(message)), (reopen, _job_ids(message))
+        named.update(reopen)
+    assert named == {**again, "solo": "trainer"}
+    assert len(messages) >= 3 and [_job_ids(m) for m in messages][-1] == ["solo"]
+
+
 def test_rows_that_do_not_fit_one_bundle_are_split_as_before(private_client):
     """A conversation longer than a bundle, or one whose kept rows and next row would pass
     ``max_tokens``, is sent as bundles fill, never held back."""
