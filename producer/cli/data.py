@@ -171,7 +171,7 @@ def enqueue(
         if file is None or (str(file) != "-" and file.exists()):  # an input read twice: this look, then the send
             again, again_total = read_items()
             with progress(again_total, "look ahead") as step, one_line_errors():
-                found = survey(client.redis, again, shape, on_change, step)
+                found = survey(client.redis, again, shape, on_change, step, settings.redis_wait_s)
             check_before_sending(run, model, found, shape, yes=yes)
         else:
             err_console.print(f"note: {file} is read once: neither the files' size nor rows ok with other content "

@@ -25,7 +25,9 @@ fields (model, run, layers, ...) fill in what a row leaves out. Then, per job:
   ``group`` (submitted hash minus its consumed hash, ``layertap.producer.files.streaming``), so that a slow
   trainer slows the producer and the files on disk stay under ``max_inflight``;
 * **sealing**: a run is unsealed when this enqueue first sends into it and sealed when its
-  last row is done (``keys.run_sealed_key``); a streaming consumer stops only on a sealed run.
+  last row is done (``keys.run_sealed_key``); a streaming consumer stops only on a sealed run;
+* **Redis away** (a failover, a restart): every read and write of the ledger, and every send, is
+  waited out for up to ``settings.redis_wait_s``, so the enqueue goes on where it was.
 
 Jobs that were in flight when an earlier enqueue was killed have no result yet and are
 sent again; the worker answers a repeat of a finished job from its file on disk.
@@ -56,6 +58,7 @@ from layertap.protocol.naming import check_name
 from layertap.protocol.schema import Job, JobTooLarge, Status, describe_validation_error, refuse_oversize
 from layertap.settings import InflightUntil, Limits
 from layertap.transport.ledger import Ledger
+from layertap.transport.refusals import wait_out
 
 
 @dataclass
@@ -102,9 +105,14 @@ class Ledgered:
     change: str | None = None
 
 
-def look_up(client: redis.Redis, jobs: list[Job], shape: ServedShape | None) -> list[Ledgered]:
+def look_up(client: redis.Redis, jobs: list[Job], shape: ServedShape | None, wait_s: float = 0.0) -> list[Ledgered]:
     """What the ledger holds of each of ``jobs`` (in order): one round trip, and for the ok ones
-    sent under their own ids, what made their results (``existing.made``)."""
+    sent under their own ids, what made their results (``existing.made``). Read again while Redis
+    is away, for up to ``wait_s`` seconds (0: one attempt)."""
+    return wait_out(lambda: _look_up(client, jobs, shape), wait_s, what="the run ledger's look-up of a batch")
+
+
+def _look_up(client: redis.Redis, jobs: list[Job], shape: ServedShape | None) -> list[Ledgered]:
     by_run: dict[str, list[str]] = {}
     for job in jobs:
         by_run.setdefault(job.run, []).append(job.job_id or "")
@@ -175,8 +183,9 @@ class InflightLimiter:
     """
 
     def __init__(self, client: redis.Redis, limit: int, poll_s: float = 0.05, until: InflightUntil = "finished",
-                 group: str = keys.DEFAULT_CONSUMER_GROUP, before_read: Callable[[], None] = lambda: None):
-        self.ledger = Ledger(client, give_up_s=0)
+                 group: str = keys.DEFAULT_CONSUMER_GROUP, before_read: Callable[[], None] = lambda: None,
+                 wait_s: float = 0.0):
+        self.ledger = Ledger(client, give_up_s=wait_s)  # each read waited out for up to wait_s (0: one attempt)
         self.before_read = before_read
         self.limit = limit
         self.poll_s = poll_s
@@ -214,7 +223,7 @@ class Enqueuer:
         self.group = group
         self.bundler = client.bundler(check=check)  # refuse, as bad rows, jobs the live workers cannot run (Client's check)
         self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
-                                       before_read=self.bundler.flush)
+                                       before_read=self.bundler.flush, wait_s=client.settings.redis_wait_s)
         self.batch_size = batch_size
         self.started_at = time.time()
         self.fed: set[str] = set()  # runs this enqueue unsealed
@@ -247,7 +256,8 @@ class Enqueuer:
             self.client.seal(run, sealed=False)
             self.fed.add(run)
         sent: set[tuple[str, str]] = set()
-        for item, found in zip(batch, look_up(self.client.redis, [item.job for item in batch], self.shape)):
+        looked = look_up(self.client.redis, [item.job for item in batch], self.shape, self.client.settings.redis_wait_s)
+        for item, found in zip(batch, looked):
             job, status, submitted_at = item.job, found.status, found.submitted_at
             key = (job.run, job.job_id or "")
             replace = found.change is not None and self.on_change is OnChange.replace

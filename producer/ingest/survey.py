@@ -42,12 +42,13 @@ class Survey:
 
 
 def survey(client: redis.Redis, items: Iterable[Planned | BadRow], shape: ServedShape | None, on_change: OnChange,
-           step: Callable[[str], None] = lambda status: None) -> Survey:
-    """Read every item once (``step`` after each) and the ledger's state of each job, sending nothing."""
+           step: Callable[[str], None] = lambda status: None, wait_s: float = 0.0) -> Survey:
+    """Read every item once (``step`` after each) and the ledger's state of each job, sending nothing;
+    each read waited out for up to ``wait_s`` while Redis is away."""
     found = Survey()
     planned = _planned(items, step)
     while batch := list(itertools.islice(planned, BATCH)):
-        for item, ledgered in zip(batch, look_up(client, [item.job for item in batch], shape)):
+        for item, ledgered in zip(batch, look_up(client, [item.job for item in batch], shape, wait_s)):
             if ledgered.status == Status.ok.value and ledgered.change is None:
                 found.already_ok += 1
             elif ledgered.status == Status.ok.value and on_change is OnChange.refuse:
