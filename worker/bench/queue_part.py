@@ -8,12 +8,24 @@ import socket
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from layertap.command import layertap_argv
 from layertap.worker.bench.config import BenchConfig, PartResult
 from layertap.worker.bench.measure import dir_bytes
+
+
+def beats_after(serving: Callable[[], dict[str, Any]], moment: float, most_s: float) -> list[dict[str, Any]]:
+    """The record of each worker ``serving()`` names, once each is from a heartbeat after ``moment``
+    (a beat stamps its time before it reads the engine's counters), or as they are after ``most_s``."""
+    deadline = time.monotonic() + most_s
+    while True:
+        records = list(serving().values())
+        if all(float(record.get("beat") or 0) > moment for record in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
 
 
 def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], out: Path, *,
@@ -76,8 +88,7 @@ def run_queue(cfg: BenchConfig, prompts: list[list[int]], layer_ids: list[int], 
             submitted_s = time.perf_counter() - start
             results = client.wait(run, job_ids, timeout=3600)
             seconds, end_wall = time.perf_counter() - start, time.time()
-            time.sleep(max(0.3, client.settings.orphan_timeout / 4 + 0.2))  # one more heartbeat with final stats
-            after = list(serving().values())
+            after = beats_after(serving, end_wall, client.settings.orphan_timeout / 4 + 5.0)  # final stats
     finally:
         if worker is not None:
             worker.terminate()
