@@ -165,7 +165,7 @@ class Bundler:
             taken = [(key, sent)]
         try:
             self.client.send([group.jobs for _, group in taken],
-                             {(key[1], job_id): reopened for key, group in taken
+                             {(key[1], job_id): [reopened] for key, group in taken
                               for job_id, reopened in group.reopen.items()})
             self._failure = None
         except BaseException as exc:  # kept for the next try (a Ctrl-C too: close() still sends them)

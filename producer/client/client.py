@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -112,14 +112,14 @@ class Client:
         return job, payload
 
     def send(self, messages: list[list[tuple[Job, dict[str, Any]]]],
-             reopen: Mapping[tuple[str, str], str] | None = None) -> None:
+             reopen: Mapping[tuple[str, str], Sequence[str]] | None = None) -> None:
         """Send prepared jobs (:meth:`prepare`), one message per list: a list of one job is a
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
         (each job's latest send time: a pending record older than it no longer covers the job,
         ``layertap.transport.ledger``) is written first, in one round trip; each message's
         pending record goes in the transaction that queues it. ``reopen``: ``(run, job id)`` ->
-        consumer group of jobs sent again, whose old status and consumption by that group the
-        step that queues the message clears."""
+        consumer groups, of jobs sent again: the step that queues the message clears each one's
+        old status and its consumption by those groups."""
         now, reopen = time.time(), reopen or {}
         sends, sent = [], []
         for jobs in messages:

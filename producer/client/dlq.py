@@ -40,14 +40,18 @@ def list_dead(client: Client, count: int | None = None) -> list[DeadLetter]:
 
 
 def requeue(client: Client, entry_ids: list[str] | None = None) -> list[str]:
-    """Submit dead jobs again (all, or the given entries); returns their job ids."""
+    """Submit dead jobs again (all, or the given entries); returns their job ids. Each job's dead
+    letter result stops being final, and being consumed by its run's consumer groups, in the step
+    that queues its message (``Client.send``'s ``reopen``): a streaming trainer or ``wait`` on the
+    run waits for its new result."""
     wanted = set(entry_ids) if entry_ids else None
     requeued = []
     for letter in list_dead(client):
         if wanted is not None and letter.entry_id not in wanted:
             continue
         client.ledger.clear_attempts(letter.run, letter.job_id)
-        client.submit(letter.job)
+        job, payload = client.prepare(letter.job)
+        client.send([[(job, payload)]], {(job.run, job.job_id or ""): client.ledger.group_names(job.run)})
         client.ledger.remove_dead_letters([letter.entry_id])
         requeued.append(letter.job_id)
     return requeued

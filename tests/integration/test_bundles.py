@@ -158,7 +158,7 @@ def test_each_message_names_the_jobs_it_sends_again_through_kept_back_rows(priva
         record = json.loads(private_client.redis.hget(keys.PENDING_HASH, message["headers"]["id"]))
         reopen = record.get("reopen", {})
         assert set(reopen) <= set(_job_ids(message)), (reopen, _job_ids(message))
-        named.update(reopen)
+        named.update({job_id: group for job_id, (group,) in reopen.items()})
     assert named == {**again, "solo": "trainer"}
     assert len(messages) >= 3 and [_job_ids(m) for m in messages][-1] == ["solo"]
 

@@ -18,15 +18,16 @@ import redis
 from kombu.exceptions import OperationalError
 
 from layertap.producer.client.client import Client, NoWorkerWarning
+from layertap.producer.client.dlq import requeue
 from layertap.producer.ingest.enqueue import Enqueuer, Planned
 from layertap.protocol import keys
 from layertap.protocol.schema import ErrorType, Job, Status
 from layertap.settings import BundleSettings, Settings
 from layertap.transport.ledger import Ledger, pending_record, record_pending
 from layertap.transport.redis_conn import refuses_writes
+from layertap.worker.queue.reconciler import Reconciler
 from tests.support.jobs import ORPHAN_TIMEOUT, wait_for
 from tests.support.processes import cli
-from layertap.worker.queue.reconciler import Reconciler
 
 MODEL = "tiny-qwen3"
 ROWS = 40
@@ -112,28 +113,55 @@ def test_a_lost_bundle_of_several_runs_ends_each_job_in_its_own_run(private_redi
 
 
 def test_a_message_that_sends_jobs_again_clears_their_old_results_when_first_queued(private_redis, run_name):
-    """The record's ``reopen`` (``layertap enqueue`` sending errored jobs again) clears, in the push
-    that queues the message, each such job's status and its consumption by the named group, and
-    nothing of the message's other jobs or of other groups; a second push of the same message (a
-    worker's retry, which keeps its record) clears nothing, so a result published in between stays."""
+    """The record's ``reopen`` (``layertap enqueue`` or ``dlq requeue`` sending jobs again) clears,
+    in the push that queues the message, each such job's status and its consumption by the groups
+    named for it, and nothing of the message's other jobs or of other groups; a second push of the
+    same message (a worker's retry, which keeps its record) clears nothing, so a result published
+    in between stays."""
     raw = redis.Redis.from_url(private_redis.url, decode_responses=True)
-    status, consumed, other = (keys.run_status_hash(run_name), keys.run_consumed_hash(run_name, "trainer"),
-                               keys.run_consumed_hash(run_name, "evaluator"))
-    raw.hset(status, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error"})
-    raw.hset(consumed, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error"})
-    raw.hset(other, mapping={"failed-1": "error"})
+    status = keys.run_status_hash(run_name)
+    trainer, evaluator = (keys.run_consumed_hash(run_name, group) for group in ("trainer", "evaluator"))
+    raw.hset(status, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error", "dead": "error"})
+    raw.hset(trainer, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error", "dead": "error"})
+    raw.hset(evaluator, mapping={"failed-1": "error", "failed-2": "error", "dead": "error"})
     queue = keys.model_queue("tiny-nobody")
     task_id = keys.bundle_task_id(run_name, "again")
-    pairs = [(run_name, job_id) for job_id in ("failed-1", "kept-ok", "failed-2")]
-    record = pending_record(queue, task_id, 5.0, pairs, {"failed-1": "trainer", "failed-2": "trainer"})
+    pairs = [(run_name, job_id) for job_id in ("failed-1", "kept-ok", "failed-2", "dead")]
+    record = pending_record(queue, task_id, 5.0, pairs, {"failed-1": ["trainer"], "failed-2": ["trainer"],
+                                                         "dead": ["trainer", "evaluator"]})
     ledger = Ledger(raw, give_up_s=0)
     ledger.push_recorded(queue, "{}", task_id, record)
     assert raw.hgetall(status) == {"kept-ok": "ok"}
-    assert raw.hgetall(consumed) == {"kept-ok": "ok"}
-    assert raw.hgetall(other) == {"failed-1": "error"}  # another group's consumption is its own
+    assert raw.hgetall(trainer) == {"kept-ok": "ok"}
+    assert raw.hgetall(evaluator) == {"failed-1": "error", "failed-2": "error"}  # not named for those two
     assert raw.hgetall(keys.run_submitted_hash(run_name)) == {job_id: "5.0" for _, job_id in pairs}
     raw.hset(status, "failed-1", "ok")  # its new result, published before the message is pushed again
     ledger.push_recorded(queue, "{}", task_id, record)
     assert raw.hgetall(status) == {"kept-ok": "ok", "failed-1": "ok"}
     assert raw.llen(queue) == 2
     raw.close()
+
+
+def test_a_requeued_dead_letter_is_no_longer_final_nor_consumed(private_redis, run_name):
+    """``layertap dlq requeue``: the job's dead-letter result stops being its final status, and being
+    consumed by each consumer group of its run, in the step that queues its message; before, the
+    job stayed final (``error``) until its new result landed, so a streaming trainer, ``watch`` or
+    ``Client.wait`` could take the run as done without it."""
+    job = Job(model="tiny-nobody", run=run_name, job_id="dead-one", prompt="failed three times").with_id()
+    with Client(Settings(redis_url=private_redis.url)) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)  # no worker: the job stays queued
+        raw = client.redis
+        raw.hset(keys.run_submitted_hash(run_name), "dead-one", 1.0)
+        raw.hset(keys.run_status_hash(run_name), "dead-one", "error")
+        for group in ("trainer", "evaluator"):
+            raw.xgroup_create(keys.results_stream(run_name), group, id="0", mkstream=True)
+            raw.hset(keys.run_consumed_hash(run_name, group), "dead-one", "error")
+        client.ledger.dead_letter({"job": json.dumps(job.model_dump(mode="json", exclude_none=True)), "run": run_name,
+                                   "job_id": "dead-one", "attempts": "3", "error_type": "write_failed",
+                                   "error": "disk full", "at": "1.0", "worker": "w@host"})
+        assert requeue(client) == ["dead-one"]
+        assert not raw.hexists(keys.run_status_hash(run_name), "dead-one")
+        for group in ("trainer", "evaluator"):
+            assert not raw.hexists(keys.run_consumed_hash(run_name, group), "dead-one")
+        assert raw.llen(keys.model_queue("tiny-nobody")) == 1
+        assert client.ledger.dead_letter_count() == 0

@@ -128,6 +128,7 @@ class Ledger:
 
     # consumer groups and their recovery streams (``groups``)
     group_streams = staticmethod(groups.group_streams)
+    group_names = _waited(groups.group_names)
     create_group = _waited(groups.create_group)
     read_group = _waited(groups.read_group)
     claim_idle = _waited(groups.claim_idle)

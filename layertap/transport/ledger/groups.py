@@ -28,6 +28,14 @@ def group_streams(run: str, group: str) -> tuple[str, str]:
     return keys.results_stream(run), keys.run_recovery_stream(run, group)
 
 
+def group_names(client: redis.Redis, run: str) -> list[str]:
+    """The consumer groups of ``run``'s results stream (none while it has no stream)."""
+    try:
+        return [keys.as_text(group["name"]) for group in client.xinfo_groups(keys.results_stream(run))]
+    except redis.exceptions.ResponseError:  # no such stream
+        return []
+
+
 def create_group(client: redis.Redis, stream: str, group: str) -> None:
     """Create consumer group ``group`` on ``stream`` (and the stream) from its start, unless it exists."""
     try:

@@ -65,11 +65,12 @@ def seal(client: redis.Redis, run: str, sealed: bool = True) -> None:
 
 
 def pending_record(queue: str, task_id: str, now: float, bundle_jobs: Sequence[tuple[str, str]] | None = None,
-                   reopen: Mapping[str, str] | None = None) -> str:
+                   reopen: Mapping[str, Sequence[str]] | None = None) -> str:
     """The JSON record of message ``task_id`` sent to ``queue`` at ``now`` (a bundle's: with the
     ``(run, job id)`` of each of its jobs; runs other than the task id's are kept per job, so a
-    lost bundle's results go to each job's own run). ``reopen``: job id -> consumer group, for
-    jobs sent again whose old result the push clears (:func:`push_recorded`)."""
+    lost bundle's results go to each job's own run). ``reopen``: job id -> consumer groups, for
+    jobs sent again whose old result (status, and consumption by those groups) the push clears
+    (:func:`push_recorded`)."""
     record: dict[str, Any] = {"queue": queue, "submitted_at": now}
     if bundle_jobs is not None:
         own_run = task_id.partition(":")[0]
@@ -78,7 +79,7 @@ def pending_record(queue: str, task_id: str, now: float, bundle_jobs: Sequence[t
         if other_runs:
             record["runs"] = other_runs
     if reopen:
-        record["reopen"] = dict(reopen)
+        record["reopen"] = {job_id: list(groups) for job_id, groups in reopen.items()}
     return json.dumps(record)
 
 
@@ -100,20 +101,21 @@ def push_recorded(client: redis.Redis, queue_key: str, body: str, task_id: str, 
     send time goes to its run's submitted hash in the same step where the hash has none
     (:func:`record_sent` wrote it first, maybe on a primary a failover dropped since): a queued
     job always counts in its run's total. On the message's first push (no record of it yet), each
-    job the record reopens (sent again by an enqueue) loses its old status and its group's
-    consumption in the same step: a job whose new message is queued is never final with its old
-    result, whichever primary took the message; a later push of it (a retry) clears nothing."""
+    job the record reopens (sent again by an enqueue or from the dead letters) loses its old
+    status, and its consumption by the groups the record names, in the same step: a job whose new
+    message is queued is never final with its old result, whichever primary took the message; a
+    later push of it (a retry) clears nothing."""
     parsed = json.loads(record)
     jobs = message_jobs(task_id, parsed) or []
     reopen = parsed.get("reopen") or {}
-    reopened = [(run, job_id, reopen[job_id]) for run, job_id in jobs if job_id in reopen]
+    reopened = [(run, job_id, list(reopen[job_id])) for run, job_id in jobs if job_id in reopen]
+    cleared = [key for run, _, groups in reopened
+               for key in (keys.run_status_hash(run), *(keys.run_consumed_hash(run, group) for group in groups))]
     run_lua(client, "push_recorded",
             [queue_key, keys.PENDING_HASH, keys.pending_sent_zset(parsed["queue"]), keys.PENDING_QUEUES_SET,
-             *(keys.run_submitted_hash(run) for run, _ in jobs),
-             *(key for run, _, group in reopened
-               for key in (keys.run_status_hash(run), keys.run_consumed_hash(run, group)))],
-            [task_id, record, body, parsed["queue"], parsed["submitted_at"], len(jobs),
-             *(job_id for _, job_id in jobs), *(job_id for _, job_id, _ in reopened)])
+             *(keys.run_submitted_hash(run) for run, _ in jobs), *cleared],
+            [task_id, record, body, parsed["queue"], parsed["submitted_at"], len(jobs), *(job_id for _, job_id in jobs),
+             *(arg for _, job_id, groups in reopened for arg in (job_id, len(groups)))])
 
 
 def clear_pending(pipe: Pipeline, queue: str | None, task_id: str) -> None:

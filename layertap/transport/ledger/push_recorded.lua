@@ -6,10 +6,10 @@
 -- in its run's submitted hash KEYS[4 + j] where that hash has none (the sender wrote it before
 -- sending, on a primary a failover may since have dropped): wherever the message is, the job
 -- counts in its run's total. Last, on the message's first push (its record was not there yet),
--- each job sent again by an enqueue (the ids after the n jobs') loses its old result's status in
--- its status hash and its consumption in its group's consumed hash (the key pair after the
--- submitted hashes): the job is not final until its new result lands, on whichever primary the
--- message is. A push of a message whose record is there (a worker's retry of it, a send made
+-- each job sent again (after the n jobs' ids, pairs of its id and a count c of groups) loses its
+-- old result's status in its status hash and its consumption in the consumed hashes of c groups
+-- (after the submitted hashes, per such job: its status hash, then c consumed hashes): the job is
+-- not final until its new result lands, on whichever primary the message is. A push of a message whose record is there (a worker's retry of it, a send made
 -- again whose first push landed) clears nothing: results published since are its own. The first
 -- write is the record: at maxmemory Redis refuses it and nothing is applied.
 local now = redis.call('TIME')
@@ -20,10 +20,13 @@ local jobs = tonumber(ARGV[6])
 for job = 1, jobs do
   redis.call('HSETNX', KEYS[4 + job], ARGV[6 + job], ARGV[5])
 end
-for reopened = 1, first_push and #ARGV - 6 - jobs or 0 do
-  local at = 4 + jobs + 2 * reopened
-  redis.call('HDEL', KEYS[at - 1], ARGV[6 + jobs + reopened])
-  redis.call('HDEL', KEYS[at], ARGV[6 + jobs + reopened])
+local key, arg = 5 + jobs, 7 + jobs
+while first_push and arg < #ARGV do
+  local groups = tonumber(ARGV[arg + 1])
+  for hash = key, key + groups do
+    redis.call('HDEL', KEYS[hash], ARGV[arg])
+  end
+  key, arg = key + groups + 1, arg + 2
 end
 redis.call('LPUSH', KEYS[1], ARGV[3])
 return 1
