@@ -103,7 +103,8 @@ def run_status_hash(run: str) -> str:
 def run_result_ids_hash(run: str) -> str:
     """Hash job_id -> stream id of the job's latest entry in :func:`results_stream` (set with the
     entry, in the same transaction): ``Client.wait`` reads a finished job's result without reading
-    the stream from its start. No TTL; one field per job of the run, deleted with the run."""
+    the stream from its start; removed with the status when the job is sent again (its message's
+    push). No TTL; one field per job of the run, deleted with the run."""
     return f"{PREFIX}:run:{run}:result_ids"
 
 

@@ -117,28 +117,33 @@ class Client:
         plain job message, a longer one a bundle (all of one model and run). The run's ledger
         (each job's latest send time: a pending record older than it no longer covers the job,
         ``layertap.transport.ledger``) is written first, in one round trip; each message's
-        pending record goes in the transaction that queues it. ``reopen``: ``(run, job id)`` ->
-        consumer groups, of jobs sent again: the step that queues the message clears each one's
-        old status and its consumption by those groups."""
-        now, reopen = time.time(), reopen or {}
-        sends, sent = [], []
-        for jobs in messages:
-            first = jobs[0][0]
-            if len(jobs) == 1:
-                task, task_id, args = keys.EXTRACT_TASK, keys.task_id(first.run, first.job_id), [jobs[0][1]]  # type: ignore[arg-type]
+        pending record goes in the transaction that queues it. A job sent again (the ledger had
+        its send time) is reopened: the step that queues its message clears its old status and
+        latest-entry index, so nothing takes it as final with its old result, and its consumption
+        by the consumer groups ``reopen`` names for it (``(run, job id)`` -> groups). Not named:
+        every group of its run for a ``replace`` job (other content, to be trained on), none for
+        another (a group that trained on its ok result takes the new one as a duplicate; one that
+        saw its error still takes the new ok result)."""
+        now = time.time()
+        sent = [SentMessage(keys.model_queue(jobs[0][0].model),
+                            keys.task_id(jobs[0][0].run, jobs[0][0].job_id) if len(jobs) == 1  # type: ignore[arg-type]
+                            else keys.bundle_task_id(jobs[0][0].run, uuid.uuid4().hex),
+                            [(job.run, job.job_id or "") for job, _ in jobs], len(jobs) > 1) for jobs in messages]
+        named = dict(reopen or {})
+        unnamed = self.ledger.record_sent(sent, now) - named.keys()
+        replacing = {(job.run, job.job_id) for jobs in messages for job, _ in jobs if job.replace} & unnamed
+        groups = {run: self.ledger.group_names(run) for run in {run for run, _ in replacing}}
+        reopened = {pair: groups[pair[0]] if pair in replacing else [] for pair in unnamed} | named
+        for jobs, message in zip(messages, sent):
+            if message.bundle:
+                task, args = keys.EXTRACT_BUNDLE_TASK, [[payload for _, payload in jobs]]
             else:
-                task, task_id = keys.EXTRACT_BUNDLE_TASK, keys.bundle_task_id(first.run, uuid.uuid4().hex)
-                args = [[payload for _, payload in jobs]]
-            queue = keys.model_queue(first.model)
-            pairs = [(job.run, job.job_id or "") for job, _ in jobs]
-            record = pending_record(queue, task_id, now, pairs if len(jobs) > 1 else None,
-                                    {job_id: reopen[run, job_id] for run, job_id in pairs if (run, job_id) in reopen})
-            sends.append((task, args, {"submitted_at": now}, queue, task_id, record))
-            sent.append(SentMessage(queue, task_id, pairs, len(jobs) > 1))
-        self.ledger.record_sent(sent, now)
-        for task, args, kwargs, queue, task_id, record in sends:  # kombu's send, waited out as the ledger's
-            retrying(partial(send_extract, self.celery, args, kwargs, queue, task_id, task, record),
-                     self.settings.redis_wait_s)
+                task, args = keys.EXTRACT_TASK, [jobs[0][1]]
+            record = pending_record(message.queue, message.task_id, now, message.jobs if message.bundle else None,
+                                    {job_id: reopened[run, job_id] for run, job_id in message.jobs
+                                     if (run, job_id) in reopened})
+            retrying(partial(send_extract, self.celery, args, {"submitted_at": now}, message.queue, message.task_id,
+                             task, record), self.settings.redis_wait_s)  # kombu's send, waited out as the ledger's
 
     def bundler(self, *, check: bool | None = None, **overrides: Any) -> Bundler:
         """A :class:`~layertap.producer.client.bundler.Bundler` sending this client's jobs in bundles

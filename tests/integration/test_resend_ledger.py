@@ -21,7 +21,7 @@ from layertap.producer.client.client import Client, NoWorkerWarning
 from layertap.producer.client.dlq import requeue
 from layertap.producer.ingest.enqueue import Enqueuer, Planned
 from layertap.protocol import keys
-from layertap.protocol.schema import ErrorType, Job, Status
+from layertap.protocol.schema import ErrorType, Job, Result, Status
 from layertap.settings import BundleSettings, Settings
 from layertap.transport.ledger import Ledger, pending_record, record_pending
 from layertap.transport.redis_conn import refuses_writes
@@ -113,8 +113,8 @@ def test_a_lost_bundle_of_several_runs_ends_each_job_in_its_own_run(private_redi
 
 
 def test_a_message_that_sends_jobs_again_clears_their_old_results_when_first_queued(private_redis, run_name):
-    """The record's ``reopen`` (``layertap enqueue`` or ``dlq requeue`` sending jobs again) clears,
-    in the push that queues the message, each such job's status and its consumption by the groups
+    """The record's ``reopen`` (a job sent again) clears, in the push that queues the message, each
+    such job's status, its latest-entry index and its consumption by the groups
     named for it, and nothing of the message's other jobs or of other groups; a second push of the
     same message (a worker's retry, which keeps its record) clears nothing, so a result published
     in between stays."""
@@ -124,6 +124,8 @@ def test_a_message_that_sends_jobs_again_clears_their_old_results_when_first_que
     raw.hset(status, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error", "dead": "error"})
     raw.hset(trainer, mapping={"failed-1": "error", "kept-ok": "ok", "failed-2": "error", "dead": "error"})
     raw.hset(evaluator, mapping={"failed-1": "error", "failed-2": "error", "dead": "error"})
+    index = keys.run_result_ids_hash(run_name)
+    raw.hset(index, mapping={"failed-1": "1-0", "kept-ok": "2-0", "failed-2": "3-0", "dead": "4-0"})
     queue = keys.model_queue("tiny-nobody")
     task_id = keys.bundle_task_id(run_name, "again")
     pairs = [(run_name, job_id) for job_id in ("failed-1", "kept-ok", "failed-2", "dead")]
@@ -132,6 +134,7 @@ def test_a_message_that_sends_jobs_again_clears_their_old_results_when_first_que
     ledger = Ledger(raw, give_up_s=0)
     ledger.push_recorded(queue, "{}", task_id, record)
     assert raw.hgetall(status) == {"kept-ok": "ok"}
+    assert raw.hgetall(index) == {"kept-ok": "2-0"}
     assert raw.hgetall(trainer) == {"kept-ok": "ok"}
     assert raw.hgetall(evaluator) == {"failed-1": "error", "failed-2": "error"}  # not named for those two
     assert raw.hgetall(keys.run_submitted_hash(run_name)) == {job_id: "5.0" for _, job_id in pairs}
@@ -165,3 +168,53 @@ def test_a_requeued_dead_letter_is_no_longer_final_nor_consumed(private_redis, r
             assert not raw.hexists(keys.run_consumed_hash(run_name, group), "dead-one")
         assert raw.llen(keys.model_queue("tiny-nobody")) == 1
         assert client.ledger.dead_letter_count() == 0
+
+
+def test_a_job_submitted_again_by_hand_is_no_longer_final(private_redis, run_name):
+    """``Client.submit`` and ``submit_many`` of a job sent before (the run's ledger has its send
+    time) clear its old status and latest-entry index in the step that queues its message, as
+    ``layertap enqueue`` does; before, a job re-submitted by hand after an error stayed final until
+    its new result landed (a streaming trainer on the sealed run could end its pass without it),
+    and ``wait`` returned the old result. A ``replace`` job (other content) is no longer consumed by
+    any group of its run; another keeps its consumption (a group that trained on its ok result
+    skips the new one as a duplicate). A job never sent reopens nothing; a sender naming the groups
+    (``Client.send``'s ``reopen``, as the enqueue names its own) clears only those."""
+    raw = redis.Redis.from_url(private_redis.url, decode_responses=True)
+    groups = ("trainer", "evaluator")
+    for group in groups:
+        raw.xgroup_create(keys.results_stream(run_name), group, id="0", mkstream=True)
+    before = {"failed": Status.error, "done": Status.ok, "replaced": Status.ok, "named": Status.error}
+    ledger = Ledger(raw, give_up_s=0)
+    raw.hset(keys.run_submitted_hash(run_name), mapping={"in-flight": 1.0, **{job_id: 1.0 for job_id in before}})
+    ledger.publish([Result(job_id=job_id, run=run_name, status=status) for job_id, status in before.items()],
+                   None, None)
+    for group in groups:
+        raw.hset(keys.run_consumed_hash(run_name, group), mapping={job: status.value for job, status in before.items()})
+
+    def job(job_id: str, **fields: object) -> Job:
+        return Job(model="tiny-nobody", run=run_name, job_id=job_id, prompt=f"the prompt of {job_id}", **fields)
+
+    def reopened(task_id: str) -> dict[str, list[str]]:
+        return json.loads(raw.hget(keys.PENDING_HASH, task_id) or "{}").get("reopen", {})
+
+    with Client(Settings(redis_url=private_redis.url)) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoWorkerWarning)  # no worker: the messages stay queued
+        assert client.wait(run_name, ["failed"], timeout=1)["failed"].status is Status.error
+        client.submit(job("failed"))
+        assert not raw.hexists(keys.run_status_hash(run_name), "failed")
+        assert reopened(keys.task_id(run_name, "failed")) == {"failed": []}
+        with pytest.raises(TimeoutError):  # it waits for the new message's result, not the old one
+            client.wait(run_name, ["failed"], timeout=1)
+        client.submit_many([job("done"), job("fresh"), job("in-flight"), job("replaced", replace=True)])
+        records = [reopened(task_id) for task_id in raw.hkeys(keys.PENDING_HASH) if keys.is_bundle_task_id(task_id)]
+        assert len(records) == 1 and sorted(records[0]) == ["done", "in-flight", "replaced"]
+        assert sorted(records[0]["replaced"]) == sorted(groups)
+        client.send([[client.prepare(job("named"))]], {(run_name, "named"): ["trainer"]})
+        assert reopened(keys.task_id(run_name, "named")) == {"named": ["trainer"]}
+    assert raw.hgetall(keys.run_status_hash(run_name)) == {}
+    assert raw.hgetall(keys.run_result_ids_hash(run_name)) == {}
+    assert raw.hgetall(keys.run_consumed_hash(run_name, "trainer")) == {"failed": "error", "done": "ok"}
+    assert raw.hgetall(keys.run_consumed_hash(run_name, "evaluator")) == {"failed": "error", "done": "ok",
+                                                                           "named": "error"}
+    assert raw.llen(keys.model_queue("tiny-nobody")) == 3
+    raw.close()

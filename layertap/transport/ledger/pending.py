@@ -1,7 +1,7 @@
 """What was sent, and the pending ledger the reconciler reads.
 
 Before sending, each job's latest send time goes to its run's submitted hash (:func:`record_sent`),
-and again with the push where a failover dropped it; a job sent again by an enqueue loses its old
+and again with the push where a failover dropped it; a job sent again (by any sender) loses its old
 result's status and consumption with the push (the record's ``reopen``). Each message has one
 pending record, written in the same step as the push that queues it (:func:`push_recorded`, from
 the broker transport, for a message that carries its record in the ``keys.PENDING_HEADER``
@@ -45,14 +45,16 @@ class SentMessage(NamedTuple):
     bundle: bool
 
 
-def record_sent(client: redis.Redis, messages: Sequence[SentMessage], now: float) -> None:
+def record_sent(client: redis.Redis, messages: Sequence[SentMessage], now: float) -> set[tuple[str, str]]:
     """Before sending: each job's latest send time (``keys.run_submitted_hash``), in one transaction.
-    Each message's pending record goes with its push (:func:`push_recorded`)."""
+    Returns the ``(run, job id)`` of the jobs sent before (a send time was there already: the hash
+    keeps one per job sent, until the run is deleted), which the push must reopen
+    (:func:`pending_record`). Each message's pending record goes with its push (:func:`push_recorded`)."""
     pipe = client.pipeline(transaction=True)
-    for message in messages:
-        for run, job_id in message.jobs:
-            pipe.hset(keys.run_submitted_hash(run), job_id, now)
-    pipe.execute()
+    pairs = [pair for message in messages for pair in message.jobs]
+    for run, job_id in pairs:
+        pipe.hset(keys.run_submitted_hash(run), job_id, now)
+    return {pair for pair, added in zip(pairs, pipe.execute()) if not added}
 
 
 def seal(client: redis.Redis, run: str, sealed: bool = True) -> None:
@@ -101,8 +103,9 @@ def push_recorded(client: redis.Redis, queue_key: str, body: str, task_id: str, 
     send time goes to its run's submitted hash in the same step where the hash has none
     (:func:`record_sent` wrote it first, maybe on a primary a failover dropped since): a queued
     job always counts in its run's total. On the message's first push (no record of it yet), each
-    job the record reopens (sent again by an enqueue or from the dead letters) loses its old
-    status, and its consumption by the groups the record names, in the same step: a job whose new
+    job the record reopens (a job sent again) loses its old
+    status, its latest-entry index (``keys.run_result_ids_hash``: ``Client.wait`` waits for the new
+    result) and its consumption by the groups the record names, in the same step: a job whose new
     message is queued is never final with its old result, whichever primary took the message; a
     later push of it (a retry) clears nothing."""
     parsed = json.loads(record)
@@ -110,7 +113,8 @@ def push_recorded(client: redis.Redis, queue_key: str, body: str, task_id: str, 
     reopen = parsed.get("reopen") or {}
     reopened = [(run, job_id, list(reopen[job_id])) for run, job_id in jobs if job_id in reopen]
     cleared = [key for run, _, groups in reopened
-               for key in (keys.run_status_hash(run), *(keys.run_consumed_hash(run, group) for group in groups))]
+               for key in (keys.run_status_hash(run), keys.run_result_ids_hash(run),
+                           *(keys.run_consumed_hash(run, group) for group in groups))]
     run_lua(client, "push_recorded",
             [queue_key, keys.PENDING_HASH, keys.pending_sent_zset(parsed["queue"]), keys.PENDING_QUEUES_SET,
              *(keys.run_submitted_hash(run) for run, _ in jobs), *cleared],

@@ -7,9 +7,10 @@
 -- sending, on a primary a failover may since have dropped): wherever the message is, the job
 -- counts in its run's total. Last, on the message's first push (its record was not there yet),
 -- each job sent again (after the n jobs' ids, pairs of its id and a count c of groups) loses its
--- old result's status in its status hash and its consumption in the consumed hashes of c groups
--- (after the submitted hashes, per such job: its status hash, then c consumed hashes): the job is
--- not final until its new result lands, on whichever primary the message is. A push of a message whose record is there (a worker's retry of it, a send made
+-- old result's status, its latest-entry index and its consumption by c groups (after the submitted
+-- hashes, per such job: its status hash, its result ids hash, then c consumed hashes): the job is
+-- not final, nor waited for with its old result, until its new result lands, on whichever primary
+-- the message is. A push of a message whose record is there (a worker's retry of it, a send made
 -- again whose first push landed) clears nothing: results published since are its own. The first
 -- write is the record: at maxmemory Redis refuses it and nothing is applied.
 local now = redis.call('TIME')
@@ -23,10 +24,10 @@ end
 local key, arg = 5 + jobs, 7 + jobs
 while first_push and arg < #ARGV do
   local groups = tonumber(ARGV[arg + 1])
-  for hash = key, key + groups do
+  for hash = key, key + groups + 1 do
     redis.call('HDEL', KEYS[hash], ARGV[arg])
   end
-  key, arg = key + groups + 1, arg + 2
+  key, arg = key + groups + 2, arg + 2
 end
 redis.call('LPUSH', KEYS[1], ARGV[3])
 return 1
