@@ -25,6 +25,7 @@ import json
 import shutil
 import statistics
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,12 @@ class MemoryCaptures:
     def __init__(self) -> None:
         self.noted: dict[str, set[str]] = {}
 
-    def find(self, capture_key: str) -> list[str]:
-        return sorted(self.noted.get(capture_key, ()))
+    def find_many(self, capture_keys: Sequence[str]) -> list[list[str]]:
+        return [sorted(self.noted.get(capture_key, ())) for capture_key in capture_keys]
 
-    def add(self, capture_key: str, address: str) -> None:
-        self.noted.setdefault(capture_key, set()).add(address)
+    def add_many(self, notes: Sequence[tuple[str, str]]) -> None:
+        for capture_key, address in notes:
+            self.noted.setdefault(capture_key, set()).add(address)
 
     def forget(self, capture_key: str, address: str) -> None:
         self.noted.get(capture_key, set()).discard(address)

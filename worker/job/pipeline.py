@@ -321,6 +321,7 @@ class JobProcessor:
         by_future = dict(zip(futures, started))
         waiting = len(futures)
         writing: list[tuple[int, Future]] = []
+        notes: list[tuple[str, str]] = []  # (capture key, address) of the files computed and written
         with self._awaiting_lock:
             self._awaiting_engine += waiting
         try:
@@ -331,12 +332,14 @@ class JobProcessor:
                 waiting -= 1
                 writing.append((index, self._writers.submit(
                     self._guarded, jobs[index], queued, attempts[index],
-                    partial(self._finish, job, future, queued, attempts[index]))))
+                    partial(self._finish, job, future, queued, attempts[index], notes))))
         finally:
             with self._awaiting_lock:
                 self._awaiting_engine -= waiting
         for index, written in writing:
             results[index] = written.result()  # _guarded never raises
+        if notes:  # before the results are published: a later job finds them
+            self.captures.add_many(notes)  # type: ignore[union-attr]
 
     def _guarded(self, job: Job, queued: float | None, attempt: int | None,
                  step: Callable[[], _Step]) -> _Step | Result:
@@ -366,7 +369,24 @@ class JobProcessor:
         for (index, where), verdict in zip(found, verdicts):
             located[index] = self._guarded(jobs[index], queued, attempts[index],
                                            partial(self._check, jobs[index], where, verdict, queued, attempts[index]))
+        if self.captures is not None:
+            self._answer_from_captures(self.captures, jobs, located, queued, attempts)  # type: ignore[arg-type]
         return located  # type: ignore[return-value]
+
+    def _answer_from_captures(self, captures: CaptureIndex, jobs: list[Job], located: list[Result | _Target],
+                              queued: float | None, attempts: list[int | None]) -> None:
+        """Answer each job still to compute from a noted file of its capture where one answers it
+        (``reuse``), in place; the index is read once for the call."""
+        waiting = [(index, target) for index, target in enumerate(located) if isinstance(target, _Target)]
+        if not waiting:
+            return
+        noted = captures.find_many([target.identity[MetaKey.CAPTURE_KEY] for _, target in waiting])
+        for (index, target), addresses in zip(waiting, noted):
+            if addresses:
+                answered = self._guarded(jobs[index], queued, attempts[index],
+                                         partial(self._from_capture, jobs[index], target, addresses, queued,
+                                                 attempts[index]))
+                located[index] = answered if answered is not None else target
 
     def _locate(self, job: Job) -> _Located:
         """Where a job of this worker's model has its file, and the identity that file has when it is this job's."""
@@ -387,12 +407,7 @@ class JobProcessor:
             raise _conflict(job, path)
         if existing.state is OnDisk.matches:
             return self._from_disk(job, path, existing.header, queued, attempt)  # type: ignore[arg-type]
-        identity = {**identity, MetaKey.CAPTURE_KEY: capture_key(where.spec, identity)}
-        if self.captures is not None:
-            answered = self._from_capture(job, path, identity, queued, attempt)
-            if answered is not None:
-                return answered
-        return _Target(path, identity)
+        return _Target(path, {**identity, MetaKey.CAPTURE_KEY: capture_key(where.spec, identity)})
 
     def _identity(self, job: Job, spec: dict[str, Any]) -> dict[str, str]:
         """What decides the bytes of ``job``'s file on this worker (``fileformat.IDENTITY_KEYS``;
@@ -425,8 +440,10 @@ class JobProcessor:
                                 model_inputs=prepared.model_inputs)
         return _Started(job, target.path, target.identity, prepared, request, output_dtype)
 
-    def _finish(self, started: _Started, future: Future, queued: float | None, attempt: int | None) -> Result:
-        """A job whose batch came back: checked, written, its ok result."""
+    def _finish(self, started: _Started, future: Future, queued: float | None, attempt: int | None,
+                notes: list[tuple[str, str]]) -> Result:
+        """A job whose batch came back: checked, written, its ok result; its file added to ``notes``
+        where the capture index is to note it."""
         job, prepared, request, path = started.job, started.prepared, started.request, started.path
         try:
             job_slice = future.result()
@@ -443,7 +460,7 @@ class JobProcessor:
                 self._sample(job, request, tensors)
         finally:
             job_slice.release()
-        self._note_capture(started.identity, path)
+        self._note_capture(started.identity, path, notes)
         if prepared.warning:
             log.warning("job %s: %s", job.job_id, prepared.warning)
         return self._ok(job, path, len(prepared.token_ids), prepared.layer_ids, recorded_name(started.output_dtype),
@@ -479,12 +496,13 @@ class JobProcessor:
         result.cached = True
         return result
 
-    def _from_capture(self, job: Job, path: str, identity: dict[str, str], queued: float | None,
+    def _from_capture(self, job: Job, target: _Target, noted: list[str], queued: float | None,
                       attempt: int | None) -> Result | None:
         """The ok result of a job answered from a file of its capture (its own file written from it,
-        no forward), or None when no noted file answers it."""
+        no forward), or None when none of the ``noted`` files answers it."""
+        path, identity = target.path, target.identity
         layers = json.loads(identity[MetaKey.LAYERS])
-        capture = find_capture(self.captures, self.storage, identity[MetaKey.CAPTURE_KEY], layers)  # type: ignore[arg-type]
+        capture = find_capture(self.captures, self.storage, identity[MetaKey.CAPTURE_KEY], layers, noted)  # type: ignore[arg-type]
         if capture is None:
             return None
         output_dtype = resolve_output_dtype(job.dtype, self.loaded.dtype)
@@ -518,11 +536,11 @@ class JobProcessor:
             raise JobError(ErrorType.internal, f"could not note sampled row {job.job_id} of run {job.run} as "
                                                f"waiting to be measured: {type(exc).__name__}: {exc}") from None
 
-    def _note_capture(self, identity: dict[str, str], path: str) -> None:
-        """Note a computed file in the capture index, where it holds the computed values."""
+    def _note_capture(self, identity: dict[str, str], path: str, notes: list[tuple[str, str]]) -> None:
+        """Add a computed file to ``notes`` (for the capture index), where it holds the computed values."""
         if self.captures is not None and holds_computed_values(identity[MetaKey.DTYPE],
                                                                identity[MetaKey.COMPUTE_DTYPE]):
-            self.captures.add(identity[MetaKey.CAPTURE_KEY], path)
+            notes.append((identity[MetaKey.CAPTURE_KEY], path))
 
     def _computed(self, job: Job, prepared: PreparedInput) -> dict[str, str]:
         """The header fields of how a job's states were computed here (``reuse.COMPUTED_KEYS``)."""

@@ -36,11 +36,12 @@ COMPUTED_KEYS = (MetaKey.BATCHING, MetaKey.ARCHITECTURE, MetaKey.LOSS_ON, MetaKe
 
 
 class CaptureIndex(Protocol):
-    """Where files of a capture key are noted (thread-safe)."""
+    """Where files of a capture key are noted (thread-safe). ``find_many``: the addresses noted for
+    each key; ``add_many``: note each ``(capture key, address)``; each a call's worth at once."""
 
-    def find(self, capture_key: str) -> list[str]: ...
+    def find_many(self, capture_keys: Sequence[str]) -> list[list[str]]: ...
 
-    def add(self, capture_key: str, address: str) -> None: ...
+    def add_many(self, notes: Sequence[tuple[str, str]]) -> None: ...
 
     def forget(self, capture_key: str, address: str) -> None: ...
 
@@ -68,10 +69,12 @@ def answers(header: FileHeader, address: str, capture_key: str, layers: Sequence
             and storage.owned(address, meta.get(MetaKey.RUN, ""), meta.get(MetaKey.JOB_ID, "")) is not None)
 
 
-def find_capture(index: CaptureIndex, storage: Storage, capture_key: str, layers: Sequence[int]) -> Capture | None:
-    """A file noted for ``capture_key`` that answers a job asking ``layers`` (read once, its header
-    and checksums verified), or None."""
-    for address in index.find(capture_key):
+def find_capture(index: CaptureIndex, storage: Storage, capture_key: str, layers: Sequence[int],
+                 noted: Sequence[str]) -> Capture | None:
+    """A file of ``noted`` (the addresses ``index`` has for ``capture_key``) that answers a job
+    asking ``layers`` (read once, its header and checksums verified), or None; a noted file that
+    is gone is dropped from ``index``."""
+    for address in noted:
         try:
             if not answers(storage.read_header(address), address, capture_key, layers, storage):
                 continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -46,14 +46,14 @@ class LedgerCaptures:
     def __init__(self, client: redis.Redis):
         self.ledger = Ledger(client, give_up_s=0)  # it only saves work: one attempt, then the job is computed
 
-    def find(self, capture_key: str) -> list[str]:
-        found = _or_logged(lambda: self.ledger.captures(capture_key),
-                           f"could not look up capture {capture_key}; the job is computed")
-        return found or []
+    def find_many(self, capture_keys: Sequence[str]) -> list[list[str]]:
+        found = _or_logged(lambda: self.ledger.captures(capture_keys),
+                           f"could not look up {len(capture_keys)} capture(s); their jobs are computed")
+        return found or [[] for _ in capture_keys]
 
-    def add(self, capture_key: str, address: str) -> None:
-        _or_logged(lambda: self.ledger.record_capture(capture_key, address),
-                   f"could not note {address} as capture {capture_key}; it answers no other job")
+    def add_many(self, notes: Sequence[tuple[str, str]]) -> None:
+        _or_logged(lambda: self.ledger.record_captures(notes),
+                   f"could not note {len(notes)} file(s) in the capture index; they answer no other job")
 
     def forget(self, capture_key: str, address: str) -> None:
         _or_logged(lambda: self.ledger.forget_capture(capture_key, address),

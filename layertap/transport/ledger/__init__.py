@@ -171,6 +171,6 @@ class Ledger:
     run_samples_waiting = _waited(certificate.run_samples_waiting)
     run_samples = _waited(certificate.run_samples)
     run_workers = _waited(certificate.run_workers)
-    record_capture = _waited(certificate.record_capture)
+    record_captures = _waited(certificate.record_captures)
     captures = _waited(certificate.captures)
     forget_capture = _waited(certificate.forget_capture)

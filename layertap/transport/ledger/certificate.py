@@ -4,6 +4,8 @@ files that hold the computed states of a capture (``layertap.worker.job.reuse``)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import redis
 
 from layertap.protocol import keys
@@ -46,14 +48,21 @@ def run_workers(client: redis.Redis, run: str) -> dict[str, str]:
     return {keys.as_text(node): keys.as_text(facts) for node, facts in client.hgetall(keys.run_workers_hash(run)).items()}
 
 
-def record_capture(client: redis.Redis, capture_key: str, address: str) -> None:
-    """Note the file at ``address`` as one holding the computed states of ``capture_key``."""
-    client.hset(keys.capture_hash(capture_key), address, "")
+def record_captures(client: redis.Redis, notes: Sequence[tuple[str, str]]) -> None:
+    """Note each ``(capture key, address)``: the file at the address holds the computed states of
+    the capture key (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for capture_key, address in notes:
+        pipe.hset(keys.capture_hash(capture_key), address, "")
+    pipe.execute()
 
 
-def captures(client: redis.Redis, capture_key: str) -> list[str]:
-    """The addresses noted for ``capture_key``, sorted."""
-    return sorted(keys.as_text(address) for address in client.hkeys(keys.capture_hash(capture_key)))
+def captures(client: redis.Redis, capture_keys: Sequence[str]) -> list[list[str]]:
+    """The addresses noted for each of ``capture_keys``, sorted (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for capture_key in capture_keys:
+        pipe.hkeys(keys.capture_hash(capture_key))
+    return [sorted(keys.as_text(address) for address in noted) for noted in pipe.execute()]
 
 
 def forget_capture(client: redis.Redis, capture_key: str, address: str) -> None:
