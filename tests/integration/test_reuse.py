@@ -66,3 +66,35 @@ def test_a_subset_and_a_float8_run_from_a_bf16_capture_cost_no_forward_and_equal
                 for name, tensor in theirs[0].items():
                     assert ours[0][name].dtype == tensor.dtype and torch.equal(
                         ours[0][name].view(torch.uint8), tensor.view(torch.uint8)), (run, job_id, name)
+
+
+def test_a_bundle_mixing_captured_and_new_rows_answers_each_its_own_way(make_worker, private_client, run_name):
+    """One message of several jobs (the capture index read once for all of them): the rows a capture
+    holds are answered from it with no forward, the others computed, each with its own result; the
+    new rows' files are then noted, so a later run answers them from their capture too."""
+    node = "reuse-bundle@localhost"
+    make_worker(node)
+    private_client.submit_many([{"prompt": text, "job_id": f"p{index}"} for index, text in enumerate(PROMPTS[:2])],
+                               model=MODEL, run=f"{run_name}-capture", layers=CAPTURE)
+    first = private_client.wait(f"{run_name}-capture", ["p0", "p1"], timeout=120)
+    assert all(result.ok for result in first.values())
+    before = forwards(private_client, node)
+
+    mixed = [{"prompt": text, "job_id": f"p{index}"} for index, text in enumerate(PROMPTS)] + [
+        {"prompt": "a row no run has computed yet", "job_id": "new"}]
+    with private_client.bundler(max_jobs=len(mixed)) as bundler:
+        for job in mixed:
+            bundler.add(job, model=MODEL, run=f"{run_name}-draft", layers=[4, 2])
+    answered = private_client.wait(f"{run_name}-draft", [job["job_id"] for job in mixed], timeout=120)
+    assert all(result.ok for result in answered.values()), answered
+    assert {job_id: result.captured_from for job_id, result in answered.items()} == {
+        "p0": first["p0"].path, "p1": first["p1"].path, "p2": None, "new": None}
+    assert forwards(private_client, node) > before  # the two new rows were computed
+
+    computed = forwards(private_client, node)
+    private_client.submit_many([{"prompt": text, "job_id": f"p{index}"} for index, text in enumerate(PROMPTS)],
+                               model=MODEL, run=f"{run_name}-again", layers=[2])
+    again = private_client.wait(f"{run_name}-again", ["p0", "p1", "p2"], timeout=120)
+    assert all(result.ok and result.captured_from for result in again.values()), again
+    assert again["p2"].captured_from == answered["p2"].path  # noted with its call's other computed files
+    assert forwards(private_client, node) == computed
