@@ -80,7 +80,9 @@ class Client:
         The first job of a model that no live worker serves is checked as ``layertap enqueue``
         does (:meth:`check_served`); unless ``check=False``, a job asking for layers the live
         workers' model lacks raises ``LayerIdError``; a job for a cancelled run raises
-        :class:`~layertap.producer.client.runs.RunCancelled`. Each is looked up once per model or run and client."""
+        :class:`~layertap.producer.client.runs.RunCancelled`. Each is looked up once per model or run and client.
+        A job whose id the run already has is sent again and reopened (:meth:`send`): ``wait`` and a
+        streaming consumer wait for its new result."""
         job, payload = self.prepare(job, check=check, **fields)
         self.send([[(job, payload)]])
         return job
