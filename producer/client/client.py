@@ -53,6 +53,15 @@ class JobFailed(RuntimeError):
         self.results = results
 
 
+def _message(jobs: list[tuple[Job, dict[str, Any]]]) -> SentMessage:
+    """The message that sends ``jobs`` (prepared, of one model and run): a job message for one, a bundle for more."""
+    first = jobs[0][0]
+    bundle = len(jobs) > 1
+    task_id = (keys.bundle_task_id(first.run, uuid.uuid4().hex) if bundle
+               else keys.task_id(first.run, first.job_id or ""))
+    return SentMessage(keys.model_queue(first.model), task_id, [(job.run, job.job_id or "") for job, _ in jobs], bundle)
+
+
 class Client:
     """Submit jobs to the model's queue and read results back from Redis."""
 
@@ -127,10 +136,7 @@ class Client:
         another (a group that trained on its ok result takes the new one as a duplicate; one that
         saw its error still takes the new ok result)."""
         now = time.time()
-        sent = [SentMessage(keys.model_queue(jobs[0][0].model),
-                            keys.task_id(jobs[0][0].run, jobs[0][0].job_id) if len(jobs) == 1  # type: ignore[arg-type]
-                            else keys.bundle_task_id(jobs[0][0].run, uuid.uuid4().hex),
-                            [(job.run, job.job_id or "") for job, _ in jobs], len(jobs) > 1) for jobs in messages]
+        sent = [_message(jobs) for jobs in messages]
         named = dict(reopen or {})
         unnamed = self.ledger.record_sent(sent, now) - named.keys()
         replacing = {(job.run, job.job_id) for jobs in messages for job, _ in jobs if job.replace} & unnamed

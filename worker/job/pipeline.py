@@ -338,8 +338,8 @@ class JobProcessor:
                 self._awaiting_engine -= waiting
         for index, written in writing:
             results[index] = written.result()  # _guarded never raises
-        if notes:  # before the results are published: a later job finds them
-            self.captures.add_many(notes)  # type: ignore[union-attr]
+        if notes and self.captures is not None:  # before the results are published: a later job finds them
+            self.captures.add_many(notes)
 
     def _guarded(self, job: Job, queued: float | None, attempt: int | None,
                  step: Callable[[], _Step]) -> _Step | Result:
@@ -369,18 +369,17 @@ class JobProcessor:
         for (index, where), verdict in zip(found, verdicts):
             located[index] = self._guarded(jobs[index], queued, attempts[index],
                                            partial(self._check, jobs[index], where, verdict, queued, attempts[index]))
-        if self.captures is not None:
-            self._answer_from_captures(self.captures, jobs, located, queued, attempts)  # type: ignore[arg-type]
+        self._answer_from_captures(jobs, located, queued, attempts)  # type: ignore[arg-type]
         return located  # type: ignore[return-value]
 
-    def _answer_from_captures(self, captures: CaptureIndex, jobs: list[Job], located: list[Result | _Target],
-                              queued: float | None, attempts: list[int | None]) -> None:
+    def _answer_from_captures(self, jobs: list[Job], located: list[Result | _Target], queued: float | None,
+                              attempts: list[int | None]) -> None:
         """Answer each job still to compute from a noted file of its capture where one answers it
         (``reuse``), in place; the index is read once for the call."""
         waiting = [(index, target) for index, target in enumerate(located) if isinstance(target, _Target)]
-        if not waiting:
+        if self.captures is None or not waiting:
             return
-        noted = captures.find_many([target.identity[MetaKey.CAPTURE_KEY] for _, target in waiting])
+        noted = self.captures.find_many([target.identity[MetaKey.CAPTURE_KEY] for _, target in waiting])
         for (index, target), addresses in zip(waiting, noted):
             if addresses:
                 answered = self._guarded(jobs[index], queued, attempts[index],

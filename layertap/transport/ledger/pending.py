@@ -8,7 +8,7 @@ the broker transport, for a message that carries its record in the ``keys.PENDIN
 header): a record never exists for a message that was not queued, however long Redis refuses the
 push, so the reconciler never ends a message that is still on its way. A record
 (``keys.PENDING_HASH``: JSON with the queue, the send time and, for a bundle, its job ids, with
-the run of each job not of the task id's run, and the group of each job it reopens;
+the run of each job not of the task id's run, and the groups of each job it reopens;
 ``keys.pending_sent_zset``: the send time by queue) lets the reconciler
 (``layertap.worker.queue.reconciler``) find a message lost between the queue and a worker: it puts
 the message back from its queue's in-flight list (:func:`restore_inflight`), or, where the message
