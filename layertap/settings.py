@@ -67,7 +67,8 @@ class WorkerSettings(BaseModel):
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
     max_padding: float = Field(default=0.25, ge=0, lt=1)  # padded batches: the largest share of a batch that is padding
     concurrency: int = Field(default=64, gt=0)  # messages in flight per worker (Celery threads; a bundle counts once)
-    writer_threads: int = Field(default=8, gt=0)
+    # files written at once, shared by all messages; None = the cores but one, at least 2, at most 8
+    writer_threads: int | None = Field(default=None, gt=0)
     prepare_ahead_batches: int = Field(default=2, ge=0)  # task threads prepare jobs while fewer batches are queued
     host_buffers: int = Field(default=3, gt=0)  # host buffers, pinned once at start: batches between GPU and writers
     compile: bool = False  # torch.compile the decoder layers (GPU; slower start, faster forward)

@@ -69,7 +69,7 @@ from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.reuse import CaptureIndex, NonFinite, computed_options, derived_tensors, find_capture
 from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
-from layertap.worker.job.writer import FileTaken, write_job_file
+from layertap.worker.job.writer import WRITER_THREADS, FileTaken, write_job_file
 from layertap.worker.model.fixes import fixes_of
 from layertap.worker.model.vision.inputs import image_features_note
 from layertap.worker.model.loading import LoadedModel
@@ -168,15 +168,16 @@ class JobProcessor:
     """Thread-safe; one per worker (or Extractor), sharing one engine."""
 
     def __init__(self, loaded: LoadedModel, engine: Engine, preparer: Preparer, storage: Storage,
-                 worker_name: str, writer_threads: int = 8, self_check: CheckReport | None = None,
+                 worker_name: str, writer_threads: int | None = None, self_check: CheckReport | None = None,
                  sampler: Sampler | None = None, captures: CaptureIndex | None = None,
                  examiners: Examiners | None = None):
         """``storage``: where files go (the worker's own root: paths never come from jobs).
         ``writer_threads``: files written at once, over all calls (each job's check, write and
-        result run on one of them). ``sampler``: measures a sample of the computed rows (none:
-        no sampling); ``captures``: where files are noted to answer later jobs (none: no reuse);
-        ``examiners``: what checks the files already at the jobs' names (default: helper processes
-        for a local storage, ``examiners.Examiners``)."""
+        result run on one of them; default :data:`~layertap.worker.job.writer.WRITER_THREADS`).
+        ``sampler``: measures a sample of the computed rows (none: no sampling); ``captures``:
+        where files are noted to answer later jobs (none: no reuse); ``examiners``: what checks the
+        files already at the jobs' names (default: helper processes for a local storage,
+        ``examiners.Examiners``)."""
         self.loaded = loaded
         self.sampler, self.captures = sampler, captures
         self.examiners = examiners or Examiners()
@@ -185,7 +186,8 @@ class JobProcessor:
         self.preparer = preparer
         self.storage = storage
         self.worker_name = worker_name
-        self._writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="layertap-write")
+        self._writers = ThreadPoolExecutor(max_workers=WRITER_THREADS if writer_threads is None else writer_threads,
+                                           thread_name_prefix="layertap-write")
         # a bundle's chats with images are prepared side by side (as many as the preparer has tokenizers)
         self._preparers = ThreadPoolExecutor(max_workers=TOKENIZER_POOL, thread_name_prefix="layertap-prepare")
         self._awaiting_engine = 0
