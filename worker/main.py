@@ -90,6 +90,8 @@ def run_worker(settings: Settings) -> int:
                                 captures=LedgerCaptures(client) if ws.reuse else None,
                                 examine_processes=ws.examine_processes)
     log_image_chats(loaded, settings.images_root)
+    log.info("files written by %d writer threads (worker.writer_threads %s)", processor.writer_threads,
+             "unset: the cores but one, at least 2, at most 8" if ws.writer_threads is None else ws.writer_threads)
     if loaded.device.type == "cuda":
         log.info("packed attention's GPU kernel: %s (worker.attention_kernel = %s)", resolved_kernel(loaded.device),
                  ws.attention_kernel)

@@ -39,6 +39,7 @@ from layertap.transport.celery_app import make_celery
 from tests.support.jobs import wait_for
 from tests.support.processes import WorkerProcess, cli
 from tests.support.reference import reference_states
+from layertap.worker.job.writer import WRITER_THREADS
 from layertap.worker.ops.logs import JobContextFilter
 
 MODEL = "tiny-ops"
@@ -190,6 +191,9 @@ def test_progress_line_while_jobs_run_and_silence_when_idle(ops_worker, client, 
                       if "settings in force: " in line)  # and the start-up line gives the settings in force
     in_force = json.loads(start_line.split("settings in force: ", 1)[1])
     assert in_force["worker"]["progress_interval_s"] == PROGRESS_INTERVAL_S and in_force["redis_url"]
+    writers = next(json.loads(line)["message"] for line in worker.log_text().splitlines()
+                   if "writer threads" in line)  # and the writer threads in force, where the setting says auto
+    assert writers.startswith(f"files written by {WRITER_THREADS} writer threads (worker.writer_threads unset"), writers
     idle_from = len(progress_lines())
     time.sleep(6 * PROGRESS_INTERVAL_S)  # idle: no job runs or waits for this worker
     assert len(progress_lines()) <= idle_from + 1  # at most the tick that saw the last jobs finish

@@ -186,8 +186,8 @@ class JobProcessor:
         self.preparer = preparer
         self.storage = storage
         self.worker_name = worker_name
-        self._writers = ThreadPoolExecutor(max_workers=WRITER_THREADS if writer_threads is None else writer_threads,
-                                           thread_name_prefix="layertap-write")
+        self.writer_threads = WRITER_THREADS if writer_threads is None else writer_threads
+        self._writers = ThreadPoolExecutor(max_workers=self.writer_threads, thread_name_prefix="layertap-write")
         # a bundle's chats with images are prepared side by side (as many as the preparer has tokenizers)
         self._preparers = ThreadPoolExecutor(max_workers=TOKENIZER_POOL, thread_name_prefix="layertap-prepare")
         self._awaiting_engine = 0
