@@ -91,7 +91,7 @@ def run_worker(settings: Settings) -> int:
                                 examine_processes=ws.examine_processes)
     log_image_chats(loaded, settings.images_root)
     log.info("files written by %d writer threads (worker.writer_threads %s)", processor.writer_threads,
-             "unset: the cores but one, at least 2, at most 8" if ws.writer_threads is None else ws.writer_threads)
+             "unset" if ws.writer_threads is None else ws.writer_threads)
     if loaded.device.type == "cuda":
         log.info("packed attention's GPU kernel: %s (worker.attention_kernel = %s)", resolved_kernel(loaded.device),
                  ws.attention_kernel)

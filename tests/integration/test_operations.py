@@ -39,7 +39,7 @@ from layertap.transport.celery_app import make_celery
 from tests.support.jobs import wait_for
 from tests.support.processes import WorkerProcess, cli
 from tests.support.reference import reference_states
-from layertap.worker.job.writer import WRITER_THREADS
+from layertap.worker.job.pipeline import WRITER_THREADS
 from layertap.worker.ops.logs import JobContextFilter
 
 MODEL = "tiny-ops"

@@ -1,6 +1,6 @@
 """The files of one call are written side by side: a job whose write is stuck does not hold
 back the other files of its bundle (nor the host buffer their batch came back in), with the
-default writer threads on any host (at least 2, ``writer.WRITER_THREADS``)."""
+default writer threads on any host (at least 2, ``pipeline.WRITER_THREADS``)."""
 
 from __future__ import annotations
 

@@ -65,16 +65,24 @@ from layertap.worker.engine.records import Captured, EngineRequest
 from layertap.worker.engine.self_check import CheckReport
 from layertap.worker.engine.teacher import dense_topk
 from layertap.worker.job.errors import JobError
-from layertap.worker.job.examiners import Examiners
+from layertap.worker.job.examiners import EXAMINE_THREADS, Examiners
 from layertap.worker.job.reuse import CaptureIndex, NonFinite, computed_options, derived_tensors, find_capture
 from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
-from layertap.worker.job.writer import WRITER_THREADS, FileTaken, write_job_file
+from layertap.worker.job.writer import FileTaken, write_job_file
 from layertap.worker.model.fixes import fixes_of
 from layertap.worker.model.vision.inputs import image_features_note
 from layertap.worker.model.loading import LoadedModel
 
 log = logging.getLogger(__name__)
+
+#: Files a worker writes at once by default (``worker.writer_threads`` unset): the cores but one
+#: (as :data:`~layertap.worker.job.examiners.EXAMINE_THREADS`), at least 2 (so a write waiting on
+#: another writer's lock holds back no other file) and at most 8. More writer threads than cores take
+#: the GIL and the cores from the thread that issues batches: small jobs through a 2-core CPU worker
+#: ran 11% faster with 2 than with 8 (BENCHMARKS.md, "CPU: small jobs through one worker"); a 16-core
+#: GPU host gets 8, as measured there.
+WRITER_THREADS = min(8, max(2, EXAMINE_THREADS))
 
 #: The error type of each engine failure. All but out-of-memory are transient (the job is retried).
 ENGINE_ERROR_TYPES: dict[type[EngineError], ErrorType] = {
@@ -173,7 +181,7 @@ class JobProcessor:
                  examiners: Examiners | None = None):
         """``storage``: where files go (the worker's own root: paths never come from jobs).
         ``writer_threads``: files written at once, over all calls (each job's check, write and
-        result run on one of them; default :data:`~layertap.worker.job.writer.WRITER_THREADS`).
+        result run on one of them; default :data:`WRITER_THREADS`).
         ``sampler``: measures a sample of the computed rows (none: no sampling); ``captures``:
         where files are noted to answer later jobs (none: no reuse); ``examiners``: what checks the
         files already at the jobs' names (default: helper processes for a local storage,

@@ -17,7 +17,6 @@ A file at its address is therefore always complete, on every backend.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -29,13 +28,6 @@ from layertap.storage.examine import OnDisk, examine
 from layertap.storage.registry import storage_at
 
 log = logging.getLogger(__name__)
-
-#: Files a worker writes at once by default (``worker.writer_threads`` unset): the cores but one, at
-#: least 2 (so a write waiting on another writer's lock holds back no other file) and at most 8.
-#: More writer threads than cores take the GIL and the cores from the thread that issues batches:
-#: small jobs through a 2-core CPU worker ran 11% faster with 2 than with 8 (BENCHMARKS.md, "CPU:
-#: small jobs through one worker"); a 16-core GPU host gets 8, as measured there.
-WRITER_THREADS = min(8, max(2, (os.cpu_count() or 1) - 1))
 
 
 class FileTaken(Exception):
