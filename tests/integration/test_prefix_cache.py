@@ -1,6 +1,7 @@
 """Rows computed over prefixes an earlier batch computed (issue 47, item 1): per-turn rows sent a turn
 at a time (each turn its own batch), in turn order and shuffled, compute only their tokens past the
-longest cached prefix, and every file equals plain transformers run on that row alone; the cache
+longest cached prefix, and every file equals plain transformers run on that row alone; rows of other
+conversations that begin with one system prompt take that prompt from the cache, and no more; the cache
 stays within its budget; it belongs to one engine (another model's rows never serve); a model outside
 the tested families, or with sliding windows, computes whole rows; two real workers serving one model
 share each from its own cache, and the client's bundles keep a conversation's rows on one of them.
@@ -90,6 +91,27 @@ def test_shuffled_rows_one_per_bundle_take_the_longest_cached_prefix(tmp_path):
         got_rows, paths, computed, cached = run_bundles(extractor, "qwen3", [[row] for row in rows], layers,
                                                         tmp_path / "files")
     assert cached == expected_cached and computed == sum(map(len, rows)) - cached
+    assert worst_error(model_dir, got_rows, paths, layers) <= TOLERANCE
+
+
+def test_rows_of_other_conversations_take_their_shared_system_prompt_and_no_more(tmp_path):
+    """Single-turn rows of different conversations that begin with one system prompt (3 whole blocks
+    and 5 tokens of a fourth): the first bundle computes it in each row (no row of it holds another
+    whole); every later row takes exactly the prompt from the cache, the part-block included, and
+    computes the rest of its own."""
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = [0, 1, loaded.num_layers]
+    generator = torch.Generator().manual_seed(6)
+    system = torch.randint(3, 100, (3 * CHUNK + 5,), generator=generator).tolist()
+    # each row's own tokens start with a token no other row starts them with, so it shares the prompt alone
+    rows = [system + [100 + index] + torch.randint(3, 100, (20 + 3 * index,), generator=generator).tolist()
+            for index in range(12)]
+    with Extractor(loaded, layers=layers) as extractor:
+        got_rows, paths, computed, cached = run_bundles(extractor, "qwen3", [rows[:4], rows[4:8], rows[8:]],
+                                                        layers, tmp_path / "files")
+    assert cached == 8 * len(system)
+    assert computed == sum(map(len, rows)) - cached
     assert worst_error(model_dir, got_rows, paths, layers) <= TOLERANCE
 
 
