@@ -5,7 +5,8 @@ writes them). The engine in-process (``JobProcessor`` on task threads, files wri
 bench``'s part c; the rows in messages of ``--bundle`` jobs, the client's default 64, on a worker's
 default 64 task threads) runs the same rows: with neither in-batch sharing nor the prefix cache (``off``),
 then with sharing alone and with the prefix cache, the rows sent all at once in turn order, all at
-once shuffled, or a turn at a time (``waves``: each row in a later batch than its prefix). Baselines
+once shuffled, or a turn at a time (``waves``: each row in a later batch than its prefix); with
+``--system-prompt N`` every conversation begins with the same N tokens. Baselines
 in the same call: plain transformers in length-sorted padded batches of 8 (part p) and a bf16
 8192^3 matmul. Each pass's files are compared with ``off``'s (and ``off``'s with plain
 transformers'). With ``--plain-prompts N``, then N random prompts (128-2,047 tokens, nothing to
@@ -45,16 +46,32 @@ from layertap.worker.model.loading import load_model
 TURNS = 3
 
 
-def per_turn_rows(conversations: int, vocab: int, seed: int) -> list[list[int]]:
+def per_turn_rows(conversations: int, vocab: int, seed: int, system: int = 0) -> list[list[int]]:
     """``conversations`` random-token chats of 900-1900 tokens, each cut after each of its
-    ``TURNS`` turns (at about a third, two thirds and the end), in turn order."""
+    ``TURNS`` turns (at about a third, two thirds and the end), in turn order; with ``system``,
+    every chat begins with the same ``system`` random tokens (a shared system prompt) before its own."""
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(conversations):
         length = int(torch.randint(900, 1900, (1,), generator=generator))
         chat = torch.randint(0, vocab, (length,), generator=generator).tolist()
         rows += [chat[:length * turn // TURNS] for turn in range(1, TURNS + 1)]
+    if system:
+        prompt = torch.randint(0, vocab, (system,), generator=torch.Generator().manual_seed(seed + 1000)).tolist()
+        rows = [prompt + row for row in rows]
     return rows
+
+
+def distinct_tokens(rows: list[list[int]]) -> int:
+    """Tokens that need computing at least once: the distinct prefixes among ``rows`` (a token's
+    states depend on it and the tokens before it alone)."""
+    seen: set[int] = set()
+    for row in rows:
+        chained = 0
+        for token in row:
+            chained = hash((chained, token))
+            seen.add(chained)
+    return len(seen)
 
 
 def arrivals(rows: list[list[int]], order: str, seed: int) -> list[list[int]]:
@@ -174,15 +191,18 @@ def main() -> None:
                         help="the prefix cache's budget (worker.prefix_cache_mib; default: the worker's)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder layers, as a worker's --compile")
+    parser.add_argument("--system-prompt", type=int, default=0,
+                        help="every conversation begins with the same this many tokens (a shared system prompt)")
     args = parser.parse_args()
     folder = Path(args.folder)
     shutil.rmtree(folder, ignore_errors=True)
     loaded = load_model(args.model, name="turns", device=args.device, dtype=args.dtype)
     layers = [int(layer) for layer in args.layers.split(",")]
     card = CardSampler(loaded.device.index or 0) if loaded.device.type == "cuda" else None
-    rows = per_turn_rows(args.conversations, loaded.vocab_size, args.seed)
+    rows = per_turn_rows(args.conversations, loaded.vocab_size, args.seed, args.system_prompt)
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name() if loaded.device.type == "cuda"
                     else "cpu", "rows": len(rows), "row_tokens": sum(map(len, rows)),
+                    "system_prompt_tokens": args.system_prompt, "distinct_tokens": distinct_tokens(rows),
                     "matmul_flops": matmul_rate(loaded.device),
                     "matmul_flops_sustained": sustained_matmul_rate(loaded.device),
                     "flops_per_row_token": useful_flops(loaded, layers, list(map(len, rows))) / sum(map(len, rows))}
