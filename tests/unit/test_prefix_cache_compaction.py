@@ -80,3 +80,20 @@ def test_a_later_row_that_is_not_kept_leaves_the_rows_it_holds_found():
     assert first.live == {0, 1} and first.tokens == 80
     (use,) = cache.plan([request(short + [4])], NEEDS)
     assert use is not None and use.source is first
+
+
+def test_a_system_prompt_many_batches_hold_is_found_while_any_of_them_is_cached():
+    """Rows of two conversations sharing a system prompt, each in its own batch: when the budget
+    evicts the batch that indexed the prompt last, the other still holds it, and a third
+    conversation's row takes the prompt from it."""
+    system = row(5000, 40)  # two whole blocks and 8 tokens
+    cache = PrefixCache(130 * TOKEN_BYTES, lambda tokens, layers: tokens * TOKEN_BYTES)
+    first = cached([system + row(1000, 20)], seed=0)
+    cache.add(first, [None])
+    cache.add(cached([system + row(2000, 20)], seed=1), [None])  # the prompt's newest holder
+    (use,) = cache.plan([request(system + row(1000, 20) + [3])], NEEDS)  # first is used: second is least recent
+    assert use is not None and use.source is first
+    cache.add(cached([row(6000, 60)], seed=2), [None])  # over the budget: second goes
+    assert len(cache) == 2
+    (use,) = cache.plan([request(system + row(7000, 20))], NEEDS)
+    assert use is not None and use.source is first and use.length == len(system)

@@ -28,7 +28,9 @@ Invariants:
   its forward holds every layer's keys and values until it ends), which then runs as it would
   without the cache; out of memory empties the cache and halves its budget;
 * rows are found by chained hashes of their first :data:`CHUNK`-token blocks, then compared token
-  by token, so a hash collision can only cost a match, never give a wrong one.
+  by token, so a hash collision can only cost a match, never give a wrong one; a block is found
+  while any cached batch holds it (rows of many conversations share a system prompt's blocks: the
+  batch that goes takes only its own hold on them).
 
 Bookkeeping, and the copy that compacts a batch: the forward's device work is in ``prefix_keys`` and
 the runner.
@@ -85,9 +87,9 @@ class CachedBatch:
     def live_tokens(self) -> int:
         return sum(len(self.rows[row][0]) for row in self.live)
 
-    def compact(self) -> dict[int, int]:
-        """Keep only the live rows' keys, values and states (copies on the device, in row order);
-        returns each kept row's new number by its old one."""
+    def compact(self) -> None:
+        """Keep only the live rows' keys, values and states (copies on the device, in row order),
+        numbered anew from 0."""
         kept = sorted(self.live)
         device = self.states.device
         positions = torch.cat([torch.arange(start, start + len(tokens), dtype=torch.long, device=device)
@@ -104,7 +106,6 @@ class CachedBatch:
             start += len(tokens)
         self.rows = rows
         self.__post_init__()  # every kept row live again; nbytes of the copies
-        return {old: new for new, old in enumerate(kept)}
 
     def serves(self, needs: BatchNeeds) -> bool:
         """Whether a batch with ``needs`` can take prefixes from this one."""
@@ -182,7 +183,8 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self._batch_bytes = batch_bytes
         self._batches: OrderedDict[int, tuple[CachedBatch, list[int]]] = OrderedDict()  # id -> (batch, its keys)
-        self._index: dict[int, tuple[CachedBatch, int]] = {}  # chained hash -> (batch, row)
+        # chained hash -> every cached batch holding that block: id(batch) -> (batch, one of its rows), newest last
+        self._index: dict[int, dict[int, tuple[CachedBatch, int]]] = {}
         self._held = 0
         self._ghosts: OrderedDict[int, None] = OrderedDict()  # keys of rows the budget evicted, oldest first
         self._kept_bytes = 0  # of every batch kept so far
@@ -216,12 +218,12 @@ class PrefixCache:
         tokens = request.token_ids.numpy()
         found = None
         for key in _chunk_keys(tokens[:request.num_tokens - 1]):
-            entry = self._index.get(key)
-            if entry is None:
+            holders = self._index.get(key)
+            if not holders:
                 if key in self._ghosts:  # the budget evicted a row that held more of it
                     self._scan_until = self._kept_bytes + self.budget_bytes
                 break
-            found = entry
+            found = next(reversed(holders.values()))  # the newest batch holding it
         if found is None:
             return None
         source, row = found
@@ -251,41 +253,26 @@ class PrefixCache:
                 self._evict(source)
             elif 2 * source.live_tokens() <= source.tokens:
                 self._compact(source)
-        keys = []
         for row, ((tokens, _start), use) in enumerate(zip(batch.rows, uses)):
             if use is not None and use.served == len(tokens):  # its source holds it whole
                 batch.live.discard(row)
-                continue
-            for key in _chunk_keys(tokens):
-                self._index[key] = (batch, row)
-                keys.append(key)
-        self._batches[id(batch)] = (batch, keys)
+        self._batches[id(batch)] = (batch, self._hold(batch))
         self._held += batch.nbytes
         self._kept_bytes += batch.nbytes
         while self._held > self.budget_bytes:
             self._evict(self._victim(), remember=True)
 
     def _compact(self, batch: CachedBatch) -> None:
-        """Keep only ``batch``'s live rows (:meth:`CachedBatch.compact`), found where they were."""
+        """Keep only ``batch``'s live rows (:meth:`CachedBatch.compact`), found there still."""
         before = batch.nbytes
         try:
-            renumbered = batch.compact()
+            batch.compact()
         except torch.OutOfMemoryError:  # no room for the copy: the batch goes instead
             self._evict(batch, remember=True)
             return
         self._held -= before - batch.nbytes
-        _, keys = self._batches[id(batch)]
-        kept = []
-        for key in keys:
-            entry = self._index.get(key)
-            if entry is None or entry[0] is not batch:
-                continue
-            if entry[1] in renumbered:
-                self._index[key] = (batch, renumbered[entry[1]])
-                kept.append(key)
-            else:
-                del self._index[key]
-        self._batches[id(batch)] = (batch, kept)  # its place in the eviction order unchanged
+        self._let_go(batch, remember=False)
+        self._batches[id(batch)] = (batch, self._hold(batch))  # its place in the eviction order unchanged
 
     def _victim(self) -> CachedBatch:
         """The batch to evict for room: the least recently used, but while rows lately missed a prefix
@@ -302,17 +289,34 @@ class PrefixCache:
         self.clear()
         self.budget_bytes //= 2
 
-    def _evict(self, batch: CachedBatch, remember: bool = False) -> None:
-        """Drop ``batch``; with ``remember`` (the budget evicts it), keep its rows' keys as ghosts."""
+    def _hold(self, batch: CachedBatch) -> list[int]:
+        """Index ``batch``'s live rows' blocks under it (as their newest holder); returns the keys."""
+        keys: dict[int, None] = {}
+        for row in sorted(batch.live):
+            for key in _chunk_keys(batch.rows[row][0]):
+                holders = self._index.setdefault(key, {})
+                holders.pop(id(batch), None)
+                holders[id(batch)] = (batch, row)
+                keys[key] = None
+        return list(keys)
+
+    def _let_go(self, batch: CachedBatch, remember: bool) -> None:
+        """Take ``batch``'s hold off its keys; a key no batch holds any more goes (with ``remember``,
+        the budget evicted it: kept as a ghost)."""
         _, keys = self._batches[id(batch)]
         for key in keys:
-            entry = self._index.get(key)
-            if entry is not None and entry[0] is batch:
-                del self._index[key]
-                if remember:
-                    self._ghosts[key] = None
+            holders = self._index.get(key)
+            if holders is None or holders.pop(id(batch), None) is None or holders:
+                continue
+            del self._index[key]
+            if remember:
+                self._ghosts[key] = None
         while len(self._ghosts) > GHOST_KEYS:
             self._ghosts.popitem(last=False)
+
+    def _evict(self, batch: CachedBatch, remember: bool = False) -> None:
+        """Drop ``batch``; with ``remember`` (the budget evicts it), keep the keys it alone held as ghosts."""
+        self._let_go(batch, remember)
         del self._batches[id(batch)]
         self._held -= batch.nbytes
 
