@@ -17,9 +17,10 @@ Invariants:
   it always computes at least its last token, and a row whose every token is cached keeps the
   cached states of that one too (the same tokens give the same file);
 * the cache holds at most ``budget_bytes`` of device memory; a cached row that a later kept row
-  holds whole (the turn before it) is no longer found, a batch with none of its rows left found goes,
-  one with at most half of its tokens left found keeps only those (a device copy: rows held whole
-  elsewhere take no room; shuffled rows leave many such batches), and beyond the budget the least
+  holds whole (the turn before it) is found in the later one from then on; a batch none of whose
+  rows is held only by it goes, and one whose such rows are half of its tokens or fewer keeps only
+  those (a device copy: rows held whole elsewhere take no room; shuffled rows leave many such
+  batches); and beyond the budget the least
   recently used batches go, except while rows lately missed a prefix the budget evicted (a scan:
   every conversation's next turn comes after a round of all the others', so the least recently used
   row is the next one needed): then the most recently kept batch that has served no row goes, until
@@ -235,9 +236,10 @@ class PrefixCache:
 
     def add(self, batch: CachedBatch, uses: Sequence[PrefixUse | None]) -> None:
         """Keep ``batch``, which ran with ``uses`` (its rows' prefixes, in order): its rows are found
-        from now on, but those whose every token was cached; a cached row that one of its rows
-        holds whole is no longer found there, a cached batch with no such row left is dropped and
-        one with at most half of its tokens left keeps only those; then the least recently used go
+        from now on (ahead of older batches holding the same blocks), but those whose every token was
+        cached; a cached row that one of its rows holds whole is found in it from now on, a cached batch
+        none of whose rows is held only by it is dropped, and one whose such rows are half of its tokens
+        or fewer keeps only those; then the least recently used go
         while beyond the budget. A batch over the budget is not kept and changes nothing."""
         if batch.nbytes > self.budget_bytes:
             return
