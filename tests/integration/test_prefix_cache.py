@@ -1,7 +1,8 @@
 """Rows computed over prefixes an earlier batch computed (issue 47, item 1): per-turn rows sent a turn
 at a time (each turn its own batch), in turn order and shuffled, compute only their tokens past the
 longest cached prefix, and every file equals plain transformers run on that row alone; rows of other
-conversations that begin with one system prompt take that prompt from the cache, and no more; the cache
+conversations that begin with one system prompt take that prompt from the cache, and no more, while
+any cached batch holds it; the cache
 stays within its budget; it belongs to one engine (another model's rows never serve); a model outside
 the tested families, or with sliding windows, computes whole rows; two real workers serving one model
 share each from its own cache, and the client's bundles keep a conversation's rows on one of them.
@@ -112,6 +113,33 @@ def test_rows_of_other_conversations_take_their_shared_system_prompt_and_no_more
                                                         layers, tmp_path / "files")
     assert cached == 8 * len(system)
     assert computed == sum(map(len, rows)) - cached
+    assert worst_error(model_dir, got_rows, paths, layers) <= TOLERANCE
+
+
+def test_a_shared_system_prompt_is_taken_by_every_row_while_any_cached_batch_holds_it(tmp_path):
+    """Per-turn rows of conversations that all begin with one system prompt, shuffled, one row per
+    batch, the cache's budget a few rows: batches go all the time, among them the one that indexed
+    the prompt last, while others still hold it. Every row after the first takes at least the
+    prompt from the cache, and every file is the row alone's."""
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    loaded = load_model(model_dir, name="qwen3", device="cpu", dtype="float32")
+    layers = list(range(loaded.num_layers + 1))
+    system = torch.randint(3, 120, (2 * CHUNK + 7,), generator=torch.Generator().manual_seed(9)).tolist()
+    rows = [system + row for chat in conversations(6, TURNS, seed=8) for row in chat]
+    random.Random(1).shuffle(rows)
+    taken = []
+    with Extractor(loaded, layers=layers) as extractor:
+        engine = extractor.processor.engine
+        engine.prefix_cache = PrefixCache(3 * (len(system) + max(TURNS)) * bytes_per_token(loaded, layers))
+        before = [engine.stats.cached_tokens]  # after the load-time checks' rows
+
+        def note(engine) -> None:
+            taken.append(engine.stats.cached_tokens - before[0])
+            before[0] = engine.stats.cached_tokens
+
+        got_rows, paths, _, _ = run_bundles(extractor, "qwen3", [[row] for row in rows], layers, tmp_path / "files",
+                                            on_bundle=note)
+    assert taken[0] == 0 and min(taken[1:]) >= len(system), taken
     assert worst_error(model_dir, got_rows, paths, layers) <= TOLERANCE
 
 
