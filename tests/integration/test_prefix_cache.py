@@ -1,12 +1,11 @@
-"""Rows computed over prefixes an earlier batch computed (issue 47, item 1): per-turn rows sent a turn
-at a time (each turn its own batch), in turn order and shuffled, compute only their tokens past the
-longest cached prefix, and every file equals plain transformers run on that row alone; rows of other
-conversations that begin with one system prompt take that prompt from the cache, and no more, while
-any cached batch holds it; the cache
-stays within its budget; it belongs to one engine (another model's rows never serve); a model outside
-the tested families, or with sliding windows, computes whole rows; two real workers serving one model
-share each from its own cache, and the client's bundles keep a conversation's rows on one of them.
-Tiny random float32 models."""
+"""Rows computed over prefixes an earlier batch computed (issue 47, item 1): per-turn rows sent a turn at a
+time (each turn its own batch), in turn order and shuffled, compute only their tokens past the longest
+cached prefix, and every file equals plain transformers run on that row alone; rows of other
+conversations that begin with one system prompt take that prompt from the cache, and no more, while any
+cached batch holds it; the cache stays within its budget; it belongs to one engine (another model's rows
+never serve); a model outside the tested families, or with sliding windows, computes whole rows; two
+real workers serving one model share each from its own cache, and the client's bundles keep a
+conversation's rows on one of them. Tiny random float32 models."""
 
 from __future__ import annotations
 
