@@ -217,17 +217,17 @@ class PrefixCache:
 
     def _match(self, request: EngineRequest, needs: BatchNeeds) -> PrefixUse | None:
         tokens = request.token_ids.numpy()
-        found = None
+        deepest = None  # the holders of the longest run of blocks found
         for key in _chunk_keys(tokens[:request.num_tokens - 1]):
             holders = self._index.get(key)
             if not holders:
                 if key in self._ghosts:  # the budget evicted a row that held more of it
                     self._scan_until = self._kept_bytes + self.budget_bytes
                 break
-            found = next(reversed(holders.values()))  # the newest batch holding it
-        if found is None:
+            deepest = holders
+        if deepest is None:
             return None
-        source, row = found
+        source, row = next(reversed(deepest.values()))  # the newest batch holding it
         if not source.serves(needs):
             return None
         common = _common_length(tokens, source.rows[row][0])
@@ -296,9 +296,7 @@ class PrefixCache:
         keys: dict[int, None] = {}
         for row in sorted(batch.live):
             for key in _chunk_keys(batch.rows[row][0]):
-                holders = self._index.setdefault(key, {})
-                holders.pop(id(batch), None)
-                holders[id(batch)] = (batch, row)
+                self._index.setdefault(key, {})[id(batch)] = (batch, row)
                 keys[key] = None
         return list(keys)
 
