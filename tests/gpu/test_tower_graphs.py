@@ -36,9 +36,9 @@ def loaded_tower(family: str, tmp_path):
 
 def tower_outputs(loaded, calls, graphs) -> list[list[torch.Tensor]]:
     """Each call's tower output (its tensors, on the host), the tower one image at a time."""
-    from layertap.worker.model.vision.towers import one_image_at_a_time
-    from layertap.worker.model.vision.tower_graphs import tensors_of
     from layertap.worker.model.vision.attention import vision_attention
+    from layertap.worker.model.vision.tower_graphs import tensors_of
+    from layertap.worker.model.vision.towers import one_image_at_a_time
 
     outputs = []
     with (torch.inference_mode(), vision_attention(loaded.model, loaded.vision_attention),

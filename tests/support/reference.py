@@ -15,13 +15,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @lru_cache(maxsize=8)
-def load(model_dir: str):
+def load(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The plain model (on ``device``, in ``dtype``) and its tokenizer (None for a weights-only folder)."""
+    placement = {} if device == "cpu" else {"device_map": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement).eval()
     except ValueError as exc:  # a part with no SDPA (Gemma 4's audio tower): transformers' eager attention
         if "does not support an attention implementation" not in str(exc):
             raise
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                     **placement).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError, ImportError):  # a weights-only folder (the architecture sweep)
@@ -40,14 +43,15 @@ def last_layer_module(model, every: bool = False):
     raise AttributeError(f"{type(model).__name__}: no layers, h, blocks or layer found")
 
 
-def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+def block_input_states(model_dir: str, token_ids: list[int], layer_ids: list[int], *,
+                       dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
     """``[T, len(layer_ids), ...]``: the input of each decoder block ``i < L`` and the output of
-    the last (id ``L``), caught by hooks on the plain model's blocks. The same convention as
-    :func:`reference_states` without relying on ``output_hidden_states`` (which some
-    families, such as Mamba, list shifted by one block)."""
-    model, _ = load(model_dir)
+    the last (id ``L``), caught by hooks on the plain model's blocks (run in ``dtype`` on ``device``;
+    the states stay there). The same convention as :func:`reference_states` without relying on
+    ``output_hidden_states`` (which some families, such as Mamba, list shifted by one block)."""
+    model, _ = load(model_dir, dtype, device)
     return hooked_block_states(last_layer_module(model, every=True), layer_ids, len(token_ids),
-                               lambda: model(torch.tensor([token_ids]), use_cache=False))
+                               lambda: model(torch.tensor([token_ids], device=device), use_cache=False))
 
 
 def hooked_block_states(layers, layer_ids: list[int], tokens: int, forward) -> torch.Tensor:

@@ -48,6 +48,14 @@ SMALL: dict[str, Any] = {
     "image_size": 32, "patch_size": 8, "num_channels": 3, "projection_dim": 32, "vision_output_dim": 32,
     "num_key_value_heads": 2, "rotary_dim": 4, "n_shared_experts": 1, "n_groups": 1,
 }
+#: :data:`SMALL` with attention heads of 64 and room for prompts of a thousand tokens: the head size and
+#: lengths at which a GPU's packed attention takes NVIDIA's cuDNN frontend (``cudnn_attention.takes``).
+WIDE_HEADS: dict[str, Any] = {
+    **SMALL,
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "lru_width", "ple_embed_dim"), 256),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim", "d_head", "swa_head_dim"), 64),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"), 1024),
+}
 #: Size fields set even where the default is None (None there means "derive it", not "off").
 DERIVED_WHEN_NONE = frozenset({"head_dim", "num_key_value_heads", "intermediate_size", "num_experts_per_tok",
                                "n_group", "topk_group"})
@@ -107,13 +115,14 @@ def _defaults(config_class: type) -> dict[str, Any]:
                 if field.default is not dataclasses.MISSING}
 
 
-def _shrunk(config_class: type, overrides: dict[str, Any], per_layer: bool = True) -> dict[str, Any]:
-    """Keyword arguments that build a tiny ``config_class``: every size field it has, unless
-    its default is 0 or None (a part that is off stays off)."""
+def _shrunk(config_class: type, overrides: dict[str, Any], per_layer: bool = True,
+            sizes: dict[str, Any] = SMALL) -> dict[str, Any]:
+    """Keyword arguments that build a tiny ``config_class``: every size field of ``sizes`` it has,
+    unless its default is 0 or None (a part that is off stays off)."""
     present = _defaults(config_class)
     aliases = getattr(config_class, "attribute_map", {}) or {}
     fields: dict[str, Any] = {}
-    for key, value in SMALL.items():
+    for key, value in sizes.items():
         if key in present and not isinstance(present[key], bool) and (
                 present[key] or (present[key] is None and key in DERIVED_WHEN_NONE)):
             fields[key] = value
@@ -124,7 +133,7 @@ def _shrunk(config_class: type, overrides: dict[str, Any], per_layer: bool = Tru
             fields[key] = value
     heads, kv_heads = present.get("num_attention_heads"), present.get("num_key_value_heads")
     if heads and kv_heads == heads:
-        fields["num_key_value_heads"] = SMALL["num_attention_heads"]  # no grouping in the original: none here
+        fields["num_key_value_heads"] = sizes["num_attention_heads"]  # no grouping in the original: none here
     elif kv_heads == 1:
         fields["num_key_value_heads"] = 1
     if per_layer:
@@ -137,7 +146,7 @@ def _shrunk(config_class: type, overrides: dict[str, Any], per_layer: bool = Tru
                 continue
             from transformers import CONFIG_MAPPING
             sub_class = CONFIG_MAPPING[sub_type]
-        sub_fields = _shrunk(sub_class, overrides.get(name, {}), per_layer)
+        sub_fields = _shrunk(sub_class, overrides.get(name, {}), per_layer, sizes)
         fields[name] = {**sub_fields, "model_type": sub_type} if sub_type else sub_fields
     fields.update({key: value for key, value in overrides.items() if not isinstance(value, dict)
                    or key not in (getattr(config_class, "sub_configs", None) or {})})
@@ -171,13 +180,14 @@ def _per_layer_fields(present: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def build_tiny_type(model_type: str, out: Path, seed: int = 0) -> Path:
-    """Build the type's tiny causal LM with seeded random float32 weights and save it to ``out``:
-    one layer of each kind first; where the type objects (its validation, or a forward of a few
-    tokens), its default layer pattern on two layers. Raises the last error when neither builds."""
+def build_tiny_type(model_type: str, out: Path, seed: int = 0, sizes: dict[str, Any] = SMALL) -> Path:
+    """Build the type's tiny causal LM (``sizes``: :data:`SMALL`, or :data:`WIDE_HEADS`) with seeded
+    random float32 weights and save it to ``out``: one layer of each kind first; where the type
+    objects (its validation, or a forward of a few tokens), its default layer pattern on two layers.
+    Raises the last error when neither builds."""
     from transformers import AutoModelForCausalLM
 
-    return _build_tiny(model_type, out, seed, AutoModelForCausalLM, OVERRIDES, run_forward=True)
+    return _build_tiny(model_type, out, seed, AutoModelForCausalLM, OVERRIDES, run_forward=True, sizes=sizes)
 
 
 #: The spread of the values :func:`fill_zero_parameters` gives.
@@ -201,7 +211,7 @@ def fill_zero_parameters(model: Any, seed: int) -> None:
 
 
 def _build_tiny(model_type: str, out: Path, seed: int, auto_class: Any, overrides: dict[str, dict[str, Any]],
-                run_forward: bool) -> Path:
+                run_forward: bool, sizes: dict[str, Any] = SMALL) -> Path:
     """The type's tiny model as ``auto_class`` builds it from :func:`_shrunk` fields (one layer of
     each kind, else the default pattern on two layers; ``run_forward``: a forward of a few tokens
     must run too), saved to ``out``. Raises the last error when neither builds."""
@@ -212,7 +222,7 @@ def _build_tiny(model_type: str, out: Path, seed: int, auto_class: Any, override
     error: Exception | None = None
     for per_layer in (True, False):
         try:
-            config = config_class(**_shrunk(config_class, overrides.get(model_type, {}), per_layer))
+            config = config_class(**_shrunk(config_class, overrides.get(model_type, {}), per_layer, sizes))
             torch.manual_seed(seed)
             model = auto_class.from_config(config, dtype=torch.float32).eval()
             fill_zero_parameters(model, seed)

@@ -1,0 +1,127 @@
+"""The architecture sweep on a GPU in bfloat16: every decoder-only type of the installed transformers
+(listed by code: ``tests.support.tiny_configs.decoder_only_types``), loaded by the worker's loader
+onto the GPU, self-checked there and served by the in-process engine on the GPU's own paths (packed
+attention's variable-length kernels, each model's CUDA code), writes files as close to plain
+transformers run in float32 on each prompt alone as plain transformers' own bfloat16 run of that
+prompt alone on the same GPU is.
+
+The CPU sweep (``tests/integration/test_architectures.py``) holds float32 files to 1e-5 of the prompt
+alone, but on the CPU packed attention runs each prompt's own SDPA call: the kernels a GPU worker
+runs are checked there only by the load-time self-check, whose bfloat16 tolerance (0.1) sits above
+the rounding noise of deep random stacks and so catches only gross faults. Here the tiny models
+(2 layers) round far less than that, and each layer of each file must be within :data:`FACTOR`
+times plain transformers' bf16 distance from float32 (plus :data:`FLOOR`, a quarter of bf16's
+rounding step) of that truth: a prompt that sees another's tokens, wrong positions or a window
+applied wrongly are several times further off.
+
+Two parts: the CPU sweep's tiny models (heads of 8: aten's flash kernel), and the same types with
+heads of 64 and a prompt of 600 tokens among the batch (``WIDE_HEADS``), where packed attention takes
+NVIDIA's cuDNN frontend (the default on Hopper cards with the ``cudnn`` extra).
+
+Needs an NVIDIA GPU (the second part also the ``cudnn`` extra): skipped elsewhere (CI). Run it on a
+GPU machine with ``make test-gpu``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+from layertap.producer.files.reader import load_hidden_states
+from layertap.worker.model import cudnn_attention
+from layertap.worker.model.batching import ModelRefused
+from layertap.worker.model.loading import load_model
+from tests.support.architectures import NOT_BUILT, NOT_BUILT_WIDE, REFUSED
+from tests.support.extractors import batching_extractor
+from tests.support.reference import block_input_states
+from tests.support.tiny_configs import SMALL, WIDE_HEADS, build_tiny_type, decoder_only_types
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU: make test-gpu")
+
+DEVICE = "cuda"
+#: Prompt lengths (as the CPU sweep's), all sent at once: the engine batches them.
+LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
+#: ... and with wide heads: one prompt over ``cudnn_attention.MIN_LONGEST``, so the frontend takes the batch.
+WIDE_LENGTHS = (600, 41, 3, 17, 300, 9)
+#: How many times plain transformers' own bf16 distance from float32 a file's may be, per layer.
+FACTOR = 2.0
+#: ... plus this much (relative): a quarter of bf16's rounding step, 2**-8.
+FLOOR = 2.0 ** -10
+TYPES = [name for name in decoder_only_types() if name not in NOT_BUILT]
+
+
+def relative_errors(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``[T, n_layers, ...]`` pair -> ``[n_layers]``: ``‖got − reference‖ / ‖reference‖`` over the prompt's tokens."""
+    got, reference = got.double().transpose(0, 1).flatten(1), reference.double().transpose(0, 1).flatten(1)
+    return (got - reference).norm(dim=1) / reference.norm(dim=1).clamp_min(1e-30)
+
+
+def prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, min(vocab_size, 128), (n,), generator=generator).tolist() for n in lengths]
+
+
+def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[int, ...],
+              record_property: Any) -> None:
+    """Serve ``model_dir`` on the GPU in bf16, send ``lengths`` prompts at once, hold every file to the bound."""
+    try:
+        loaded = load_model(model_dir, name=model_type, device=DEVICE, dtype="bfloat16")
+        extractor = batching_extractor(loaded, 300, layers=list(range(loaded.num_layers + 1)))
+    except ModelRefused as refused:  # loudly: no file is written. Where the CPU sweep serves the type,
+        if model_type not in REFUSED:  # only because transformers itself cannot run it in bf16 here
+            with pytest.raises(Exception) as raised:  # noqa: B017 (transformers' own error, named in the refusal)
+                block_input_states(model_dir, max(prompts(128, lengths), key=len), [0], dtype=torch.bfloat16,
+                                   device=DEVICE)
+            assert f"{type(raised.value).__name__}: {raised.value}" in str(refused), str(refused)
+        record_property("batching", "refused")
+        return
+    assert model_type not in REFUSED, f"{model_type} was served: {loaded.batching.describe()}"
+    layer_ids = list(range(loaded.num_layers + 1))
+    batches: list[int] = []
+    with extractor:
+        extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        inputs = prompts(loaded.vocab_size, lengths)
+        results = extractor.extract(inputs, tmp_path / "files", run="gpu-sweep")
+    if not loaded.batching.slow:
+        assert max(batches) >= 2, f"no two prompts were batched together: {batches}"
+    measured = []  # (tokens, the file's error per layer, plain transformers' bf16 error per layer)
+    for ids, result in zip(inputs, results):
+        assert result.ok, result.error
+        got = load_hidden_states(result.path)["hidden_states"]
+        assert got.dtype == torch.bfloat16
+        truth = block_input_states(model_dir, ids, layer_ids)
+        plain = block_input_states(model_dir, ids, layer_ids, dtype=torch.bfloat16, device=DEVICE).cpu()
+        assert got.flatten(2).shape == truth.flatten(2).shape
+        measured.append((len(ids), relative_errors(got, truth), relative_errors(plain, truth)))
+    record_property("batching", loaded.batching.name)
+    record_property("errors", json.dumps([(n, ours.tolist(), theirs.tolist()) for n, ours, theirs in measured]))
+    for tokens, ours, theirs in measured:
+        assert bool((ours <= FACTOR * theirs + FLOOR).all()), (
+            f"{model_type} ({loaded.batching.name}), {tokens} tokens: from float32 per layer, the file "
+            f"{[round(x, 5) for x in ours.tolist()]}, plain transformers bf16 {[round(x, 5) for x in theirs.tolist()]}")
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_bf16_files_are_as_close_to_float32_as_plain_transformers_bf16(model_type, tmp_path, record_property):
+    model_dir = str(build_tiny_type(model_type, tmp_path / "model", sizes=SMALL))
+    sweep_one(model_type, model_dir, tmp_path, LENGTHS, record_property)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cudnn") is None, reason="needs the cudnn extra: make test-gpu")
+@pytest.mark.parametrize("model_type", TYPES)
+def test_bf16_files_through_the_cudnn_frontend_are_as_close_as_plain_transformers_bf16(model_type, tmp_path,
+                                                                                       record_property):
+    try:
+        model_dir = str(build_tiny_type(model_type, tmp_path / "model", sizes=WIDE_HEADS))
+    except Exception as exc:  # noqa: BLE001 (transformers' strict dataclasses raise their own error types)
+        assert model_type in NOT_BUILT_WIDE, f"{model_type} does not build with wide heads: {exc}"
+        return
+    with mock.patch.object(cudnn_attention, "varlen", wraps=cudnn_attention.varlen) as frontend:
+        sweep_one(model_type, model_dir, tmp_path, WIDE_LENGTHS, record_property)
+    record_property("cudnn_calls", frontend.call_count)
