@@ -11,7 +11,7 @@ runs are checked there only by the load-time self-check, whose bfloat16 toleranc
 the rounding noise of deep random stacks and so catches only gross faults. Here the tiny models
 (2 layers) round far less than that, and each layer of each file must be within :data:`FACTOR`
 times plain transformers' bf16 distance from float32 (plus :data:`FLOOR`, a quarter of bf16's
-rounding step) of that truth: a prompt that sees another's tokens, wrong positions or a window
+unit roundoff) of that truth: a prompt that sees another's tokens, wrong positions or a window
 applied wrongly are several times further off.
 
 Two parts: the CPU sweep's tiny models (heads of 8: aten's flash kernel), and the same types with
@@ -52,7 +52,7 @@ LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
 WIDE_LENGTHS = (600, 41, 3, 17, 300, 9)
 #: How many times plain transformers' own bf16 distance from float32 a file's may be, per layer.
 FACTOR = 2.0
-#: ... plus this much (relative): a quarter of bf16's rounding step, 2**-8.
+#: ... plus this much (relative): a quarter of bf16's unit roundoff, 2**-8.
 FLOOR = 2.0 ** -10
 TYPES = [name for name in decoder_only_types() if name not in NOT_BUILT]
 
