@@ -28,7 +28,6 @@ import importlib.util
 import json
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -37,7 +36,7 @@ from layertap.producer.files.reader import load_hidden_states
 from layertap.worker.model import cudnn_attention
 from layertap.worker.model.batching import ModelRefused
 from layertap.worker.model.loading import load_model
-from tests.support.architectures import NOT_BUILT, NOT_BUILT_WIDE, REFUSED
+from tests.support.architectures import NOT_BUILT, NOT_BUILT_WIDE, REFUSED, SWEEP_LENGTHS, sweep_prompts
 from tests.support.extractors import batching_extractor
 from tests.support.reference import block_input_states
 from tests.support.tiny_configs import SMALL, WIDE_HEADS, build_tiny_type, decoder_only_types
@@ -46,9 +45,7 @@ if not torch.cuda.is_available():  # before listing the types (seconds of every 
     pytest.skip("needs an NVIDIA GPU: make test-gpu", allow_module_level=True)
 
 DEVICE = "cuda"
-#: Prompt lengths (as the CPU sweep's), all sent at once: the engine batches them.
-LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
-#: ... and with wide heads: one prompt over ``cudnn_attention.MIN_LONGEST``, so the frontend takes the batch.
+#: The prompts' lengths with wide heads: one over ``cudnn_attention.MIN_LONGEST``, so the frontend takes the batch.
 WIDE_LENGTHS = (600, 41, 3, 17, 300, 9)
 #: How many times plain transformers' own bf16 distance from float32 a file's may be, per layer.
 FACTOR = 2.0
@@ -63,11 +60,6 @@ def relative_errors(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (got - reference).norm(dim=1) / reference.norm(dim=1).clamp_min(1e-30)
 
 
-def prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, min(vocab_size, 128), (n,), generator=generator).tolist() for n in lengths]
-
-
 def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[int, ...],
               record_property: Any) -> None:
     """Serve ``model_dir`` on the GPU in bf16, send ``lengths`` prompts at once, hold every file to the bound."""
@@ -77,7 +69,7 @@ def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[in
     except ModelRefused as refused:  # loudly: no file is written. Where the CPU sweep serves the type,
         if model_type not in REFUSED:  # only because transformers itself cannot run it in bf16 here
             with pytest.raises(Exception) as raised:  # noqa: B017 (transformers' own error, named in the refusal)
-                block_input_states(model_dir, max(prompts(128, lengths), key=len), [0], dtype=torch.bfloat16,
+                block_input_states(model_dir, max(sweep_prompts(128, lengths), key=len), [0], dtype=torch.bfloat16,
                                    device=DEVICE)
             assert f"{type(raised.value).__name__}: {raised.value}" in str(refused), str(refused)
         record_property("batching", "refused")
@@ -87,7 +79,7 @@ def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[in
     batches: list[int] = []
     with extractor:
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
-        inputs = prompts(loaded.vocab_size, lengths)
+        inputs = sweep_prompts(loaded.vocab_size, lengths)
         results = extractor.extract(inputs, tmp_path / "files", run="gpu-sweep")
     if not loaded.batching.slow:
         assert max(batches) >= 2, f"no two prompts were batched together: {batches}"
@@ -111,18 +103,24 @@ def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[in
 @pytest.mark.parametrize("model_type", TYPES)
 def test_bf16_files_are_as_close_to_float32_as_plain_transformers_bf16(model_type, tmp_path, record_property):
     model_dir = str(build_tiny_type(model_type, tmp_path / "model", sizes=SMALL))
-    sweep_one(model_type, model_dir, tmp_path, LENGTHS, record_property)
+    sweep_one(model_type, model_dir, tmp_path, SWEEP_LENGTHS, record_property)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cudnn") is None, reason="needs the cudnn extra: make test-gpu")
 @pytest.mark.parametrize("model_type", TYPES)
 def test_bf16_files_through_the_cudnn_frontend_are_as_close_as_plain_transformers_bf16(model_type, tmp_path,
-                                                                                       record_property):
+                                                                                       record_property, monkeypatch):
     try:
         model_dir = str(build_tiny_type(model_type, tmp_path / "model", sizes=WIDE_HEADS))
     except Exception as exc:  # noqa: BLE001 (transformers' strict dataclasses raise their own error types)
         assert model_type in NOT_BUILT_WIDE, f"{model_type} does not build with wide heads: {exc}"
         return
-    with mock.patch.object(cudnn_attention, "varlen", wraps=cudnn_attention.varlen) as frontend:
-        sweep_one(model_type, model_dir, tmp_path, WIDE_LENGTHS, record_property)
-    record_property("cudnn_calls", frontend.call_count)
+    calls, varlen = [], cudnn_attention.varlen
+
+    def counted(*args: Any) -> torch.Tensor:  # the frontend's own call, counted
+        calls.append(None)
+        return varlen(*args)
+
+    monkeypatch.setattr(cudnn_attention, "varlen", counted)
+    sweep_one(model_type, model_dir, tmp_path, WIDE_LENGTHS, record_property)
+    record_property("cudnn_calls", len(calls))

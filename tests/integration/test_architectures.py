@@ -39,6 +39,7 @@ from tests.support.architectures import (
     SHIFTED_HIDDEN_STATES,
     build_tiny,
     check_layout,
+    sweep_prompts,
 )
 from tests.support.extractors import batching_extractor
 from tests.support.processes import cli
@@ -48,7 +49,6 @@ from layertap.worker.extractor import Extractor
 from layertap.worker.model.batching import ModelRefused
 from layertap.worker.model.loading import load_model
 
-LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
 TOLERANCE = 1e-5
 TYPES = decoder_only_types()
 WRITTEN = set(FALLBACKS) | set(ONE_PER_BATCH) | set(REFUSED) | set(NOT_BUILT)
@@ -61,11 +61,6 @@ def worst_token_relative_error(got: torch.Tensor, reference: torch.Tensor) -> to
     """``[T, n_layers, ...]`` pair -> ``[n_layers]``: the largest ``|got_t - ref_t| / |ref_t|`` over tokens."""
     got, reference = got.double().flatten(2), reference.double().flatten(2)
     return ((got - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)).amax(0)
-
-
-def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, min(vocab_size, 128), (n,), generator=generator).tolist() for n in LENGTHS]
 
 
 def test_the_written_expectations_name_only_types_transformers_has():
@@ -94,7 +89,7 @@ def test_batched_files_equal_each_prompt_alone(model_type, tmp_path, caplog):
     batches: list[tuple[int, int]] = []
     with extractor:
         extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append((jobs, tokens))
-        inputs = prompts(loaded.vocab_size)
+        inputs = sweep_prompts(loaded.vocab_size)
         results = extractor.extract(inputs, tmp_path / "files", run="sweep")
     if not loaded.batching.slow:
         assert max(jobs for jobs, _ in batches) >= 2, f"no two prompts were batched together: {batches}"
@@ -181,7 +176,7 @@ def test_a_stream_of_several_copies_is_read_whole_by_the_datasets(tmp_path):
     loaded = load_model(model_dir, name="hc", device="cpu", dtype="float32")
     copies = loaded.model.config.hc_mult
     layer_ids = [0, loaded.num_layers]
-    inputs = prompts(loaded.vocab_size)[:2]
+    inputs = sweep_prompts(loaded.vocab_size)[:2]
     with Extractor(loaded, layers=layer_ids) as extractor:
         results = extractor.extract(inputs, tmp_path / "files", run="hc")
     assert all(result.ok for result in results), [result.error for result in results]

@@ -111,6 +111,18 @@ NOT_BUILT_WIDE: dict[str, str] = {
     **dict.fromkeys(("bamba", "granitemoehybrid", "mamba2"), SSM_WIDE),
 }
 
+#: The sweeps' prompt lengths (CPU, and the GPU's tiny heads), all sent at once: the engine batches them.
+SWEEP_LENGTHS = (3, 41, 17, 9, 26, 38, 30, 12)
+
+
+def sweep_prompts(vocab_size: int, lengths: tuple[int, ...] = SWEEP_LENGTHS, seed: int = 0) -> list[list[int]]:
+    """Seeded random prompts of ``lengths`` tokens, ids from 3 (past the special ones) to the vocabulary or 128."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, min(vocab_size, 128), (n,), generator=generator).tolist() for n in lengths]
+
+
 #: the three architectures the integration tests run workers on (``tiny_models``)
 ARCHES = ("qwen3", "llama", "gpt2")
 
