@@ -27,7 +27,8 @@ from layertap.worker.engine.engine import Engine
 from layertap.worker.engine.scheduler import MAX_PADDING
 from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.engine.prefix_keys import batch_bytes, cache_refusal
-from layertap.worker.engine.self_check import check_prefix_cache, check_prefix_sharing, check_with_fallback
+from layertap.worker.engine.self_check import (check_compiled, check_prefix_cache, check_prefix_sharing,
+                                               check_with_fallback)
 from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor
@@ -35,7 +36,7 @@ from layertap.worker.job.reuse import CaptureIndex
 from layertap.worker.job.sampling import Sampler, SamplingPlan, worker_facts
 from layertap.worker.job.tokenize import Preparer
 from layertap.worker.model.loading import LoadedModel, load_model
-from layertap.worker.model.modes import compile_decoder_layers, use_tower_graphs
+from layertap.worker.model.modes import use_tower_graphs
 from layertap.worker.model.vision.tower_graphs import SIZES as tower_graph_sizes
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
     :class:`~layertap.worker.model.batching.ModelRefused` and nothing is served; then image chats get
     theirs (``layertap.worker.job.image_check``: one per forward where batched ones differ), and
     a batched grid tower on a GPU its CUDA graphs, for up to ``tower_graphs`` image sizes. With
+    ``compile_layers`` the decoder layers are compiled and the check runs again through them
+    (``self_check.check_compiled``: eager where they fail it), before the checks that follow. With
     ``prefix_sharing`` (and the load-time prefix check passed), a row that begins with a longer row
     of its batch is sliced from it (``layertap.worker.engine.prefix_share``); with ``prefix_cache_mib``
     (None: 40% of the device memory free at load; 0: off) of device memory, a row computes only
@@ -117,6 +120,8 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
                       on_fatal=on_fatal)
 
     engine, report = check_with_fallback(loaded, start_engine)
+    if compile_layers:  # checked again through the compiled code; the checks below run it too
+        report = check_compiled(engine, report)
     if prefix_sharing:
         unshared = check_prefix_sharing(engine)
         if unshared:
@@ -127,9 +132,7 @@ def build_processor(loaded: LoadedModel, *, storage_root: str | Path | Storage, 
         engine.prefix_cache = _prefix_cache(engine, prefix_cache_mib, len(preparer.default_layers))
     check_image_batching(engine, preparer)
     use_tower_graphs(loaded, tower_graphs)
-    if compile_layers:  # after the check, which switches attention implementations (no recompiles for it)
-        compile_decoder_layers(loaded)
-    elif loaded.quant_compute.startswith("fp8") and loaded.device.type == "cuda":
+    if not loaded.compiled and loaded.quant_compute.startswith("fp8") and loaded.device.type == "cuda":
         log.warning("fp8 matmuls without --compile: each activation quantization runs as separate kernels and "
                     "can cost more than the fp8 matmul saves; --compile fuses it into each layer (BENCHMARKS.md)")
     sampler = None
@@ -148,12 +151,13 @@ class Extractor:
                  dtype: str = "auto", name: str | None = None, storage_root: str | Path = "layertap-data",
                  token_budget: int = 16384, concurrency: int = 64, limits: Limits | None = None,
                  batching: str = "auto", batch_wait_ms: float = 2.0, images_root: str | Path | None = None,
-                 stages: int = 0, prefix_cache_mib: int | None = None):
+                 stages: int = 0, prefix_cache_mib: int | None = None, compile_layers: bool = False):
         """``batch_wait_ms``: how long the engine waits for more jobs before it runs a batch
         that is not full (as the worker's setting). ``images_root``: where image paths in
         chats are read (``settings.images_root``). ``stages``: the model split over layers
         (as the worker's ``split_stages``; 0: one stage per visible GPU for ``device`` ``cuda``).
-        ``prefix_cache_mib``: as the worker's setting (None: its default; 0: off)."""
+        ``prefix_cache_mib``: as the worker's setting (None: its default; 0: off). ``compile_layers``:
+        as the worker's ``--compile`` (torch.compile the decoder layers, checked again through them)."""
         self.loaded = model if isinstance(model, LoadedModel) else load_model(
             model, name=name, device=device, dtype=dtype, batching=batching, stages=stages,
             token_budget=token_budget, captured_layers=len(layers) if layers else None)
@@ -161,6 +165,7 @@ class Extractor:
                                          worker_name=f"in-process-{os.getpid()}@{socket.gethostname()}",
                                          layers=layers, limits=limits or Limits(), token_budget=token_budget,
                                          batch_wait_s=batch_wait_ms / 1000, prefix_cache_mib=prefix_cache_mib,
+                                         compile_layers=compile_layers,
                                          images_root=None if images_root is None else Path(images_root))
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="layertap-job")
 

@@ -297,7 +297,7 @@ def registration(loaded: LoadedModel, processor: JobProcessor, metrics: WorkerMe
              "self_check": processor.self_check.describe() if processor.self_check else None,
              "load": loaded.load_report.as_json() if loaded.load_report else None,
              "quantization": loaded.quantization.describe() if loaded.quantization else None,
-             "quant_compute": loaded.quant_compute or None, "experts": loaded.experts}
+             "quant_compute": loaded.quant_compute or None, "experts": loaded.experts, "compiled": loaded.compiled}
 
     def now() -> dict[str, Any]:
         return {**facts, "engine": processor.engine.snapshot(), "tokens_per_s": round(metrics.tokens_per_second(), 1),

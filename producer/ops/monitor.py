@@ -51,6 +51,7 @@ class WorkerState:
     load: dict[str, Any] | None = None  # loading: seconds, peak host memory and weights (GiB)
     quant_compute: str = ""  # quantized checkpoints: "dequant" | "fp8"
     experts: str = ""  # mixture of experts: transformers' experts implementation
+    compiled: bool = False  # its decoder layers run torch.compile's code (--compile, and the self-check passed it)
 
 
 @dataclass
@@ -105,7 +106,7 @@ def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerS
             beat_age_s=None if beat is None else max(0.0, now - float(beat)), batching=str(info.get("batching", "")),
             weights=str(info.get("weights_fingerprint", "")),
             load=info.get("load"), quant_compute=str(info.get("quant_compute") or ""),
-            experts=str(info.get("experts") or "")))
+            experts=str(info.get("experts") or ""), compiled=bool(info.get("compiled"))))
     listed = {state.node for state in states}
     states += [WorkerState(node=node, alive=False, model="", device="", gpus="", tokens_per_s=0.0, jobs=0, tokens=0,
                            pending=0, beat_age_s=None) for node in sorted(set(exits) - listed)]

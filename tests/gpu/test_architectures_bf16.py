@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from layertap.producer.files.reader import load_hidden_states
+from layertap.worker.engine.prefix_cache import CHUNK
 from layertap.worker.model import cudnn_attention
 from layertap.worker.model.batching import ModelRefused
 from layertap.worker.model.loading import load_model
@@ -51,6 +52,8 @@ WIDE_LENGTHS = (600, 41, 3, 17, 300, 9)
 FACTOR = 2.0
 #: ... plus this much (relative): a quarter of bf16's unit roundoff, 2**-8.
 FLOOR = 2.0 ** -10
+#: What each prompt is extended by for the batch after it (as the next turn of a chat).
+TAILS = (5, 11, 2, 7, 13, 3, 8, 6)
 TYPES = [name for name in decoder_only_types() if name not in NOT_BUILT]
 
 
@@ -61,11 +64,15 @@ def relative_errors(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 
 def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[int, ...],
-              record_property: Any) -> None:
-    """Serve ``model_dir`` on the GPU in bf16, send ``lengths`` prompts at once, hold every file to the bound."""
+              record_property: Any, compile_layers: bool = False) -> None:
+    """Serve ``model_dir`` on the GPU in bf16 (``compile_layers``: its decoder layers compiled, as
+    ``--compile``); send ``lengths`` prompts at once, with a row that begins the second of them (served
+    from it where the engine shares prefixes), then each prompt extended as the next batch (computed
+    over its cached prefix where the engine caches them); hold every file to the bound."""
     try:
         loaded = load_model(model_dir, name=model_type, device=DEVICE, dtype="bfloat16")
-        extractor = batching_extractor(loaded, 300, layers=list(range(loaded.num_layers + 1)))
+        extractor = batching_extractor(loaded, 300, layers=list(range(loaded.num_layers + 1)),
+                                       compile_layers=compile_layers)
     except ModelRefused as refused:  # loudly: no file is written. Where the CPU sweep serves the type,
         if model_type not in REFUSED:  # only because transformers itself cannot run it in bf16 here
             with pytest.raises(Exception) as raised:  # noqa: B017 (transformers' own error, named in the refusal)
@@ -77,14 +84,27 @@ def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[in
     assert model_type not in REFUSED, f"{model_type} was served: {loaded.batching.describe()}"
     layer_ids = list(range(loaded.num_layers + 1))
     batches: list[int] = []
+    prompts = sweep_prompts(loaded.vocab_size, lengths)
+    first = [*prompts, prompts[1][:lengths[1] // 2]]
+    later = [ids + tail for ids, tail in zip(prompts, sweep_prompts(loaded.vocab_size, TAILS[:len(lengths)], seed=1))]
     with extractor:
-        extractor.processor.engine.on_batch = lambda jobs, tokens: batches.append(jobs)
-        inputs = sweep_prompts(loaded.vocab_size, lengths)
-        results = extractor.extract(inputs, tmp_path / "files", run="gpu-sweep")
+        engine = extractor.processor.engine
+        engine.on_batch = lambda jobs, tokens: batches.append(jobs)
+        shared = engine.stats.shared_tokens
+        results = extractor.extract(first, tmp_path / "files", run="gpu-sweep")
+        shared, cached = engine.stats.shared_tokens - shared, engine.stats.cached_tokens
+        results += extractor.extract(later, tmp_path / "files", run="gpu-sweep-later")
+        cached = engine.stats.cached_tokens - cached
+        sharing, caching = engine.prefix_sharing, engine.prefix_cache is not None
     if not loaded.batching.slow:
         assert max(batches) >= 2, f"no two prompts were batched together: {batches}"
+    if sharing and not loaded.batching.slow:
+        assert shared == len(first[-1]), f"{shared} tokens served from a longer row, not the {len(first[-1])} asked"
+    if caching:  # each prompt of a whole block or more (``prefix_cache.CHUNK``), whole
+        expected = sum(n for n in lengths if n >= CHUNK)
+        assert cached == expected, f"{cached} tokens taken from the cache, not the {expected} of the prompts"
     measured = []  # (tokens, the file's error per layer, plain transformers' bf16 error per layer)
-    for ids, result in zip(inputs, results):
+    for ids, result in zip(first + later, results, strict=True):
         assert result.ok, result.error
         got = load_hidden_states(result.path)["hidden_states"]
         assert got.dtype == torch.bfloat16
@@ -93,11 +113,15 @@ def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[in
         assert got.flatten(2).shape == truth.flatten(2).shape
         measured.append((len(ids), relative_errors(got, truth), relative_errors(plain, truth)))
     record_property("batching", loaded.batching.name)
+    record_property("compiled", loaded.compiled)
+    record_property("shared_tokens", shared if sharing else None)
+    record_property("cached_tokens", cached if caching else None)
     record_property("errors", json.dumps([(n, ours.tolist(), theirs.tolist()) for n, ours, theirs in measured]))
     for tokens, ours, theirs in measured:
         assert bool((ours <= FACTOR * theirs + FLOOR).all()), (
-            f"{model_type} ({loaded.batching.name}), {tokens} tokens: from float32 per layer, the file "
-            f"{[round(x, 5) for x in ours.tolist()]}, plain transformers bf16 {[round(x, 5) for x in theirs.tolist()]}")
+            f"{model_type} ({loaded.batching.name}{', compiled' if loaded.compiled else ''}), {tokens} tokens: from "
+            f"float32 per layer, the file {[round(x, 5) for x in ours.tolist()]}, plain transformers bf16 "
+            f"{[round(x, 5) for x in theirs.tolist()]}")
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -124,3 +148,12 @@ def test_bf16_files_through_the_cudnn_frontend_are_as_close_as_plain_transformer
     monkeypatch.setattr(cudnn_attention, "varlen", counted)
     sweep_one(model_type, model_dir, tmp_path, WIDE_LENGTHS, record_property)
     record_property("cudnn_calls", len(calls))
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_compiled_bf16_files_are_as_close_to_float32_as_plain_transformers_bf16(model_type, tmp_path,
+                                                                              record_property):
+    """As ``--compile`` serves them: the decoder layers run the code torch.compile's Inductor generates
+    (Triton kernels), checked at load through it (``self_check.check_compiled``; where it fails, eagerly)."""
+    model_dir = str(build_tiny_type(model_type, tmp_path / "model", sizes=SMALL))
+    sweep_one(model_type, model_dir, tmp_path, SWEEP_LENGTHS, record_property, compile_layers=True)

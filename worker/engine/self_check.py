@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from layertap.worker.engine.probes import ProbePlan, plan_probes
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.model.batching import ModelRefused, fallback
 from layertap.worker.model.loading import LoadedModel
-from layertap.worker.model.modes import each_sequence_alone, use_layout
+from layertap.worker.model.modes import compile_decoder_layers, each_sequence_alone, use_layout
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,22 @@ def check_prefix_cache(engine: Engine, budget_bytes: int, seed: int = 2) -> str 
     if report.worst_relative_error <= report.tolerance:
         return None
     return f"a row computed over its cached prefix differs from the row alone ({report.describe()})"
+
+
+def check_compiled(engine: Engine, eager: CheckReport, backend: str | Callable[..., Any] = "inductor") -> CheckReport:
+    """Compile ``engine``'s decoder layers (``modes.compile_decoder_layers``; the first probe batch
+    pays the compile) and run the batching self-check through them: the check their eager code
+    passed (``eager``, its report) covers none of the code torch.compile generates. Returns the
+    compiled check's report; where the compiled layers fail it, or fail to run, they run their
+    eager code again (warned: why) and ``eager`` stands."""
+    loaded = engine.loaded
+    run_eagerly = compile_decoder_layers(loaded, backend)
+    try:
+        return check_batching(engine)
+    except ModelRefused as refused:
+        run_eagerly()
+        log.warning("%s: decoder layers run eagerly, not compiled: compiled, %s", loaded.architecture, refused.reason)
+        return eager
 
 
 def check_with_fallback(loaded: LoadedModel, start_engine: Callable[[], Engine]) -> tuple[Engine, CheckReport]:

@@ -109,6 +109,7 @@ def worker_facts(loaded: LoadedModel, report: CheckReport | None, every: int, mi
             "architecture": loaded.architecture, "batching": loaded.batching.name,
             "batching_reason": loaded.batching.reason, "attention": loaded.native_attention,
             "stages": len(loaded.split.stages) if loaded.split else 1, "quant_compute": loaded.quant_compute,
+            "compiled": loaded.compiled,
             "self_check": report.describe() if report else None, "sample_every": every, "sample_min": minimum}
 
 

@@ -100,6 +100,7 @@ class LoadedModel:
     grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``vision.towers``), found once
     rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``vision.inputs``), found once
     tower_graphs: TowerGraphs | None = None  # the grid tower's CUDA graphs by image size (``vision.tower_graphs``), GPU only
+    compiled: bool = False  # decoder layers run torch.compile's code (``modes.compile_decoder_layers``)
 
     @property
     def architecture(self) -> str:

@@ -7,8 +7,8 @@ only runs the model; every such change is made here or at load (``loading``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,8 +47,9 @@ def transformers_attention(loaded: LoadedModel) -> Iterator[None]:
 @contextlib.contextmanager
 def _one_per_forward(loaded: LoadedModel, field: str, reason: str) -> Iterator[None]:
     """Within the block ``loaded.<field>`` (a layout) is the one-per-forward layout, under
-    transformers' attention; the served layout again after it."""
-    with transformers_attention(loaded):
+    transformers' attention, and compiled layers run their eager code (the model as a user runs it;
+    no graphs compiled for a setup the engine never serves); the served layout again after it."""
+    with transformers_attention(loaded), torch.compiler.set_stance("force_eager"):
         served = getattr(loaded, field)
         setattr(loaded, field, layout_class("single")(reason))
         try:
@@ -75,23 +76,35 @@ def each_image_chat_alone(loaded: LoadedModel) -> contextlib.AbstractContextMana
     return _one_per_forward(loaded, "image_batching", "the image self-check's reference: each chat alone")
 
 
-def compile_decoder_layers(loaded: LoadedModel, backend: str = "inductor") -> None:
+def compile_decoder_layers(loaded: LoadedModel, backend: str | Callable[..., Any] = "inductor") -> Callable[[], None]:
     """``torch.compile`` each decoder layer's ``forward`` with dynamic shapes: norms, rotary,
     MLP and residual adds fuse; attention stays eager (``packed_attention`` is excluded)
     and the capture hooks stay outside (they run in ``Module.__call__``), as do accelerate's
     (a split model's: the layer's own forward is compiled, under them). Identical layers
-    share one compiled graph; the engine's warm-up pays the compile time. ``backend``: torch's
+    share one compiled graph; the first batch through them pays the compile time. ``backend``: torch's
     (``eager`` traces the graphs without generating code, as the tests of their breaks do).
     A VLM's grid tower (``layertap.worker.model.vision.towers``) has its blocks compiled the same
     way, one graph for all of them, its varlen flash attention a custom op inside it (no graph
     break). Not the whole tower: that unrolls every block into one graph; on an H200
     (Qwen2.5-VL-7B's 32 blocks) a first forward so compiled had not ended after a minute (17 s
-    with its blocks compiled). The image warm-up compiles them."""
+    with its blocks compiled). The image warm-up compiles them. Returns what makes every one of them
+    run its eager code again (``self_check.check_compiled``, where the compiled layers fail it)."""
+    eager: list[tuple[torch.nn.Module, str, Callable[..., Any] | None]] = []
     for layer in [*loaded.layers, *getattr(loaded.grid_tower, "blocks", [])]:
-        if hasattr(layer, "_old_forward"):  # accelerate's hook calls it
-            layer._old_forward = torch.compile(layer._old_forward, dynamic=True, backend=backend)
-        else:
-            layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
+        field = "_old_forward" if hasattr(layer, "_old_forward") else "forward"  # accelerate's hook calls the first
+        held = layer.__dict__.get(field)  # an instance's own forward (a hook's); None: the class's
+        eager.append((layer, field, held))
+        setattr(layer, field, torch.compile(getattr(layer, field), dynamic=True, backend=backend))
+    loaded.compiled = True
+
+    def run_eagerly() -> None:
+        for layer, field, held in eager:
+            if held is None:
+                del layer.__dict__[field]
+            else:
+                setattr(layer, field, held)
+        loaded.compiled = False
+    return run_eagerly
 
 
 def use_tower_graphs(loaded: LoadedModel, limit: int) -> None:
