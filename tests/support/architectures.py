@@ -37,7 +37,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any], str]] = {
 #: one prompt per batch from the start (the phrase their layout's reason holds).
 DSA = "a lightning indexer (index_topk)"  # its top-k breaks exact ties by the batch's width (the layout says why)
 ONE_PER_BATCH: dict[str, str] = {name: DSA for name in ("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text",
-                                                          "hy_v4", "deepseek_v4")}
+                                                          "hy_v4", "deepseek_v4", "kolibri1_1")}
 #: The types that end on a layout other than the one planned after the load-time self-check, with why.
 FALLBACKS: dict[str, tuple[str, str]] = {
     "doge": ("single", "its dynamic mask keeps the top keep_window_size keys of a row as wide as the padded batch "

@@ -81,6 +81,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # windows and blocks under generic names, shorter than the prompts (their defaults: 256)
     "gpt_neo": dict(window_size=8),
     "minimax": dict(block_size=8),
+    # keys and values rounded to NVFP4 (16-wide blocks); an indexer over a pool of 4 blocks of 4, its sparse
+    # layer's top-k, local and sink tokens shorter than the prompts; experts in the second layer
+    "kolibri1_1": dict(head_dim=16, layer_types=["sliding_attention", "indexed_attention"], index_layers=[1],
+                       kv_source_layers=[0, 1], index_num_heads=2, index_pool_size=16, index_compression=4,
+                       index_num_local_tokens=4, index_num_sink_tokens=2, mlp_only_layers=[0]),
 }
 
 
