@@ -48,6 +48,16 @@ SMALL: dict[str, Any] = {
     "image_size": 32, "patch_size": 8, "num_channels": 3, "projection_dim": 32, "vision_output_dim": 32,
     "num_key_value_heads": 2, "rotary_dim": 4, "n_shared_experts": 1, "n_groups": 1,
 }
+#: Fields that set how many experts a token is routed to: with :func:`every_expert`, all of :data:`SMALL`'s 4.
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "num_experts_per_token")
+
+
+def every_expert(sizes: dict[str, Any]) -> dict[str, Any]:
+    """``sizes`` with every token routed to every expert: no top-k choice of experts that a bf16 rounding
+    can flip (the GPU sweep's bound is on rounding; the CPU sweep holds top-k routing in float32)."""
+    return {**sizes, **dict.fromkeys(TOP_K_FIELDS, sizes["num_experts"])}
+
+
 #: :data:`SMALL` with attention heads of 64 and room for prompts of a thousand tokens: the head size and
 #: lengths at which a GPU's packed attention takes NVIDIA's cuDNN frontend (``cudnn_attention.takes``).
 WIDE_HEADS: dict[str, Any] = {
