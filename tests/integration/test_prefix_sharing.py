@@ -52,3 +52,19 @@ def test_a_model_whose_prefix_states_depend_on_the_row_shares_nothing(tmp_path, 
         assert extractor.processor.engine.stats.shared_tokens == 0
     assert "rows that begin with another row are computed on their own: a row's states differ" in caplog.text
     assert worst_error(model_dir, rows, [result.path for result in results], layers) <= TOLERANCE
+
+
+def test_a_model_served_one_prompt_per_batch_shares_nothing(tmp_path, caplog):
+    """Its states depend on the forward that computes them, so a longer row's forward (another width,
+    other roundings) may pick other keys than the row's own: no row is served from another, though
+    the float32 prefix check passes."""
+    model_dir = str(build_tiny_type("qwen3", tmp_path / "model"))
+    rows = conversations(1, TURNS)[0]
+    with batching_extractor(model_dir, 300, layers=[0, 2], device="cpu", dtype="float32",
+                            batching="single") as extractor:
+        assert extractor.loaded.batching.slow and not extractor.processor.engine.prefix_sharing
+        results = extractor.extract(rows, tmp_path / "files", run="turns")
+        assert extractor.processor.engine.stats.shared_tokens == 0
+    assert "rows that begin with another row are computed on their own: it is served one prompt per batch" \
+        in caplog.text
+    assert worst_error(model_dir, rows, [result.path for result in results], [0, 2]) <= TOLERANCE
