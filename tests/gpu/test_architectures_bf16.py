@@ -118,7 +118,8 @@ def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[in
         got = load_hidden_states(result.path)["hidden_states"]
         truth = block_input_states(model_dir, ids, layer_ids)
         plain = block_input_states(model_dir, ids, layer_ids, dtype=torch.bfloat16, device=DEVICE).cpu()
-        assert got.dtype == plain.dtype  # bf16, or float32 where the model's residual stream is (ergo's)
+        # the model's dtype (its first parameter's: bf16, or float32 where that is kept so, as ergo's embedding)
+        assert got.dtype == loaded.dtype
         assert got.flatten(2).shape == truth.flatten(2).shape
         measured.append((len(ids), relative_errors(got, truth), relative_errors(plain, truth)))
     record_property("batching", loaded.batching.name)

@@ -274,6 +274,7 @@ VLM_OVERRIDES: dict[str, dict[str, Any]] = {
     # GroupNorm's 32 groups): built and initialized at its defaults, twice before the build fails as
     # vlm_types.NOT_BUILT says (its vocabulary map unset), it took 6 s of the sweep's CPU
     "emu3": {"vq_config": {"base_channels": 32, "codebook_size": 64}},
+    "llava_onevision1_5": {"vision_config": {"out_hidden_size": 32}},  # its merger's width: the text's hidden size
 }
 
 

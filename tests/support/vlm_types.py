@@ -41,6 +41,7 @@ REFUSED: dict[str, tuple[str, str]] = {
     "idefics": ("its decoder's forward fails", "IDEFICS (v1) gates cross-attention to image features into its "
                 "decoder: its forward needs pixel values or image embeddings, so text alone does not run"),
     "pi0": ("names no num_hidden_layers", "a robot policy (PaliGemma and an action expert), not one decoder of text"),
+    "pi05": ("names no num_hidden_layers", "pi0's successor (transformers 5.25): a robot policy, as pi0"),
     "pix2struct": ENCODER_DECODER,
     "pp_formulanet": ENCODER_DECODER,
     "t5gemma2": ENCODER_DECODER,

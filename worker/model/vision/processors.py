@@ -60,6 +60,11 @@ def images_only(processor_class: type) -> type:
             parts = dict(zip(kept, args), **{VIDEO: None})  # a processor_config.json may name a video processor
             return super().from_args_and_dict([], processor_dict, **parts, **kwargs)
 
+        @classmethod
+        def from_dict(cls, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
+            # transformers >= 5.25 loads the parts into ``processor_dict`` and builds the class here
+            return super().from_dict({**processor_dict, VIDEO: None}, **kwargs)
+
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     return ImagesOnly
 
