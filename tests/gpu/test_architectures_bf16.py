@@ -107,7 +107,7 @@ def sweep_one(model_type: str, model_dir: str, tmp_path: Path, lengths: tuple[in
         sharing, caching = engine.prefix_sharing, engine.prefix_cache is not None
     if not loaded.batching.slow:
         assert max(batches) >= 2, f"no two prompts were batched together: {batches}"
-    if sharing and not loaded.batching.slow:
+    if sharing:  # never with one prompt per batch (``self_check.check_prefix_sharing``)
         assert shared == len(first[-1]), f"{shared} tokens served from a longer row, not the {len(first[-1])} asked"
     if caching:  # each prompt of a whole block or more (``prefix_cache.CHUNK``), whole
         expected = sum(n for n in lengths if n >= CHUNK)
