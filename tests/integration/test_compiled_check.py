@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from layertap.producer.files.reader import load_hidden_states
 from layertap.worker.engine.self_check import check_compiled
 from tests.support.architectures import sweep_prompts
 from tests.support.extractors import batching_extractor
-from tests.support.reference import block_input_states
 from tests.support.tiny_configs import build_tiny_type
+from tests.support.turns import worst_error
 
 TOLERANCE = 1e-5
 LENGTHS = (23, 5, 61, 40)
@@ -41,18 +40,13 @@ def backend(graphs: list[int], *, off_by: float) -> Callable[..., Any]:
 
 
 def files_against_plain_transformers(extractor: Any, model_dir: str, tmp_path) -> float:
-    """The worst relative error, over the prompts' tokens and every layer, of the files of
-    :data:`LENGTHS` prompts sent at once, against plain transformers run on each alone."""
+    """The worst per-token relative error (``turns.worst_error``) of the files of :data:`LENGTHS`
+    prompts sent at once, against plain transformers run on each alone."""
     layer_ids = list(range(extractor.loaded.num_layers + 1))
     inputs = sweep_prompts(extractor.loaded.vocab_size, LENGTHS)
     results = extractor.extract(inputs, tmp_path / "files", run="compiled", layers=layer_ids)
-    worst = 0.0
-    for ids, result in zip(inputs, results, strict=True):
-        assert result.ok, result.error
-        got = load_hidden_states(result.path)["hidden_states"].double()
-        truth = block_input_states(model_dir, ids, layer_ids).double()
-        worst = max(worst, float(((got - truth).norm(dim=-1) / truth.norm(dim=-1)).max()))
-    return worst
+    assert all(result.ok for result in results), [result.error for result in results if not result.ok]
+    return worst_error(model_dir, inputs, [result.path for result in results], layer_ids)
 
 
 @pytest.fixture(scope="module")
