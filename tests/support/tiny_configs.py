@@ -102,15 +102,20 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 def decoder_only_types() -> list[str]:
     """Every model type transformers maps to a causal-LM class, less the encoder-decoders
     (seq2seq mappings, ``is_encoder_decoder``), the bidirectional encoders that can also be run
-    as decoders (masked-LM mapping), and the decoder halves of encoder-decoders
-    (``is_decoder`` False by default). Sorted."""
+    as decoders (masked-LM mapping), the decoder halves of encoder-decoders (``is_decoder`` False
+    by default), and text-to-audio generators (text-to-waveform and -spectrogram mappings: their
+    causal-LM class decodes audio codes conditioned on a text encoder; MusicGen's). Sorted. The last
+    keeps the list the same where a composite config's defaults do not validate: transformers 5.17's
+    ``MusicgenConfig()`` raises, and its dataclass defaults say ``is_encoder_decoder`` False."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto import modeling_auto
 
     causal = set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     encoders = (set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
                 | set(modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
-                | set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES))
+                | set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+                | set(modeling_auto.MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES)
+                | set(modeling_auto.MODEL_FOR_TEXT_TO_SPECTROGRAM_MAPPING_NAMES))
     kept = []
     for model_type in sorted(causal - encoders):
         defaults = _defaults(CONFIG_MAPPING[model_type])
