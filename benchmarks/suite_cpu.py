@@ -2,7 +2,7 @@
 
     python benchmarks/suite_cpu.py [pytest arguments]      # default: -n 4 --dist loadgroup, as make test
 
-Runs pytest with ``benchmarks/suite_cpu`` on ``PYTHONPATH``: its ``sitecustomize`` makes each Python
+Runs pytest with ``benchmarks/suite_cpu_site`` on ``PYTHONPATH``: its ``sitecustomize`` makes each Python
 process (pytest and its xdist processes, workers, CLI commands, examples) write its own CPU seconds at
 exit. Prints the suite's CPU (``getrusage`` of all children reaped), the recorded share, and the
 largest groups (``layertap <command>``, ``pytest`` for the test processes themselves, other scripts)
@@ -42,7 +42,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "processes.jsonl"
         env = {**os.environ, "SUITE_CPU_OUT": str(out),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "suite_cpu"), os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "suite_cpu_site"), os.environ.get("PYTHONPATH")]))}
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=REPO, env=env)
         wall = time.monotonic() - started

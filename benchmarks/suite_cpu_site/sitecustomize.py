@@ -1,4 +1,4 @@
-"""Loaded by every Python process started with ``benchmarks/suite_cpu`` on ``PYTHONPATH`` (see
+"""Loaded by every Python process started with ``benchmarks/suite_cpu_site`` on ``PYTHONPATH`` (see
 ``benchmarks/suite_cpu.py``): at exit, appends one JSON line to ``$SUITE_CPU_OUT`` with the process's
 CPU seconds (user + system), wall seconds, argv and the test that started it (``PYTEST_CURRENT_TEST``,
 which child processes inherit). A process killed by a signal writes nothing."""
