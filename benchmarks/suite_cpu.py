@@ -41,8 +41,8 @@ def main() -> int:
     args = sys.argv[1:] or DEFAULT_ARGS
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "processes.jsonl"
-        env = {**os.environ, "SUITE_CPU_OUT": str(out),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "suite_cpu_site"), os.environ.get("PYTHONPATH")]))}
+        path = [str(HERE / "suite_cpu_site"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "SUITE_CPU_OUT": str(out), "PYTHONPATH": os.pathsep.join(path)}
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=REPO, env=env)
         wall = time.monotonic() - started
