@@ -5,7 +5,8 @@
 Runs pytest with ``benchmarks/suite_cpu_site`` on ``PYTHONPATH``: its ``sitecustomize`` makes each Python
 process (pytest and its xdist processes, workers, CLI commands, examples) write its own CPU seconds at
 exit. Prints the suite's CPU (``getrusage`` of all children reaped), the recorded share, and the
-largest groups (``layertap <command>``, ``pytest`` for the test processes themselves, other scripts)
+largest groups (``layertap <command>``; ``pytest`` and ``python -c``, which holds pytest-xdist's test
+processes and the tests' own ``python -c`` scripts; other scripts by name)
 with the tests that spent most. Processes killed by a signal (most workers a test stops with SIGKILL)
 and non-Python ones (redis-server, pip's builds) are in the total but not in the groups.
 """
@@ -28,13 +29,15 @@ DEFAULT_ARGS = ["-n", "4", "--dist", "loadgroup"]
 
 
 def group(argv: list[str]) -> str:
-    """What a process ran: ``layertap <command>``, ``pytest`` (the test processes) or its script's name."""
-    joined = " ".join(argv)
-    if argv and argv[0].endswith("layertap/__main__.py"):
+    """What a process ran: ``layertap <command>``, ``pytest``, ``python -c`` (pytest-xdist's test
+    processes among them) or its script's name. Only ``argv[0]`` decides: the others name test paths."""
+    if not argv:
+        return "?"
+    if argv[0].endswith("layertap/__main__.py"):
         return f"layertap {argv[1] if len(argv) > 1 else ''}".strip()
-    if "pytest" in joined or argv[:1] == ["-c"]:  # xdist's processes run as ``python -c``
-        return "pytest"
-    return Path(argv[0]).name if argv else "?"
+    if argv[0] == "-c":
+        return "python -c"
+    return "pytest" if "pytest" in Path(argv[0]).parts else Path(argv[0]).name
 
 
 def main() -> int:
