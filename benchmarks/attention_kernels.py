@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def failure(error: Exception) -> dict:
     """A failed kernel call as a report entry: the error, where it was raised, and the device's
     state after it (``cuda_state`` where the device failed too)."""

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import redis
 
+from layertap.command import layertap_argv
 from layertap.producer.client.client import Client
 from layertap.producer.client.results import stream_results
-from layertap.command import layertap_argv
 from layertap.producer.dev.redis_server import RedisServer
 from layertap.protocol import keys
 from layertap.protocol.fileformat import MetaKey, read_file_header

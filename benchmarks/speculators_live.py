@@ -103,7 +103,8 @@ def trainer_main(args: list[str]) -> None:
     root.addHandler(console)  # speculators' own basicConfig then adds nothing
     root.addHandler(StepRecorder(os.environ["STEPS_LOG"]))
     root.setLevel(logging.INFO)
-    import hs_connectors  # noqa: F401  (layertap's .pth hook registers the backend after it; here, by hand)
+    # kept in this order: hs_connectors, then layertap's backend (as its .pth hook does; here, by hand)
+    import hs_connectors  # noqa: F401, I001
 
     import layertap.producer.trainers.hs_backend  # noqa: F401
     from speculators.__main__ import app

@@ -41,8 +41,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from layertap.producer.client.client import Client
 from layertap.command import layertap_argv
+from layertap.producer.client.client import Client
 from layertap.producer.dataset import StreamingHiddenStatesDataset, collate
 from layertap.producer.dev.redis_server import RedisServer
 from layertap.settings import Settings

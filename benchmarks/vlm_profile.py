@@ -43,21 +43,21 @@ from typing import Any
 
 import torch
 from PIL import Image
-
 from vlm import conversations, template_chat, text_ids, write_model
+
 from layertap.protocol.layers import eagle3_layer_ids
 from layertap.worker.bench.measure import sync
 from layertap.worker.engine.host_buffers import HostStaging, slot_capacity
 from layertap.worker.engine.records import EngineRequest
 from layertap.worker.engine.runner import BatchRunner, run_with_images
 from layertap.worker.job.multimodal import placeholder_token_ids
-from layertap.worker.model.vision.inputs import staged_inputs
-from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
 from layertap.worker.model.loading import load_model
 from layertap.worker.model.modes import compile_decoder_layers, transformers_attention, use_tower_graphs
+from layertap.worker.model.vision.attention import vision_attention
+from layertap.worker.model.vision.inputs import staged_inputs
 from layertap.worker.model.vision.processors import load_processor
 from layertap.worker.model.vision.tower_graphs import SIZES
-from layertap.worker.model.vision.attention import vision_attention
+from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
 
 
 def process(processor: Any, chat: dict[str, Any], images: Path, loaded: Any, **image_options: Any) -> dict:

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from layertap.producer.client.client import Client
 from layertap.command import layertap_argv
+from layertap.producer.client.client import Client
 from layertap.producer.dataset import HiddenStatesDataset, StreamingHiddenStatesDataset, collate
 from layertap.producer.dev.redis_server import RedisServer
 from layertap.settings import Settings

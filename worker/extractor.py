@@ -24,11 +24,15 @@ from layertap.settings import Limits
 from layertap.storage.base import Storage
 from layertap.storage.registry import storage_for
 from layertap.worker.engine.engine import Engine
-from layertap.worker.engine.scheduler import MAX_PADDING
 from layertap.worker.engine.prefix_cache import PrefixCache
 from layertap.worker.engine.prefix_keys import batch_bytes, cache_refusal
-from layertap.worker.engine.self_check import (check_compiled, check_prefix_cache, check_prefix_sharing,
-                                               check_with_fallback)
+from layertap.worker.engine.scheduler import MAX_PADDING
+from layertap.worker.engine.self_check import (
+    check_compiled,
+    check_prefix_cache,
+    check_prefix_sharing,
+    check_with_fallback,
+)
 from layertap.worker.job.examiners import Examiners
 from layertap.worker.job.image_check import check_image_batching
 from layertap.worker.job.pipeline import JobProcessor

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import typer
 
+from layertap.extras import require
 from layertap.producer import __version__
 from layertap.producer.cli import data as cli_data
 from layertap.producer.cli import dlq as cli_dlq
@@ -34,7 +35,6 @@ from layertap.producer.cli.common import (
     require_run,
 )
 from layertap.producer.cli.ops import register as register_ops
-from layertap.extras import require
 from layertap.settings import unknown_settings
 
 app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, extract layer activations, "

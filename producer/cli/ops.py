@@ -15,12 +15,12 @@ import typer
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from layertap.extras import require
 from layertap.producer.cli.common import console, folding_table, require_run
 from layertap.producer.client import runs
 from layertap.producer.client.client import Client
 from layertap.producer.client.fleet import running_jobs
 from layertap.producer.client.results import stream_results
-from layertap.extras import require
 from layertap.producer.ops.monitor import (
     FleetStatus,
     RunProgress,

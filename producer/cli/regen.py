@@ -153,8 +153,8 @@ def open_sink(run: str | None, model: str, layers: str | None, max_inflight: int
         return None
     from layertap.producer.client.client import Client
     from layertap.producer.ingest.enqueue import Enqueuer
-    from layertap.protocol.layers import parse_layer_list
     from layertap.producer.regen.sink import EnqueueSink
+    from layertap.protocol.layers import parse_layer_list
     from layertap.settings import Settings
 
     settings = Settings()

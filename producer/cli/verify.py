@@ -31,7 +31,8 @@ def certify(
     stating what its files are and the error measured on its sampled rows. Prints the certificate id."""
     from layertap.producer.cli.common import load_settings
     from layertap.producer.client.client import Client
-    from layertap.producer.files.certify import CertifyRefused, certify as certify_run
+    from layertap.producer.files.certify import CertifyRefused
+    from layertap.producer.files.certify import certify as certify_run
 
     settings = load_settings(redis_url=redis_url, storage=storage)
     with Client(settings) as client:

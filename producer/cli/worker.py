@@ -11,8 +11,8 @@ from typing import Optional
 
 import typer
 
-from layertap.producer.cli.common import console, load_settings, parse_layers, worker_default
 from layertap.extras import require
+from layertap.producer.cli.common import console, load_settings, parse_layers, worker_default
 from layertap.settings import LogFormat, Settings
 
 
@@ -86,8 +86,8 @@ def worker(
 
 def supervise(settings: Settings) -> int:
     """Run one child worker per GPU group; children read the same settings from the environment."""
-    from layertap.worker.ops.logs import configure_logging
     from layertap.worker.job.examiners import helpers_per_worker
+    from layertap.worker.ops.logs import configure_logging
     from layertap.worker.ops.supervisor import SIGKILL_GRACE_S, Supervisor, visible_gpus
 
     ws = settings.worker

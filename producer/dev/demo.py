@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -27,8 +27,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from layertap.producer.client.client import Client
 from layertap.command import layertap_argv
+from layertap.producer.client.client import Client
 from layertap.producer.dev.demo_data import demo_jobs
 from layertap.producer.dev.redis_server import RedisServer
 from layertap.settings import Settings

@@ -29,8 +29,15 @@ from layertap.producer.client import runs
 from layertap.producer.client.fleet import live_workers
 from layertap.producer.files.verify import differing, file_line, run_object, states_of, summed
 from layertap.protocol import fileformat as ff
-from layertap.protocol.certificate import (CERTIFICATE_NAME, FILES_NAME, MEASURE_WITHIN_S, Certificate, FileLine, FileSet,
-                                           SampleRow)
+from layertap.protocol.certificate import (
+    CERTIFICATE_NAME,
+    FILES_NAME,
+    MEASURE_WITHIN_S,
+    Certificate,
+    FileLine,
+    FileSet,
+    SampleRow,
+)
 from layertap.protocol.fileformat import FileFormatError, FileHeader, MetaKey
 from layertap.storage.base import Storage
 from layertap.transport.ledger import Ledger

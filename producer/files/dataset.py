@@ -32,9 +32,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.files.verify import RunStates
 from layertap.producer.files.manifest import ManifestEntry, iter_manifest
 from layertap.producer.files.reader import load_hidden_states
+from layertap.producer.files.verify import RunStates
 from layertap.protocol import fileformat as ff
 
 

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from layertap.extras import need
-from layertap.producer.files.verify import RunStates
 from layertap.producer.files.dequantized import FLOAT8, write_dequantized
 from layertap.producer.files.export_config import ExportLayers, write_export_config
 from layertap.producer.files.manifest import ManifestEntry
+from layertap.producer.files.verify import RunStates
 from layertap.protocol import fileformat as ff
 from layertap.storage.local import add_lock_file
 from layertap.storage.registry import storage_at

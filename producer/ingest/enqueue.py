@@ -38,8 +38,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import redis

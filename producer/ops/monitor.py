@@ -24,9 +24,9 @@ import redis
 
 from layertap.producer.client.fleet import worker_records
 from layertap.producer.client.results import START, stream_results
-from layertap.rates import RateWindow
 from layertap.protocol import keys
 from layertap.protocol.schema import ErrorType, Status
+from layertap.rates import RateWindow
 from layertap.transport.ledger import Ledger
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+
 from layertap.producer.serve.errors import ServeError, refused
 from layertap.producer.serve.jobs import check_chat_rendering
 from layertap.producer.serve.wire import ChatRequest

@@ -29,6 +29,9 @@ from layertap.producer.files.dataset import HiddenStatesDataset
 from layertap.producer.files.manifest import entry_from_file
 from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol.fileformat import MetaKey, metadata_of
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.batching import ModelRefused
+from layertap.worker.model.loading import load_model
 from tests.support.architectures import (
     FALLBACKS,
     NOT_BUILT,
@@ -45,9 +48,6 @@ from tests.support.extractors import batching_extractor
 from tests.support.processes import cli
 from tests.support.reference import block_input_states, reference_states
 from tests.support.tiny_configs import build_tiny_type, decoder_only_types
-from layertap.worker.extractor import Extractor
-from layertap.worker.model.batching import ModelRefused
-from layertap.worker.model.loading import load_model
 
 TOLERANCE = 1e-5
 TYPES = decoder_only_types()

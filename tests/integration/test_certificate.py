@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from layertap.producer.files.export import check_entries
 from layertap.producer.files.dataset import HiddenStatesDataset
+from layertap.producer.files.export import check_entries
 from layertap.producer.files.manifest import ManifestEntry
 from layertap.producer.files.verify import read_certificate, verify
+from layertap.protocol import keys
 from layertap.protocol.certificate import CERTIFICATE_NAME, Certificate, CertificateError, FileSet, parse_certificate
 from layertap.protocol.fileformat import MetaKey, metadata_of
-from layertap.protocol import keys
 from layertap.protocol.naming import job_path
 from layertap.storage.registry import storage_for
 from layertap.worker.extractor import Extractor

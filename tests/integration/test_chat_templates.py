@@ -19,11 +19,11 @@ from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol.fileformat import MetaKey, metadata_of
 from layertap.protocol.schema import ErrorType, json_size
 from layertap.settings import Settings
+from layertap.worker.job.chat import render_chat
+from layertap.worker.job.errors import JobError
 from tests.support.jobs import CHAT, chatml_reference, llama_reference
 from tests.support.processes import WorkerProcess
 from tests.support.reference import load
-from layertap.worker.job.chat import render_chat
-from layertap.worker.job.errors import JobError
 
 # A ChatML template in Qwen3's manner (written for these tests): tools in the system turn,
 # <think> reasoning only for assistant turns after the last user message, tool calls as JSON.

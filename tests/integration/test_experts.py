@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from layertap.producer.files.reader import load_hidden_states
-from tests.support.architectures import build_tiny
 from layertap.worker.model.loading import load_model
+from tests.support.architectures import build_tiny
 from tests.support.extractors import batching_extractor
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [40, 41, 42], [100, 7, 30, 9, 25, 17, 18, 19, 20])

@@ -17,9 +17,9 @@ from layertap.protocol import keys
 from layertap.protocol.naming import job_path
 from layertap.protocol.schema import Result, Status
 from layertap.settings import Settings
-from tests.support.processes import cli
 from layertap.worker.queue.publisher import ResultPublisher
 from layertap.worker.queue.retention import RetentionSweep
+from tests.support.processes import cli
 
 RUN = "kept"
 FIRST, SECOND = 30, 20

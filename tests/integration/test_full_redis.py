@@ -15,9 +15,9 @@ from layertap.producer.client import runs
 from layertap.protocol import keys
 from layertap.protocol.naming import job_path
 from layertap.protocol.schema import Result, Status
-from tests.support.processes import cli, run_through_full_redis
 from layertap.worker.queue.publisher import ResultPublisher
 from layertap.worker.queue.retention import RetentionSweep
+from tests.support.processes import cli, run_through_full_redis
 
 ENTRIES = 200
 

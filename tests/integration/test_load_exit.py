@@ -15,10 +15,10 @@ from pathlib import Path
 
 import psutil
 
-from tests.support.jobs import wait_for
-from tests.support.processes import cli
 from layertap.worker.ops.phase import PHASE_FILE_ENV
 from layertap.worker.ops.supervisor import exit_reason
+from tests.support.jobs import wait_for
+from tests.support.processes import cli
 
 SLOW_LOADING_CODE = '''
 """A Qwen3 model whose construction waits while the file named by LAYERTAP_TEST_LOAD_GATE exists."""

@@ -31,16 +31,16 @@ from layertap.producer.files.file_stats import (
     token_norms,
 )
 from layertap.producer.ops.monitor import RunTracker
-from layertap.rates import RateWindow
 from layertap.protocol import keys
 from layertap.protocol.schema import ErrorType
+from layertap.rates import RateWindow
 from layertap.settings import Settings
 from layertap.transport.celery_app import make_celery
+from layertap.worker.job.pipeline import WRITER_THREADS
+from layertap.worker.ops.logs import JobContextFilter
 from tests.support.jobs import wait_for
 from tests.support.processes import WorkerProcess, cli
 from tests.support.reference import reference_states
-from layertap.worker.job.pipeline import WRITER_THREADS
-from layertap.worker.ops.logs import JobContextFilter
 
 MODEL = "tiny-ops"
 NODE = "ops@localhost"

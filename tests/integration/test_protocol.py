@@ -25,8 +25,8 @@ from layertap.protocol.layers import (
 )
 from layertap.protocol.naming import check_name, job_path
 from layertap.protocol.schema import Job
-from tests.support.files import complete_metadata
 from layertap.worker.job.writer import write_job_file
+from tests.support.files import complete_metadata
 
 
 def test_layer_ids_follow_vllm_convention():

@@ -17,6 +17,9 @@ import torch
 
 from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol.fileformat import MetaKey, metadata_of
+from layertap.worker.model.batching import ModelRefused
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.quant.fp8 import QuantLinear
 from tests.support.architectures import build_tiny
 from tests.support.extractors import batching_extractor
 from tests.support.quantized import (
@@ -27,9 +30,6 @@ from tests.support.quantized import (
     write_quantized,
 )
 from tests.support.reference import block_input_states
-from layertap.worker.model.batching import ModelRefused
-from layertap.worker.model.loading import load_model
-from layertap.worker.model.quant.fp8 import QuantLinear
 
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [100, 7, 120, 9, 25, 17, 18])
 TOLERANCE = 1e-5

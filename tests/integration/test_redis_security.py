@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from layertap.producer.client.client import Client
 from layertap.command import layertap_argv
+from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import RedisServer, find_redis_server, free_port
 from layertap.settings import Settings, TlsSettings
 from tests.support.certs import make_certificates

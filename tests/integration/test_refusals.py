@@ -17,8 +17,8 @@ from layertap.producer.files.manifest import entry_from_file
 from layertap.protocol import keys
 from layertap.protocol.layers import LayerIdError
 from layertap.protocol.schema import ErrorType
-from tests.support.processes import cli
 from layertap.worker.job.tokenize import context_length
+from tests.support.processes import cli
 
 MODEL = "tiny-qwen3"
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from layertap.producer.client.client import Client
 from layertap.command import layertap_argv
+from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import embedded_redis_server
 from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol import keys
@@ -27,6 +27,7 @@ from layertap.protocol.fileformat import verify_file
 from layertap.protocol.naming import job_path
 from layertap.protocol.schema import ErrorType, Job
 from layertap.settings import Settings
+from layertap.worker.main import EXIT_STALLED
 from tests.support.blocking import hang_env
 from tests.support.jobs import (
     ORPHAN_TIMEOUT,
@@ -39,7 +40,6 @@ from tests.support.jobs import (
     temp_files,
     wait_for,
 )
-from layertap.worker.main import EXIT_STALLED
 
 CHAOS_HANG_TIMEOUT = 20.0  # the hung worker's watchdog; far above a tiny model's batch on a busy machine
 

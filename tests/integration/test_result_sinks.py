@@ -20,11 +20,11 @@ from layertap.protocol import keys
 from layertap.protocol.schema import ErrorType, Result
 from layertap.settings import Settings
 from layertap.transport import ledger
-from tests.support.jobs import wait_for
-from tests.support.webhook_sink import WebhookSink
 from layertap.worker.queue.publisher import ResultPublisher
 from layertap.worker.queue.reconciler import Reconciler
 from layertap.worker.queue.sinks import SinkContext, build_sinks, sink_class
+from tests.support.jobs import wait_for
+from tests.support.webhook_sink import WebhookSink
 
 ROOT = Path(__file__).resolve().parents[2]
 SINK = "tests.support.webhook_sink:WebhookSink"

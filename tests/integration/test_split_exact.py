@@ -97,8 +97,9 @@ def test_a_compiled_split_layer_is_one_graph_as_the_whole_models(tiny_models):
 
 
 def test_device_map_places_every_weight_and_the_tail_on_the_last_stage(tiny_models):
-    from layertap.worker.model.split.plans import empty_model, split_plan
     from transformers import AutoConfig
+
+    from layertap.worker.model.split.plans import empty_model, split_plan
 
     config = AutoConfig.from_pretrained(tiny_models["llama"])
     model = empty_model(config, trust_remote_code=False)
@@ -145,8 +146,8 @@ def test_stages_on_the_cpu_share_it_and_one_stage_is_no_split(tiny_models, tmp_p
 def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():
     """``shape:`` models split over GPUs are built on the meta device and each weight made on its
     stage's device (never the whole model on one); here the map is all on the CPU."""
-    from layertap.worker.model.split.plans import empty_model, split_plan
     from layertap.worker.model.shapes import build_random_model, fill_random, shape_config
+    from layertap.worker.model.split.plans import empty_model, split_plan
 
     model = empty_model(shape_config("qwen3-tiny"), trust_remote_code=False)
     _, placement = split_plan(model, ["cpu", "cpu"], token_budget=16, captured_layers=2, dtype=torch.float32)
@@ -162,8 +163,8 @@ def test_a_shape_split_over_gpus_is_made_stage_by_stage_with_working_weights():
 
 
 def test_a_quantized_checkpoint_is_refused_a_split_and_loads_whole_by_default(tiny_models, tmp_path):
-    from tests.support.quantized import FORMATS, write_quantized
     from layertap.worker.model.batching import ModelRefused
+    from tests.support.quantized import FORMATS, write_quantized
 
     folder = write_quantized(tiny_models["qwen3"], tmp_path / "quantized", next(iter(FORMATS)))
     with pytest.raises(ModelRefused, match="not split over stages yet"):

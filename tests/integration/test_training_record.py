@@ -8,7 +8,6 @@ References come from plain transformers (float32 tiny models): ``hidden_states``
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -17,15 +16,15 @@ from pydantic import ValidationError
 from layertap.producer.files.reader import load_hidden_states
 from layertap.protocol.fileformat import FileFormatError, MetaKey, metadata_of
 from layertap.protocol.schema import ErrorType, Job
+from layertap.worker.job.writer import write_job_file
 from tests.support.architectures import ARCHES
+from tests.support.files import complete_metadata
 from tests.support.jobs import CHAT, send_raw
 from tests.support.reference import (
     final_norm_states,
     reference_states,
     teacher_logprobs,
 )
-from tests.support.files import complete_metadata
-from layertap.worker.job.writer import write_job_file
 
 NUM_LAYERS = 4
 ALL_LAYERS = list(range(NUM_LAYERS + 1))

@@ -29,6 +29,9 @@ from layertap.protocol.images import ImageError
 from layertap.protocol.schema import ErrorType
 from layertap.settings import Settings
 from layertap.storage.registry import storage_for
+from layertap.worker.extractor import Extractor
+from layertap.worker.model.loading import load_model
+from layertap.worker.model.tiny_model import build_tokenizer
 from tests.support.extractors import batching_extractor
 from tests.support.vlm import (
     DEEPSEEK_FAMILIES,
@@ -44,9 +47,6 @@ from tests.support.vlm import (
     load_reference,
     vlm_block_states,
 )
-from layertap.worker.extractor import Extractor
-from layertap.worker.model.loading import load_model
-from layertap.worker.model.tiny_model import build_tokenizer
 
 LENGTHS = (3, 21, 9, 14)
 #: Families whose image chats run one per forward (``SINGLE_REASONS``).
@@ -365,8 +365,8 @@ def test_an_internvl_processor_loaded_without_its_video_processor_keeps_its_own_
     """InternVL's processor class needs torchvision (its video processor), so the worker loads
     it without one; the class's own option in ``processor_config.json`` (``image_seq_length``,
     image tokens per tile: 1 here) still reaches it, not the class default of 256."""
-    from tests.support.vlm import load_reference
     from layertap.worker.model.vision.processors import load_processor
+    from tests.support.vlm import load_reference
 
     model_dir = add_processor("internvl", build_tiny_vlm("internvl", tmp_path / "model"))
     processor, problem = load_processor(load_reference(str(model_dir)), str(model_dir), None, False)
@@ -622,8 +622,8 @@ def test_a_batch_s_vision_tower_gives_each_image_its_features_alone(family, tmp_
     images of different sizes returns, bit for bit, what it returns for each image alone,
     merged in image order; it is the whole-batch call up to rounding (fp32, 1e-5); and the
     tower's own forward is back afterwards."""
-    from tests.support.vlm import load_reference
     from layertap.worker.model.vision.towers import grid_tower, one_image_at_a_time
+    from tests.support.vlm import load_reference
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     model = load_reference(str(model_dir))
@@ -656,8 +656,8 @@ def test_a_tower_given_its_grid_s_host_inputs_never_reads_the_grid(family, tmp_p
     windows on Qwen2.5-VL, position-embedding taps on Qwen3-VL and Qwen3.5) from
     ``host_tower_inputs``: handed them with a grid on the meta device (which has no values:
     any use of them fails), it returns, bit for bit, what it returns from the real grid alone."""
-    from tests.support.vlm import load_reference
     from layertap.worker.model.vision.towers import grid_tower, host_tower_inputs, takes_host_inputs
+    from tests.support.vlm import load_reference
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     tower = grid_tower(load_reference(str(model_dir)))
@@ -712,8 +712,8 @@ def test_a_grid_tower_s_compiled_blocks_give_the_same_features(family, tmp_path)
     eager backend here: no code generation), not its whole forward; within
     ``one_image_at_a_time``, with the grid on the host (its inputs computed there), each
     image's features are bit for bit the uncompiled tower's, for images of several sizes."""
-    from layertap.worker.model.vision.towers import one_image_at_a_time
     from layertap.worker.model.modes import compile_decoder_layers
+    from layertap.worker.model.vision.towers import one_image_at_a_time
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     loaded = load_model(str(model_dir), device="cpu", dtype="float32")
@@ -739,8 +739,8 @@ def test_m_rope_positions_numbered_on_the_host_are_each_chat_s_own(family, tmp_p
     """``host_rope_positions`` of a right-padded batch of chats with images of different sizes
     gives each chat's real tokens the positions the model's own forward numbers for that
     chat alone (its ``compute_3d_position_ids``), on the host."""
-    from tests.support.vlm import load_reference
     from layertap.worker.model.vision.inputs import host_rope_positions, rope_index_module
+    from tests.support.vlm import load_reference
 
     model_dir = add_processor(family, build_tiny_vlm(family, tmp_path / "model"))
     model = load_reference(str(model_dir))

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from layertap.protocol import keys
+from layertap.worker.main import EXIT_STALLED
 from tests.support.blocking import hang_env
 from tests.support.jobs import ORPHAN_TIMEOUT, attempts, make_job, wait_for
-from layertap.worker.main import EXIT_STALLED
 
 HANG_TIMEOUT = 4.0
 def test_hung_engine_exits_and_its_jobs_finish_on_a_healthy_worker(make_worker, private_client, blocking_model,

@@ -13,9 +13,9 @@ import pytest
 from layertap.producer.client.client import Client
 from layertap.producer.dev.redis_server import embedded_redis_server
 from layertap.protocol import keys
-from layertap.storage.locking import exclusive_lock
 from layertap.protocol.naming import job_path
 from layertap.protocol.schema import Job
+from layertap.storage.locking import exclusive_lock
 
 ORPHAN_TIMEOUT = 2.0
 RELIABILITY_ENV = {"LAYERTAP_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT), "LAYERTAP_MAX_ATTEMPTS": "3"}

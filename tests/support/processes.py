@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layertap.producer.client.client import Client
 from layertap.command import layertap_argv
+from layertap.producer.client.client import Client
 from layertap.settings import Settings
 
 

@@ -415,11 +415,11 @@ def add_processor(family: str, model_dir: Path) -> Path:
         LlavaProcessor,
         PaliGemmaProcessor,
     )
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
     )
-    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     from layertap.worker.model.tiny_model import build_tokenizer

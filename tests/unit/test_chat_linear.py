@@ -13,7 +13,6 @@ import pytest
 
 from layertap.protocol.schema import ErrorType, Job
 from layertap.settings import Limits
-from tests.support.architectures import ARCHES
 from layertap.worker.job.chat import (
     CHECKED_TURNS,
     ChatRenderer,
@@ -24,6 +23,7 @@ from layertap.worker.job.chat import (
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.tokenize import Preparer
 from layertap.worker.model.loading import load_model
+from tests.support.architectures import ARCHES
 
 
 def chat(turns: int) -> list[dict]:

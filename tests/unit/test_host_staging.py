@@ -12,10 +12,10 @@ import torch
 
 from layertap.producer.files.reader import load_hidden_states
 from layertap.settings import Limits
-from tests.support.reference import reference_states
 from layertap.worker.engine.host_buffers import ALIGNMENT, HostStaging, slot_capacity
 from layertap.worker.extractor import build_processor
 from layertap.worker.model.loading import load_model
+from tests.support.reference import reference_states
 
 
 def test_slot_carves_aligned_views_and_overflows_to_its_own_memory():

@@ -16,9 +16,9 @@ from safetensors.numpy import save_file
 
 from layertap.protocol import dtypes
 from layertap.protocol.fileformat import FileFormatError, read_file_header
-from layertap.storage.locking import LockTimeout, exclusive_lock, lock_path, shared_lock
 from layertap.protocol.naming import check_name, is_hub_id, is_safe_name
 from layertap.protocol.schema import Job, json_size
+from layertap.storage.locking import LockTimeout, exclusive_lock, lock_path, shared_lock
 from layertap.transport.backoff import Backoff, retry_while
 
 

@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from layertap.producer.ingest.formats import RowConverter
-from layertap.protocol.schema import Job
 from layertap.producer.regen.store import OutputStore
+from layertap.protocol.schema import Job
 
 
 def test_a_row_with_token_ids_becomes_a_job_of_those_ids_with_its_mask_and_provenance():

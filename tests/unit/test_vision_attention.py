@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.vlm import GLM_FAMILIES, QWEN_FAMILIES, build_tiny_vlm
 from layertap.worker.model.vision.attention import (
     VISION_ATTENTION_NAME,
     choose_vision_attention,
@@ -15,6 +14,7 @@ from layertap.worker.model.vision.attention import (
     vision_attention,
     vision_varlen_attention,
 )
+from tests.support.vlm import GLM_FAMILIES, QWEN_FAMILIES, build_tiny_vlm
 
 CUDA = torch.device("cuda")
 #: Images of several sizes (in 14-pixel patches): Qwen2.5-VL's tiny tower cuts each into

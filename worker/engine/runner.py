@@ -25,14 +25,14 @@ from layertap.worker.engine.prefix_cache import BatchNeeds, CachedBatch, PrefixU
 from layertap.worker.engine.prefix_keys import PrefixKeys
 from layertap.worker.engine.records import BatchOutput, EngineRequest, Holders, HostTensors
 from layertap.worker.engine.teacher import TeacherHead
-from layertap.worker.model.capture import StopForward
 from layertap.worker.model.batching import layout_class
-from layertap.worker.model.vision.inputs import host_rope_positions, merge_image_inputs, pads_tiles, real_tokens_mask
-from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
+from layertap.worker.model.capture import StopForward
 from layertap.worker.model.layouts.base import BatchLayout, to_device
 from layertap.worker.model.loading import LoadedModel
 from layertap.worker.model.modes import transformers_attention
 from layertap.worker.model.vision.attention import vision_attention
+from layertap.worker.model.vision.inputs import host_rope_positions, merge_image_inputs, pads_tiles, real_tokens_mask
+from layertap.worker.model.vision.towers import one_image_at_a_time, takes_host_inputs
 
 #: Processor outputs left on the host for a grid tower that takes its inputs there (``vision.towers``).
 HOST_GRID = frozenset({"image_grid_thw"})

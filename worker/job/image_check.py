@@ -27,9 +27,9 @@ from layertap.worker.engine.records import EngineRequest
 from layertap.worker.engine.self_check import CheckReport, captured_states, compare_states
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.tokenize import PreparedInput, Preparer
-from layertap.worker.model.vision.inputs import one_per_forward
 from layertap.worker.model.loading import LoadedModel
 from layertap.worker.model.modes import each_image_chat_alone
+from layertap.worker.model.vision.inputs import one_per_forward
 
 log = logging.getLogger(__name__)
 

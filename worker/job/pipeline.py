@@ -71,8 +71,8 @@ from layertap.worker.job.sampling import Sampler
 from layertap.worker.job.tokenize import TOKENIZER_POOL, PreparedInput, Preparer
 from layertap.worker.job.writer import FileTaken, write_job_file
 from layertap.worker.model.fixes import fixes_of
-from layertap.worker.model.vision.inputs import image_features_note
 from layertap.worker.model.loading import LoadedModel
+from layertap.worker.model.vision.inputs import image_features_note
 
 log = logging.getLogger(__name__)
 

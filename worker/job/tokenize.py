@@ -32,8 +32,8 @@ from layertap.worker.job.chat import render_chat
 from layertap.worker.job.errors import JobError
 from layertap.worker.job.multimodal import ImageChat, model_image_token_id, placeholder_token_ids, render_image_chat
 from layertap.worker.job.token_budget import fewest_by_chars, first_overflow, first_probe_chars, longest_token_chars
-from layertap.worker.model.vision.inputs import staged_inputs
 from layertap.worker.model.loading import LoadedModel
+from layertap.worker.model.vision.inputs import staged_inputs
 
 #: Copies of the tokenizer that jobs tokenize with at once.
 TOKENIZER_POOL = max(2, min(4, os.cpu_count() or 1))

@@ -9,7 +9,6 @@ import torch
 
 from layertap.protocol.dtypes import AUTO, COMPUTE_DTYPES, normalize_dtype
 
-
 #: The torch dtype of each protocol dtype name (``layertap.protocol.dtypes``).
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float8": torch.float8_e4m3fn}

@@ -16,7 +16,6 @@ from torch import nn
 
 from layertap.worker.model.batching import ModelRefused
 
-
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 
 

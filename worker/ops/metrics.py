@@ -29,8 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from layertap.rates import RateWindow
 from layertap.protocol.schema import ErrorType, Result
+from layertap.rates import RateWindow
 from layertap.storage.base import Storage
 from layertap.worker.engine.engine import Engine
 from layertap.worker.queue.sinks import ResultSink, SinkContext

@@ -23,7 +23,6 @@ from torch import nn
 
 from layertap.worker.model.layouts.base import BatchInputs, BatchLayout, BatchLimits, bounds_of, to_device
 
-
 #: The config field of a lightning indexer (DeepSeek-V3.2's sparse attention): its top-k over keys.
 INDEXER_TOPK_FIELD = "index_topk"
 
