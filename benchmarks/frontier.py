@@ -63,7 +63,8 @@ def run_case(label: str, shape: str, fmt: str, parts: tuple[str, ...], quant_com
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| case | load s | host peak GiB | weights GiB | compute | part | tokens/s |", "|---|---|---|---|---|---|---|"]
+    rows = ["| case | load s | host peak GiB | weights GiB | compute | part | tokens/s |",
+            "|---|---|---|---|---|---|---|"]
     for result in results:
         load = result["load"]
         for key, part in result["parts"].items():

@@ -6,9 +6,9 @@ Starts a private Redis (no AOF), builds a tiny model, starts one real ``layertap
 submits ``--jobs`` small jobs of one run (a short prompt and a short ``metadata``) with the
 Client and waits for every result. Redis ``used_memory`` (``INFO memory``) and its dataset
 and client-buffer parts (``MEMORY STATS``) are read with the worker idle before the run and at
-each phase; the difference over the job count is the cost per finished job. Each phase also prints a per-key-family breakdown: every key (``SCAN``) with
-its ``MEMORY USAGE`` (all nested values sampled), grouped by the key with the run name and
-job ids taken out. Phases:
+each phase; the difference over the job count is the cost per finished job. Each phase also
+prints a per-key-family breakdown: every key (``SCAN``) with its ``MEMORY USAGE`` (all nested
+values sampled), grouped by the key with the run name and job ids taken out. Phases:
 
 * **finished**: every job has its result (stream entries inside the retention);
 * **trimmed**: ``runs.trim`` (what ``layertap run trim`` and the retention sweep do): what is

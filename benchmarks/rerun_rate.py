@@ -212,20 +212,22 @@ def main() -> None:
     first = report["first_run"]
     print(f"{report['model']} on {report['device']} ({report['dtype']}), {args.rows} rows, {report['tokens']} tokens, "
           f"layers {layers}, {first['bytes'] / 1e9:.2f} GB of files ({first['bytes'] / args.rows / 1e6:.2f} MB a row); "
-          f"{report['cores']} cores, {report['examine_threads']} examiner threads, {args.examine_processes} helper processes")
+          f"{report['cores']} cores, {report['examine_threads']} examiner threads, "
+          f"{args.examine_processes} helper processes")
     print(f"first run: {first['forwards']} forwards, {first['device_s']:.2f} device s, {first['tokens_per_s']:,.0f} "
           f"tokens/s, {first['rows_per_s']:,.0f} rows/s")
     for name in ("rerun", "rerun_again", "rerun_processes", "rerun_processes_again"):
         if name not in report:
             continue
         part = report[name]
-        print(f"{name}: {part['forwards']} forwards, {part['device_s']:.3f} device s, {part['rows_per_s']:,.0f} rows/s, "
+        print(f"{name}: {part['forwards']} forwards, {part['device_s']:.3f} device s, "
+              f"{part['rows_per_s']:,.0f} rows/s, "
               f"{part['read_bytes_per_s'] / 1e9:.2f} GB/s, {part['cpu_us_per_row']:,.0f} CPU us a row; "
               f"{part['from_disk']} of {part['rows']} from disk; {part['cached_share_at_start']:.0%} cached at start")
     for name in ("read_raw", "read_verified", "read_layertap"):
         part = report[name]
-        print(f"{name} ({args.read_threads} threads): {part['rows_per_s']:,.0f} rows/s, {part['bytes_per_s'] / 1e9:.2f} GB/s; "
-              f"{part['cached_share_at_start']:.0%} cached at start")
+        print(f"{name} ({args.read_threads} threads): {part['rows_per_s']:,.0f} rows/s, "
+              f"{part['bytes_per_s'] / 1e9:.2f} GB/s; {part['cached_share_at_start']:.0%} cached at start")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ while it trains.
 
     python benchmarks/speculators_live.py --model shape:qwen3-8b --compile --rows 512 --min-len 128 \\
         --max-len 2047 --work /dev/shm/spec-live --out speculators-live.json
-    python benchmarks/speculators_live.py --device cuda:0 --trainer-gpu 1 ...   # the trainers on a second GPU of the host
+    # the trainers on a second GPU of the host
+    python benchmarks/speculators_live.py --device cuda:0 --trainer-gpu 1 ...
     python benchmarks/speculators_live.py          # a CPU smoke run: shape:qwen3-tiny, 48 rows
 
 Needs speculators 0.9 and hs-connectors 0.9 importable beside layertap (``layertap[speculators]``).
@@ -321,7 +322,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--trainer-arg", action="append", default=[], help="one more speculators train argument")
     parser.add_argument("--trainer-gpu", default=None,
-                        help="the trainers' GPU (CUDA_VISIBLE_DEVICES), another than the worker's --device on the same host")
+                        help="the trainers' GPU (CUDA_VISIBLE_DEVICES), another than the worker's --device on the "
+                             "same host")
     parser.add_argument("--trainer-python", default=sys.executable,
                         help="the python that runs speculators (default: this one)")
     parser.add_argument("--work", type=Path, default=Path("speculators-live-work"), help="a folder, emptied first")

@@ -47,7 +47,8 @@ def capture_all(loaded, groups: list[list[torch.Tensor]], compile_layers: bool) 
         futures = []
         for index, group in enumerate(groups):  # every group one batch; all queued before any is read
             training = index % 2 == 1  # half the batches also go through the final norm and the head
-            futures.append(engine.submit_many([EngineRequest(ids, layers, want_final=training, topk=8 if training else 0)
+            futures.append(engine.submit_many([EngineRequest(ids, layers, want_final=training,
+                                                             topk=8 if training else 0)
                                                for ids in group], together=True))
         out = []
         for group in futures:
@@ -87,9 +88,10 @@ def exact(args: argparse.Namespace) -> int:
     compared = sum(len(item) for item in reference)
     gpus = torch.cuda.device_count()
     print(json.dumps({"model": args.model, "stages": args.stages, "gpus": gpus,
-                      "device": torch.cuda.get_device_name(0) if gpus else "cpu", "jobs": len(reference), "tensors": compared,
-                      "tokens": tokens, "different": different[:20], "bit_identical": not different,
-                      "whole_tokens_per_s": round(tokens / whole_s), "split_tokens_per_s": round(tokens / split_s)}))
+                      "device": torch.cuda.get_device_name(0) if gpus else "cpu", "jobs": len(reference),
+                      "tensors": compared, "tokens": tokens, "different": different[:20],
+                      "bit_identical": not different, "whole_tokens_per_s": round(tokens / whole_s),
+                      "split_tokens_per_s": round(tokens / split_s)}))
     return 1 if different else 0
 
 
@@ -97,7 +99,8 @@ def compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     speed = {}
-    for label, extra in (("whole", ["--split-stages", "1"]), (f"split{args.stages}", ["--split-stages", str(args.stages)])):
+    for label, extra in (("whole", ["--split-stages", "1"]),
+                         (f"split{args.stages}", ["--split-stages", str(args.stages)])):
         report = out / f"{label}.json"
         command = [sys.executable, "-m", "layertap", "bench", *args.bench, *extra, "--report", str(report)]
         print("$", " ".join(command), flush=True)

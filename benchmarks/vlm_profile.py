@@ -125,7 +125,8 @@ def ceiling(loaded: Any, batch: list[dict], device: torch.device) -> tuple[dict[
     found: dict[str, Any] = {"layers": layer_ids, "tokens": sum(lengths)}
     for kind, requests in kinds.items():
         found[f"{kind} ms (engine batch)"] = 1e3 * timed(device, lambda: run(requests))
-    found["images / text, tokens/s (forward alone)"] = found["text ms (engine batch)"] / found["images ms (engine batch)"]
+    found["images / text, tokens/s (forward alone)"] = (found["text ms (engine batch)"]
+                                                        / found["images ms (engine batch)"])
     return found, lambda: run(kinds["images"])
 
 

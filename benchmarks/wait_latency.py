@@ -30,7 +30,8 @@ RUN = "bench-wait"
 def result(index: int) -> Result:
     """An ok result shaped like a worker's for a 1,000-token job."""
     job_id = f"job-{index:08d}"
-    return Result(job_id=job_id, run=RUN, status=Status.ok, path=f"/data/layertap/{RUN}/{job_id[-3:]}/{job_id}.safetensors",
+    return Result(job_id=job_id, run=RUN, status=Status.ok,
+                  path=f"/data/layertap/{RUN}/{job_id[-3:]}/{job_id}.safetensors",
                   num_tokens=1000, layers=[8, 16, 24], dtype="bfloat16", model="tiny-qwen3", worker="gpu0@host-a",
                   timings=Timings(queued=0.5, compute=0.01, write=0.002), attempt=1)
 

@@ -88,7 +88,8 @@ def running_worker(env: dict[str, str], model_dir: Path, log_path: Path, client:
     with open(log_path, "w") as log:
         worker = subprocess.Popen(
             layertap_argv("worker", "--model", str(model_dir), "--name", MODEL,
-             "--device", "cpu", "--layers", ",".join(map(str, LAYERS)), "--node-name", f"eagle-toy-{os.getpid()}@local"),
+             "--device", "cpu", "--layers", ",".join(map(str, LAYERS)),
+             "--node-name", f"eagle-toy-{os.getpid()}@local"),
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + timeout

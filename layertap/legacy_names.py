@@ -61,7 +61,8 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
     """Finds ``producer.*``, ``worker.*`` (never the packages' ``__main__``) and the kernel's old
     homes as aliases."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
         new = _moved(fullname)
         return None if new is None else importlib.machinery.ModuleSpec(fullname, _AliasLoader(new))
 

@@ -61,7 +61,8 @@ class WorkerSettings(BaseModel):
     dtype: WorkerDtype = AUTO  # aliases bf16, fp16, fp32 accepted
     token_budget: int = Field(default=16384, gt=0)  # tokens per batch (padded batches: rows x longest)
     batching: str = "auto"  # auto, or a layout to force (layertap.worker.model.batching.LAYOUTS; checked at load)
-    # quantized checkpoints: auto (fp8 matmuls where the device has them, else dequantize layer by layer) | dequant | fp8
+    # quantized checkpoints: auto (fp8 matmuls where the device has them, else dequantize layer by layer) |
+    # dequant | fp8
     quant_compute: Literal["auto", "dequant", "fp8"] = "auto"
     max_batch_jobs: int = Field(default=256, gt=0)
     batch_wait_ms: float = Field(default=2.0, ge=0)  # wait this long for more jobs before a partial batch
@@ -75,7 +76,8 @@ class WorkerSettings(BaseModel):
     # packed attention's kernel on a GPU: flash (aten's FlashAttention 2), cudnn (NVIDIA's cuDNN frontend, the
     # cudnn extra; worker.model.cudnn_attention), or auto: cudnn on Hopper cards where the extra is installed
     attention_kernel: Literal["auto", "flash", "cudnn"] = "auto"
-    prefix_sharing: bool = True  # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
+    # a row that begins with a longer row of its batch is sliced from it (after a load-time check)
+    prefix_sharing: bool = True
     # device memory (MiB) for earlier batches' keys, values and states: a row computes only its tokens past its
     # longest prefix held there (worker.engine.prefix_cache; tested families, after a load-time check);
     # None = 40% of the device memory free at load (1 GiB on the CPU), 0 = off; out of memory halves it
@@ -98,7 +100,8 @@ class WorkerSettings(BaseModel):
     cpu_threads: int = Field(default=0, ge=0)
     node_name: str | None = None  # Celery node name; default layertap-<pid>@<host>
     gpus: str | None = None  # "all" or "0,1,...": supervise one worker process per GPU (group)
-    gpus_per_worker: int = Field(default=1, gt=0)  # GPUs per worker process: one model split over them (layertap.worker.model.split)
+    # GPUs per worker process: one model split over them (layertap.worker.model.split)
+    gpus_per_worker: int = Field(default=1, gt=0)
     # stages the model's layers are split into: 0 = one per visible GPU (device "cuda"); more than the GPUs
     # share them (2 on one GPU: the split's own cost), or run in turn on the CPU
     split_stages: int = Field(default=0, ge=0)

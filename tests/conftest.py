@@ -181,7 +181,8 @@ def make_worker(private_redis, tiny_models, tmp_path):
     storage = tmp_path / "files"
 
     def make(node: str, *, wait: bool = True, extra_args: list[str] | None = None,
-             env: dict[str, str] | None = None, model_dir: Path | None = None, name: str = "tiny-qwen3") -> WorkerProcess:
+             env: dict[str, str] | None = None, model_dir: Path | None = None,
+             name: str = "tiny-qwen3") -> WorkerProcess:
         worker = WorkerProcess(model_dir or tiny_models["qwen3"], name, private_redis.url, storage, node=node,
                                extra_args=extra_args or [], env={**RELIABILITY_ENV, **(env or {})},
                                log_path=tmp_path / f"{node.split('@')[0]}.log")

@@ -172,10 +172,12 @@ class MetaKey:
     TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"
     JOB_ID = "job_id"
     JOB_METADATA = "job_metadata"  # the job's ``metadata`` string, when it has one
-    PROVENANCE = "provenance"  # JSON: the job's ``provenance`` (e.g. regeneration: endpoint model, sampling, source row)
+    # JSON: the job's ``provenance`` (e.g. regeneration: endpoint model, sampling, source row)
+    PROVENANCE = "provenance"
     RUN = "run"
     SPEC_HASH = "spec_hash"  # Job.spec_hash(): identifies inputs and options
-    WEIGHTS_FINGERPRINT = "weights_fingerprint"  # the checkpoint's files (layertap.worker.model.fingerprints.weights_fingerprint)
+    # the checkpoint's files (layertap.worker.model.fingerprints.weights_fingerprint)
+    WEIGHTS_FINGERPRINT = "weights_fingerprint"
     # The fixes that changed what this model's files hold (the worker's ``model.fixes``), where it has any:
     # a file written before one lacks it, so it no longer matches what a worker would write.
     COMPUTE_FIXES = "compute_fixes"

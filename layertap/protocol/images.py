@@ -133,7 +133,8 @@ def is_data_url(source: str) -> bool:
 
 def image_parts(content: Any) -> list[ImageUrlPart | ImagePart]:
     """The image parts of one message's content (none for text)."""
-    return [part for part in content if isinstance(part, (ImageUrlPart, ImagePart))] if isinstance(content, list) else []
+    return ([part for part in content if isinstance(part, (ImageUrlPart, ImagePart))]
+            if isinstance(content, list) else [])
 
 
 def part_text(content: str | Sequence[Any] | None) -> str:

@@ -70,7 +70,8 @@ def enqueue(
     check: Optional[bool] = typer.Option(None, "--check/--no-check", show_default=False, help="--check: refuse "
                                          "unless a live worker serves --model; --no-check: only warn; default "
                                          "(as Client.submit): refuse when other workers are live, warn when none is; "
-                                         "unless --no-check, jobs asking for layers the served model lacks are bad rows."),
+                                         "unless --no-check, jobs asking for layers the served model lacks are bad "
+                                         "rows."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Read at most this many rows (prompts "
                                         "first, then the file's)."),
     keep_existing: bool = typer.Option(False, "--keep-existing", help="Rows whose jobs (by their own ids) are ok "

@@ -128,7 +128,8 @@ def regenerate(
                       f"diverged), {counts.skipped} already done, {counts.failed} failed; "
                       f"{endpoint_client.retried} request(s) retried", markup=False, highlight=False)
     if token_ids and counts.without_ids:
-        why = "it refused return_token_ids" if endpoint_client.token_ids_refused else "it returned none for some replies"
+        why = ("it refused return_token_ids" if endpoint_client.token_ids_refused
+               else "it returned none for some replies")
         err_console.print(f"warning: {counts.without_ids} row(s) of {out} carry no token ids ({why}): enqueue "
                           "tokenizes their chats, which may not give the ids the model sampled", markup=False,
                           highlight=False)

@@ -155,7 +155,8 @@ def register(app: typer.Typer) -> None:
             print(json.dumps(shown))
             return
         print(f"run {run}: {shown['state']}; {found.submitted} submitted, {progress.done} ok, {progress.failed} "
-              f"failed, {progress.cancelled} cancelled, {shown['waiting']} waiting; {shown['redis_bytes']:,} B in Redis")
+              f"failed, {progress.cancelled} cancelled, {shown['waiting']} waiting; "
+              f"{shown['redis_bytes']:,} B in Redis")
         if unserved:
             print(f"no live worker serves {', '.join(unserved)}: those jobs wait in the queue until one does")
 

@@ -156,8 +156,8 @@ def bench(
     min_len: int = typer.Option(128, help="Shortest random prompt (tokens)."),
     max_len: int = typer.Option(2047, help="Longest random prompt (tokens)."),
     file: Optional[Path] = typer.Option(None, help="JSONL of prompts ({'prompt'} or {'token_ids'}) instead."),
-    storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go: a new or empty folder, or one an "
-                                 "earlier bench made (any other folder is refused, never emptied)."),
+    storage: Path = typer.Option(Path("/dev/shm/layertap-bench"), help="Where files go: a new or empty folder, or "
+                                 "one an earlier bench made (any other folder is refused, never emptied)."),
     token_budget: int = typer.Option(16384, help="Tokens per batch (padded batches count their padding)."),
     max_padding: float = typer.Option(0.25, help="Padded batches: the largest share of a batch that is padding."),
     parts: str = typer.Option("a,b,c,d", help="Which parts to run (a naive, p plain HF padded batches of 8, "

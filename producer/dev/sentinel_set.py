@@ -88,7 +88,8 @@ class SentinelSet:
         primary, *replicas = self.servers
         primary.start()
         for replica in replicas:
-            replica.extra_args += ["--replicaof", "127.0.0.1", str(self.replica_link or self.announced_port(primary.port))]
+            replica.extra_args += ["--replicaof", "127.0.0.1",
+                                   str(self.replica_link or self.announced_port(primary.port))]
             replica.start()
         self._wait(lambda: all(self.client(replica.port).info("replication").get("master_link_status") == "up"
                                for replica in replicas), timeout, "the replicas to sync")

@@ -62,7 +62,8 @@ class _Facts:
         self.final += ff.FINAL_HIDDEN_STATES in header.tensors
 
     def stated(self, outcomes: dict[str, int]) -> dict[str, Any]:
-        return {"layers": [{"layers": json.loads(layers), "files": count} for layers, count in sorted(self.layers.items())],
+        return {"layers": [{"layers": json.loads(layers), "files": count}
+                           for layers, count in sorted(self.layers.items())],
                 "final_hidden_states": self.final, **{key: dict(sorted(counts.items()))
                                                       for key, counts in self.counts.items()},
                 "jobs": outcomes}

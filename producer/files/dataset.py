@@ -22,8 +22,9 @@ to the longest ``T`` (``input_ids`` with ``pad_token_id``, the rest with 0), plu
 ``job_ids``; ``loss_mask`` is 0 on padding. A batch that mixes files with and without
 ``image_token_mask`` gets zeros for the files without (they have no image positions).
 
-:class:`~layertap.producer.files.streaming.StreamingHiddenStatesDataset` (importable from ``layertap.producer.dataset``) yields
-the same items from a live run's results stream, one pass, as the files are written.
+:class:`~layertap.producer.files.streaming.StreamingHiddenStatesDataset` (importable from
+``layertap.producer.dataset``) yields the same items from a live run's results stream, one pass,
+as the files are written.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str,
 
     if any(ff.IMAGE_TOKEN_MASK in item for item in batch):  # files of text chats have none: no image positions
         batch = [item if ff.IMAGE_TOKEN_MASK in item else
-                 {**item, ff.IMAGE_TOKEN_MASK: torch.zeros_like(item["input_ids"], dtype=torch.uint8)} for item in batch]
+                 {**item, ff.IMAGE_TOKEN_MASK: torch.zeros_like(item["input_ids"], dtype=torch.uint8)}
+                 for item in batch]
     names = [name for name, value in batch[0].items() if isinstance(value, torch.Tensor)]
     for item in batch[1:]:
         if sorted(k for k, v in item.items() if isinstance(v, torch.Tensor)) != sorted(names):

@@ -1,8 +1,8 @@
 """A run's manifest: one row per job with an ok result and a valid file, for training and export.
 
-Built from the run's ledger (``layertap.producer.client.runs.ok_files``, which ``layertap manifest`` calls): the jobs whose stream
-entries were trimmed first (by job id, found on disk under the run's storage roots), then
-the stream's: each job id once (its last ok result; later duplicates of a job that ran
+Built from the run's ledger (``layertap.producer.client.runs.ok_files``, which ``layertap manifest``
+calls): the jobs whose stream entries were trimmed first (by job id, found on disk under the run's storage
+roots), then the stream's: each job id once (its last ok result; later duplicates of a job that ran
 twice are the same file), in the order jobs first finished ok. A job's ``metadata`` comes
 from its result, else from its file's header. A result's path must be the job's own file in
 the run under the reader's storage roots (``storage.registry.own_file``: not another run's file,
@@ -78,7 +78,8 @@ def entry_from_file(job_id: str, path: str, metadata: str | None = None, *, veri
         job_id=job_id, path=str(path), num_tokens=num_tokens, layers=json.loads(meta[MetaKey.LAYERS]),
         num_hidden_layers=int(meta[MetaKey.NUM_LAYERS]), hidden_size=hidden_size, dtype=meta[MetaKey.DTYPE],
         model=meta[MetaKey.MODEL], tensors=sorted(header), spec_hash=meta[MetaKey.SPEC_HASH],
-        checksums=meta[MetaKey.CHECKSUMS], metadata=metadata if metadata is not None else meta.get(MetaKey.JOB_METADATA),
+        checksums=meta[MetaKey.CHECKSUMS],
+        metadata=metadata if metadata is not None else meta.get(MetaKey.JOB_METADATA),
     )
 
 

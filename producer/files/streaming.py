@@ -43,7 +43,8 @@ run's results stream ``keys.results_stream(run)`` and the group's recovery strea
    or damaged (any header problem: ``FileFormatError``) is acknowledged and counted (a damaged
    file is left for ``layertap inspect``); an ok result whose path is not the job's own file in
    this run under the trainer's own storage roots (``storage.registry.own_file``: a forged entry
-   naming another run's file, a file under another root or a ``..`` path) is acknowledged (its job not recorded as consumed), counted ``foreign`` and logged;
+   naming another run's file, a file under another root or a ``..`` path) is acknowledged (its
+   job not recorded as consumed), counted ``foreign`` and logged;
 6. it stops when the run is complete: sealed (the enqueue that feeds it has sent its last row,
    ``keys.run_sealed_key``; ``wait_for_seal=False`` skips this for runs submitted whole),
    every submitted job has a final result, nothing new is in either stream and no consumer of

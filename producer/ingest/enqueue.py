@@ -221,7 +221,8 @@ class Enqueuer:
         self.on_change = on_change
         self.shape = shape  # the live workers' shape of the model, to name settings as they resolve them
         self.group = group
-        self.bundler = client.bundler(check=check)  # refuse, as bad rows, jobs the live workers cannot run (Client's check)
+        # refuse, as bad rows, jobs the live workers cannot run (Client's check)
+        self.bundler = client.bundler(check=check)
         self.limiter = InflightLimiter(client.redis, max_inflight, until=until, group=group,
                                        before_read=self.bundler.flush, wait_s=client.settings.redis_wait_s)
         self.batch_size = batch_size

@@ -259,7 +259,8 @@ class RowConverter:
             reason = re.sub(r"^(messages|prompt):", f"{self.input_column}:", reason)
         if self.format is None or self.detected_at is None:
             return reason
-        return f"{reason} (format {self.format.value}, detected from {self.detected_at}; use --format to choose another)"
+        return (f"{reason} (format {self.format.value}, detected from {self.detected_at}; "
+                "use --format to choose another)")
 
     def _detect(self, row: Any) -> InputFormat:
         try:

@@ -178,8 +178,9 @@ def hub_dataset_source(dataset_id: str, split: str | None) -> RowSource:
 
 
 def open_source(path: str | Path, *, split: str | None = None) -> RowSource:
-    """Open ``path`` by what it is: ``-`` for JSONL on standard input, a saved dataset folder, parquet, a JSON array, JSONL (any other
-    file), or, when no such file exists and it has the form ``org/name``, a hub dataset."""
+    """Open ``path`` by what it is: ``-`` for JSONL on standard input, a saved dataset folder, parquet, a
+    JSON array, JSONL (any other file), or, when no such file exists and it has the form ``org/name``,
+    a hub dataset."""
     text = str(path)
     if text == STDIN:
         return RowSource("jsonl", None, iter_jsonl(STDIN))

@@ -3,8 +3,9 @@
 Invariants: a row is written whole, by one ``write`` of one line, and flushed to the OS before
 it counts as done (so a Ctrl-C or a SIGKILL of the command loses no row); the file is fsynced at
 most :data:`FSYNC_EVERY_S` after a row and on closing (a power loss costs at most that much
-work, redone on the re-run: an fsync per row would stall every conversation in flight); on opening, a torn last line (a kill during a write) is cut off, so the file
-holds only whole rows; a row's ``id`` is in the file at most once (done ids are skipped). The
+work, redone on the re-run: an fsync per row would stall every conversation in flight); on
+opening, a torn last line (a kill during a write) is cut off, so the file holds only whole
+rows; a row's ``id`` is in the file at most once (done ids are skipped). The
 errors file lists the failures of the latest run only: it is emptied when the store opens,
 because a re-run tries those conversations again.
 """

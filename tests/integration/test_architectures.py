@@ -154,7 +154,8 @@ def test_worker_refuses_at_start_with_one_line(tmp_path, redis_server):
     done = worker_start(model_dir, redis_server.url, "--batching", "packed")
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors and errors[0].startswith("error: cannot serve Qwen3NextForCausalLM: packed batching changes"), done.stderr
+    assert errors and errors[0].startswith("error: cannot serve Qwen3NextForCausalLM: "
+                                           "packed batching changes"), done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -165,7 +166,8 @@ def test_a_model_without_a_causal_decoder_is_refused_in_one_line(tmp_path, redis
                                ).save_pretrained(tmp_path / "t5")
     done = worker_start(str(tmp_path / "t5"), redis_server.url)
     assert done.returncode != 0
-    assert "error: cannot serve T5Config (t5): an encoder-decoder: its decoder cross-attends" in done.stderr, done.stderr
+    assert ("error: cannot serve T5Config (t5): an encoder-decoder: its decoder cross-attends"
+            in done.stderr), done.stderr
     assert "Traceback" not in done.stderr
 
 

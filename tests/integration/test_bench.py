@@ -62,7 +62,8 @@ def test_bench_on_a_cpu_defaults_layers_and_its_ceiling_is_a_ceiling(tmp_path):
     """No --layers: EAGLE-3's [2, L//2, L-3, L] of the loaded model (L = 4: [1, 2, 4]). The bare
     forward (b) runs as the engine's forwards do, so it is above the engine (c), which does
     the same forwards and more; it was 3-4x below when timed on the main thread."""
-    out, report = bench_tiny_on_cpu(tmp_path, "--parts", "b,c", "--prompts", "16", "--min-len", "64", "--max-len", "512")
+    out, report = bench_tiny_on_cpu(tmp_path, "--parts", "b,c", "--prompts", "16", "--min-len", "64",
+                                    "--max-len", "512")
     assert report["layer_ids"] == [1, 2, 4] and report["config"]["layers"] is None
     ceiling, engine = report["parts"]["b"]["tokens_per_s"], report["parts"]["c"]["tokens_per_s"]
     print(f"b {ceiling:,.0f} tokens/s, c {engine:,.0f} tokens/s")

@@ -32,7 +32,8 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     built = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-v", "."], cwd=source,
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    for noise in ("BuildBackendWarning", "SetuptoolsDeprecationWarning", "layertap.producer.data"):  # `make demo` showed them
+    # `make demo` showed them
+    for noise in ("BuildBackendWarning", "SetuptoolsDeprecationWarning", "layertap.producer.data"):
         assert noise not in built.stdout + built.stderr
     return env_dir / "bin"
 
@@ -74,7 +75,8 @@ def test_client_install_has_no_torch_and_works(client_venv, workers, redis_serve
     assert module == "numpy" and int(rows) == int(tokens) == result["num_tokens"]
     inspected = run_in(client_venv, tmp_path, "layertap", "inspect", result["path"], "--plot", str(tmp_path / "x.png"))
     assert inspected.returncode == 1
-    assert inspected.stderr.strip() == "error: --plot needs matplotlib, which is not installed: pip install 'layertap[plots]'"
+    assert inspected.stderr.strip() == ("error: --plot needs matplotlib, which is not installed: "
+                                        "pip install 'layertap[plots]'")
     watched = run_in(client_venv, tmp_path, "layertap", "watch", "--run", f"{run_name}-never", "--plot",
                      str(tmp_path / "w.png"), env=env)  # refused at the start, not after a run that never ends
     assert watched.returncode == 1

@@ -172,7 +172,9 @@ def test_large_file_streams_row_by_row(tmp_path):
 
 
 def test_data_modules_import_without_torch():
-    code = ("import sys, layertap.producer.cli.data, layertap.producer.files.dataset, layertap.producer.files.manifest, layertap.producer.files.export, layertap.producer.ingest.sources, "
-            "layertap.producer.ingest.formats, layertap.producer.ingest.enqueue; bad = {'torch', 'transformers', 'datasets'} & set(sys.modules); "
+    code = ("import sys, layertap.producer.cli.data, layertap.producer.files.dataset, "
+            "layertap.producer.files.manifest, layertap.producer.files.export, layertap.producer.ingest.sources, "
+            "layertap.producer.ingest.formats, layertap.producer.ingest.enqueue; "
+            "bad = {'torch', 'transformers', 'datasets'} & set(sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -167,7 +167,8 @@ def test_ctrl_c_says_what_was_sent_and_how_to_resume(day):
                       "resume", err)
     assert found, err
     with day.client() as client:
-        assert client.redis.hlen(keys.run_submitted_hash(run)) >= int(found.group(1)) >= 1, err  # each one counted is sent
+        # each one counted is sent
+        assert client.redis.hlen(keys.run_submitted_hash(run)) >= int(found.group(1)) >= 1, err
     assert day.layertap("runs", "delete", run, "--force", "--yes").returncode == 0
 
 

@@ -47,7 +47,8 @@ def test_worker_refuses_a_missing_folder_without_asking_a_hub(tmp_path):
         with pytest.raises(BlockingIOError):
             hub.accept()  # nobody knocked
     assert out.returncode == 1
-    assert out.stderr.strip() == f"error: --model {tmp_path / 'no' / 'model'}: no such folder, and not a hub id (org/name)"
+    assert out.stderr.strip() == (f"error: --model {tmp_path / 'no' / 'model'}: no such folder, "
+                                  "and not a hub id (org/name)")
 
 
 def test_default_name_and_absolute_paths_from_a_relative_root(tiny_models, redis_server, tmp_path):

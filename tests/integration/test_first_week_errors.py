@@ -63,7 +63,8 @@ def test_the_extractor_names_its_folder_and_files_as_asked(tiny_models, tmp_path
 
     out = tmp_path / "out"
     with Extractor(str(tiny_models["qwen3"]), name="tiny-qwen3", device="cpu", layers=[0, 2]) as extractor:
-        results = extractor.extract(["a first prompt", "a second prompt"], out, run="notes", job_ids=["first", "second"])
+        results = extractor.extract(["a first prompt", "a second prompt"], out, run="notes",
+                                    job_ids=["first", "second"])
     assert [Path(result.path) for result in results] == [job_path(out, "notes", "first").resolve(),
                                                         job_path(out, "notes", "second").resolve()]
     assert all(result.ok and Path(result.path).is_file() for result in results)

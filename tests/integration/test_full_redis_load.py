@@ -157,7 +157,8 @@ def test_messages_put_back_by_the_reconciler_keep_their_send_order(private_redis
     with Client(Settings(redis_url=private_redis.url)) as client, warnings.catch_warnings():
         warnings.simplefilter("ignore", NoWorkerWarning)
         queue = keys.model_queue("tiny-nobody")
-        jobs = [Job(model="tiny-nobody", run=run_name, job_id=job_id, prompt=job_id) for job_id in ("a-first", "z-then")]
+        jobs = [Job(model="tiny-nobody", run=run_name, job_id=job_id, prompt=job_id)
+                for job_id in ("a-first", "z-then")]
         for job in jobs:
             client.submit(job)
         raw = redis.Redis.from_url(private_redis.url, decode_responses=True)

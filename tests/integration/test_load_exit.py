@@ -69,7 +69,8 @@ def test_a_worker_killed_while_loading_is_explained(tiny_models, redis_server, s
     node = f"gpu7@{socket.gethostname()}"
     try:
         found: list[psutil.Process] = []
-        wait_for(lambda: found.append(loading_child(supervisor)) or found[-1], 180, "the worker to be loading its model")
+        wait_for(lambda: found.append(loading_child(supervisor)) or found[-1], 180,
+                 "the worker to be loading its model")
         found[-1].send_signal(signal.SIGKILL)
         reason = "killed by SIGKILL while loading"
         wait_for(lambda: reason in log_path.read_text(), 60, "the supervisor to explain the death")

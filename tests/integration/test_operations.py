@@ -272,7 +272,8 @@ def test_status_and_progress_of_a_run_waiting_in_the_queue(ops_worker, client, c
         status = json.loads(as_json.stdout)
         assert status["queues"][UNSERVED] == 2
         listed = next(w for w in status["workers"] if w["node"] == NODE)
-        assert {"node": NODE, "alive": True, "model": MODEL, "device": "cpu", "batching": "packed"}.items() <= listed.items()
+        assert ({"node": NODE, "alive": True, "model": MODEL, "device": "cpu", "batching": "packed"}.items()
+                <= listed.items())
         assert len(listed["weights"]) == 16 and worker_row[-2] == listed["weights"]  # the checkpoint's fingerprint
 
         narrow = subprocess.run(cli("status"), env={**cli_env, "COLUMNS": "80"}, capture_output=True, text=True,

@@ -168,14 +168,16 @@ def test_a_file_vllm_wrote_is_read_with_its_structure_checked(tmp_path):
 
 def test_reading_files_imports_no_celery_or_redis():
     """``producer`` is lazy: a DataLoader process that loads files never imports Celery or Redis."""
-    code = ("import sys; from layertap import load_hidden_states; from layertap.producer.dataset import HiddenStatesDataset; "
+    code = ("import sys; from layertap import load_hidden_states; "
+            "from layertap.producer.dataset import HiddenStatesDataset; "
             "bad = sorted({m.split('.')[0] for m in sys.modules} & {'celery', 'kombu', 'redis', 'torch'}); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_client_side_imports_no_torch():
-    code = ("import sys, layertap.producer, layertap.producer.cli.app, layertap.producer.client.client, layertap.producer.files.reader, layertap.producer.files.file_stats, "
+    code = ("import sys, layertap.producer, layertap.producer.cli.app, layertap.producer.client.client, "
+            "layertap.producer.files.reader, layertap.producer.files.file_stats, "
             "layertap.producer.dev.demo; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -120,7 +120,8 @@ def run_blocks(document: str, workdir: Path, env: dict[str, str]) -> dict[Block,
             if needle in block.code:
                 done = subprocess.run(["bash", "-e", "-c", command], cwd=workdir, env=env, capture_output=True,
                                       text=True, timeout=450)
-                assert done.returncode == 0, f"before {block.where}: {command}\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+                assert done.returncode == 0, (f"before {block.where}: {command}\n"
+                                              f"{done.stdout[-2000:]}{done.stderr[-3000:]}")
         command = [sys.executable, "-c", block.code] if block.language == "python" else ["bash", "-e", "-c", block.code]
         process = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True)

@@ -294,7 +294,8 @@ def test_chaos_kills_restarts_and_a_hang_lose_nothing(make_worker, private_clien
     print(f"chaos: {len(jobs)} jobs ok once each ({len(everything)} stream entries) from "
           f"{len({r.worker for r in everything})} worker lives; {restarts} Redis restarts with jobs in flight, "
           f"0 worker deaths from them; {kills} SIGKILLs and 1 hung engine holding {held_counts} jobs, back within "
-          f"{max(back_s):.1f}s (orphan_timeout {ORPHAN_TIMEOUT:.0f}s; each within its 60 s deadline); max attempt {max(r.attempt or 1 for r in everything)}")
+          f"{max(back_s):.1f}s (orphan_timeout {ORPHAN_TIMEOUT:.0f}s; each within its 60 s deadline); "
+          f"max attempt {max(r.attempt or 1 for r in everything)}")
     assert temp_files(make_worker.storage) == []
     from layertap.worker import Extractor
 

@@ -57,8 +57,9 @@ def test_cancel_wins_against_queue_and_reconciler(private_redis, tiny_models, tm
         with pytest.raises(RunCancelled):
             Client(Settings(redis_url=private_redis.url)).submit({"prompt": "more"}, model="tiny-qwen3", run="doomed")
 
-        worker = WorkerProcess(tiny_models["qwen3"], "tiny-qwen3", private_redis.url, storage, node="canceller@localhost",
-                               env={"LAYERTAP_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT)}, log_path=tmp_path / "w.log")
+        worker = WorkerProcess(tiny_models["qwen3"], "tiny-qwen3", private_redis.url, storage,
+                               node="canceller@localhost", env={"LAYERTAP_ORPHAN_TIMEOUT": str(ORPHAN_TIMEOUT)},
+                               log_path=tmp_path / "w.log")
         try:
             worker.start()
             # the two queued jobs are answered by the worker, the lost one by the reconciler
@@ -106,7 +107,8 @@ def test_delete_refuses_unfinished_run_and_removes_files(workers, redis_server, 
     with pytest.raises(subprocess.TimeoutExpired) as watching:  # watch waits for the run to complete
         subprocess.run(cli("watch", "--run", unserved), env={**os.environ, "LAYERTAP_REDIS_URL": redis_server.url},
                        capture_output=True, text=True, timeout=10)
-    assert ("warning: no live worker serves tiny-nobody-lifecycle: the run's jobs wait in the queue (no ETA) until one does"
+    assert ("warning: no live worker serves tiny-nobody-lifecycle: the run's jobs wait in the queue (no ETA) "
+            "until one does"
             in (watching.value.stdout or b"").decode())  # (bytes: the run was cut short)
     refused = layertap(redis_server.url, "run", "delete", unserved, "--yes")
     assert refused.returncode == 1 and "1 job(s) without a result" in refused.stderr
@@ -150,7 +152,8 @@ def test_cancel_reports_true_counts_and_stops_held_jobs_before_compute(make_work
     cancelled = sum(result.error_type is ErrorType.cancelled for result in results.values())
     assert ok + cancelled == 48 and ok >= 1 and cancelled >= 24, (ok, cancelled)
     assert waited.stdout.strip() == f"run {run_name} cancelled: {ok} ok, 0 failed, {cancelled} cancelled"
-    assert f"{run_name}  48/48 finished  cancelled ({cancelled} cancelled)" in layertap(private_redis.url, "runs").stdout
+    assert (f"{run_name}  48/48 finished  cancelled ({cancelled} cancelled)"
+            in layertap(private_redis.url, "runs").stdout)
     watched = layertap(private_redis.url, "watch", "--run", run_name)
     assert f"run {run_name} complete: {ok} ok, 0 failed, {cancelled} cancelled, 48 jobs" in watched.stdout
     shown = layertap(private_redis.url, "runs", "show", run_name).stdout

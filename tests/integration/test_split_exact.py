@@ -58,7 +58,8 @@ def test_split_files_equal_the_whole_models(arch, batching, stages, tiny_models,
     split = load_model(folder, device="cpu", batching=batching, stages=stages)
     assert split.split is not None and len(split.split.stages) == stages
     assert split.batching.name == whole.batching.name
-    assert [stage.plan.start for stage in split.split.stages[1:]] == [stage.plan.stop for stage in split.split.stages[:-1]]
+    assert ([stage.plan.start for stage in split.split.stages[1:]]
+            == [stage.plan.stop for stage in split.split.stages[:-1]])
     assert split.split.stages[-1].plan.stop == 4 and all(stage.plan.layers >= 1 for stage in split.split.stages)
     assert all(hasattr(layer, "_hf_hook") for layer in split.layers)  # accelerate moves each layer's inputs
     # stages sharing a device move nothing between them: no hook of the split's own on any layer

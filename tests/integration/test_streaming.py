@@ -101,7 +101,8 @@ def test_options_select_layers_cast_and_cut_as_offline(workers, redis_server, cl
     for index, job_id in enumerate(job_ids):
         assert items[job_id]["hidden_states"].shape == (min(10, len(jobs[index]["token_ids"])), 2, 64)
         assert items[job_id]["hidden_states"].dtype == torch.float16
-        assert all(torch.equal(value, items[job_id][name]) for name, value in offline[index].items() if name != "job_id")
+        assert all(torch.equal(value, items[job_id][name])
+                   for name, value in offline[index].items() if name != "job_id")
     with pytest.raises(ValueError, match="not \\[7\\]"):
         next(iter(stream(redis_server, run_name, group="other", layers=[7])))
 

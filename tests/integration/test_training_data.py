@@ -189,7 +189,8 @@ def test_speculators_export(finished_run, tmp_path, client):
     os.unlink(gone)
     manifest = tmp_path / "after.jsonl"
     done = run_cli(env, "manifest", "--run", run, "--out", str(manifest))
-    assert done.returncode == 2 and "No such file" in done.stderr and "1 ok result(s) have no valid file and are left out" in done.stderr
+    assert (done.returncode == 2 and "No such file" in done.stderr
+            and "1 ok result(s) have no valid file and are left out" in done.stderr)
     listed = [entry.job_id for entry in iter_manifest(manifest)]
     assert len(listed) == len(expected) - 1 and gone not in [paths[job_id] for job_id in listed]
     from_manifest = run_cli(env, "export", "--manifest", str(manifest), "--out", str(tmp_path / "from-manifest"))

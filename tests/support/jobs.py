@@ -95,7 +95,8 @@ def llama_reference(tokenizer, messages):
     ids = tokenizer("<|begin_of_text|>", add_special_tokens=False)["input_ids"]
     mask = [0] * len(ids)
     for m in messages:
-        header = tokenizer(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", add_special_tokens=False)["input_ids"]
+        header = tokenizer(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n",
+                           add_special_tokens=False)["input_ids"]
         body = tokenizer(f"{m['content']}<|eot_id|>", add_special_tokens=False)["input_ids"]
         ids += header + body
         mask += [0] * len(header) + [1 if m["role"] == "assistant" else 0] * len(body)

@@ -143,7 +143,8 @@ def _load_raw(shard: Path) -> dict[str, np.ndarray]:
         elif entry["dtype"] == "U8":
             out[key] = np.frombuffer(chunk, np.uint8).reshape(entry["shape"])
         elif entry["dtype"] == "BF16":
-            out[key] = (np.frombuffer(chunk, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
+            out[key] = ((np.frombuffer(chunk, np.uint16).astype(np.uint32) << 16).view(np.float32)
+                        .reshape(entry["shape"]))
         else:
             out[key] = np.frombuffer(chunk, np.float32).reshape(entry["shape"])
     return out

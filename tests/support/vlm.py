@@ -401,8 +401,9 @@ def add_processor(family: str, model_dir: Path) -> Path:
     its text; Aya Vision's (GOT-OCR2's PIL image processor as InternVL's: 28x28 tiles, a token each
     after the pixel shuffle, plus a global tile) expands ``<image>`` into :data:`AYA_TOKENS`' markers
     and patch tokens. An Omni folder (:data:`OMNI_FAMILIES`) holds the tokenizer
-    (:data:`OMNI_TOKENS`) and one ``preprocessor_config.json`` holding Qwen's image processor, a Whisper feature extractor and the processor class's name, as the Omni
-    checkpoints have it (the class takes a video processor too)."""
+    (:data:`OMNI_TOKENS`) and one ``preprocessor_config.json`` holding Qwen's image processor, a
+    Whisper feature extractor and the processor class's name, as the Omni checkpoints have it (the
+    class takes a video processor too)."""
     from transformers import (
         AutoTokenizer,
         AyaVisionProcessor,

@@ -1,4 +1,5 @@
-"""Carrying a chat's loss mask over to the processor's expanded tokens (``layertap.worker.job.multimodal.expand_mask``)."""
+"""Carrying a chat's loss mask over to the processor's expanded tokens
+(``layertap.worker.job.multimodal.expand_mask``)."""
 
 from __future__ import annotations
 

@@ -116,6 +116,7 @@ def test_size_count_and_decoding_are_checked(images_root):
 
 def test_text_parts_are_checked_like_text():
     with pytest.raises(ValidationError, match="control character"):
-        Job.model_validate({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\x00"}]}]})
+        Job.model_validate({"model": "m",
+                            "messages": [{"role": "user", "content": [{"type": "text", "text": "a\x00"}]}]})
     with pytest.raises(ValidationError):
         Job.model_validate({"model": "m", "messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]})

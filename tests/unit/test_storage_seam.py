@@ -242,7 +242,8 @@ def test_a_plus_scheme_names_its_backend_before_the_plus_as_celery_does():
     with storage_for(address).open(address) as handle:
         assert handle.read() == b"whole"
     assert storage_root_of(address, "run", "job") == storage.root
-    assert own_file(address, "run", "job", [storage]) == address and own_file(address, "run", "other", [storage]) is None
+    assert (own_file(address, "run", "job", [storage]) == address
+            and own_file(address, "run", "other", [storage]) is None)
     storage.remove(address)
     assert not storage.exists(address)
 

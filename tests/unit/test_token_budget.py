@@ -1,7 +1,7 @@
 """The reading that refuses a text over the limit (``worker/job/token_budget.py``) with a real
 trained byte-level BPE tokenizer: it never refuses a text the tokenizer counts at or under the
-limit, its lower bound never passes the tokens the whole text has in what it read, and it stops reading a text over the limit
-within a few times the limit in characters."""
+limit, its lower bound never passes the tokens the whole text has in what it read, and it stops
+reading a text over the limit within a few times the limit in characters."""
 
 from __future__ import annotations
 
@@ -68,5 +68,6 @@ def test_a_long_token_vocabulary_is_refused_by_a_prefix_within_a_few_times_the_l
         return count(tokenizer, part)
 
     found = first_overflow([text], limit, longest_token_chars=4096, count_tokens=counted)
-    assert found is not None and found.by_prefix and limit < found.fewest <= starting_before(tokenizer, text, found.chars)
+    assert (found is not None and found.by_prefix
+            and limit < found.fewest <= starting_before(tokenizer, text, found.chars))
     assert found.chars == max(read) <= 2 * PROBE_CHARS_PER_TOKEN * (limit + 64) < len(text) // 10

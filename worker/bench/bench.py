@@ -107,7 +107,8 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
                 exactness.update(fp32_reference_errors(loaded, prompts, layer_ids, storage / "a", engine_paths))
     for name in ("a", "c"):
         shutil.rmtree(storage / name, ignore_errors=True)
-    memory = memory_check(loaded, layer_ids, cfg.token_budget) if cfg.memory_check and loaded.device.type == "cuda" else None
+    memory = (memory_check(loaded, layer_ids, cfg.token_budget)
+              if cfg.memory_check and loaded.device.type == "cuda" else None)
     if "d" in cfg.parts:
         if loaded.device.type == "cuda":
             del loaded

@@ -39,7 +39,8 @@ def fp32_reference_errors(loaded: LoadedModel, prompts: list[list[int]], layer_i
     reference.load_state_dict(loaded.model.state_dict())
     decoder_layers = reference.get_decoder().layers
     last: dict[str, torch.Tensor] = {}
-    handle = decoder_layers[-1].register_forward_hook(lambda m, a, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+    handle = decoder_layers[-1].register_forward_hook(
+        lambda m, a, o: last.__setitem__("h", o[0] if isinstance(o, tuple) else o))
     naive_err: list[float] = []
     engine_err: list[float] = []
     try:
@@ -49,7 +50,8 @@ def fp32_reference_errors(loaded: LoadedModel, prompts: list[list[int]], layer_i
                                 use_cache=False)
             exact = torch.stack([last["h"][0] if i == loaded.num_layers else out.hidden_states[i][0]
                                  for i in layer_ids], 1).float().cpu()
-            for errors, path in ((naive_err, naive_dir / f"{index}.safetensors"), (engine_err, Path(engine_paths[index]))):
+            for errors, path in ((naive_err, naive_dir / f"{index}.safetensors"),
+                                 (engine_err, Path(engine_paths[index]))):
                 got = load_file(str(path))["hidden_states"].float()
                 rel = relative_error_per_layer(got, exact).tolist()
                 errors[:] = [max(a, b) for a, b in zip(errors, rel)] if errors else rel

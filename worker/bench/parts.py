@@ -186,7 +186,8 @@ def memory_check(loaded: LoadedModel, layer_ids: list[int], budget: int) -> dict
                                ("64 x 2k prompts", random_prompts(64, 2048, 2048, loaded.vocab_size, 2))):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(loaded.device)
-            jobs = [{"model": loaded.name, "run": "mem", "job_id": f"m{i}", "token_ids": p} for i, p in enumerate(prompts)]
+            jobs = [{"model": loaded.name, "run": "mem", "job_id": f"m{i}", "token_ids": p}
+                    for i, p in enumerate(prompts)]
             with ThreadPoolExecutor(64) as pool:
                 results = list(pool.map(processor.process, jobs))
             report[label] = {"ok": sum(r.ok for r in results), "jobs": len(results),

@@ -52,8 +52,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in report["ratios"].items()))
     if report.get("exactness_vs_unbatched_hf"):
         e = report["exactness_vs_unbatched_hf"]
-        per_layer = ", ".join(f"{layer}: {err:.2g}" for layer, err in zip(report["layer_ids"], e["relative_error_per_layer"]))
-        lines.append(f"engine vs unbatched HF ({e['prompts_compared']} prompts): max abs error {e['max_abs_error']:.3g}, "
+        per_layer = ", ".join(f"{layer}: {err:.2g}"
+                              for layer, err in zip(report["layer_ids"], e["relative_error_per_layer"]))
+        lines.append(f"engine vs unbatched HF ({e['prompts_compared']} prompts): "
+                     f"max abs error {e['max_abs_error']:.3g}, "
                      f"max relative error {e['max_relative_error']:.3g}; per layer {per_layer}")
         for key in ("naive_bf16_vs_fp32", "engine_vs_fp32"):
             if key in e:

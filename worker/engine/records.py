@@ -29,7 +29,8 @@ class EngineRequest:
     output_dtype: torch.dtype | None = None  # None: the model's dtype; float8_e4m3fn: quantized per row
     topk: int = 0  # > 0: the teacher's top-k next-token log-probs
     topk_rows: list[int] | None = None  # positions to compute them at (ascending); None: every position
-    model_inputs: dict[str, torch.Tensor] | None = None  # a chat with images: its processor's extra inputs (CPU, staged_inputs)
+    # a chat with images: its processor's extra inputs (CPU, staged_inputs)
+    model_inputs: dict[str, torch.Tensor] | None = None
     future: Future = field(default_factory=Future)
 
     @property

@@ -142,7 +142,8 @@ class BatchRunner:
         self._cuda = loaded.device.type == "cuda"
         self._teacher = TeacherHead(loaded) if loaded.lm_head is not None else None
         self._copy_stream = torch.cuda.Stream(loaded.device) if self._cuda else None
-        #: a model split over GPUs: the cast and copy-out go on its gather stream, after its captures (``layertap.worker.model.split``)
+        #: a model split over GPUs: the cast and copy-out go on its gather stream, after its captures
+        #: (``layertap.worker.model.split``)
         self._gather = loaded.split.gather if loaded.split is not None else None
 
     def run(self, batch: list[EngineRequest], prefixes: Sequence[PrefixUse | None] | None = None,

@@ -260,6 +260,7 @@ def _mask_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tupl
     for position, (char_start, char_end) in enumerate(encoded["offset_mapping"]):
         while span_index < len(spans) and char_start >= spans[span_index][1]:
             span_index += 1
-        if span_index < len(spans) and spans[span_index][0] <= char_start < spans[span_index][1] and char_end > char_start:
+        if (span_index < len(spans) and spans[span_index][0] <= char_start < spans[span_index][1]
+                and char_end > char_start):
             mask[position] = 1
     return token_ids, mask

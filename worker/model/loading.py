@@ -99,7 +99,8 @@ class LoadedModel:
     vision_attention: str | None = None  # the vision tower's attention in image forwards (``vision.attention``)
     grid_tower: nn.Module | None = None  # a vision tower that takes ``grid_thw`` (``vision.towers``), found once
     rope_index: nn.Module | None = None  # the module that numbers M-RoPE positions (``vision.inputs``), found once
-    tower_graphs: TowerGraphs | None = None  # the grid tower's CUDA graphs by image size (``vision.tower_graphs``), GPU only
+    # the grid tower's CUDA graphs by image size (``vision.tower_graphs``), GPU only
+    tower_graphs: TowerGraphs | None = None
     compiled: bool = False  # decoder layers run torch.compile's code (``modes.compile_decoder_layers``)
 
     @property
@@ -335,7 +336,8 @@ def quantization_scheme(config: Any) -> QuantScheme | None:
 
 def load_quantized_checkpoint(source: str, config: Any, scheme: QuantScheme, device: torch.device,
                               dtype: torch.dtype) -> tuple[nn.Module, list, int]:
-    """A quantized checkpoint folder streamed onto ``device`` (``layertap.worker.model.quant.load``); refusals name the cause."""
+    """A quantized checkpoint folder streamed onto ``device`` (``layertap.worker.model.quant.load``); refusals
+    name the cause."""
     from layertap.worker.model.quant.load import load_quantized
 
     folder = Path(source)

@@ -5,8 +5,8 @@ node name ``gpu<i>@<host>`` (``gpu<i>-<j>@<host>`` for a group). A child that ex
 restarted after a backoff that grows while it keeps dying quickly; SIGTERM/SIGINT are
 passed to every child (warm shutdown: running jobs finish, reserved ones go back to the
 queue) and the supervisor exits when they have; a child still running ``kill_after_s``
-after its SIGTERM gets SIGKILL (its leases lapse and its jobs go back to the queue). No CUDA is touched here: children are
-started with ``subprocess`` (no fork of a CUDA process).
+after its SIGTERM gets SIGKILL (its leases lapse and its jobs go back to the queue). No CUDA is
+touched here: children are started with ``subprocess`` (no fork of a CUDA process).
 
 Invariants: a child never supervises in turn (its environment says ``--gpus`` is unset,
 whatever ``.env`` or the parent's environment say); on Linux a child gets SIGTERM when
@@ -84,7 +84,8 @@ def exit_reason(returncode: int, phase: str, oom_kills: int | None) -> str:
         if oom_kills is None:
             return (f"killed by SIGKILL while {phase} (the kernel's out-of-memory killer sends SIGKILL; "
                     "no cgroup memory.events here to confirm it)")
-        return f"killed by SIGKILL while {phase} (not by the kernel's out-of-memory killer: its cgroup count did not rise)"
+        return (f"killed by SIGKILL while {phase} (not by the kernel's out-of-memory killer: "
+                "its cgroup count did not rise)")
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name} while {phase}"
     return f"exited with code {returncode} while {phase}"

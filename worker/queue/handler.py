@@ -279,7 +279,8 @@ class WorkerService:
             counted = {job.job_id or "": count for job, count in zip(jobs[part], counts[part])}
             half_id = keys.bundle_task_id(jobs[0].run, uuid.uuid4().hex)
             record = pending_record(queue, half_id, now, [(job.run, job.job_id or "") for job in jobs[part]])
-            retrying(partial(send_extract, self.app, [payloads[part]], {**kwargs, "counted": counted, "excused": counted},
+            retrying(partial(send_extract, self.app, [payloads[part]],
+                             {**kwargs, "counted": counted, "excused": counted},
                              queue, half_id, keys.EXTRACT_BUNDLE_TASK, record), self.ledger.give_up_s)
         self.ledger.split_message([(job.run, job.job_id or "") for job in jobs], queue, task_id)
         log.warning("bundle %s of %d jobs started before and did not finish (its worker died?): sent it again "

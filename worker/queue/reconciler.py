@@ -6,8 +6,9 @@ so a message is always queued, in flight, or held. A fetcher that dies (or loses
 connection) between the two leaves the message in the in-flight list. To find it, every message
 the Client sends (one job, or a bundle: ``layertap.transport.ledger``) is recorded as
 *pending* in the step that queues it, with its push time on the server's clock (so a queue is in
-send order, and a record never exists for a message still on its way), and the worker that publishes the message's last final result removes the record
-in the same transaction. Below, a "job" is a message: a bundle's task id stands for all its jobs.
+send order, and a record never exists for a message still on its way), and the worker that
+publishes the message's last final result removes the record in the same transaction. Below, a
+"job" is a message: a bundle's task id stands for all its jobs.
 Every ``interval`` seconds one worker (``SET NX`` lock) sweeps the pending records: a job is
 *missing* when it is older than the oldest message still in its queue (queues are FIFO: it
 cannot be behind it), is not held by any worker (no ``unacked`` entry carries its task id)

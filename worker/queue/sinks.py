@@ -53,7 +53,8 @@ class ResultSink:
 
 @dataclass(frozen=True)
 class SinkContext:
-    """What a sink may be built from: the worker's node name and its metrics (``layertap.worker.ops.metrics.WorkerMetrics``)."""
+    """What a sink may be built from: the worker's node name and its metrics
+    (``layertap.worker.ops.metrics.WorkerMetrics``)."""
 
     node: str
     metrics: Any = None

@@ -45,7 +45,8 @@ def run_samples(client: redis.Redis, run: str) -> dict[str, str]:
 
 def run_workers(client: redis.Redis, run: str) -> dict[str, str]:
     """node -> JSON facts, of every worker that sampled rows of ``run``."""
-    return {keys.as_text(node): keys.as_text(facts) for node, facts in client.hgetall(keys.run_workers_hash(run)).items()}
+    return {keys.as_text(node): keys.as_text(facts)
+            for node, facts in client.hgetall(keys.run_workers_hash(run)).items()}
 
 
 def record_captures(client: redis.Redis, notes: Sequence[tuple[str, str]]) -> None:

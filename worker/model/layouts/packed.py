@@ -1,8 +1,8 @@
 """Packed: every prompt of a batch in one row, positions restarting at each prompt, attention
 told the boundaries (``layertap.worker.model.attention``). No padding. Exact only where *every* token
 mixer is attention through transformers' attention interface that needs no feature packed
-attention lacks (sinks, logit softcapping, ALiBi, chunked masks, a mask the model builds itself). The scheduler's cost is the
-sum of the lengths: later jobs fill the gaps, first fit, in arrival order.
+attention lacks (sinks, logit softcapping, ALiBi, chunked masks, a mask the model builds itself). The
+scheduler's cost is the sum of the lengths: later jobs fill the gaps, first fit, in arrival order.
 """
 
 from __future__ import annotations

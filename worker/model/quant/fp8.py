@@ -177,7 +177,8 @@ class ComputeChoice:
 
 
 def _probe(scheme: QuantScheme, device: torch.device, dtype: torch.dtype) -> float:
-    """Relative Frobenius error of one fp8 matmul against the dequant path, on ``device`` (raises if the kernel does)."""
+    """Relative Frobenius error of one fp8 matmul against the dequant path, on ``device`` (raises if the
+    kernel does)."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     layer = QuantLinear(512, 256, scheme, bias=False, device=device)
     layer.weight.copy_((torch.randn(256, 512, generator=generator) * 100).clamp(-E4M3_MAX, E4M3_MAX)

@@ -124,7 +124,8 @@ def _place(model: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype)
     if attr in owner._buffers and owner._buffers[attr] is not None:
         current = owner._buffers[attr]
         if tuple(current.shape) != tuple(tensor.shape):
-            raise UnsupportedQuantization(f"{key}: checkpoint shape {tuple(tensor.shape)}, model {tuple(current.shape)}")
+            raise UnsupportedQuantization(f"{key}: checkpoint shape {tuple(tensor.shape)}, "
+                                          f"model {tuple(current.shape)}")
         owner._buffers[attr] = tensor.to(current.dtype)
         return True
     return False
@@ -135,9 +136,9 @@ def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch
     """The causal LM of ``folder`` on ``device``: quantized Linears stay e4m3 with their scales
     (returned), FP8 experts stay e4m3 (``layertap.worker.model.quant.experts``), MXFP4 experts stay 4-bit
     (``layertap.worker.model.quant.mxfp4``), every other weight in ``dtype``. Returns the model, its
-    :class:`QuantLinear` layers and how many experts modules stay quantized (always dequantized per forward). ``config`` is the checkpoint's config, its
-    ``quantization_config`` already parsed into ``scheme`` (it is removed so transformers does
-    not take the checkpoint over)."""
+    :class:`QuantLinear` layers and how many experts modules stay quantized (always dequantized per
+    forward). ``config`` is the checkpoint's config, its ``quantization_config`` already parsed into
+    ``scheme`` (it is removed so transformers does not take the checkpoint over)."""
     from transformers import AutoModelForCausalLM
 
     shards = checkpoint_shards(folder)

@@ -115,7 +115,8 @@ def _compressed_tensors_scheme(quant: dict[str, Any]) -> QuantScheme:
     if strategy == "block":
         structure = weights.get("block_structure")
         if not structure or len(structure) != 2:
-            raise UnsupportedQuantization(f"compressed-tensors block strategy without a block_structure ({structure!r})")
+            raise UnsupportedQuantization("compressed-tensors block strategy without a block_structure "
+                                          f"({structure!r})")
         block = (int(structure[0]), int(structure[1]))
     return QuantScheme(COMPRESSED_TENSORS_METHOD, strategy, "weight_scale", block, dynamic_activations=dynamic)
 

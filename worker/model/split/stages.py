@@ -66,7 +66,8 @@ def placement_bytes(model: nn.Module, layers: nn.ModuleList, tail: list[nn.Modul
     return per_layer, module_bytes(model, dtype) - sum(per_layer) - after, after
 
 
-def device_map(model: nn.Module, layers: nn.ModuleList, tail: list[nn.Module], plans: list[StagePlan]) -> dict[str, str]:
+def device_map(model: nn.Module, layers: nn.ModuleList, tail: list[nn.Module],
+               plans: list[StagePlan]) -> dict[str, str]:
     """An accelerate device map covering every parameter and buffer: layer ``i`` on its stage's
     device, ``tail`` on the last stage's, everything else (embedding, rotary tables, vision tower)
     on the first stage's."""

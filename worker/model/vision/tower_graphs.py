@@ -123,7 +123,8 @@ class TowerGraphs:
             self._stop(f"the vision tower's CUDA graph for grid {key[0]} gave other features than its eager forward")
             return
         self._graphs[key] = _Graph(graph, pixels, inputs, output)
-        log.info("vision tower: a CUDA graph for image grid %s (%d of at most %d sizes)", key[0], self.sizes, self.limit)
+        log.info("vision tower: a CUDA graph for image grid %s (%d of at most %d sizes)", key[0], self.sizes,
+                 self.limit)
 
     def _stop(self, reason: str) -> None:
         self.off = reason
