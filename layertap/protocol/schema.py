@@ -129,10 +129,13 @@ def check_json_text(value: Any, what: str, depth: int = 0) -> Any:
 
 def describe_validation_error(exc: ValidationError, most: int = 5) -> str:
     """One line naming the first ``most`` bad fields and what is wrong with each."""
-    parts = [
-        f"{'.'.join(str(p) for p in error['loc']) or 'job'}: "
-        f"{'is not a job field' if error['type'] == 'extra_forbidden' else error['msg'].removeprefix('Value error, ')}"
-        for error in exc.errors()[:most]]
+    def part(error: Any) -> str:
+        where = ".".join(str(p) for p in error["loc"]) or "job"
+        if error["type"] == "extra_forbidden":
+            return f"{where}: is not a job field"
+        return f"{where}: {error['msg'].removeprefix('Value error, ')}"
+
+    parts = [part(error) for error in exc.errors()[:most]]
     more = f" (+{exc.error_count() - most} more)" if exc.error_count() > most else ""
     return "; ".join(parts) + more
 

@@ -34,8 +34,6 @@ def hang_env(gate: Path, hang_timeout: float) -> dict[str, str]:
             "LAYERTAP_WORKER__HANG_TIMEOUT": str(hang_timeout)}
 
 
-# The backslash that ends a line of the condition below joins it to the next inside this string:
-# the file written holds the condition on one line.
 CRASHING_MODEL_CODE = '''
 """A Qwen3 model whose decoder SIGKILLs its own process when the input holds the token id
 LAYERTAP_TEST_POISON_TOKEN four times in a row."""
@@ -48,8 +46,8 @@ from transformers import Qwen3ForCausalLM
 def _die_on_poison(module, args, kwargs):
     token = os.environ.get("LAYERTAP_TEST_POISON_TOKEN")
     ids = kwargs.get("input_ids", args[0] if args else None)
-    if token and ids is not None and f" {token} {token} {token} {token} " in \
-" " + " ".join(map(str, ids.flatten().tolist())) + " ":
+    seen = " " + " ".join(map(str, ids.flatten().tolist())) + " " if ids is not None else ""
+    if token and f" {token} {token} {token} {token} " in seen:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
