@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # one process.
 TEST_PROCESSES ?= 4
 
-.PHONY: demo test test-unit test-gpu install clean redis-secret
+.PHONY: demo test test-unit test-gpu lint install clean redis-secret
 
 install: $(STAMP)
 
@@ -36,6 +36,12 @@ test: $(STAMP)
 # The edit loop: no Redis, no processes, under a minute.
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# The style pyproject.toml declares (ruff) and the package boundaries (import-linter): seconds;
+# `make test` and `make test-unit` run both too (tests/unit/test_style.py, test_boundaries.py).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 # GPU-only tests (every family in bf16 on the GPU's kernels, the cuDNN frontend, CUDA graphs): skipped
 # where no NVIDIA GPU is visible, as on CI. One torch thread per process, as the processes share the cores:
