@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -110,7 +111,7 @@ def supervise(settings: Settings) -> int:
     return supervisor.run()
 
 
-def exit_recorder(settings: Settings):
+def exit_recorder(settings: Settings) -> Callable[[str, dict], None]:
     """``on_exit`` for the supervisor: record how a worker ended in ``keys.WORKER_EXITS_HASH`` (for
     ``layertap status``); Redis unreachable, the reason is only logged."""
     import logging

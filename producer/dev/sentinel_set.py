@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -180,7 +181,7 @@ class SentinelSet:
         self._wait(promoted, timeout, "the sentinels to promote a replica")
         return self.server(self.primary_port())
 
-    def _wait(self, condition, timeout: float, what: str) -> None:
+    def _wait(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             if time.monotonic() > deadline:

@@ -13,14 +13,18 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import typer
 from safetensors.torch import save_file
 
 from layertap.worker.model.shapes import SHAPE_PREFIX, shape_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FORMATS = ("bf16", "fp8-block")
 BLOCK = 128
@@ -32,7 +36,7 @@ QUANTIZED = re.compile(r"\.layers\.\d+\..*_proj\.weight$")
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 
 
-def checkpoint_layout(config) -> Iterator[tuple[str, tuple[int, ...]]]:
+def checkpoint_layout(config: PretrainedConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every tensor of the model's checkpoint, in file order: the names of a
     one-layer model on ``meta`` (transformers' save-time renaming applied), repeated per layer."""
     from transformers import AutoModelForCausalLM
@@ -81,7 +85,7 @@ def random_tensors(name: str, shape: tuple[int, ...], fmt: str, device: torch.de
 
 
 def write_checkpoint(shape: str, out: Path, fmt: str = "bf16", shard_bytes: int = SHARD_BYTES,
-                     seed: int = 0, log=print) -> Path:
+                     seed: int = 0, log: Callable[[str], object] = print) -> Path:
     """Write the random-weight checkpoint of ``shape`` (``shape:<name>`` or ``<name>``) to ``out``."""
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: choose one of {', '.join(FORMATS)}")

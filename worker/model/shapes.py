@@ -7,11 +7,15 @@ Speed does not depend on the weights' values.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from layertap.protocol.naming import SHAPE_PREFIX
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -77,7 +81,7 @@ def is_shape(source: str) -> bool:
     return source.startswith(SHAPE_PREFIX)
 
 
-def shape_config(name: str):
+def shape_config(name: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     if name not in SHAPES:
@@ -95,7 +99,7 @@ def shape_parameters(name: str) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
     """The shape's model (a CausalLM, or a VLM's ``...ForConditionalGeneration``) with random
     weights, built on ``device`` in ``dtype``."""
     from layertap.worker.model.classes import auto_class
@@ -107,7 +111,7 @@ def build_random_model(name: str, device: torch.device, dtype: torch.dtype, seed
     return model.eval()
 
 
-def fill_random(model, placement: dict[str, str], dtype: torch.dtype, seed: int = 0) -> None:
+def fill_random(model: nn.Module, placement: dict[str, str], dtype: torch.dtype, seed: int = 0) -> None:
     """Give a model built with empty weights (``accelerate.init_empty_weights``: parameters on the
     meta device, buffers real) random weights, each made on the device ``placement`` (an accelerate
     device map) names for it: a shape too big for one GPU is never whole on one. Matrices are

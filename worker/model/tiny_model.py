@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 ARCHES = ("qwen3", "llama", "gpt2")
 
@@ -58,7 +62,7 @@ def corpus(lines: int = 3000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 20))) + rng.choice(".?!,") for _ in range(lines)]
 
 
-def build_tokenizer(arch: str, vocab_size: int = 1024):
+def build_tokenizer(arch: str, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``."""
     from tokenizers import (
         Tokenizer,
@@ -92,7 +96,7 @@ def build_tokenizer(arch: str, vocab_size: int = 1024):
     return wrapped
 
 
-def build_config(arch: str, vocab_size: int, num_layers: int, hidden_size: int):
+def build_config(arch: str, vocab_size: int, num_layers: int, hidden_size: int) -> PretrainedConfig:
     from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
     heads = max(2, hidden_size // 16)
