@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from layertap.worker.engine.prefix_cache import BatchNeeds, CachedBatch, PrefixUse
+from layertap.worker.model.layouts.base import to_device
 
 #: ``model_type`` of the families whose rows may be computed over a cached prefix (each in
 #: ``tests/integration/test_prefix_cache.py``'s per-family check against plain transformers).
@@ -65,10 +66,6 @@ def _ranges(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([torch.arange(start, end, dtype=torch.long) for start, end in spans])
 
 
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
-
-
 class PrefixKeys:
     """Keys, values and states of one packed forward's rows over their whole lengths.
 
@@ -93,7 +90,7 @@ class PrefixKeys:
             return
         starts = self.key_bounds[:-1]
         skipped = [0 if use is None else use.length for use in uses]
-        self._computed = _to(_ranges([(start + skip, start + length)
+        self._computed = to_device(_ranges([(start + skip, start + length)
                                       for start, skip, length in zip(starts, skipped, lengths)]), device)
         by_source: dict[int, tuple[CachedBatch, list[tuple[int, int]], list[tuple[int, int]]]] = {}
         for start, use in zip(starts, uses):
@@ -101,7 +98,7 @@ class PrefixKeys:
                 _, theirs, ours = by_source.setdefault(id(use.source), (use.source, [], []))
                 theirs.append((use.start, use.start + use.served))
                 ours.append((start, start + use.served))
-        self._from = [(source, _to(_ranges(theirs), device), _to(_ranges(ours), device))
+        self._from = [(source, to_device(_ranges(theirs), device), to_device(_ranges(ours), device))
                       for source, theirs, ours in by_source.values()]
 
     def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

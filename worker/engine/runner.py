@@ -169,8 +169,8 @@ class BatchRunner:
                                          pad_to=self._pad_to, starts=skipped)
             inputs.keys, bounds = keys, keys.key_bounds
         topk_rows, topk = self._topk_rows(batch, bounds)
-        if topk_rows is not None and self._cuda:
-            topk_rows = topk_rows.pin_memory().to(device, non_blocking=True)
+        if topk_rows is not None:
+            topk_rows = to_device(topk_rows, device)
         output_dtype = batch[0].output_dtype
 
         slot = self._staging.acquire()

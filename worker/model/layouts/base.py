@@ -38,6 +38,7 @@ class BatchLimits(Protocol):
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``; to a GPU through pinned memory, without waiting for the copy."""
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
