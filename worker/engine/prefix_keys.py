@@ -91,7 +91,7 @@ class PrefixKeys:
         starts = self.key_bounds[:-1]
         skipped = [0 if use is None else use.length for use in uses]
         self._computed = to_device(_ranges([(start + skip, start + length)
-                                      for start, skip, length in zip(starts, skipped, lengths)]), device)
+                                            for start, skip, length in zip(starts, skipped, lengths)]), device)
         by_source: dict[int, tuple[CachedBatch, list[tuple[int, int]], list[tuple[int, int]]]] = {}
         for start, use in zip(starts, uses):
             if use is not None:  # ``served`` may cover the computed last token too: the cached one is kept
