@@ -18,6 +18,8 @@ PTH = "layertap-hs-connectors.pth"
 
 
 class BuildWithHook(build_py):
+    """``build_py`` that also writes :data:`PTH` at the install's top level (module doc)."""
+
     def run(self) -> None:
         super().run()
         top = self.get_finalized_command("install").install_lib if self.editable_mode else self.build_lib

@@ -194,6 +194,7 @@ class Worker:
 
 
 def default_node_name() -> str:
+    """``layertap-<pid>@<host>``: the Celery node name when ``worker.node_name`` is unset (one per process)."""
     return f"layertap-{os.getpid()}@{socket.gethostname()}"
 
 

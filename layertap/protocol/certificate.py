@@ -106,6 +106,8 @@ class FileLine(BaseModel):
 
 
 class FileSet(BaseModel):
+    """The run's ok files as a whole: how many, their tokens, and the sha256 of :data:`FILES_NAME`."""
+
     model_config = ConfigDict(extra="forbid")
 
     count: int
@@ -114,6 +116,9 @@ class FileSet(BaseModel):
 
 
 class Certificate(BaseModel):
+    """A run's certificate (:data:`CERTIFICATE_NAME`), sealed by ``certificate_id``: the hash of every other field
+    (:meth:`sealed`, :meth:`check_seal`)."""
+
     model_config = ConfigDict(extra="forbid")
 
     format: Literal["layertap-certificate"] = FORMAT_NAME

@@ -61,6 +61,8 @@ def check_image_source(source: str) -> str:
 
 
 class TextPart(BaseModel):
+    """A text part: ``{"type": "text", "text": ...}``, the same in both forms."""
+
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
@@ -68,6 +70,8 @@ class TextPart(BaseModel):
 
 
 class ImageUrl(BaseModel):
+    """The ``image_url`` object of an OpenAI-style part; ``url`` passes :func:`check_image_source`."""
+
     model_config = ConfigDict(extra="forbid")
 
     url: str
@@ -101,6 +105,8 @@ class _ImageSource(BaseModel):
 
 
 class ImageUrlPart(_ImageSource):
+    """An OpenAI-style image part: ``{"type": "image_url", "image_url": {"url": ...}}``."""
+
     type: Literal["image_url"]
     image_url: ImageUrl
 
@@ -110,6 +116,8 @@ class ImageUrlPart(_ImageSource):
 
 
 class ImagePart(_ImageSource):
+    """A Hugging Face chat-template image part: ``{"type": "image", "image": <data URL or path>}``."""
+
     type: Literal["image"]
     image: str
 
@@ -128,6 +136,7 @@ IMAGE_PART_TYPES = ("image", "image_url")
 
 
 def is_data_url(source: str) -> bool:
+    """Whether ``source`` is an inline base64 image data URL rather than a path."""
     return DATA_URL.match(source) is not None
 
 
@@ -192,6 +201,8 @@ def check_decodes(data: bytes, what: str) -> None:
 
 @dataclass(frozen=True)
 class LoadedImage:
+    """An image's checked bytes and their sha256 (hex): what :func:`load_image` hands the worker's processor."""
+
     data: bytes
     sha256: str
 

@@ -332,6 +332,8 @@ class Job(BaseModel):
 
 
 class Status(str, Enum):
+    """A result's status: ``ok`` (``path`` names its file) or ``error`` (``error_type`` says why)."""
+
     ok = "ok"
     error = "error"
 

@@ -44,6 +44,7 @@ app = typer.Typer(name="layertap", help="A hidden-state factory: queue prompts, 
 
 
 def show_version(value: bool) -> None:
+    """``--version``'s callback: print the version and exit before any command runs."""
     if value:
         print(f"layertap {__version__}")
         raise typer.Exit()
@@ -52,6 +53,8 @@ def show_version(value: bool) -> None:
 @app.callback()
 def root(version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
+    """Before every command: warn on stderr about each ``LAYERTAP_*`` variable and ``layertap.toml`` key that is
+    no setting. Not the app's ``--help`` text: ``Typer(help=...)`` takes precedence."""
     for warning in unknown_settings():
         err_console.print(f"warning: {warning}", markup=False, highlight=False)
 

@@ -74,6 +74,7 @@ def worker_default(field: str) -> str:
 
 
 def parse_layers(text: str | None) -> list[int] | None:
+    """A ``--layers`` value (``2,18,-1``) as layer ids; None when the flag is not given. Raises ``LayerIdError``."""
     from layertap.protocol.layers import parse_layer_list
 
     return None if text is None else parse_layer_list(text)
@@ -88,6 +89,8 @@ def folding_table(*headers: str, title: str) -> Table:
 
 
 def print_file_description(info: dict[str, Any]) -> None:
+    """Print ``info`` (``file_stats.describe_file``) as ``layertap inspect`` shows it: path and size, then tables of
+    tensors, metadata (long values cut to 100 characters) and per-layer statistics."""
     console.print(f"[bold]{info['path']}[/bold]  ({info['bytes']:,} bytes)", soft_wrap=True)
     tensors = folding_table("tensor", "shape", "dtype", title="tensors")
     for name, tensor in info["tensors"].items():

@@ -10,6 +10,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``dlq list|requeue|purge`` to the ``layertap`` app."""
     dlq = typer.Typer(help="Jobs that failed max_attempts times: list, requeue, purge.", no_args_is_help=True)
     app.add_typer(dlq, name="dlq")
 

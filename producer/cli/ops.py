@@ -34,6 +34,7 @@ from layertap.transport.redis_url import redacted_url
 
 
 def format_eta(seconds: float | None) -> str:
+    """``ETA h:mm:ss`` of ``seconds`` (rounded), or ``ETA -:--:--`` when unknown (None)."""
     if seconds is None:
         return "ETA -:--:--"
     seconds = int(round(seconds))
@@ -41,6 +42,8 @@ def format_eta(seconds: float | None) -> str:
 
 
 def render_status(status: FleetStatus, running: dict[str, int], redis_url: str) -> None:
+    """Print ``layertap status``: queues (queued and running per model), workers, how each last ended, dead letters and
+    Redis memory (in bold red when Redis refuses writes)."""
     console.print(f"redis: {redacted_url(redis_url)}", highlight=False)
     queues = folding_table("model", "queued", "running", title="queues")
     for model in sorted({*status.queues, *running}):

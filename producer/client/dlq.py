@@ -16,6 +16,9 @@ from layertap.producer.client.client import Client
 
 @dataclass
 class DeadLetter:
+    """One entry of the dead-letter stream (:func:`list_dead`): the job's data, its attempts and last error, and when
+    (``at``, epoch seconds) and on which ``worker`` it failed the last time."""
+
     entry_id: str
     job: dict[str, Any]
     run: str

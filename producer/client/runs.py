@@ -152,6 +152,8 @@ def waiting_models(client: redis.Redis, run: str, sample: int = 100) -> set[str]
 
 
 def is_cancelled(client: redis.Redis, run: str) -> bool:
+    """``run`` is cancelled (:func:`cancel`), until it is deleted (:func:`delete`); ``Client.submit`` refuses its
+    jobs (a Client checks once per run)."""
     return _ledger(client).is_cancelled(run)
 
 
@@ -206,6 +208,7 @@ def _file_under(root: str | Path | Storage, run: str, job_id: str, path: str) ->
 
 
 def was_trimmed(client: redis.Redis | Ledger, run: str) -> bool:
+    """Some of ``run``'s stream entries were trimmed (:func:`trim`): its trimmed ok jobs are found in the ledger."""
     return _ledger(client).was_trimmed(run)
 
 

@@ -54,6 +54,9 @@ class StreamCounts:
 
 @dataclass
 class RunState:
+    """The run as ``group`` sees it (:meth:`GroupReader.run_state`); a stalled run needs the jobs the group missed
+    queued from the ledger (:meth:`GroupReader.recover`)."""
+
     complete: bool  # sealed (unless not waited for) and every submitted job has a final result
     stalled: bool  # every submitted job is final and the group consumed fewer
 

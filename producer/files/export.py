@@ -53,6 +53,9 @@ HS_FOLDER = "hidden_states"
 
 @dataclass
 class ExportReport:
+    """What :func:`export_speculators` wrote (``layertap export`` prints it): rows and tokens, files linked, copied or
+    dequantized, whether ``token_freq.pt`` was written, and the first row's layers, model and hidden size."""
+
     rows: int = 0
     tokens: int = 0
     linked: int = 0

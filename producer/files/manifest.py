@@ -98,6 +98,7 @@ def collect(results: dict[str, tuple[str, str | None]], *, run: str, roots: Sequ
 
 
 def arrow_schema() -> Any:
+    """The Parquet manifest's schema: :class:`ManifestEntry`'s fields, in order (``COLUMNS``); needs pyarrow."""
     import pyarrow as pa
 
     return pa.schema([

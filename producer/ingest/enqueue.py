@@ -78,6 +78,9 @@ class Planned:
 
 
 class Outcome(str, Enum):
+    """What became of one row (:meth:`Enqueuer.run` yields it with the row): only ``submitted`` and ``replaced``
+    were sent."""
+
     submitted = "submitted"
     already_ok = "already_ok"  # the run has an ok result for this job, of the content asked
     repeated = "repeated"  # this enqueue already sent this job, same content (a repeated row)

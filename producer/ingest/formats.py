@@ -29,6 +29,9 @@ from layertap.protocol.schema import Job
 
 
 class InputFormat(str, Enum):
+    """A dataset's row format (``enqueue --format``); ``auto`` fixes it from a file's first rows
+    (:func:`detect_format`)."""
+
     auto = "auto"
     jobs = "jobs"  # each row is a layertap job: prompt | messages | token_ids, plus job fields
     sharegpt = "sharegpt"  # conversations: [{"from": "human" | "gpt" | "system" ..., "value": ...}]

@@ -66,6 +66,8 @@ class RedisMemory:
 
 @dataclass
 class FleetStatus:
+    """What ``layertap status`` shows (:func:`fleet_status`; ``--json`` prints :meth:`as_json`)."""
+
     queues: dict[str, int]  # model -> messages waiting in its queue
     workers: list[WorkerState]
     dead_letters: int
@@ -118,6 +120,7 @@ def worker_states(client: redis.Redis, now: float | None = None) -> list[WorkerS
 
 
 def redis_memory(client: redis.Redis) -> RedisMemory:
+    """Redis's ``INFO memory``: bytes used, ``maxmemory`` (0: none) and its policy, and whether writes are refused."""
     info = client.info("memory")
     used, limit, policy = int(info["used_memory"]), int(info.get("maxmemory", 0)), str(info.get("maxmemory_policy", ""))
     return RedisMemory(used, limit, policy, refusing_writes=policy == "noeviction" and 0 < limit <= used)

@@ -46,6 +46,7 @@ def holds_reply(sequence: list[int], reply: Reply) -> bool:
 
 
 def call_names(message: dict[str, Any]) -> list[str | None]:
+    """The function name of each of a turn's tool calls, in order (None where a call names none)."""
     return [(call.get("function") or {}).get("name") for call in message.get("tool_calls") or []]
 
 

@@ -39,6 +39,7 @@ class Reply:
 
 
 def retryable_status(status: int) -> bool:
+    """An HTTP status worth trying again: 408, 409, 425, 429 or any 5xx."""
     return status in RETRY_STATUSES or status >= 500
 
 

@@ -38,6 +38,7 @@ class Conversation:
 
 
 def sample_id(base: str, sample: int) -> str:
+    """The row id of sample ``sample``: ``base`` itself for sample 0, else ``<base>-s<sample>``."""
     return base if sample == 0 else f"{base}-s{sample}"
 
 
@@ -63,6 +64,10 @@ def conversations(items: Iterable[Planned | BadRow], samples: int) -> Iterator[C
 
 @dataclass
 class Counts:
+    """What a regeneration did so far (``on_progress`` gets it after each conversation, :meth:`Regenerator.run`
+    returns it): rows written, skipped, failed (each with an error row); of those written, how many were cut or
+    have no token ids."""
+
     written: int = 0
     skipped: int = 0  # already in the output (or repeated in this run)
     failed: int = 0

@@ -32,6 +32,7 @@ from layertap.producer.serve.wire import (
 
 
 def error_response(error: ServeError) -> JSONResponse:
+    """``error`` as vLLM's error body (``ServeError.body``), with its HTTP status."""
     return JSONResponse(error.body(), status_code=error.status)
 
 

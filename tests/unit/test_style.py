@@ -1,7 +1,8 @@
 """The code keeps the style ``pyproject.toml``'s ``[tool.ruff]`` declares: pyflakes' findings (unused
 or undefined names), pycodestyle's errors and warnings (lines of at most 120 characters), imports
-sorted and grouped (standard library, third party, then ``layertap`` and ``tests``), and type hints on
-the package's public functions' arguments and returns (not required in tests, benchmarks, examples)."""
+sorted and grouped (standard library, third party, then ``layertap`` and ``tests``), type hints on the
+package's public functions' arguments and returns, and a docstring on its public functions and classes
+(neither required in tests, benchmarks, examples)."""
 
 from __future__ import annotations
 

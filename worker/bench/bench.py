@@ -55,6 +55,8 @@ COMPARE_PROMPTS = 8
 
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    """Run ``cfg``'s parts on one loaded model and the same prompts (a, p, b, c, the memory check, then d; ``log``
+    gets a line each); returns the report (:func:`format_table` prints it, ``--report`` saves it)."""
     check_shape_fits(cfg.model, resolve_device(cfg.device).type)
     storage = Path(cfg.storage)
     claim_storage(storage)

@@ -15,6 +15,8 @@ PARTS = ("a", "b", "c", "d")  # the default; "p" is asked for by name
 
 @dataclass
 class BenchConfig:
+    """The settings of one ``layertap bench``, one per flag (``quant_compute`` and ``seed`` have none)."""
+
     model: str = "shape:qwen3-8b"
     device: str = "auto"
     dtype: str = "auto"
@@ -41,6 +43,9 @@ class BenchConfig:
 
 @dataclass
 class PartResult:
+    """One part's measurement, as ``parts`` and ``queue_part`` return it; :meth:`fill_rates` adds its rates. The
+    report holds it under ``parts``."""
+
     name: str
     seconds: float
     tokens: int

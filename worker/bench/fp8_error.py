@@ -69,6 +69,7 @@ def measure(model_dir: str, device: str, work: Path) -> tuple[list[dict[str, Any
 
 
 def markdown(results: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]], command: str) -> str:
+    """The Markdown report: command, inputs and caveats, one line per model, then a table row per model and layer."""
     lines = ["# float8 (e4m3, per-row scale) reconstruction error", "", f"Command: `{command}`", "",
              "Inputs: the demo's 16 prompts and chats, every layer id (vLLM convention: 0 = embeddings output, "
              "L = last layer before the final norm) and `final` (after the final norm). Reference: the same "

@@ -19,6 +19,7 @@ T = TypeVar("T")
 
 
 def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (CUDA); nothing to wait for on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -136,4 +137,5 @@ def useful_flops(loaded: LoadedModel, layer_ids: list[int], lengths: list[int]) 
 
 
 def dir_bytes(path: Path) -> int:
+    """Bytes of the ``.safetensors`` files under ``path``, at any depth (0 when it does not exist)."""
     return sum(p.stat().st_size for p in path.rglob("*.safetensors")) if path.exists() else 0

@@ -8,6 +8,8 @@ from typing import Any
 
 
 def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of random token ids below ``vocab``, ``min_len`` to ``max_len`` tokens each (inclusive);
+    the same for the same ``seed``."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 

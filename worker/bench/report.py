@@ -11,6 +11,7 @@ import torch
 
 
 def device_name() -> str:
+    """The report's device: GPU 0's name, else ``CPU <processor> x<logical CPUs>``."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     import platform
@@ -19,6 +20,7 @@ def device_name() -> str:
 
 
 def software_versions() -> dict[str, str]:
+    """The report's library versions: Python, torch, transformers, safetensors, celery and CUDA (``none`` without)."""
     import celery
     import safetensors
     import transformers

@@ -73,6 +73,8 @@ def selection_span(config: Any) -> tuple[int, list[str]]:
 
 @dataclass(frozen=True)
 class ProbePlan:
+    """The self-check's probes for one model (:func:`plan_probes`): their lengths and the span they were sized on."""
+
     lengths: tuple[int, ...]  # in batch order: long and short interleaved
     span: int  # the largest span the config names (0: none)
     span_fields: tuple[str, ...]

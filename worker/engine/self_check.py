@@ -51,6 +51,9 @@ HALF_TOLERANCE = 0.1
 
 @dataclass(frozen=True)
 class CheckReport:
+    """A batched-against-alone comparison (:func:`compare_states`): the worst layer, its relative error, and the
+    dtype's tolerance it must not exceed (NaN fails)."""
+
     worst_relative_error: float
     worst_layer: int
     tolerance: float

@@ -31,6 +31,9 @@ NOT_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "labels"})
 
 @dataclass
 class ImageChat:
+    """A chat with images as the model takes it (:func:`render_image_chat`): placeholders expanded into image tokens,
+    the loss mask (0 on images), and the processor's extra inputs."""
+
     token_ids: list[int]
     loss_mask: list[int]
     image_token_mask: list[int]  # 1 at the image positions

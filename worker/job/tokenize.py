@@ -68,6 +68,9 @@ def context_length(config: Any) -> int | None:
 
 @dataclass
 class PreparedInput:
+    """One job ready for the engine (:meth:`Preparer.prepare`): token ids, loss mask and resolved layers, with the
+    truncation made to run it and, for a chat with images, the processor's extra inputs."""
+
     token_ids: list[int]
     loss_mask: list[int] | None
     layer_ids: list[int]  # resolved, in the job's order

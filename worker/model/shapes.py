@@ -78,10 +78,13 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def is_shape(source: str) -> bool:
+    """``source`` names a random-weight shape (``shape:<name>``), not a checkpoint."""
     return source.startswith(SHAPE_PREFIX)
 
 
 def shape_config(name: str) -> PretrainedConfig:
+    """The transformers config of shape ``name`` (:data:`SHAPES`, without ``shape:``); ``ValueError`` for an
+    unknown one."""
     from transformers import AutoConfig
 
     if name not in SHAPES:

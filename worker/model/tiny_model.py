@@ -97,6 +97,8 @@ def build_tokenizer(arch: str, vocab_size: int = 1024) -> PreTrainedTokenizerFas
 
 
 def build_config(arch: str, vocab_size: int, num_layers: int, hidden_size: int) -> PretrainedConfig:
+    """A tiny ``arch`` config: ``hidden_size // 16`` heads (at least 2; half as many KV heads for qwen3 and llama) and
+    an MLP twice as wide; ``ValueError`` for an unknown ``arch``."""
     from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
     heads = max(2, hidden_size // 16)

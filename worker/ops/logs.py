@@ -62,6 +62,8 @@ class HandBackFilter(logging.Filter):
 
 
 def make_formatter(log_format: LogFormat) -> logging.Formatter:
+    """A formatter for ``log_format``: :data:`TEXT_FORMAT` lines, or JSON objects of :data:`JSON_FIELDS` with ``time``,
+    ``level`` and ``logger`` (Celery's ``data`` left out)."""
     if log_format is LogFormat.json:
         # Celery's ``data`` (the task's args and return value) is left out: the message says it.
         return JsonFormatter(JSON_FIELDS, style="{", reserved_attrs=[*RESERVED_ATTRS, "job", "data"],

@@ -110,6 +110,7 @@ def visible_gpus(spec: str) -> list[str]:
 
 
 def group(gpus: list[str], per_worker: int) -> list[list[str]]:
+    """``gpus`` in consecutive groups of ``per_worker``, one per worker; ``ValueError`` unless they divide evenly."""
     if per_worker < 1 or len(gpus) % per_worker:
         raise ValueError(f"{len(gpus)} GPUs cannot be split into groups of {per_worker}")
     return [gpus[i:i + per_worker] for i in range(0, len(gpus), per_worker)]
@@ -125,6 +126,8 @@ def die_with_parent(parent_pid: int) -> None:
 
 @dataclass
 class Child:
+    """One supervised worker process: its GPUs, command and environment, and its restart bookkeeping."""
+
     gpus: list[str]
     argv: list[str]
     env: dict[str, str]

@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class Periodic:
+    """Calls ``action`` every ``interval`` seconds on a daemon thread (the first call one interval after
+    :meth:`start`) until :meth:`stop`."""
+
     def __init__(self, name: str, interval: float, action: Callable[[], object]):
         self.name = name
         self.interval = interval

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class RetentionSweep:
+    """Trims every run's results stream to the last ``retention_s`` seconds every ``interval``, one worker of the
+    fleet at a time; :meth:`start` starts nothing when ``retention_s`` is 0."""
+
     def __init__(self, client: redis.Redis, node: str, retention_s: float, interval: float):
         self.redis = client
         self.ledger = Ledger(client, give_up_s=0)  # one attempt: the next sweep tries again

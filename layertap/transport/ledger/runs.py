@@ -50,6 +50,7 @@ def counts(client: redis.Redis, run: str) -> tuple[int, int, float | None]:
 
 
 def is_cancelled(client: redis.Redis, run: str) -> bool:
+    """``run`` was cancelled (``attempts.cancel``): its jobs not yet in an engine end ``cancelled``."""
     return bool(client.exists(keys.run_cancelled_key(run)))
 
 
@@ -121,6 +122,7 @@ def cancelled_jobs(client: redis.Redis, run: str) -> set[str]:
 
 
 def was_trimmed(client: redis.Redis, run: str) -> bool:
+    """:func:`trim` dropped some of ``run``'s results-stream entries (its trim marker is set)."""
     return bool(client.exists(keys.run_trimmed_key(run)))
 
 

@@ -45,11 +45,15 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def bounds_of(token_ids: Sequence[torch.Tensor]) -> list[int]:
+    """``[0, n0, n0 + n1, ...]``: where each job's tokens start in the concatenated capture; the last is the total."""
     return [0, *itertools.accumulate(int(ids.shape[0]) for ids in token_ids)]
 
 
 @dataclass
 class BatchInputs:
+    """One batch's tensors (:meth:`BatchLayout.build_inputs`) and where each job's real tokens are; :meth:`run` runs
+    its forward."""
+
     layout: BatchLayout
     input_ids: torch.Tensor  # [1, total] packed, or [B, T]
     position_ids: torch.Tensor | None  # [1, total] restarting per job, or None (the model numbers them)

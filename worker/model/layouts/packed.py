@@ -60,6 +60,8 @@ def attention_features(model: nn.Module) -> list[str]:
 
 
 class Packed(BatchLayout):
+    """The packed layout (module doc): every job in one row; first fit, in arrival order, within ``token_budget``."""
+
     name = "packed"
     attention = ATTENTION_NAME
 

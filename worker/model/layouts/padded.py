@@ -36,6 +36,7 @@ def key_selection(model: nn.Module) -> str | None:
 
 
 def padded_length(longest: int, pad_to: int) -> int:
+    """``longest`` rounded up to a multiple of ``pad_to``."""
     return -(-longest // pad_to) * pad_to
 
 
@@ -53,6 +54,9 @@ def right_padded(layout: BatchLayout, token_ids: Sequence[torch.Tensor], device:
 
 
 class Padded(BatchLayout):
+    """The padded layout (module doc): ``[B, T]`` right-padded; the jobs nearest the head's length join while the
+    batch fits ``token_budget`` and ``max_padding``."""
+
     name = "padded"
 
     @classmethod

@@ -17,6 +17,8 @@ from layertap.worker.model.layouts.padded import right_padded
 
 
 class OnePerBatch(BatchLayout):
+    """The one-prompt-per-batch layout (``single``): admits any model; the self-check's last fallback."""
+
     name = "single"
     slow = True
 

@@ -36,6 +36,8 @@ BLOCKWISE_ALIGN = 4
 
 
 class ComputePath(str, enum.Enum):
+    """How a :class:`QuantLinear` multiplies (module doc); the ``quant_compute`` setting names one, or ``auto``."""
+
     dequant = "dequant"
     fp8 = "fp8"
 
@@ -169,6 +171,9 @@ class QuantLinear(nn.Module):
 
 @dataclass(frozen=True)
 class ComputeChoice:
+    """The path :func:`choose_compute` took and why; the loader logs :meth:`describe` and records the path
+    (``quant_compute``)."""
+
     path: ComputePath
     reason: str
 

@@ -48,6 +48,7 @@ def checkpoint_shards(folder: Path) -> list[Path]:
 
 
 def checkpoint_keys(shards: list[Path]) -> set[str]:
+    """Every tensor name in ``shards``, from their headers (no tensor is read)."""
     keys: set[str] = set()
     for shard in shards:
         with safe_open(str(shard), framework="pt") as handle:

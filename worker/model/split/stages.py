@@ -47,6 +47,8 @@ USABLE_MEMORY = 0.85
 
 @dataclass
 class Stage:
+    """One stage of a split: its plan (layers ``start:stop``) and its device."""
+
     plan: StagePlan
     device: torch.device
 
