@@ -36,7 +36,7 @@ UNUSED_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale", 
 
 
 def checkpoint_shards(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint folder, in the order its index lists them."""
+    """The safetensors files of a checkpoint folder: each file its index names, once, sorted by name."""
     index = folder / INDEX_FILE
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
