@@ -242,7 +242,8 @@ def main() -> None:
     started = time.monotonic()
     model_dir = write_model(args.shape, args.folder / args.shape, device)
     print(f"checkpoint ready in {time.monotonic() - started:.0f}s: {model_dir}", flush=True)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=str(device)).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=str(device),
+                                                       use_kernels=False).eval()  # no hub kernels (transformers 5.25)
     processor, problem = load_processor(model, str(model_dir), None, False)
     assert processor is not None, problem
     num_layers = len(language_layers(model))
@@ -265,7 +266,7 @@ def main() -> None:
     exact = []
     if compared:
         exact_model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
-                                                                  device_map=str(device)).eval()
+                                                                  device_map=str(device), use_kernels=False).eval()
         exact = [alone_states(exact_model, plain_inputs(processor, [chat], images), layer_ids) for chat in compared]
         del exact_model
         torch.cuda.empty_cache() if device.type == "cuda" else None

@@ -3,7 +3,7 @@
 Layer id ``i < L``: ``output_hidden_states[i]``; id ``L``: the last decoder layer's output
 caught by a forward hook (HF's own ``hidden_states[L]`` is after the final norm). Models
 load with the attention implementation transformers picks for them (SDPA where the model
-has it, else its own), one prompt per forward.
+has it, else its own) and never the ``kernels`` library's hub layers, one prompt per forward.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 @lru_cache(maxsize=8)
 def load(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """The plain model (on ``device``, in ``dtype``) and its tokenizer (None for a weights-only folder)."""
-    placement = {} if device == "cpu" else {"device_map": device}
+    # the model's own torch code: transformers 5.25 would swap in hub kernels on CUDA (use_kernels)
+    placement = {"use_kernels": False} if device == "cpu" else {"device_map": device, "use_kernels": False}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement).eval()
     except ValueError as exc:  # a part with no SDPA (Gemma 4's audio tower): transformers' eager attention

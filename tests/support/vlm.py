@@ -188,11 +188,11 @@ def load_reference(model_dir: str):
     from transformers import AutoModelForImageTextToText
 
     try:
-        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, use_kernels=False).eval()
     except ValueError as exc:  # a part with no SDPA: transformers' eager attention, as the worker loads it
         if "does not support an attention implementation" not in str(exc):
             raise
-        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, use_kernels=False,
                                                            attn_implementation="eager").eval()
 
 

@@ -266,8 +266,11 @@ def load_model(source: str, *, name: str | None = None, device: str = "auto", dt
     else:
         # device_map streams each tensor from the checkpoint to the device (no host copy of the model);
         # a split (--gpus-per-worker, --split-stages) places each stage's layers on its device.
+        # use_kernels=False: transformers 5.25 swaps a CUDA model's norms, activations and RoPE for the
+        # `kernels` library's by default, fetched from the hub at load (fails offline; code from the hub
+        # would compute the files). The model runs its own code.
         options = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-                       device_map=placement, output_loading_info=True)
+                       device_map=placement, output_loading_info=True, use_kernels=False)
         try:
             try:
                 model, loading_info = auto_class(config).from_pretrained(source, **options)
