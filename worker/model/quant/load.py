@@ -11,10 +11,8 @@ tensor the model has no place for, is an error that names it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,24 +52,6 @@ def checkpoint_keys(shards: list[Path]) -> set[str]:
         with safe_open(str(shard), framework="pt") as handle:
             keys.update(handle.keys())
     return keys
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Within the block, every parameter a module registers lives on ``meta`` (no memory,
-    initialisation skipped); buffers are made as usual."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
-
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def quantized_linears(model: nn.Module, keys: set[str], scheme: QuantScheme) -> list[QuantLinear]:
@@ -146,7 +126,9 @@ def load_quantized(folder: Path, config: Any, scheme: QuantScheme, device: torch
     keys = checkpoint_keys(shards)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    with parameters_on_meta():
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():  # parameters on meta (no memory, no initialisation); buffers real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts: dict[str, Fp8Experts] = {}
     mxfp4_experts = 0
