@@ -135,7 +135,8 @@ def register(app: typer.Typer) -> None:
         redis_url: Optional[str] = typer.Option(None, help="Redis URL."),
     ) -> None:
         """Show a run's progress (done / failed / total, tokens/s, ETA) until every job has a result; then
-        the run's overall rate (tokens of its ok results over the time from the first start to the last finish).
+        the run's overall rate (tokens of its ok results over the time from the first start to the last finish;
+        once retention trimmed the results stream, over the results it kept, and said so).
         A run with no jobs and no results is an error (exit 1), as for `results`."""
         if plot is not None:
             require("watch --plot", ("matplotlib",))
@@ -157,10 +158,12 @@ def register(app: typer.Typer) -> None:
                     current = tracker.poll()
                     bar.update(task, **describe_progress(current))
                 overall = overall_tokens_per_s(result for _, result in stream_results(client.redis, run))
-                bar.update(task, rate=f"{overall:,.0f} tokens/s overall")
+                # the ledger keeps no tokens or times of the results retention trimmed from the stream
+                scope = "over the results retention kept" if runs.was_trimmed(client.redis, run) else "overall"
+                bar.update(task, rate=f"{overall:,.0f} tokens/s {scope}")
             cancelled = f", {current.cancelled} cancelled" if current.cancelled else ""
             console.print(f"run {run} complete: {current.done} ok, {current.failed} failed{cancelled}, "
-                          f"{current.total} jobs, {overall:,.0f} tokens/s overall", highlight=False)
+                          f"{current.total} jobs, {overall:,.0f} tokens/s {scope}", highlight=False)
             if plot is not None:
                 from layertap.producer.files.plots import plot_throughput
 

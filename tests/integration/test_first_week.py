@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -89,6 +90,11 @@ def test_results_lists_the_jobs_trimmed_from_the_stream(workers, redis_server, c
     as_json = [json.loads(line) for line in layertap(redis_server.url, "results", "--run", run_name,
                                                      "--json").stdout.splitlines()]
     assert {(row["job_id"], row["status"]) for row in as_json} == {(job_id, "ok") for job_id in early + [late]}
+    watched = layertap(redis_server.url, "watch", "--run", run_name)  # the rate of the one result the stream kept
+    assert watched.returncode == 0, watched.stderr
+    printed = " ".join(watched.stdout.split())  # rich wraps at the terminal's width
+    assert re.search(rf"run {run_name} complete: 3 ok, 0 failed, 3 jobs, [\d,]+ tokens/s over the results "
+                     "retention kept", printed), printed
 
 
 @pytest.fixture
