@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from layertap.protocol.layers import eagle3_layer_ids
 from layertap.settings import Limits
 from layertap.worker.bench.prompts import random_prompts
 from layertap.worker.extractor import build_processor
@@ -25,7 +26,7 @@ from layertap.worker.model.loading import load_model
 def main(shape: str = "shape:qwen3-8b", headroom_gb: float = 6.0) -> dict:
     """Load ``shape`` in bfloat16 on CUDA, cap the process at its weights plus ``headroom_gb``, and return the report:
     48 prompts of 2,048 tokens under a 131,072-token budget, one 131,072-token prompt alone, then one job more.
-    Captures layers 2, 18, 33 and 36: the shape needs 36 layers or more."""
+    Captures EAGLE-3's layers of the shape (2, 18, 33 and 36 for an 8B)."""
     loaded = load_model(shape, name="oom-check", device="cuda", dtype="bfloat16")
     device = loaded.device
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -34,8 +35,8 @@ def main(shape: str = "shape:qwen3-8b", headroom_gb: float = 6.0) -> dict:
     fraction = (weights + headroom_gb * 1e9) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     out = Path("/dev/shm/layertap-oom")
-    processor = build_processor(loaded, storage_root=out, worker_name="oom-check", layers=[2, 18, 33, 36],
-                                limits=Limits(), token_budget=131072)
+    processor = build_processor(loaded, storage_root=out, worker_name="oom-check",
+                                layers=eagle3_layer_ids(loaded.num_layers), limits=Limits(), token_budget=131072)
     report: dict = {"weights_gb": weights / 1e9, "cap_gb": fraction * total / 1e9, "token_budget": 131072}
     try:
         prompts = random_prompts(48, 2048, 2048, loaded.vocab_size, 7)
@@ -60,4 +61,5 @@ def main(shape: str = "shape:qwen3-8b", headroom_gb: float = 6.0) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*sys.argv[1:2]), indent=2))
+    # python -m layertap.worker.bench.oom_check [SHAPE [HEADROOM_GB]]
+    print(json.dumps(main(*sys.argv[1:2], *map(float, sys.argv[2:3])), indent=2))
