@@ -46,7 +46,7 @@ def format_table(report: dict[str, Any]) -> str:
         mfu = "-" if part["mfu"] is None else f"{part['mfu']:.1%}"
         lines.append(f"| {part['name']} | {part['tokens_per_s']:,.0f} | {part['gb_per_s']:.2f} | {mfu} | "
                      f"{idle} | {part['seconds']:.2f} | {part['errors']} |")
-    for key, part in report["parts"].items():
+    for part in report["parts"].values():
         if "jobs_per_s" in part["notes"]:
             lines.append(f"{part['name']}: {part['notes']['jobs_per_s']} jobs/s over the whole part, "
                          f"{part['notes'].get('jobs_per_s_first_to_last_result')} jobs/s first to last result")

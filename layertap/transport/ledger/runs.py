@@ -22,6 +22,7 @@ from layertap.protocol.schema import Status
 from layertap.transport.ledger.results import entry_result
 from layertap.transport.ledger.script import run_lua
 
+#: Results-stream entries one trim script drops at a time (each page one ``trim_page.lua`` call).
 TRIM_PAGE = 1000
 #: Hash fields read per round trip.
 PAGE = 1000
