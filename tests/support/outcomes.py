@@ -8,7 +8,6 @@ teardown that fails gets its own line (``when``)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -23,7 +22,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("outcomes")
-    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller sees every worker's reports
+    if path and not hasattr(config, "workerinput"):  # not an xdist worker: the controller sees every report
         config.pluginmanager.register(OutcomeWriter(path), "layertap-outcomes")
 
 
