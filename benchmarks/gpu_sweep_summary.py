@@ -53,8 +53,7 @@ def type_figures(line: dict) -> dict:
                "compiled": properties.get("compiled"), "cudnn_calls": properties.get("cudnn_calls"),
                "shared_tokens": properties.get("shared_tokens"), "cached_tokens": properties.get("cached_tokens")}
     errors = properties.get("errors") or []
-    pairs = [(ours, theirs) for _, ours_layers, theirs_layers in errors for ours, theirs in zip(ours_layers,
-                                                                                                 theirs_layers)]
+    pairs = [pair for _, ours, theirs in errors for pair in zip(ours, theirs)]  # (file's, plain bf16's) per layer
     if pairs:
         figures["worst_error"] = max(ours for ours, _ in pairs)
         figures["plain_bf16_worst_error"] = max(theirs for _, theirs in pairs)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 def load(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """The plain model (on ``device``, in ``dtype``) and its tokenizer (None for a weights-only folder)."""
     # the model's own torch code: transformers 5.25 would swap in hub kernels on CUDA (use_kernels)
-    placement = {"use_kernels": False} if device == "cpu" else {"device_map": device, "use_kernels": False}
+    placement = {"use_kernels": False, **({} if device == "cpu" else {"device_map": device})}
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **placement).eval()
     except ValueError as exc:  # a part with no SDPA (Gemma 4's audio tower): transformers' eager attention
